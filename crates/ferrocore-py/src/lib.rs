@@ -1,0 +1,77 @@
+//! The Python extension module `ferrocore._ferrocore`: JSON in, JSON out. The only crate that
+//! knows about Python. No panic crosses into Python: every entry point catches unwinding and
+//! raises `FerrocoreError` with the message.
+
+use ferrocore::driver::{compile_graph as drive, Options};
+use ferrocore::runtime;
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use serde_json::{json, Map, Value};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+create_exception!(_ferrocore, FerrocoreError, PyException);
+
+fn guarded<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(msg)) => Err(FerrocoreError::new_err(msg)),
+        Err(payload) => {
+            let msg = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(FerrocoreError::new_err(format!("internal error in {what} (a ferrocore bug): {msg}")))
+        }
+    }
+}
+
+fn parse_options(options_json: &str) -> Result<Options, String> {
+    if options_json.trim().is_empty() {
+        return Ok(Options::default());
+    }
+    serde_json::from_str(options_json).map_err(|e| format!("invalid options: {e}"))
+}
+
+/// Compiles an exchange-format graph; returns the CompileResult as JSON.
+#[pyfunction]
+fn compile_graph(graph_json: &str, options_json: &str) -> PyResult<String> {
+    guarded("compile_graph", || {
+        let options = parse_options(options_json)?;
+        let r = drive(graph_json, &options).map_err(|e| e.to_string())?;
+        let mut timings = Map::new();
+        for (k, v) in &r.timings_ms {
+            timings.insert(k.clone(), json!(v));
+        }
+        let out = json!({
+            "module_path": r.module_path,
+            "module_source": r.module_source,
+            "kernels": r.kernels,
+            "externs": r.externs,
+            "fallbacks": r.fallbacks,
+            "timings_ms": Value::Object(timings),
+            "cpp_cache_hit": r.cpp_cache_hit,
+            "logs": r.logs,
+        });
+        Ok(out.to_string())
+    })
+}
+
+/// Compiles (or finds in the cache) a C++ translation unit; returns the library path.
+#[pyfunction]
+fn compile_cpp(source: &str, options_json: &str) -> PyResult<String> {
+    guarded("compile_cpp", || {
+        let options = parse_options(options_json)?;
+        let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx).map_err(|e| e.to_string())?;
+        Ok(lib.path.to_string_lossy().into_owned())
+    })
+}
+
+#[pymodule]
+fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("FerrocoreError", m.py().get_type::<FerrocoreError>())?;
+    m.add_function(wrap_pyfunction!(compile_graph, m)?)?;
+    m.add_function(wrap_pyfunction!(compile_cpp, m)?)?;
+    Ok(())
+}

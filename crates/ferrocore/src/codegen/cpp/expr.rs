@@ -1,0 +1,312 @@
+//! C++ rendering of loop-body expressions through the ops-handler interface. Values that depend
+//! on a reduction result are emitted after the loop ("post"), everything else inside it.
+
+use crate::graph::DType;
+use crate::loop_ir::*;
+use crate::symbolic::{IndexExpr, Printer, Var};
+use std::collections::HashMap;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Section {
+    Inner,
+    Post,
+}
+
+/// The C++ type a value of `dt` is computed in.
+pub fn c_type(dt: DType) -> &'static str {
+    match dt {
+        DType::Bool => "bool",
+        DType::U8 => "uint8_t",
+        DType::I8 => "int8_t",
+        DType::I16 => "int16_t",
+        DType::I32 => "int32_t",
+        DType::I64 => "int64_t",
+        DType::F16 | DType::BF16 | DType::F32 => "float",
+        DType::F64 => "double",
+        // never reaches codegen: lowering falls back first
+        DType::C64 | DType::C128 | DType::Float8 => "void",
+    }
+}
+
+/// The C++ type a buffer of `dt` is stored as.
+pub fn storage_type(dt: DType) -> &'static str {
+    match dt {
+        DType::F16 | DType::BF16 => "uint16_t",
+        d => c_type(d),
+    }
+}
+
+pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
+    if from == to {
+        return v.to_string();
+    }
+    match to {
+        DType::Bool => format!("({v} != 0)"),
+        DType::F16 => format!("ferro_round_half(static_cast<float>({v}))"),
+        DType::BF16 => format!("ferro_round_bf16(static_cast<float>({v}))"),
+        DType::F32 if matches!(from, DType::F16 | DType::BF16) => v.to_string(),
+        _ => format!("static_cast<{}>({v})", c_type(to)),
+    }
+}
+
+pub fn store_conv(v: &str, dt: DType) -> String {
+    match dt {
+        DType::F16 => format!("ferro_f2h({v})"),
+        DType::BF16 => format!("ferro_f2bf({v})"),
+        _ => v.to_string(),
+    }
+}
+
+fn float_lit(f: f64, dt: DType) -> String {
+    let ty = c_type(dt);
+    if f.is_nan() {
+        return format!("std::numeric_limits<{ty}>::quiet_NaN()");
+    }
+    if f.is_infinite() {
+        let s = if f > 0.0 { "" } else { "-" };
+        return format!("{s}std::numeric_limits<{ty}>::infinity()");
+    }
+    let mut s = format!("{f:e}");
+    if ty == "float" {
+        s = format!("static_cast<float>({s})");
+    }
+    s
+}
+
+pub fn reduce_init(op: ReduceOp, dt: DType) -> String {
+    let ty = c_type(dt);
+    match op {
+        ReduceOp::Sum => format!("static_cast<{ty}>(0)"),
+        ReduceOp::Prod => format!("static_cast<{ty}>(1)"),
+        ReduceOp::Any => "false".into(),
+        ReduceOp::Max if dt.is_float() => format!("-std::numeric_limits<{ty}>::infinity()"),
+        ReduceOp::Min if dt.is_float() => format!("std::numeric_limits<{ty}>::infinity()"),
+        ReduceOp::Max => format!("std::numeric_limits<{ty}>::lowest()"),
+        ReduceOp::Min => format!("std::numeric_limits<{ty}>::max()"),
+    }
+}
+
+pub fn combine(op: ReduceOp, dt: DType, acc: &str, v: &str) -> String {
+    match op {
+        ReduceOp::Sum => format!("{acc} + {v}"),
+        ReduceOp::Prod => format!("{acc} * {v}"),
+        ReduceOp::Any => format!("{acc} || {v}"),
+        ReduceOp::Max if dt.is_float() => format!("ferro_max({acc}, {v})"),
+        ReduceOp::Min if dt.is_float() => format!("ferro_min({acc}, {v})"),
+        ReduceOp::Max => format!("std::max({acc}, {v})"),
+        ReduceOp::Min => format!("std::min({acc}, {v})"),
+    }
+}
+
+pub struct BodyEmitter<'a> {
+    program: &'a LoopProgram,
+    ptr: &'a HashMap<BufferId, String>,
+    replace: &'a HashMap<BufferId, String>,
+    ranges: &'a [i64],
+    tmp: &'a mut usize,
+    /// Accumulate into thread-local copies (`<acc>_local`) of the accumulators.
+    split: bool,
+    sections: Vec<Section>,
+    post_names: Vec<String>,
+    pub pre: String,
+    pub inner: String,
+    pub post: String,
+    pub accs: Vec<(String, ReduceOp, DType)>,
+}
+
+impl<'a> BodyEmitter<'a> {
+    pub fn new(
+        program: &'a LoopProgram,
+        _body: &LoopBody,
+        ptr: &'a HashMap<BufferId, String>,
+        replace: &'a HashMap<BufferId, String>,
+        ranges: &'a [i64],
+        tmp: &'a mut usize,
+        split: bool,
+    ) -> Self {
+        BodyEmitter {
+            program,
+            ptr,
+            replace,
+            ranges,
+            tmp,
+            split,
+            sections: Vec::new(),
+            post_names: Vec::new(),
+            pre: String::new(),
+            inner: String::new(),
+            post: String::new(),
+            accs: Vec::new(),
+        }
+    }
+
+    pub fn section_of(&self, v: ValueId) -> Section {
+        self.sections[v.0 as usize]
+    }
+
+    pub fn index(&self, e: &IndexExpr) -> String {
+        let names = |v: Var| format!("x{}", v.0);
+        Printer { var_name: &names, ranges: self.ranges }.c_expr(e)
+    }
+
+    fn fresh(&mut self) -> String {
+        let n = format!("tmp{}", *self.tmp);
+        *self.tmp += 1;
+        n
+    }
+
+    /// Emits `T tmpN = expr;` in the section given by the operands and returns `tmpN`.
+    fn emit(&mut self, dt: DType, expr: String, operands: &[&String]) -> String {
+        let post = operands.iter().any(|o| self.is_post(o));
+        let name = self.fresh();
+        let line = format!("{} {name} = {expr};\n", c_type(dt));
+        if post {
+            self.post.push_str(&line);
+            self.sections.push(Section::Post);
+            self.post_names.push(name.clone());
+        } else {
+            self.inner.push_str(&line);
+            self.sections.push(Section::Inner);
+        }
+        name
+    }
+
+    fn is_post(&self, name: &str) -> bool {
+        self.post_names.iter().any(|n| n == name)
+    }
+}
+
+impl OpsHandler for BodyEmitter<'_> {
+    type V = String;
+
+    fn load(&mut self, buf: BufferId, index: &IndexExpr, dtype: DType) -> String {
+        if let Some(name) = self.replace.get(&buf) {
+            self.sections.push(Section::Inner);
+            return name.clone();
+        }
+        let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
+        let raw = format!("{p}[{}]", self.index(index));
+        let e = match dtype {
+            DType::F16 => format!("ferro_h2f({raw})"),
+            DType::BF16 => format!("ferro_bf2f({raw})"),
+            _ => raw,
+        };
+        self.emit(dtype, e, &[])
+    }
+
+    fn constant(&mut self, value: Scalar, dtype: DType) -> String {
+        let e = match value {
+            Scalar::Bool(b) => b.to_string(),
+            Scalar::Int(i) => format!("static_cast<{}>({i}LL)", c_type(dtype)),
+            Scalar::Float(f) => float_lit(f, dtype),
+        };
+        self.emit(dtype, e, &[])
+    }
+
+    fn index_expr(&mut self, e: &IndexExpr, dtype: DType) -> String {
+        let ix = self.index(e);
+        self.emit(dtype, format!("static_cast<{}>({ix})", c_type(dtype)), &[])
+    }
+
+    fn unary(&mut self, op: UnaryOp, x: &String, xd: DType, dtype: DType) -> String {
+        let fl = xd.is_float();
+        let ty = c_type(dtype);
+        let e = match op {
+            UnaryOp::Abs => if fl { format!("std::abs({x})") } else if xd == DType::Bool { x.clone() } else { format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})") },
+            UnaryOp::Neg => format!("static_cast<{ty}>(-{x})"),
+            UnaryOp::Exp => format!("std::exp({x})"),
+            UnaryOp::Exp2 => format!("std::exp2({x})"),
+            UnaryOp::Expm1 => format!("std::expm1({x})"),
+            UnaryOp::Log => format!("std::log({x})"),
+            UnaryOp::Log2 => format!("std::log2({x})"),
+            UnaryOp::Log10 => format!("std::log10({x})"),
+            UnaryOp::Log1p => format!("std::log1p({x})"),
+            UnaryOp::Sqrt => format!("std::sqrt({x})"),
+            UnaryOp::Rsqrt => format!("static_cast<{ty}>(1) / std::sqrt({x})"),
+            UnaryOp::Sin => format!("std::sin({x})"),
+            UnaryOp::Cos => format!("std::cos({x})"),
+            UnaryOp::Tan => format!("std::tan({x})"),
+            UnaryOp::Asin => format!("std::asin({x})"),
+            UnaryOp::Acos => format!("std::acos({x})"),
+            UnaryOp::Atan => format!("std::atan({x})"),
+            UnaryOp::Sinh => format!("std::sinh({x})"),
+            UnaryOp::Cosh => format!("std::cosh({x})"),
+            UnaryOp::Tanh => format!("std::tanh({x})"),
+            UnaryOp::Asinh => format!("std::asinh({x})"),
+            UnaryOp::Acosh => format!("std::acosh({x})"),
+            UnaryOp::Atanh => format!("std::atanh({x})"),
+            UnaryOp::Sigmoid => format!("static_cast<{ty}>(1) / (static_cast<{ty}>(1) + std::exp(-{x}))"),
+            UnaryOp::Relu => format!("({x} < 0 ? static_cast<{ty}>(0) : {x})"),
+            UnaryOp::Erf => format!("std::erf({x})"),
+            UnaryOp::Erfc => format!("std::erfc({x})"),
+            UnaryOp::Floor => if fl { format!("std::floor({x})") } else { x.clone() },
+            UnaryOp::Ceil => if fl { format!("std::ceil({x})") } else { x.clone() },
+            UnaryOp::Round => if fl { format!("std::nearbyint({x})") } else { x.clone() },
+            UnaryOp::Trunc => if fl { format!("std::trunc({x})") } else { x.clone() },
+            UnaryOp::Sign => if xd == DType::Bool { x.clone() } else { format!("ferro_sign({x})") },
+            UnaryOp::Reciprocal => format!("static_cast<{ty}>(1) / {x}"),
+            UnaryOp::BitwiseNot => if xd == DType::Bool { format!("!{x}") } else { format!("static_cast<{ty}>(~{x})") },
+            UnaryOp::LogicalNot => format!("!{x}"),
+            UnaryOp::IsNan => if fl { format!("std::isnan({x})") } else { "false".into() },
+            UnaryOp::IsInf => if fl { format!("std::isinf({x})") } else { "false".into() },
+        };
+        self.emit(dtype, e, &[x])
+    }
+
+    fn binary(&mut self, op: BinaryOp, a: &String, b: &String, od: DType, dtype: DType) -> String {
+        let fl = od.is_float();
+        let ty = c_type(dtype);
+        let e = match op {
+            BinaryOp::Add => format!("{a} + {b}"),
+            BinaryOp::Sub => format!("{a} - {b}"),
+            BinaryOp::Mul => if od == DType::Bool { format!("{a} && {b}") } else { format!("{a} * {b}") },
+            BinaryOp::TrueDiv => format!("{a} / {b}"),
+            BinaryOp::FloorDiv => if fl { format!("std::floor({a} / {b})") } else { format!("ferro_floordiv({a}, {b})") },
+            BinaryOp::TruncDiv => if fl { format!("std::trunc({a} / {b})") } else { format!("{a} / {b}") },
+            BinaryOp::Remainder => if fl { format!("ferro_remainder({a}, {b})") } else { format!("ferro_mod({a}, {b})") },
+            BinaryOp::Fmod => if fl { format!("std::fmod({a}, {b})") } else { format!("{a} % {b}") },
+            BinaryOp::Pow => if fl { format!("std::pow({a}, {b})") } else { format!("ferro_ipow<{ty}>({a}, {b})") },
+            BinaryOp::Maximum => if fl { format!("ferro_max({a}, {b})") } else { format!("std::max({a}, {b})") },
+            BinaryOp::Minimum => if fl { format!("ferro_min({a}, {b})") } else { format!("std::min({a}, {b})") },
+            BinaryOp::Atan2 => format!("std::atan2({a}, {b})"),
+            BinaryOp::Eq => format!("{a} == {b}"),
+            BinaryOp::Ne => format!("{a} != {b}"),
+            BinaryOp::Lt => format!("{a} < {b}"),
+            BinaryOp::Le => format!("{a} <= {b}"),
+            BinaryOp::Gt => format!("{a} > {b}"),
+            BinaryOp::Ge => format!("{a} >= {b}"),
+            BinaryOp::LogicalAnd => format!("static_cast<bool>({a}) && static_cast<bool>({b})"),
+            BinaryOp::LogicalOr => format!("static_cast<bool>({a}) || static_cast<bool>({b})"),
+            BinaryOp::LogicalXor => format!("static_cast<bool>({a}) != static_cast<bool>({b})"),
+            BinaryOp::BitAnd => format!("{a} & {b}"),
+            BinaryOp::BitOr => format!("{a} | {b}"),
+            BinaryOp::BitXor => format!("{a} ^ {b}"),
+        };
+        let e = if dtype == DType::Bool || op.is_comparison() { e } else { format!("static_cast<{ty}>({e})") };
+        self.emit(dtype, e, &[a, b])
+    }
+
+    fn where_(&mut self, c: &String, a: &String, b: &String, dtype: DType) -> String {
+        self.emit(dtype, format!("{c} ? {a} : {b}"), &[c, a, b])
+    }
+
+    fn cast(&mut self, x: &String, from: DType, to: DType) -> String {
+        let e = cast_expr(x, from, to);
+        self.emit(to, e, &[x])
+    }
+
+    fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
+        let acc = self.fresh().replace("tmp", "acc");
+        let target = if self.split { format!("{acc}_local") } else { acc.clone() };
+        let line = format!("{target} = {};\n", combine(op, dtype, &target, x));
+        self.inner.push_str(&line);
+        self.accs.push((acc.clone(), op, dtype));
+        self.sections.push(Section::Post);
+        self.post_names.push(acc.clone());
+        acc
+    }
+
+    fn store(&mut self, _index: &IndexExpr, _value: &String, _dtype: DType) {
+        // the kernel writer places the store: it knows the buffer's storage and local name
+    }
+}

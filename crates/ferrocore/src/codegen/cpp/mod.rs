@@ -1,0 +1,219 @@
+//! The C++/OpenMP backend: one `extern "C"` function per fused kernel, all in one translation
+//! unit. The flattened outer loop is OpenMP-parallel; innermost loops carry `omp simd` (with
+//! reduction clauses) so the C++ compiler vectorizes them. Half types compute in float.
+
+mod expr;
+
+use super::{CodegenError, KernelBackend, KernelLaunch, RenderedKernels};
+use crate::graph::DType;
+use crate::loop_ir::*;
+use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
+use expr::{c_type, storage_type, BodyEmitter, Section};
+use std::collections::HashMap;
+use std::fmt::Write;
+
+pub const PRELUDE: &str = include_str!("prelude.h");
+
+/// Kernels smaller than this many elements run on one thread (OpenMP start-up costs more).
+const PARALLEL_THRESHOLD: i64 = 32768;
+
+pub struct CppBackend;
+
+impl KernelBackend for CppBackend {
+    fn name(&self) -> &'static str {
+        "cpp"
+    }
+
+    fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
+        let mut source = String::from(PRELUDE);
+        let mut launches = Vec::new();
+        for it in &s.items {
+            if let Item::Kernel(k) = it {
+                let (text, args) = render_kernel(s, k)?;
+                source.push('\n');
+                source.push_str(&text);
+                launches.push(KernelLaunch { name: k.name.clone(), args });
+            }
+        }
+        Ok(RenderedKernels { language: "cpp", source, launches })
+    }
+}
+
+fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>), CodegenError> {
+    let p = &s.program;
+    let plan = &k.plan;
+    let err = |m: String| CodegenError { kernel: k.name.clone(), message: m };
+
+    // Parameters: buffers read from memory first, then buffers written.
+    let mut written: Vec<BufferId> = Vec::new();
+    for kn in &plan.nodes {
+        let b = p.nodes[kn.node].output;
+        if s.storage[b.0 as usize] == Storage::Allocated && !written.contains(&b) {
+            written.push(b);
+        }
+    }
+    let local_kind = |pos: usize, b: BufferId| -> Option<LocalRead> {
+        plan.local_reads.iter().find(|(r, bb, _)| *r == pos && *bb == b).map(|(_, _, k)| *k)
+    };
+    let mut read: Vec<BufferId> = Vec::new();
+    for (pos, kn) in plan.nodes.iter().enumerate() {
+        for e in &kn.body.exprs {
+            if let Expr::Load { buf, .. } = e {
+                let from_memory = !matches!(local_kind(pos, *buf), Some(LocalRead::Scalar | LocalRead::Forwarded));
+                if from_memory && !written.contains(buf) && !read.contains(buf) {
+                    read.push(*buf);
+                }
+            }
+        }
+    }
+    let mut ptr: HashMap<BufferId, String> = HashMap::new();
+    let mut params = Vec::new();
+    for (i, b) in read.iter().enumerate() {
+        let name = format!("in_ptr{i}");
+        params.push(format!("const {}* __restrict__ {name}", storage_type(p.buffer(*b).layout.dtype)));
+        ptr.insert(*b, name);
+    }
+    for (i, b) in written.iter().enumerate() {
+        let name = format!("out_ptr{i}");
+        params.push(format!("{}* __restrict__ {name}", storage_type(p.buffer(*b).layout.dtype)));
+        ptr.insert(*b, name);
+    }
+
+    let n = plan.outer;
+    let work: i64 = plan.groups.iter().map(|g| n * g.inner.iter().product::<i64>()).max().unwrap_or(n);
+    let parallel = work >= PARALLEL_THRESHOLD;
+    let outer_parallel = parallel && n > 1;
+    let mut out = String::new();
+    let _ = writeln!(out, "extern \"C\" void {}({}) {{", k.name, params.join(", "));
+    let single_flat = plan.groups.len() == 1 && plan.groups[0].inner.is_empty() && !plan.groups[0].reduction;
+    if single_flat {
+        if parallel {
+            out.push_str("  #pragma omp parallel for simd\n");
+        }
+    } else if outer_parallel {
+        out.push_str("  #pragma omp parallel for\n");
+    }
+    let _ = writeln!(out, "  for (int64_t x0 = 0; x0 < {n}LL; ++x0) {{");
+
+    // names of in-kernel values: buffer -> C++ variable
+    let mut locals: HashMap<BufferId, String> = HashMap::new();
+    let mut tmp = 0usize;
+    for (gi, g) in plan.groups.iter().enumerate() {
+        let mut pre = String::new();
+        let mut inner = String::new();
+        let mut post = String::new();
+        let mut accs: Vec<(String, ReduceOp, DType)> = Vec::new();
+        let split = parallel && !outer_parallel && !g.inner.is_empty();
+        for &pos in &g.nodes {
+            let kn = &plan.nodes[pos];
+            let node = &p.nodes[kn.node];
+            let out_buf = node.output;
+            let mut replace: HashMap<BufferId, String> = HashMap::new();
+            for (r, b, kind) in &plan.local_reads {
+                if *r == pos && matches!(kind, LocalRead::Scalar | LocalRead::Forwarded) {
+                    let name = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
+                    replace.insert(*b, name);
+                }
+            }
+            let out_layout = &p.buffer(out_buf).layout;
+            let is_red = !node.reduction_ranges.is_empty();
+            let mut em = BodyEmitter::new(p, &kn.body, &ptr, &replace, &kn.ranges, &mut tmp, split);
+            let vals = kn.body.visit(&mut em);
+            let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
+            let value = vals[store.value.0 as usize].clone();
+            let section = em.section_of(store.value);
+            let vdt = kn.body.dtype(store.value);
+            // the value as a reader of the buffer sees it: rounded to the buffer's type
+            let local = format!("loc_{}", p.buffer(out_buf).name);
+            let conv = expr::cast_expr(&value, vdt, out_layout.dtype);
+            let ct = c_type(out_layout.dtype);
+            let line = format!("{ct} {local} = {conv};\n");
+            let allocated = s.storage[out_buf.0 as usize] == Storage::Allocated;
+            let idx = em.index(&store.index);
+            let store_line = if allocated {
+                let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
+                format!("{dst}[{idx}] = {};\n", expr::store_conv(&local, out_layout.dtype))
+            } else {
+                String::new()
+            };
+            pre.push_str(&em.pre);
+            inner.push_str(&em.inner);
+            post.push_str(&em.post);
+            accs.extend(em.accs.drain(..));
+            match (is_red, section) {
+                (true, _) | (false, Section::Post) => {
+                    post.push_str(&line);
+                    post.push_str(&store_line);
+                }
+                (false, Section::Inner) => {
+                    inner.push_str(&line);
+                    inner.push_str(&store_line);
+                }
+            }
+            locals.insert(out_buf, local);
+        }
+        // emit the group
+        let _ = writeln!(out, "    // group {gi}: {} {:?}", if g.reduction { "reduction" } else { "loop" }, g.inner);
+        for (name, op, dt) in &accs {
+            let _ = writeln!(out, "      {} {name} = {};", c_type(*dt), expr::reduce_init(*op, *dt));
+        }
+        out.push_str(&indent(&pre, 6));
+        let depth = g.inner.len();
+        if split {
+            out.push_str("      #pragma omp parallel\n      {\n");
+            for (name, op, dt) in &accs {
+                let _ = writeln!(out, "        {} {name}_local = {};", c_type(*dt), expr::reduce_init(*op, *dt));
+            }
+            out.push_str("        #pragma omp for nowait\n");
+        }
+        let base = if split { 8 } else { 6 };
+        for (d, size) in g.inner.iter().enumerate() {
+            let pad = " ".repeat(base + 2 * d);
+            if d + 1 == depth && !(split && depth == 1) {
+                let clause = simd_clause(&accs, if split { "_local" } else { "" });
+                let _ = writeln!(out, "{pad}#pragma omp simd{clause}");
+            }
+            let _ = writeln!(out, "{pad}for (int64_t x{} = 0; x{} < {size}LL; ++x{}) {{", d + 1, d + 1, d + 1);
+        }
+        out.push_str(&indent(&inner, base + 2 * depth));
+        for d in (0..depth).rev() {
+            let _ = writeln!(out, "{}}}", " ".repeat(base + 2 * d));
+        }
+        if split {
+            out.push_str("        #pragma omp critical\n        {\n");
+            for (name, op, dt) in &accs {
+                let _ = writeln!(out, "          {name} = {};", expr::combine(*op, *dt, name, &format!("{name}_local")));
+            }
+            out.push_str("        }\n      }\n");
+        }
+        out.push_str(&indent(&post, 6));
+    }
+    out.push_str("  }\n}\n");
+    let mut args = read;
+    args.extend(written);
+    Ok((out, args))
+}
+
+fn simd_clause(accs: &[(String, ReduceOp, DType)], suffix: &str) -> String {
+    let mut s = String::new();
+    for (name, op, dt) in accs {
+        let op = match (op, dt) {
+            (ReduceOp::Sum, _) => "+",
+            (ReduceOp::Prod, _) => "*",
+            (ReduceOp::Any, _) => "||",
+            (ReduceOp::Max, DType::F32 | DType::F16 | DType::BF16) => "ferro_fmax",
+            (ReduceOp::Min, DType::F32 | DType::F16 | DType::BF16) => "ferro_fmin",
+            (ReduceOp::Max, DType::F64) => "ferro_dmax",
+            (ReduceOp::Min, DType::F64) => "ferro_dmin",
+            (ReduceOp::Max, _) => "max",
+            (ReduceOp::Min, _) => "min",
+        };
+        let _ = write!(s, " reduction({op}:{name}{suffix})");
+    }
+    s
+}
+
+fn indent(text: &str, n: usize) -> String {
+    let pad = " ".repeat(n);
+    text.lines().map(|l| format!("{pad}{l}\n")).collect()
+}

@@ -1,0 +1,38 @@
+// ferrocore C++ kernel prelude: type conversions and NaN-aware helpers shared by all kernels.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <algorithm>
+
+static inline float ferro_h2f(uint16_t h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
+static inline uint16_t ferro_f2h(float f) { _Float16 v = (_Float16)f; uint16_t h; std::memcpy(&h, &v, 2); return h; }
+static inline float ferro_bf2f(uint16_t b) { uint32_t u = ((uint32_t)b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+static inline uint16_t ferro_f2bf(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return (uint16_t)(u >> 16);
+}
+static inline float ferro_round_half(float f) { return ferro_h2f(ferro_f2h(f)); }
+static inline float ferro_round_bf16(float f) { return ferro_bf2f(ferro_f2bf(f)); }
+template <typename T> static inline T ferro_max(T a, T b) { return (b > a || b != b) ? b : a; }
+template <typename T> static inline T ferro_min(T a, T b) { return (b < a || b != b) ? b : a; }
+template <typename T> static inline T ferro_remainder(T a, T b) {
+  T r = std::fmod(a, b);
+  if (r != 0 && ((r < 0) != (b < 0))) r += b;
+  return r;
+}
+template <typename T> static inline T ferro_ipow(T base, T exp) {
+  if (exp < 0) return (base == 1) ? 1 : ((base == -1) ? ((exp & 1) ? -1 : 1) : 0);
+  T result = 1;
+  while (exp) { if (exp & 1) result *= base; exp >>= 1; base *= base; }
+  return result;
+}
+static inline int64_t ferro_floordiv(int64_t a, int64_t b) { int64_t q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
+static inline int64_t ferro_mod(int64_t a, int64_t b) { int64_t r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+template <typename T> static inline T ferro_sign(T x) { return (T)((T(0) < x) - (x < T(0))); }
+#pragma omp declare reduction(ferro_fmax : float : omp_out = ferro_max(omp_out, omp_in)) initializer(omp_priv = -INFINITY)
+#pragma omp declare reduction(ferro_fmin : float : omp_out = ferro_min(omp_out, omp_in)) initializer(omp_priv = INFINITY)
+#pragma omp declare reduction(ferro_dmax : double : omp_out = ferro_max(omp_out, omp_in)) initializer(omp_priv = -INFINITY)
+#pragma omp declare reduction(ferro_dmin : double : omp_out = ferro_min(omp_out, omp_in)) initializer(omp_priv = INFINITY)

@@ -1,0 +1,168 @@
+//! The pipeline in order, in one place: import -> lowering -> scheduling -> codegen -> wrapper ->
+//! native compile. Each pass has a name used for timings, `FERROCORE_LOGS` channels and debug
+//! dumps. Options arrive as one explicit value; there is no global state.
+
+use crate::codegen::cpp::CppBackend;
+use crate::codegen::KernelBackend;
+use crate::graph::parse_graph;
+use crate::lowering::lower_graph;
+use crate::runtime;
+use crate::scheduler::schedule;
+use crate::wrapper::{plan_host, render_module};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default)]
+pub struct Options {
+    pub cache_dir: PathBuf,
+    /// Channels to return as logs: graph, ir_pre_fusion, ir_post_fusion, fusion, output_code, fallback.
+    pub logs: Vec<String>,
+    pub debug_dir: Option<PathBuf>,
+    pub cxx: String,
+    /// Skip the native compile (for tests of the earlier stages).
+    pub skip_native_compile: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            cache_dir: std::env::temp_dir().join("ferrocore-cache"),
+            logs: Vec::new(),
+            debug_dir: None,
+            cxx: "g++".into(),
+            skip_native_compile: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FallbackRecord {
+    pub node: String,
+    pub target: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LogRecord {
+    pub channel: String,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompileResult {
+    pub module_path: String,
+    pub module_source: String,
+    pub kernels: usize,
+    pub externs: usize,
+    pub fallbacks: Vec<FallbackRecord>,
+    /// Stage name -> milliseconds, in pipeline order.
+    pub timings_ms: Vec<(String, f64)>,
+    pub cpp_cache_hit: bool,
+    pub logs: Vec<LogRecord>,
+}
+
+#[derive(Debug, Clone)]
+pub struct CompileError {
+    pub stage: &'static str,
+    pub message: String,
+}
+
+impl fmt::Display for CompileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+impl std::error::Error for CompileError {}
+
+struct Stages<'o> {
+    options: &'o Options,
+    timings: Vec<(String, f64)>,
+    logs: Vec<LogRecord>,
+    dump_dir: Option<PathBuf>,
+}
+
+impl Stages<'_> {
+    fn time<T>(&mut self, name: &str, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        self.timings.push((name.to_string(), t.elapsed().as_secs_f64() * 1e3));
+        r
+    }
+    fn wants(&self, channel: &str) -> bool {
+        self.options.logs.iter().any(|c| c == channel || c == "all") || self.dump_dir.is_some()
+    }
+    fn emit(&mut self, channel: &str, text: impl FnOnce() -> String) {
+        if !self.wants(channel) {
+            return;
+        }
+        let text = text();
+        if let Some(d) = &self.dump_dir {
+            let _ = runtime::write_atomic(&d.join(format!("{channel}.txt")), text.as_bytes());
+        }
+        if self.options.logs.iter().any(|c| c == channel || c == "all") {
+            self.logs.push(LogRecord { channel: channel.to_string(), text });
+        }
+    }
+}
+
+/// Compiles one exchange-format graph into a wrapper module on disk.
+pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResult, CompileError> {
+    let mut st = Stages { options, timings: Vec::new(), logs: Vec::new(), dump_dir: None };
+    let graph = st.time("import", || parse_graph(graph_json)).map_err(|e| CompileError { stage: "import", message: e.to_string() })?;
+    if let Some(d) = &options.debug_dir {
+        let key = runtime::sha256_hex(graph_json.as_bytes());
+        st.dump_dir = Some(d.join(format!("{}_{}", graph.name, &key[..10])));
+    }
+    st.emit("graph", || graph.to_string());
+    let lowered = st.time("lowering", || lower_graph(&graph)).map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
+    st.emit("ir_pre_fusion", || lowered.program.to_string());
+    let fallbacks: Vec<FallbackRecord> =
+        lowered.fallbacks.iter().map(|f| FallbackRecord { node: f.node.clone(), target: f.target.clone(), reason: f.reason.clone() }).collect();
+    st.emit("fallback", || {
+        fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect()
+    });
+    let sched = st.time("scheduling", || schedule(lowered.program));
+    st.emit("fusion", || sched.decisions.join("\n") + "\n");
+    st.emit("ir_post_fusion", || sched.text());
+    let backend = CppBackend;
+    let kernels = st.time("codegen", || backend.render(&sched)).map_err(|e| CompileError { stage: "codegen", message: e.to_string() })?;
+    let module = st.time("wrapper", || {
+        let plan = plan_host(&sched, &kernels);
+        render_module(&sched, &kernels, &plan, &graph.name)
+    });
+    st.emit("output_code", || module.clone());
+    let mut cache_hit = false;
+    if !options.skip_native_compile && !kernels.launches.is_empty() {
+        let lib = st
+            .time("cpp_compile", || runtime::compile_cpp(&kernels.source, &options.cache_dir, &options.cxx))
+            .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
+        cache_hit = lib.cache_hit;
+    }
+    let key = runtime::sha256_hex(module.as_bytes());
+    let module_path = options.cache_dir.join("graphs").join(&key[..2]).join(format!("{}_{}.py", sanitize(&graph.name), &key[..16]));
+    if !module_path.exists() {
+        runtime::write_atomic(&module_path, module.as_bytes()).map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
+    }
+    if let Some(d) = &st.dump_dir {
+        let _ = runtime::write_atomic(&d.join("output_code.py"), module.as_bytes());
+        let _ = runtime::write_atomic(&d.join("kernels.cpp"), kernels.source.as_bytes());
+    }
+    let externs = sched.program.externs.iter().filter(|e| !e.fallback).count();
+    Ok(CompileResult {
+        module_path: module_path.to_string_lossy().into_owned(),
+        module_source: module,
+        kernels: kernels.launches.len(),
+        externs,
+        fallbacks,
+        timings_ms: st.timings,
+        cpp_cache_hit: cache_hit,
+        logs: st.logs,
+    })
+}
+
+fn sanitize(s: &str) -> String {
+    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect()
+}

@@ -1,0 +1,166 @@
+//! The closed set of ATen overloads ferrocore knows by name. Anything else imports as
+//! `Target::Unknown` and is run through ATen by the wrapper (a logged fallback).
+
+macro_rules! aten_ops {
+    ($($variant:ident => $name:literal, $min:literal..=$max:literal;)*) => {
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+        pub enum AtenOp { $($variant),* }
+
+        impl AtenOp {
+            pub fn parse(name: &str) -> Option<AtenOp> {
+                match name { $($name => Some(AtenOp::$variant),)* _ => None }
+            }
+            pub fn name(self) -> &'static str {
+                match self { $(AtenOp::$variant => $name),* }
+            }
+            /// Accepted number of positional arguments (kwargs fill the rest).
+            pub fn arity(self) -> (usize, usize) {
+                match self { $(AtenOp::$variant => ($min, $max)),* }
+            }
+        }
+    };
+}
+
+aten_ops! {
+    // unary pointwise
+    Abs => "aten.abs.default", 1..=1;
+    Neg => "aten.neg.default", 1..=1;
+    Exp => "aten.exp.default", 1..=1;
+    Exp2 => "aten.exp2.default", 1..=1;
+    Expm1 => "aten.expm1.default", 1..=1;
+    Log => "aten.log.default", 1..=1;
+    Log2 => "aten.log2.default", 1..=1;
+    Log10 => "aten.log10.default", 1..=1;
+    Log1p => "aten.log1p.default", 1..=1;
+    Sqrt => "aten.sqrt.default", 1..=1;
+    Rsqrt => "aten.rsqrt.default", 1..=1;
+    Sin => "aten.sin.default", 1..=1;
+    Cos => "aten.cos.default", 1..=1;
+    Tan => "aten.tan.default", 1..=1;
+    Asin => "aten.asin.default", 1..=1;
+    Acos => "aten.acos.default", 1..=1;
+    Atan => "aten.atan.default", 1..=1;
+    Sinh => "aten.sinh.default", 1..=1;
+    Cosh => "aten.cosh.default", 1..=1;
+    Tanh => "aten.tanh.default", 1..=1;
+    Asinh => "aten.asinh.default", 1..=1;
+    Acosh => "aten.acosh.default", 1..=1;
+    Atanh => "aten.atanh.default", 1..=1;
+    Sigmoid => "aten.sigmoid.default", 1..=1;
+    Relu => "aten.relu.default", 1..=1;
+    Erf => "aten.erf.default", 1..=1;
+    Erfc => "aten.erfc.default", 1..=1;
+    Floor => "aten.floor.default", 1..=1;
+    Ceil => "aten.ceil.default", 1..=1;
+    Round => "aten.round.default", 1..=1;
+    Trunc => "aten.trunc.default", 1..=1;
+    Sign => "aten.sign.default", 1..=1;
+    Reciprocal => "aten.reciprocal.default", 1..=1;
+    BitwiseNot => "aten.bitwise_not.default", 1..=1;
+    LogicalNot => "aten.logical_not.default", 1..=1;
+    IsNan => "aten.isnan.default", 1..=1;
+    IsInf => "aten.isinf.default", 1..=1;
+    Gelu => "aten.gelu.default", 1..=1;
+    Silu => "aten.silu.default", 1..=1;
+    // binary pointwise
+    AddTensor => "aten.add.Tensor", 2..=2;
+    AddScalar => "aten.add.Scalar", 2..=2;
+    SubTensor => "aten.sub.Tensor", 2..=2;
+    SubScalar => "aten.sub.Scalar", 2..=2;
+    RsubScalar => "aten.rsub.Scalar", 2..=2;
+    MulTensor => "aten.mul.Tensor", 2..=2;
+    MulScalar => "aten.mul.Scalar", 2..=2;
+    DivTensor => "aten.div.Tensor", 2..=2;
+    DivScalar => "aten.div.Scalar", 2..=2;
+    DivTensorMode => "aten.div.Tensor_mode", 2..=3;
+    DivScalarMode => "aten.div.Scalar_mode", 2..=3;
+    PowTensorTensor => "aten.pow.Tensor_Tensor", 2..=2;
+    PowTensorScalar => "aten.pow.Tensor_Scalar", 2..=2;
+    PowScalar => "aten.pow.Scalar", 2..=2;
+    Maximum => "aten.maximum.default", 2..=2;
+    Minimum => "aten.minimum.default", 2..=2;
+    FmodTensor => "aten.fmod.Tensor", 2..=2;
+    FmodScalar => "aten.fmod.Scalar", 2..=2;
+    RemainderTensor => "aten.remainder.Tensor", 2..=2;
+    RemainderScalar => "aten.remainder.Scalar", 2..=2;
+    Atan2 => "aten.atan2.default", 2..=2;
+    EqTensor => "aten.eq.Tensor", 2..=2;
+    EqScalar => "aten.eq.Scalar", 2..=2;
+    NeTensor => "aten.ne.Tensor", 2..=2;
+    NeScalar => "aten.ne.Scalar", 2..=2;
+    LtTensor => "aten.lt.Tensor", 2..=2;
+    LtScalar => "aten.lt.Scalar", 2..=2;
+    LeTensor => "aten.le.Tensor", 2..=2;
+    LeScalar => "aten.le.Scalar", 2..=2;
+    GtTensor => "aten.gt.Tensor", 2..=2;
+    GtScalar => "aten.gt.Scalar", 2..=2;
+    GeTensor => "aten.ge.Tensor", 2..=2;
+    GeScalar => "aten.ge.Scalar", 2..=2;
+    LogicalAnd => "aten.logical_and.default", 2..=2;
+    LogicalOr => "aten.logical_or.default", 2..=2;
+    LogicalXor => "aten.logical_xor.default", 2..=2;
+    BitwiseAndTensor => "aten.bitwise_and.Tensor", 2..=2;
+    BitwiseAndScalar => "aten.bitwise_and.Scalar", 2..=2;
+    BitwiseOrTensor => "aten.bitwise_or.Tensor", 2..=2;
+    BitwiseOrScalar => "aten.bitwise_or.Scalar", 2..=2;
+    BitwiseXorTensor => "aten.bitwise_xor.Tensor", 2..=2;
+    BitwiseXorScalar => "aten.bitwise_xor.Scalar", 2..=2;
+    // ternary and friends
+    WhereSelf => "aten.where.self", 3..=3;
+    Clamp => "aten.clamp.default", 1..=3;
+    ClampTensor => "aten.clamp.Tensor", 1..=3;
+    ClampMin => "aten.clamp_min.default", 2..=2;
+    ClampMax => "aten.clamp_max.default", 2..=2;
+    // copies and casts
+    ToCopy => "aten._to_copy.default", 1..=1;
+    Clone => "aten.clone.default", 1..=1;
+    Copy => "aten.copy.default", 2..=3;
+    LiftFreshCopy => "aten.lift_fresh_copy.default", 1..=1;
+    // creation
+    Full => "aten.full.default", 2..=2;
+    FullLike => "aten.full_like.default", 2..=2;
+    ScalarTensor => "aten.scalar_tensor.default", 1..=1;
+    ArangeStartStep => "aten.arange.start_step", 2..=3;
+    ArangeStart => "aten.arange.start", 2..=2;
+    Arange => "aten.arange.default", 1..=1;
+    FillScalar => "aten.fill.Scalar", 2..=2;
+    // reductions
+    SumDimIntList => "aten.sum.dim_IntList", 1..=3;
+    SumDefault => "aten.sum.default", 1..=1;
+    MeanDim => "aten.mean.dim", 1..=3;
+    MeanDefault => "aten.mean.default", 1..=1;
+    Amax => "aten.amax.default", 1..=3;
+    Amin => "aten.amin.default", 1..=3;
+    VarCorrection => "aten.var.correction", 1..=2;
+    VarMeanCorrection => "aten.var_mean.correction", 1..=2;
+    ProdDefault => "aten.prod.default", 1..=1;
+    ProdDimInt => "aten.prod.dim_int", 2..=3;
+    AnyDefault => "aten.any.default", 1..=1;
+    AnyDim => "aten.any.dim", 2..=3;
+    AnyDims => "aten.any.dims", 1..=3;
+    MaxDefault => "aten.max.default", 1..=1;
+    MinDefault => "aten.min.default", 1..=1;
+    Softmax => "aten._softmax.default", 3..=3;
+    LogSoftmax => "aten._log_softmax.default", 3..=3;
+    NativeLayerNorm => "aten.native_layer_norm.default", 5..=5;
+    // views
+    View => "aten.view.default", 2..=2;
+    UnsafeView => "aten._unsafe_view.default", 2..=2;
+    Reshape => "aten.reshape.default", 2..=2;
+    Permute => "aten.permute.default", 2..=2;
+    Expand => "aten.expand.default", 2..=3;
+    Unsqueeze => "aten.unsqueeze.default", 2..=2;
+    SqueezeDim => "aten.squeeze.dim", 2..=2;
+    SqueezeDims => "aten.squeeze.dims", 2..=2;
+    Squeeze => "aten.squeeze.default", 1..=1;
+    SliceTensor => "aten.slice.Tensor", 1..=5;
+    SelectInt => "aten.select.int", 3..=3;
+    TransposeInt => "aten.transpose.int", 3..=3;
+    T => "aten.t.default", 1..=1;
+    Alias => "aten.alias.default", 1..=1;
+    Cat => "aten.cat.default", 1..=2;
+    // extern calls (library kernels through ATen)
+    Mm => "aten.mm.default", 2..=2;
+    Bmm => "aten.bmm.default", 2..=2;
+    Addmm => "aten.addmm.default", 3..=3;
+}

@@ -1,0 +1,314 @@
+//! Loop bodies: an arena of expressions with typed ids, built with hash-consing (CSE), and the
+//! ops-handler interface every consumer of a body goes through.
+
+use super::BufferId;
+use crate::graph::DType;
+use crate::symbolic::IndexExpr;
+use std::collections::HashMap;
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct ValueId(pub u32);
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+}
+
+impl Scalar {
+    fn key(self) -> (u8, u64) {
+        match self {
+            Scalar::Int(i) => (0, i as u64),
+            Scalar::Float(f) => (1, f.to_bits()),
+            Scalar::Bool(b) => (2, b as u64),
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum UnaryOp {
+    Abs,
+    Neg,
+    Exp,
+    Exp2,
+    Expm1,
+    Log,
+    Log2,
+    Log10,
+    Log1p,
+    Sqrt,
+    Rsqrt,
+    Sin,
+    Cos,
+    Tan,
+    Asin,
+    Acos,
+    Atan,
+    Sinh,
+    Cosh,
+    Tanh,
+    Asinh,
+    Acosh,
+    Atanh,
+    Sigmoid,
+    Relu,
+    Erf,
+    Erfc,
+    Floor,
+    Ceil,
+    /// Round half to even (torch.round).
+    Round,
+    Trunc,
+    Sign,
+    Reciprocal,
+    BitwiseNot,
+    LogicalNot,
+    IsNan,
+    IsInf,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    TrueDiv,
+    /// Python floor division (ints and floats).
+    FloorDiv,
+    /// C truncating division.
+    TruncDiv,
+    /// Python remainder (sign of divisor).
+    Remainder,
+    /// C fmod (sign of dividend).
+    Fmod,
+    Pow,
+    /// NaN-propagating maximum / minimum.
+    Maximum,
+    Minimum,
+    Atan2,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    LogicalAnd,
+    LogicalOr,
+    LogicalXor,
+    BitAnd,
+    BitOr,
+    BitXor,
+}
+
+impl BinaryOp {
+    pub fn is_comparison(self) -> bool {
+        matches!(self, BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum ReduceOp {
+    Sum,
+    Prod,
+    /// NaN-propagating, like torch.amax/amin.
+    Max,
+    Min,
+    Any,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Expr {
+    Load { buf: BufferId, index: IndexExpr },
+    Constant(Scalar),
+    Index(IndexExpr),
+    Unary(UnaryOp, ValueId),
+    /// Operands have equal dtype; the result dtype is the operand dtype, or bool for comparisons.
+    Binary(BinaryOp, ValueId, ValueId),
+    Where(ValueId, ValueId, ValueId),
+    Cast(ValueId),
+    /// Combines its operand over the reduction variables; valid after the reduction loop.
+    Reduce(ReduceOp, ValueId),
+}
+
+#[derive(Clone, Hash, PartialEq, Eq, Debug)]
+enum Key {
+    Load(BufferId, IndexExpr),
+    Constant((u8, u64), DType),
+    Index(IndexExpr, DType),
+    Unary(UnaryOp, ValueId),
+    Binary(BinaryOp, ValueId, ValueId),
+    Where(ValueId, ValueId, ValueId),
+    Cast(ValueId, DType),
+    Reduce(ReduceOp, ValueId),
+}
+
+/// The single store of a body: `output[index] = value`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Store {
+    pub index: IndexExpr,
+    pub value: ValueId,
+}
+
+/// `exprs[i]` has type `dtypes[i]` (the compute type: half types are float32 with the rounding
+/// of the half type applied by `Cast`). Expressions only refer to earlier ids.
+#[derive(Clone, Debug, Default)]
+pub struct LoopBody {
+    pub exprs: Vec<Expr>,
+    pub dtypes: Vec<DType>,
+    pub store: Option<Store>,
+    cse: HashMap<Key, ValueId>,
+}
+
+impl LoopBody {
+    pub fn dtype(&self, v: ValueId) -> DType {
+        self.dtypes[v.0 as usize]
+    }
+    pub fn expr(&self, v: ValueId) -> &Expr {
+        &self.exprs[v.0 as usize]
+    }
+    fn push(&mut self, key: Key, e: Expr, dtype: DType) -> ValueId {
+        if let Some(v) = self.cse.get(&key) {
+            return *v;
+        }
+        let id = ValueId(self.exprs.len() as u32);
+        self.exprs.push(e);
+        self.dtypes.push(dtype);
+        self.cse.insert(key, id);
+        id
+    }
+    pub fn load(&mut self, buf: BufferId, index: IndexExpr, dtype: DType) -> ValueId {
+        self.push(Key::Load(buf, index.clone()), Expr::Load { buf, index }, dtype)
+    }
+    pub fn constant(&mut self, s: Scalar, dtype: DType) -> ValueId {
+        let s = match (s, dtype.is_float(), dtype) {
+            (_, _, DType::Bool) => Scalar::Bool(match s {
+                Scalar::Bool(b) => b,
+                Scalar::Int(i) => i != 0,
+                Scalar::Float(f) => f != 0.0,
+            }),
+            (Scalar::Int(i), true, _) => Scalar::Float(i as f64),
+            (Scalar::Bool(b), true, _) => Scalar::Float(b as i64 as f64),
+            (Scalar::Float(f), false, _) => Scalar::Int(f as i64),
+            (Scalar::Bool(b), false, _) => Scalar::Int(b as i64),
+            (s, _, _) => s,
+        };
+        self.push(Key::Constant(s.key(), dtype), Expr::Constant(s), dtype)
+    }
+    pub fn index(&mut self, e: IndexExpr, dtype: DType) -> ValueId {
+        self.push(Key::Index(e.clone(), dtype), Expr::Index(e), dtype)
+    }
+    pub fn unary(&mut self, op: UnaryOp, x: ValueId) -> ValueId {
+        let dt = match op {
+            UnaryOp::IsNan | UnaryOp::IsInf | UnaryOp::LogicalNot => DType::Bool,
+            _ => self.dtype(x),
+        };
+        self.push(Key::Unary(op, x), Expr::Unary(op, x), dt)
+    }
+    /// Operands are cast to a common type first (the caller chooses it by torch's rules).
+    pub fn binary(&mut self, op: BinaryOp, a: ValueId, b: ValueId) -> ValueId {
+        let (da, db) = (self.dtype(a), self.dtype(b));
+        let common = crate::graph::promote_types(da, db);
+        let a = self.cast(a, common);
+        let b = self.cast(b, common);
+        let dt = match op {
+            _ if op.is_comparison() => DType::Bool,
+            BinaryOp::LogicalAnd | BinaryOp::LogicalOr | BinaryOp::LogicalXor => DType::Bool,
+            _ => common,
+        };
+        self.push(Key::Binary(op, a, b), Expr::Binary(op, a, b), dt)
+    }
+    pub fn where_(&mut self, c: ValueId, a: ValueId, b: ValueId) -> ValueId {
+        let common = crate::graph::promote_types(self.dtype(a), self.dtype(b));
+        let c = self.cast(c, DType::Bool);
+        let a = self.cast(a, common);
+        let b = self.cast(b, common);
+        self.push(Key::Where(c, a, b), Expr::Where(c, a, b), common)
+    }
+    pub fn cast(&mut self, x: ValueId, to: DType) -> ValueId {
+        if self.dtype(x) == to {
+            return x;
+        }
+        self.push(Key::Cast(x, to), Expr::Cast(x), to)
+    }
+    pub fn reduce(&mut self, op: ReduceOp, x: ValueId) -> ValueId {
+        let dt = if op == ReduceOp::Any { DType::Bool } else { self.dtype(x) };
+        let x = if op == ReduceOp::Any { self.cast(x, DType::Bool) } else { x };
+        self.push(Key::Reduce(op, x), Expr::Reduce(op, x), dt)
+    }
+    pub fn set_store(&mut self, index: IndexExpr, value: ValueId) {
+        self.store = Some(Store { index, value });
+    }
+
+    /// Runs the body through a handler in arena order, returning the handler's value per id.
+    pub fn visit<H: OpsHandler>(&self, h: &mut H) -> Vec<H::V> {
+        let mut vals: Vec<H::V> = Vec::with_capacity(self.exprs.len());
+        for (i, e) in self.exprs.iter().enumerate() {
+            let dt = self.dtypes[i];
+            let v = match e {
+                Expr::Load { buf, index } => h.load(*buf, index, dt),
+                Expr::Constant(s) => h.constant(*s, dt),
+                Expr::Index(ix) => h.index_expr(ix, dt),
+                Expr::Unary(op, x) => h.unary(*op, &vals[x.0 as usize], self.dtype(*x), dt),
+                Expr::Binary(op, a, b) => h.binary(*op, &vals[a.0 as usize], &vals[b.0 as usize], self.dtype(*a), dt),
+                Expr::Where(c, a, b) => h.where_(&vals[c.0 as usize], &vals[a.0 as usize], &vals[b.0 as usize], dt),
+                Expr::Cast(x) => h.cast(&vals[x.0 as usize], self.dtype(*x), dt),
+                Expr::Reduce(op, x) => h.reduce(*op, &vals[x.0 as usize], dt, ValueId(i as u32)),
+            };
+            vals.push(v);
+        }
+        if let Some(st) = &self.store {
+            h.store(&st.index, &vals[st.value.0 as usize], self.dtype(st.value));
+        }
+        vals
+    }
+}
+
+/// One interface over loop bodies: printers, analyses and backends implement it.
+pub trait OpsHandler {
+    type V: Clone;
+    fn load(&mut self, buf: BufferId, index: &IndexExpr, dtype: DType) -> Self::V;
+    fn constant(&mut self, value: Scalar, dtype: DType) -> Self::V;
+    fn index_expr(&mut self, e: &IndexExpr, dtype: DType) -> Self::V;
+    fn unary(&mut self, op: UnaryOp, x: &Self::V, x_dtype: DType, dtype: DType) -> Self::V;
+    fn binary(&mut self, op: BinaryOp, a: &Self::V, b: &Self::V, operand_dtype: DType, dtype: DType) -> Self::V;
+    fn where_(&mut self, c: &Self::V, a: &Self::V, b: &Self::V, dtype: DType) -> Self::V;
+    fn cast(&mut self, x: &Self::V, from: DType, to: DType) -> Self::V;
+    fn reduce(&mut self, op: ReduceOp, x: &Self::V, dtype: DType, id: ValueId) -> Self::V;
+    fn store(&mut self, index: &IndexExpr, value: &Self::V, dtype: DType);
+}
+
+impl LoopBody {
+    /// The same body with every index expression rewritten (loop-variable substitution).
+    pub fn rewrite_indices(&self, f: &dyn Fn(&IndexExpr) -> IndexExpr) -> LoopBody {
+        let mut out = LoopBody::default();
+        for (i, e) in self.exprs.iter().enumerate() {
+            let e2 = match e {
+                Expr::Load { buf, index } => Expr::Load { buf: *buf, index: f(index) },
+                Expr::Index(ix) => Expr::Index(f(ix)),
+                other => other.clone(),
+            };
+            out.exprs.push(e2);
+            out.dtypes.push(self.dtypes[i]);
+        }
+        out.store = self.store.as_ref().map(|s| Store { index: f(&s.index), value: s.value });
+        out
+    }
+
+    /// Every index expression of the body (loads, index values, the store).
+    pub fn indices(&self) -> Vec<&IndexExpr> {
+        let mut out: Vec<&IndexExpr> = self
+            .exprs
+            .iter()
+            .filter_map(|e| match e {
+                Expr::Load { index, .. } => Some(index),
+                Expr::Index(ix) => Some(ix),
+                _ => None,
+            })
+            .collect();
+        if let Some(s) = &self.store {
+            out.push(&s.index);
+        }
+        out
+    }
+}

@@ -1,0 +1,191 @@
+//! The loop-level IR: buffers with layouts, and `LoopNode`s (Pointwise or Reduction) whose body
+//! is a small expression program over loop variables. One body is read many ways through the
+//! [`OpsHandler`] trait: printed, analysed for dependencies, rendered by each backend.
+//! This module does not know about ATen or about any backend.
+
+mod body;
+mod print;
+
+pub use body::*;
+
+use crate::graph::{DType, Device};
+use crate::symbolic::{IndexExpr, Var};
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct BufferId(pub u32);
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layout {
+    pub size: Vec<i64>,
+    pub stride: Vec<i64>,
+    pub offset: i64,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Layout {
+    pub fn contiguous(size: &[i64], dtype: DType, device: Device) -> Layout {
+        Layout { size: size.to_vec(), stride: contiguous_strides(size), offset: 0, dtype, device }
+    }
+    pub fn numel(&self) -> i64 {
+        self.size.iter().product()
+    }
+    /// Elements the storage must hold to back this layout.
+    pub fn storage_numel(&self) -> i64 {
+        if self.size.iter().any(|&s| s == 0) {
+            return 0;
+        }
+        self.offset + self.size.iter().zip(&self.stride).map(|(s, st)| (s - 1) * st).sum::<i64>() + 1
+    }
+    /// Index of element `idx` (one expression per dim).
+    pub fn index_of(&self, idx: &[IndexExpr]) -> IndexExpr {
+        let mut e = IndexExpr::constant(self.offset);
+        for (i, st) in idx.iter().zip(&self.stride) {
+            e = e.add(&i.scale(*st));
+        }
+        e
+    }
+}
+
+pub fn contiguous_strides(size: &[i64]) -> Vec<i64> {
+    let mut strides = vec![1; size.len()];
+    let mut acc = 1i64;
+    for i in (0..size.len()).rev() {
+        strides[i] = acc;
+        acc *= size[i].max(1);
+    }
+    strides
+}
+
+/// Where a buffer's contents come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BufferSource {
+    /// Graph input number `i`.
+    Input(usize),
+    /// Written by loop nodes (one, or several writing disjoint regions, as for `cat`).
+    Computed,
+    /// Returned by an extern/fallback call (index in `LoopProgram::externs`), element `item`
+    /// of its result when the call returns a tuple.
+    Extern { call: usize, item: Option<usize> },
+}
+
+#[derive(Clone, Debug)]
+pub struct Buffer {
+    pub name: String,
+    pub layout: Layout,
+    pub source: BufferSource,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum NodeKind {
+    Pointwise,
+    Reduction,
+}
+
+/// One computed buffer: `ranges` are the output loop variables `v0..vn`, `reduction_ranges`
+/// the reduction variables `vn..vn+m`. The body stores exactly once, into `output`.
+#[derive(Clone, Debug)]
+pub struct LoopNode {
+    pub output: BufferId,
+    pub ranges: Vec<i64>,
+    pub reduction_ranges: Vec<i64>,
+    pub body: LoopBody,
+    /// FX node names this node computes (for kernel names and logs).
+    pub origins: Vec<String>,
+}
+
+impl LoopNode {
+    pub fn kind(&self) -> NodeKind {
+        if self.body.exprs.iter().any(|e| matches!(e, Expr::Reduce(..))) {
+            NodeKind::Reduction
+        } else {
+            NodeKind::Pointwise
+        }
+    }
+    /// Sizes of all variables, output ranges first.
+    pub fn var_ranges(&self) -> Vec<i64> {
+        self.ranges.iter().chain(&self.reduction_ranges).copied().collect()
+    }
+    pub fn reads(&self) -> Vec<(BufferId, IndexExpr)> {
+        let mut out = Vec::new();
+        for e in &self.body.exprs {
+            if let Expr::Load { buf, index } = e {
+                if !out.iter().any(|(b, i)| b == buf && i == index) {
+                    out.push((*buf, index.clone()));
+                }
+            }
+        }
+        out
+    }
+    pub fn var(i: usize) -> Var {
+        Var(i as u32)
+    }
+}
+
+/// An argument of an extern/fallback call as the wrapper must render it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ExternArg {
+    Buffer(BufferId),
+    /// A strided view of a buffer (size, stride, storage offset).
+    View { buf: BufferId, size: Vec<i64>, stride: Vec<i64>, offset: i64 },
+    /// A Python literal (already rendered), e.g. `1.0`, `[0, 1]`, `torch.float32`, `None`.
+    Literal(String),
+    List(Vec<ExternArg>),
+}
+
+#[derive(Clone, Debug)]
+pub struct ExternCall {
+    /// Python callable, e.g. `torch.ops.aten.mm.default`.
+    pub callee: String,
+    pub args: Vec<ExternArg>,
+    pub kwargs: Vec<(String, ExternArg)>,
+    /// The buffers this call returns (several for tuple results).
+    pub outputs: Vec<BufferId>,
+    /// Whether this is a fallback (unsupported op), not a deliberate library call.
+    pub fallback: bool,
+    pub origin: String,
+    /// Why this op runs through ATen (fallbacks only).
+    pub reason: Option<String>,
+}
+
+/// A graph output as the wrapper returns it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OutputValue {
+    Buffer(BufferId),
+    View { buf: BufferId, size: Vec<i64>, stride: Vec<i64>, offset: i64 },
+    None,
+}
+
+/// One step of the program in dependency order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    Node(usize),
+    Extern(usize),
+}
+
+/// The whole lowered graph: buffers, loop nodes, extern calls, in program order.
+#[derive(Clone, Debug, Default)]
+pub struct LoopProgram {
+    pub buffers: Vec<Buffer>,
+    pub nodes: Vec<LoopNode>,
+    pub externs: Vec<ExternCall>,
+    pub steps: Vec<Step>,
+    pub inputs: Vec<BufferId>,
+    pub input_names: Vec<String>,
+    pub outputs: Vec<OutputValue>,
+}
+
+impl LoopProgram {
+    pub fn buffer(&self, id: BufferId) -> &Buffer {
+        &self.buffers[id.0 as usize]
+    }
+    pub fn add_buffer(&mut self, layout: Layout, source: BufferSource) -> BufferId {
+        let id = BufferId(self.buffers.len() as u32);
+        let name = match source {
+            BufferSource::Input(i) => self.input_names.get(i).cloned().unwrap_or_else(|| format!("arg{i}")),
+            _ => format!("buf{}", id.0),
+        };
+        self.buffers.push(Buffer { name, layout, source });
+        id
+    }
+}

@@ -1,0 +1,134 @@
+//! Text form of the loop IR (used by `ir_pre_fusion` / `ir_post_fusion` dumps and golden tests).
+
+use super::*;
+use std::fmt::{self, Write};
+
+struct BodyPrinter<'a> {
+    program: &'a LoopProgram,
+    out: String,
+    next: usize,
+    output: BufferId,
+}
+
+impl BodyPrinter<'_> {
+    fn line(&mut self, dtype: DType, rhs: String) -> String {
+        let name = format!("t{}", self.next);
+        self.next += 1;
+        let _ = writeln!(self.out, "    {name}: {dtype} = {rhs}");
+        name
+    }
+}
+
+impl OpsHandler for BodyPrinter<'_> {
+    type V = String;
+    fn load(&mut self, buf: BufferId, index: &IndexExpr, dtype: DType) -> String {
+        let name = self.program.buffer(buf).name.clone();
+        self.line(dtype, format!("load({name}, {index})"))
+    }
+    fn constant(&mut self, value: Scalar, dtype: DType) -> String {
+        let v = match value {
+            Scalar::Int(i) => i.to_string(),
+            Scalar::Float(f) => format!("{f:?}"),
+            Scalar::Bool(b) => b.to_string(),
+        };
+        self.line(dtype, format!("constant({v})"))
+    }
+    fn index_expr(&mut self, e: &IndexExpr, dtype: DType) -> String {
+        self.line(dtype, format!("index_expr({e})"))
+    }
+    fn unary(&mut self, op: UnaryOp, x: &String, _x: DType, dtype: DType) -> String {
+        self.line(dtype, format!("{}({x})", format!("{op:?}").to_lowercase()))
+    }
+    fn binary(&mut self, op: BinaryOp, a: &String, b: &String, _o: DType, dtype: DType) -> String {
+        self.line(dtype, format!("{}({a}, {b})", format!("{op:?}").to_lowercase()))
+    }
+    fn where_(&mut self, c: &String, a: &String, b: &String, dtype: DType) -> String {
+        self.line(dtype, format!("where({c}, {a}, {b})"))
+    }
+    fn cast(&mut self, x: &String, _from: DType, to: DType) -> String {
+        self.line(to, format!("cast({x}, {to})"))
+    }
+    fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
+        self.line(dtype, format!("reduce_{}({x})", format!("{op:?}").to_lowercase()))
+    }
+    fn store(&mut self, index: &IndexExpr, value: &String, _dtype: DType) {
+        let name = self.program.buffer(self.output).name.clone();
+        let _ = writeln!(self.out, "    store({name}, {index}, {value})");
+    }
+}
+
+impl LoopProgram {
+    pub fn node_text(&self, i: usize) -> String {
+        let n = &self.nodes[i];
+        let b = self.buffer(n.output);
+        let mut p = BodyPrinter { program: self, out: String::new(), next: 0, output: n.output };
+        n.body.visit(&mut p);
+        let kind = match n.kind() {
+            NodeKind::Pointwise => "Pointwise",
+            NodeKind::Reduction => "Reduction",
+        };
+        let red = if n.reduction_ranges.is_empty() { String::new() } else { format!(" reduce={:?}", n.reduction_ranges) };
+        format!(
+            "  {}: {kind} ranges={:?}{red} -> {}{:?}/{:?}  # {}\n{}",
+            b.name,
+            n.ranges,
+            b.layout.dtype,
+            b.layout.size,
+            b.layout.stride,
+            n.origins.join(", "),
+            p.out
+        )
+    }
+
+    fn fmt_extern_arg(&self, a: &ExternArg) -> String {
+        match a {
+            ExternArg::Buffer(b) => self.buffer(*b).name.clone(),
+            ExternArg::View { buf, size, stride, offset } => {
+                format!("reinterpret({}, {size:?}, {stride:?}, {offset})", self.buffer(*buf).name)
+            }
+            ExternArg::Literal(s) => s.clone(),
+            ExternArg::List(items) => format!("[{}]", items.iter().map(|i| self.fmt_extern_arg(i)).collect::<Vec<_>>().join(", ")),
+        }
+    }
+
+    pub fn extern_text(&self, i: usize) -> String {
+        let e = &self.externs[i];
+        let outs: Vec<&str> = e.outputs.iter().map(|b| self.buffer(*b).name.as_str()).collect();
+        let mut args: Vec<String> = e.args.iter().map(|a| self.fmt_extern_arg(a)).collect();
+        args.extend(e.kwargs.iter().map(|(k, v)| format!("{k}={}", self.fmt_extern_arg(v))));
+        let kind = if e.fallback { "fallback" } else { "extern" };
+        format!("  {} = {kind} {}({})  # {}\n", outs.join(", "), e.callee, args.join(", "), e.origin)
+    }
+}
+
+impl fmt::Display for LoopProgram {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ins: Vec<String> = self
+            .inputs
+            .iter()
+            .map(|b| {
+                let l = &self.buffer(*b).layout;
+                format!("{}: {}{:?}/{:?}", self.buffer(*b).name, l.dtype, l.size, l.stride)
+            })
+            .collect();
+        writeln!(f, "inputs: {}", ins.join(", "))?;
+        for s in &self.steps {
+            match s {
+                Step::Node(i) => f.write_str(&self.node_text(*i))?,
+                Step::Extern(i) => f.write_str(&self.extern_text(*i))?,
+            }
+        }
+        let outs: Vec<String> = self
+            .outputs
+            .iter()
+            .map(|o| match o {
+                OutputValue::Buffer(b) => self.buffer(*b).name.clone(),
+                OutputValue::View { buf, size, stride, offset } => {
+                    format!("reinterpret({}, {size:?}, {stride:?}, {offset})", self.buffer(*buf).name)
+                }
+                OutputValue::None => "None".into(),
+            })
+            .collect();
+        writeln!(f, "return ({})", outs.join(", "))
+    }
+}

@@ -1,0 +1,155 @@
+//! Library calls and fallbacks: mm/bmm/addmm run ATen's kernels; any op without a lowering
+//! runs its own ATen overload. Both take realized, strided inputs and produce buffers laid out
+//! as the node's metadata says. Also `cat`, written slice by slice into one buffer.
+
+use super::*;
+
+impl Ctx<'_> {
+    fn extern_tensor(&mut self, n: NodeId) -> LResult<ExternArg> {
+        let tv = self.realized_node(n)?;
+        if let Some((buf, stride, offset)) = tv.strided() {
+            let l = &self.prog.buffer(buf).layout;
+            if l.size == tv.size && l.stride == stride && l.offset == offset {
+                return Ok(ExternArg::Buffer(buf));
+            }
+            return Ok(ExternArg::View { buf, size: tv.size.clone(), stride, offset });
+        }
+        // a non-affine view (e.g. reshape of a transposed buffer): copy it out first
+        let lazy = TensorValue { src: Src::Lazy { f: loader_of(&tv), reads: 1, ops: 0 }, ..tv };
+        let r = self.realize(&lazy);
+        self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
+        match r.src {
+            Src::View { buf, .. } => Ok(ExternArg::Buffer(buf)),
+            Src::Lazy { .. } => malformed("realize produced no buffer"),
+        }
+    }
+
+    fn extern_arg(&mut self, a: &Arg) -> LResult<ExternArg> {
+        Ok(match a {
+            Arg::Node(n) => {
+                if self.graph.node(*n).meta.tensor().is_none() {
+                    return unsupported("non-tensor node argument");
+                }
+                self.extern_tensor(*n)?
+            }
+            Arg::List(items) => ExternArg::List(items.iter().map(|i| self.extern_arg(i)).collect::<LResult<_>>()?),
+            other => ExternArg::Literal(py_literal(other)),
+        })
+    }
+
+    /// Emits `callee(args)` whose results are new buffers shaped like the node's metadata.
+    fn extern_call(&mut self, callee: String, fallback: bool, reason: Option<String>) -> LResult<Lowered> {
+        let node = self.graph.node(self.current);
+        let NodeKind::Call { args, kwargs, .. } = &node.kind else { return malformed("not a call") };
+        let args = args.iter().map(|a| self.extern_arg(a)).collect::<LResult<Vec<_>>>()?;
+        let kwargs = kwargs
+            .iter()
+            .map(|(k, a)| Ok((k.clone(), self.extern_arg(a)?)))
+            .collect::<LResult<Vec<_>>>()?;
+        let call = self.prog.externs.len();
+        let mut outputs = Vec::new();
+        let mut make = |cx: &mut Self, t: &TensorMeta, item: Option<usize>| -> TensorValue {
+            let layout = Layout { size: t.shape.clone(), stride: t.stride.clone(), offset: 0, dtype: t.dtype, device: t.device.clone() };
+            let buf = cx.prog.add_buffer(layout.clone(), BufferSource::Extern { call, item });
+            outputs.push(buf);
+            view_of_layout(buf, &layout)
+        };
+        let lowered = match &node.meta {
+            Meta::Tensor(t) => Lowered::Tensor(make(self, t, None)),
+            Meta::Tuple(items) => {
+                let mut out = Vec::new();
+                for (i, m) in items.iter().enumerate() {
+                    out.push(match m {
+                        Some(Meta::Tensor(t)) => Some(Lowered::Tensor(make(self, t, Some(i)))),
+                        _ => None,
+                    });
+                }
+                Lowered::Tuple(out)
+            }
+            Meta::None => Lowered::Nothing,
+            Meta::Scalar(_) => return malformed("ops returning Python scalars cannot run in the wrapper"),
+        };
+        self.prog.externs.push(ExternCall { callee, args, kwargs, outputs, fallback, origin: node.name.clone(), reason });
+        self.prog.steps.push(Step::Extern(call));
+        Ok(lowered)
+    }
+
+    pub(super) fn lower_extern(&mut self, op: AtenOp) -> LResult<Lowered> {
+        self.extern_call(format!("torch.ops.{}", op.name()), false, None)
+    }
+
+    /// Runs the node's own ATen overload inside the wrapper; logged and counted.
+    pub(super) fn fallback(&mut self, id: NodeId, reason: String) -> LResult<Lowered> {
+        let node = self.graph.node(id);
+        let NodeKind::Call { target, .. } = &node.kind else { return malformed("not a call") };
+        let name = target.name().to_string();
+        if !name.starts_with("aten.") {
+            return malformed(format!("cannot fall back on '{name}': {reason}"));
+        }
+        self.current = id;
+        self.fallbacks.push(Fallback { node: node.name.clone(), target: name.clone(), reason: reason.clone() });
+        self.extern_call(format!("torch.ops.{name}"), true, Some(reason))
+    }
+
+    pub(super) fn lower_cat(&mut self) -> LResult<TensorValue> {
+        let out = self.out_meta()?.clone();
+        let Some(Arg::List(items)) = self.arg(0, "tensors") else { return malformed("cat takes a list of tensors") };
+        let rank = out.shape.len();
+        let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+        let stride = if is_dense(&out.shape, &out.stride) { out.stride.clone() } else { contiguous_strides(&out.shape) };
+        let layout = Layout { size: out.shape.clone(), stride, offset: 0, dtype: out.dtype, device: out.device.clone() };
+        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let mut offset = 0i64;
+        for it in items {
+            let Arg::Node(n) = it else { return malformed("cat takes a list of tensors") };
+            let tv = self.tensor_of(*n)?;
+            // legacy: 1-D empty tensors are skipped whatever the rank
+            if tv.size == [0] && rank != 1 {
+                continue;
+            }
+            if tv.size.len() != rank {
+                return malformed(format!("cat input of rank {} for output rank {rank}", tv.size.len()));
+            }
+            let mut body = LoopBody::default();
+            {
+                let mut bx = Bx { body: &mut body, ranges: tv.size.clone() };
+                let vars: Vec<IndexExpr> = (0..rank).map(|i| IndexExpr::var(Var(i as u32))).collect();
+                let v = tv.load(&mut bx, &vars);
+                let v = bx.body.cast(v, out.dtype);
+                let mut oidx = vars.clone();
+                oidx[dim] = oidx[dim].add_const(offset);
+                bx.body.set_store(layout.index_of(&oidx), v);
+            }
+            offset += tv.size[dim];
+            self.push_node(LoopNode { output: buf, ranges: tv.size.clone(), reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+        }
+        if offset != out.shape[dim] {
+            return malformed(format!("cat inputs sum to {offset} along dim {dim}, metadata says {}", out.shape[dim]));
+        }
+        Ok(view_of_layout(buf, &layout))
+    }
+}
+
+fn loader_of(tv: &TensorValue) -> LoadFn {
+    let t = tv.clone();
+    Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| t.load(bx, idx))
+}
+
+/// Python source for a literal argument.
+pub fn py_literal(a: &Arg) -> String {
+    match a {
+        Arg::None => "None".into(),
+        Arg::Int(i) => i.to_string(),
+        Arg::Float(f) if f.is_nan() => "float('nan')".into(),
+        Arg::Float(f) if f.is_infinite() => if *f > 0.0 { "float('inf')".into() } else { "float('-inf')".into() },
+        Arg::Float(f) => format!("{f:?}"),
+        Arg::Bool(b) => if *b { "True".into() } else { "False".into() },
+        Arg::Str(s) => format!("{s:?}"),
+        Arg::List(items) => format!("[{}]", items.iter().map(py_literal).collect::<Vec<_>>().join(", ")),
+        Arg::DType(d) => format!("torch.{d}"),
+        Arg::Device(d) => format!("torch.device('{d}')"),
+        Arg::Layout(l) => format!("torch.{l}"),
+        Arg::MemoryFormat(m) => format!("torch.{m}"),
+        Arg::Node(_) => "None".into(),
+    }
+}

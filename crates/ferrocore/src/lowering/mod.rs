@@ -1,0 +1,519 @@
+//! ATen graph -> loop IR. Each FX node becomes a `TensorValue`: a strided view of a buffer or a
+//! lazily built pointwise function of its index. Pointwise chains stay lazy and are inlined into
+//! their consumers; reductions, graph outputs, extern-call inputs and values that are expensive to
+//! recompute are realized into buffers. Views never copy: they remap indices. An op we cannot
+//! lower becomes a logged ATen fallback call, never an error.
+
+mod creation;
+mod externs;
+mod pointwise;
+mod reduction;
+mod views;
+
+use crate::graph::{Arg, AtenOp, DType, Device, Graph, Meta, NodeId, NodeKind, Target, TensorMeta};
+use crate::loop_ir::*;
+use crate::symbolic::{IndexExpr, Var};
+use std::fmt;
+use std::rc::Rc;
+
+/// Builds one loop body: the arena plus the ranges of the body's variables.
+pub struct Bx<'a> {
+    pub body: &'a mut LoopBody,
+    pub ranges: Vec<i64>,
+}
+
+pub type LoadFn = Rc<dyn Fn(&mut Bx, &[IndexExpr]) -> ValueId>;
+pub type IndexFn = Rc<dyn Fn(&[IndexExpr], &[i64]) -> IndexExpr>;
+/// Maps an index of a view to the index of its base.
+pub type ReindexFn = Rc<dyn Fn(&[IndexExpr], &[i64]) -> Vec<IndexExpr>>;
+
+#[derive(Clone)]
+pub enum Src {
+    /// Elements live in `buf` at `index(idx)`.
+    View { buf: BufferId, index: IndexFn },
+    /// Computed from the index; `reads`/`ops` estimate the cost of recomputing it.
+    Lazy { f: LoadFn, reads: usize, ops: usize },
+}
+
+#[derive(Clone)]
+pub struct TensorValue {
+    pub size: Vec<i64>,
+    pub dtype: DType,
+    pub device: Device,
+    pub src: Src,
+}
+
+impl TensorValue {
+    pub fn load(&self, bx: &mut Bx, idx: &[IndexExpr]) -> ValueId {
+        match &self.src {
+            Src::View { buf, index } => {
+                let i = index(idx, &bx.ranges);
+                bx.body.load(*buf, i, self.dtype)
+            }
+            Src::Lazy { f, .. } => f(bx, idx),
+        }
+    }
+    pub fn cost(&self) -> (usize, usize) {
+        match &self.src {
+            Src::View { .. } => (1, 0),
+            Src::Lazy { reads, ops, .. } => (*reads, *ops),
+        }
+    }
+    pub fn numel(&self) -> i64 {
+        self.size.iter().product()
+    }
+    /// (size, stride, offset) when this is an affine view of a buffer.
+    pub fn strided(&self) -> Option<(BufferId, Vec<i64>, i64)> {
+        let Src::View { buf, index } = &self.src else { return None };
+        let vars: Vec<IndexExpr> = (0..self.size.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
+        let e = index(&vars, &self.size);
+        let mut strides = Vec::new();
+        for i in 0..self.size.len() {
+            strides.push(if self.size[i] == 1 { 0 } else { e.affine_coeff(Var(i as u32))? });
+        }
+        if e.terms.iter().any(|(a, _)| !matches!(a, crate::symbolic::Atom::Var(_))) {
+            return None;
+        }
+        // size-1 dims: any stride works; use the contiguous one like torch does for fresh views.
+        let contiguous = contiguous_strides(&self.size);
+        for i in 0..self.size.len() {
+            if self.size[i] == 1 {
+                strides[i] = contiguous[i];
+            }
+        }
+        Some((*buf, strides, e.constant))
+    }
+}
+
+#[derive(Clone)]
+pub enum Lowered {
+    Tensor(TensorValue),
+    Tuple(Vec<Option<Lowered>>),
+    /// A node whose value is not used by compiled code (e.g. a dropped tuple element).
+    Nothing,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LowerErrorKind {
+    /// The graph itself is wrong (bad argument types, inconsistent shapes): a user-visible error.
+    Malformed,
+    /// Valid, but ferrocore has no lowering for this combination: falls back to ATen.
+    Unsupported,
+}
+
+#[derive(Debug, Clone)]
+pub struct LowerError {
+    pub node: String,
+    pub target: String,
+    pub kind: LowerErrorKind,
+    pub message: String,
+}
+
+impl fmt::Display for LowerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lowering: node '{}' ({}): {}", self.node, self.target, self.message)
+    }
+}
+impl std::error::Error for LowerError {}
+
+/// Result of a lowering function before the node's name is attached.
+pub type LResult<T> = Result<T, (LowerErrorKind, String)>;
+
+pub fn unsupported<T>(msg: impl Into<String>) -> LResult<T> {
+    Err((LowerErrorKind::Unsupported, msg.into()))
+}
+pub fn malformed<T>(msg: impl Into<String>) -> LResult<T> {
+    Err((LowerErrorKind::Malformed, msg.into()))
+}
+
+#[derive(Debug, Clone)]
+pub struct Fallback {
+    pub node: String,
+    pub target: String,
+    pub reason: String,
+}
+
+
+pub struct LoweringResult {
+    pub program: LoopProgram,
+    pub fallbacks: Vec<Fallback>,
+}
+
+// Recompute a lazy value in each consumer unless it is expensive (Inductor's thresholds).
+const REALIZE_READS_THRESHOLD: usize = 4;
+const REALIZE_OPS_THRESHOLD: usize = 30;
+const MAX_INLINE_OPS: usize = 200;
+
+pub struct Ctx<'g> {
+    pub graph: &'g Graph,
+    pub prog: LoopProgram,
+    values: Vec<Option<Lowered>>,
+    uses: Vec<usize>,
+    pub fallbacks: Vec<Fallback>,
+    /// The node being lowered (for origins and messages).
+    pub current: NodeId,
+}
+
+pub fn lower_graph(graph: &Graph) -> Result<LoweringResult, LowerError> {
+    let mut cx = Ctx {
+        graph,
+        prog: LoopProgram::default(),
+        values: vec![None; graph.nodes.len()],
+        uses: graph.use_counts(),
+        fallbacks: Vec::new(),
+        current: NodeId(0),
+    };
+    cx.prog.input_names = graph.inputs.iter().map(|i| graph.node(*i).name.clone()).collect();
+    for (i, id) in graph.inputs.iter().enumerate() {
+        let t = graph.node(*id).meta.tensor().cloned().ok_or_else(|| LowerError {
+            node: graph.node(*id).name.clone(),
+            target: "placeholder".into(),
+            kind: LowerErrorKind::Malformed,
+            message: "input without tensor metadata".into(),
+        })?;
+        // kernels get the tensor's data pointer, which already includes its storage offset
+        let layout = Layout { size: t.shape.clone(), stride: t.stride.clone(), offset: 0, dtype: t.dtype, device: t.device.clone() };
+        let buf = cx.prog.add_buffer(layout.clone(), BufferSource::Input(i));
+        cx.prog.inputs.push(buf);
+        cx.values[id.0 as usize] = Some(Lowered::Tensor(view_of_layout(buf, &layout)));
+    }
+    for id in graph.ids() {
+        let node = graph.node(id);
+        let NodeKind::Call { target, .. } = &node.kind else { continue };
+        if cx.uses[id.0 as usize] == 0 {
+            continue; // dead code
+        }
+        cx.current = id;
+        let lowered = match cx.lower_node(id, target) {
+            Ok(l) => l,
+            Err((LowerErrorKind::Unsupported, reason)) => cx.fallback(id, reason).map_err(|(kind, message)| LowerError {
+                node: node.name.clone(),
+                target: target.name().to_string(),
+                kind,
+                message,
+            })?,
+            Err((kind, message)) => {
+                return Err(LowerError { node: node.name.clone(), target: target.name().to_string(), kind, message })
+            }
+        };
+        let lowered = cx.maybe_realize(id, lowered);
+        cx.values[id.0 as usize] = Some(lowered);
+    }
+    cx.lower_outputs().map_err(|(kind, message)| LowerError { node: "output".into(), target: "output".into(), kind, message })?;
+    Ok(LoweringResult { program: cx.prog, fallbacks: cx.fallbacks })
+}
+
+/// A view covering a whole buffer layout.
+pub fn view_of_layout(buf: BufferId, l: &Layout) -> TensorValue {
+    let stride = l.stride.clone();
+    let offset = l.offset;
+    TensorValue {
+        size: l.size.clone(),
+        dtype: l.dtype,
+        device: l.device.clone(),
+        src: Src::View {
+            buf,
+            index: Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                let mut e = IndexExpr::constant(offset);
+                for (i, s) in idx.iter().zip(&stride) {
+                    e = e.add(&i.scale(*s));
+                }
+                e
+            }),
+        },
+    }
+}
+
+impl<'g> Ctx<'g> {
+    pub fn node_name(&self) -> String {
+        self.graph.node(self.current).name.clone()
+    }
+
+    pub fn meta(&self) -> &'g Meta {
+        &self.graph.node(self.current).meta
+    }
+    pub fn out_meta(&self) -> LResult<&'g TensorMeta> {
+        match self.graph.node(self.current).meta.tensor() {
+            Some(t) => Ok(t),
+            None => malformed("expected a tensor result in node metadata"),
+        }
+    }
+
+    fn lower_node(&mut self, id: NodeId, target: &Target) -> LResult<Lowered> {
+        let node = self.graph.node(id);
+        // Types we do not compile never reach a lowering.
+        let bad_meta = |m: &Meta| -> bool {
+            match m {
+                Meta::Tensor(t) => !t.dtype.is_compilable() || t.device != Device::Cpu,
+                Meta::Tuple(items) => items.iter().flatten().any(|m| matches!(m, Meta::Tensor(t) if !t.dtype.is_compilable() || t.device != Device::Cpu)),
+                _ => false,
+            }
+        };
+        match target {
+            Target::GetItem => return self.lower_getitem(id),
+            Target::Unknown(name) => return unsupported(format!("no lowering for {name}")),
+            Target::Aten(_) => {}
+        }
+        if bad_meta(&node.meta) {
+            return unsupported("dtype or device not compiled by ferrocore");
+        }
+        if let NodeKind::Call { args, kwargs, .. } = &node.kind {
+            for a in args.iter().chain(kwargs.iter().map(|(_, a)| a)) {
+                let mut refs = Vec::new();
+                collect_refs(a, &mut refs);
+                for r in refs {
+                    if bad_meta(&self.graph.node(r).meta) {
+                        return unsupported("an input's dtype or device is not compiled by ferrocore");
+                    }
+                }
+            }
+        }
+        let Target::Aten(op) = target else { unreachable!() };
+        self.dispatch(*op)
+    }
+
+    /// The registry: every known overload maps to its lowering.
+    fn dispatch(&mut self, op: AtenOp) -> LResult<Lowered> {
+        use AtenOp::*;
+        let t = Lowered::Tensor;
+        Ok(match op {
+            Abs | Neg | Exp | Exp2 | Expm1 | Log | Log2 | Log10 | Log1p | Sqrt | Rsqrt | Sin | Cos | Tan | Asin | Acos
+            | Atan | Sinh | Cosh | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Floor | Ceil | Round
+            | Trunc | Sign | Reciprocal | BitwiseNot | LogicalNot | IsNan | IsInf | Gelu | Silu => t(self.lower_unary(op)?),
+            AddTensor | AddScalar | SubTensor | SubScalar | RsubScalar | MulTensor | MulScalar | DivTensor | DivScalar
+            | DivTensorMode | DivScalarMode | PowTensorTensor | PowTensorScalar | PowScalar | Maximum | Minimum
+            | FmodTensor | FmodScalar | RemainderTensor | RemainderScalar | Atan2 | EqTensor | EqScalar | NeTensor
+            | NeScalar | LtTensor | LtScalar | LeTensor | LeScalar | GtTensor | GtScalar | GeTensor | GeScalar
+            | LogicalAnd | LogicalOr | LogicalXor | BitwiseAndTensor | BitwiseAndScalar | BitwiseOrTensor
+            | BitwiseOrScalar | BitwiseXorTensor | BitwiseXorScalar => t(self.lower_binary(op)?),
+            WhereSelf => t(self.lower_where()?),
+            Clamp | ClampTensor | ClampMin | ClampMax => t(self.lower_clamp(op)?),
+            ToCopy | Clone | Copy | LiftFreshCopy => t(self.lower_copy(op)?),
+            Full | FullLike | ScalarTensor | FillScalar => t(self.lower_full(op)?),
+            ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
+            SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault
+            | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
+            VarCorrection | VarMeanCorrection => self.lower_var(op)?,
+            Softmax | LogSoftmax => t(self.lower_softmax(op)?),
+            NativeLayerNorm => self.lower_layer_norm()?,
+            View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
+            | SliceTensor | SelectInt | TransposeInt | T | Alias => t(self.lower_view(op)?),
+            Cat => t(self.lower_cat()?),
+            Mm | Bmm | Addmm => self.lower_extern(op)?,
+        })
+    }
+
+    fn lower_getitem(&mut self, id: NodeId) -> LResult<Lowered> {
+        let node = self.graph.node(id);
+        let (Some(Arg::Node(src)), Some(Arg::Int(i))) = (node.arg(0, ""), node.arg(1, "")) else {
+            return malformed("getitem takes (node, int)");
+        };
+        match self.values[src.0 as usize].clone() {
+            Some(Lowered::Tuple(items)) => match items.get(*i as usize) {
+                Some(Some(l)) => Ok(l.clone()),
+                _ => malformed(format!("getitem index {i} out of range or empty")),
+            },
+            _ => malformed("getitem of a node that is not a tuple"),
+        }
+    }
+
+    // ----- argument access -----
+
+    pub fn arg(&self, i: usize, key: &str) -> Option<&'g Arg> {
+        self.graph.node(self.current).arg(i, key)
+    }
+    pub fn tensor_arg(&self, i: usize, key: &str) -> LResult<TensorValue> {
+        match self.arg(i, key) {
+            Some(Arg::Node(n)) => self.tensor_of(*n),
+            other => malformed(format!("argument {i} ({key}) must be a tensor, got {other:?}")),
+        }
+    }
+    pub fn tensor_of(&self, n: NodeId) -> LResult<TensorValue> {
+        match &self.values[n.0 as usize] {
+            Some(Lowered::Tensor(t)) => Ok(t.clone()),
+            _ => malformed(format!("'{}' has no tensor value", self.graph.node(n).name)),
+        }
+    }
+    pub fn int_arg(&self, i: usize, key: &str) -> LResult<Option<i64>> {
+        match self.arg(i, key) {
+            None | Some(Arg::None) => Ok(None),
+            Some(Arg::Int(v)) => Ok(Some(*v)),
+            Some(Arg::Bool(b)) => Ok(Some(*b as i64)),
+            other => malformed(format!("argument {i} ({key}) must be an int, got {other:?}")),
+        }
+    }
+    pub fn ints_arg(&self, i: usize, key: &str) -> LResult<Option<Vec<i64>>> {
+        match self.arg(i, key) {
+            None | Some(Arg::None) => Ok(None),
+            Some(Arg::Int(v)) => Ok(Some(vec![*v])),
+            Some(Arg::List(items)) => items
+                .iter()
+                .map(|a| match a {
+                    Arg::Int(v) => Ok(*v),
+                    other => malformed(format!("argument {i} ({key}) must be a list of ints, got {other:?}")),
+                })
+                .collect::<LResult<Vec<i64>>>()
+                .map(Some),
+            other => malformed(format!("argument {i} ({key}) must be a list of ints, got {other:?}")),
+        }
+    }
+    pub fn bool_arg(&self, i: usize, key: &str, default: bool) -> LResult<bool> {
+        match self.arg(i, key) {
+            None | Some(Arg::None) => Ok(default),
+            Some(Arg::Bool(b)) => Ok(*b),
+            Some(Arg::Int(v)) => Ok(*v != 0),
+            other => malformed(format!("argument {i} ({key}) must be a bool, got {other:?}")),
+        }
+    }
+    pub fn float_arg(&self, i: usize, key: &str) -> LResult<Option<f64>> {
+        match self.arg(i, key) {
+            None | Some(Arg::None) => Ok(None),
+            Some(Arg::Float(v)) => Ok(Some(*v)),
+            Some(Arg::Int(v)) => Ok(Some(*v as f64)),
+            other => malformed(format!("argument {i} ({key}) must be a float, got {other:?}")),
+        }
+    }
+
+    // ----- realization -----
+
+    /// Writes a value into a fresh buffer with `layout` and returns a view of it.
+    pub fn realize_into(&mut self, tv: &TensorValue, layout: Layout) -> TensorValue {
+        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let mut body = LoopBody::default();
+        let ranges = tv.size.clone();
+        let vars: Vec<IndexExpr> = (0..ranges.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
+        {
+            let mut bx = Bx { body: &mut body, ranges: ranges.clone() };
+            let v = tv.load(&mut bx, &vars);
+            let v = bx.body.cast(v, layout.dtype);
+            let idx = layout.index_of(&vars);
+            bx.body.set_store(idx, v);
+        }
+        self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+        view_of_layout(buf, &layout)
+    }
+
+    pub fn realize(&mut self, tv: &TensorValue) -> TensorValue {
+        if matches!(tv.src, Src::View { .. }) {
+            return tv.clone();
+        }
+        let layout = Layout::contiguous(&tv.size, tv.dtype, tv.device.clone());
+        self.realize_into(tv, layout)
+    }
+
+    pub fn push_node(&mut self, node: LoopNode) -> usize {
+        let i = self.prog.nodes.len();
+        self.prog.nodes.push(node);
+        self.prog.steps.push(Step::Node(i));
+        i
+    }
+
+    fn maybe_realize(&mut self, id: NodeId, l: Lowered) -> Lowered {
+        let Lowered::Tensor(tv) = &l else { return l };
+        let (reads, ops) = tv.cost();
+        let users = self.uses[id.0 as usize];
+        let expensive = reads > REALIZE_READS_THRESHOLD || ops > REALIZE_OPS_THRESHOLD;
+        if matches!(tv.src, Src::Lazy { .. }) && ((users > 1 && expensive) || ops > MAX_INLINE_OPS) {
+            return Lowered::Tensor(self.realize(tv));
+        }
+        l
+    }
+
+    /// Makes a node's value a buffer view (for extern calls), updating the node's value so
+    /// that its other users read the buffer instead of recomputing.
+    pub fn realized_node(&mut self, n: NodeId) -> LResult<TensorValue> {
+        let tv = self.tensor_of(n)?;
+        if matches!(tv.src, Src::View { .. }) {
+            return Ok(tv);
+        }
+        let saved = self.current;
+        self.current = n;
+        let r = self.realize(&tv);
+        self.current = saved;
+        self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
+        Ok(r)
+    }
+
+    fn lower_outputs(&mut self) -> LResult<()> {
+        let graph = self.graph;
+        let mut outputs = Vec::new();
+        for a in &graph.outputs {
+            let out = match a {
+                Arg::None => OutputValue::None,
+                Arg::Node(n) => {
+                    let node = graph.node(*n);
+                    let Some(meta) = node.meta.tensor() else {
+                        return malformed(format!("output '{}' is not a tensor", node.name));
+                    };
+                    let tv = self.tensor_of(*n)?;
+                    if tv.size != meta.shape {
+                        return malformed(format!("output '{}' has shape {:?}, metadata says {:?}", node.name, tv.size, meta.shape));
+                    }
+                    self.current = *n;
+                    self.output_value(&tv, meta)
+                }
+                other => return malformed(format!("unsupported output {other:?}")),
+            };
+            outputs.push(out);
+        }
+        self.prog.outputs = outputs;
+        Ok(())
+    }
+
+    /// Graph outputs keep eager's strides: views of buffers are returned as views when their
+    /// strides match, everything else is written into a buffer with the metadata's strides.
+    fn output_value(&mut self, tv: &TensorValue, meta: &TensorMeta) -> OutputValue {
+        if let Some((buf, stride, offset)) = tv.strided() {
+            let l = &self.prog.buffer(buf).layout;
+            if l.size == tv.size && l.stride == stride && l.offset == offset && l.dtype == meta.dtype {
+                return OutputValue::Buffer(buf);
+            }
+            if same_strides(&tv.size, &stride, &meta.stride) && l.dtype == meta.dtype {
+                return OutputValue::View { buf, size: tv.size.clone(), stride, offset };
+            }
+        }
+        let stride = if is_dense(&meta.shape, &meta.stride) { meta.stride.clone() } else { contiguous_strides(&meta.shape) };
+        let layout = Layout { size: meta.shape.clone(), stride, offset: 0, dtype: meta.dtype, device: meta.device.clone() };
+        let r = self.realize_into(tv, layout);
+        match r.src {
+            Src::View { buf, .. } => OutputValue::Buffer(buf),
+            Src::Lazy { .. } => OutputValue::None,
+        }
+    }
+}
+
+pub fn collect_refs(a: &Arg, out: &mut Vec<NodeId>) {
+    match a {
+        Arg::Node(n) => out.push(*n),
+        Arg::List(items) => items.iter().for_each(|i| collect_refs(i, out)),
+        _ => {}
+    }
+}
+
+fn same_strides(size: &[i64], a: &[i64], b: &[i64]) -> bool {
+    size.iter().zip(a.iter().zip(b)).all(|(s, (x, y))| *s <= 1 || x == y)
+}
+
+/// Non-overlapping and dense: some permutation of the dims is contiguous.
+pub fn is_dense(size: &[i64], stride: &[i64]) -> bool {
+    let mut dims: Vec<usize> = (0..size.len()).filter(|&i| size[i] != 1).collect();
+    dims.sort_by_key(|&i| stride[i]);
+    let mut expected = 1;
+    for i in dims {
+        if stride[i] != expected {
+            return false;
+        }
+        expected *= size[i];
+    }
+    true
+}
+
+/// Normalizes a possibly negative dim against `rank`.
+pub fn norm_dim(d: i64, rank: usize) -> LResult<usize> {
+    let r = rank.max(1) as i64;
+    let d2 = if d < 0 { d + r } else { d };
+    if d2 < 0 || d2 >= r {
+        return malformed(format!("dim {d} out of range for rank {rank}"));
+    }
+    Ok(d2 as usize)
+}

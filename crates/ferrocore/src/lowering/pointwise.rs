@@ -1,0 +1,405 @@
+//! Elementwise lowerings: unary math, binary arithmetic and comparisons, where, clamp, casts.
+//! All of them build one lazy `TensorValue` over the broadcast output index.
+
+use super::*;
+use crate::graph::{result_type, Category, Operand};
+
+/// An elementwise operand: a tensor or a Python scalar from the graph.
+#[derive(Clone)]
+pub enum PwIn {
+    Tensor(TensorValue),
+    Scalar(Scalar),
+}
+
+impl PwIn {
+    fn operand(&self) -> Operand {
+        match self {
+            PwIn::Tensor(t) => Operand::Tensor { dtype: t.dtype, zero_dim: t.size.is_empty() },
+            PwIn::Scalar(Scalar::Bool(_)) => Operand::Scalar(Category::Bool),
+            PwIn::Scalar(Scalar::Int(_)) => Operand::Scalar(Category::Int),
+            PwIn::Scalar(Scalar::Float(_)) => Operand::Scalar(Category::Float),
+        }
+    }
+}
+
+pub fn broadcast_shapes(shapes: &[&[i64]]) -> LResult<Vec<i64>> {
+    let rank = shapes.iter().map(|s| s.len()).max().unwrap_or(0);
+    let mut out = vec![1i64; rank];
+    for s in shapes {
+        let off = rank - s.len();
+        for (i, &d) in s.iter().enumerate() {
+            let o = &mut out[off + i];
+            if *o == 1 {
+                *o = d;
+            } else if d != 1 && d != *o {
+                return malformed(format!("shapes {shapes:?} do not broadcast"));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Index into `size` for an element of the broadcast output index `idx`.
+pub fn broadcast_index(size: &[i64], idx: &[IndexExpr]) -> Vec<IndexExpr> {
+    let off = idx.len() - size.len();
+    size.iter()
+        .enumerate()
+        .map(|(i, &d)| if d == 1 { IndexExpr::zero() } else { idx[off + i].clone() })
+        .collect()
+}
+
+/// A lazy elementwise value: `f` receives each input loaded (tensors) or materialized as a
+/// constant of `scalar_dtype` (scalars) and returns the result, which is cast to `out_dtype`.
+pub fn pointwise(
+    inputs: Vec<PwIn>,
+    out_size: Vec<i64>,
+    out_dtype: DType,
+    device: Device,
+    scalar_dtype: DType,
+    f: impl Fn(&mut Bx, &[ValueId]) -> ValueId + 'static,
+) -> TensorValue {
+    let mut reads = 0;
+    let mut ops = 1;
+    for i in &inputs {
+        if let PwIn::Tensor(t) = i {
+            let (r, o) = t.cost();
+            reads += r;
+            ops += o;
+        }
+    }
+    let f = Rc::new(f);
+    TensorValue {
+        size: out_size,
+        dtype: out_dtype,
+        device,
+        src: Src::Lazy {
+            f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                let vals: Vec<ValueId> = inputs
+                    .iter()
+                    .map(|i| match i {
+                        PwIn::Tensor(t) => {
+                            let bidx = broadcast_index(&t.size, idx);
+                            t.load(bx, &bidx)
+                        }
+                        PwIn::Scalar(s) => bx.body.constant(*s, scalar_dtype),
+                    })
+                    .collect();
+                let r = f(bx, &vals);
+                bx.body.cast(r, out_dtype)
+            }),
+            reads,
+            ops,
+        },
+    }
+}
+
+impl Ctx<'_> {
+    pub fn pw_arg(&self, i: usize, key: &str) -> LResult<PwIn> {
+        match self.arg(i, key) {
+            Some(Arg::Node(n)) => Ok(PwIn::Tensor(self.tensor_of(*n)?)),
+            Some(Arg::Int(v)) => Ok(PwIn::Scalar(Scalar::Int(*v))),
+            Some(Arg::Float(v)) => Ok(PwIn::Scalar(Scalar::Float(*v))),
+            Some(Arg::Bool(v)) => Ok(PwIn::Scalar(Scalar::Bool(*v))),
+            other => malformed(format!("argument {i} ({key}) must be a tensor or number, got {other:?}")),
+        }
+    }
+
+    fn out_shape_of(&self, inputs: &[PwIn]) -> LResult<Vec<i64>> {
+        let shapes: Vec<&[i64]> = inputs
+            .iter()
+            .filter_map(|i| match i {
+                PwIn::Tensor(t) => Some(t.size.as_slice()),
+                PwIn::Scalar(_) => None,
+            })
+            .collect();
+        let shape = broadcast_shapes(&shapes)?;
+        if let Some(m) = self.meta().tensor() {
+            if m.shape != shape {
+                return malformed(format!("broadcast shape {shape:?} differs from metadata {:?}", m.shape));
+            }
+        }
+        Ok(shape)
+    }
+
+    pub(super) fn lower_unary(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        use AtenOp as A;
+        let x = self.pw_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let size = self.out_shape_of(std::slice::from_ref(&x))?;
+        let cd = out.dtype.compute();
+        let in_dtype = match &x {
+            PwIn::Tensor(t) => t.dtype,
+            PwIn::Scalar(_) => cd,
+        };
+        let simple = |u: UnaryOp| -> Box<dyn Fn(&mut Bx, &[ValueId]) -> ValueId> {
+            Box::new(move |bx: &mut Bx, v: &[ValueId]| {
+                let x = bx.body.cast(v[0], cd);
+                bx.body.unary(u, x)
+            })
+        };
+        let f: Box<dyn Fn(&mut Bx, &[ValueId]) -> ValueId> = match op {
+            A::Abs => simple(UnaryOp::Abs),
+            A::Neg => simple(UnaryOp::Neg),
+            A::Exp => simple(UnaryOp::Exp),
+            A::Exp2 => simple(UnaryOp::Exp2),
+            A::Expm1 => simple(UnaryOp::Expm1),
+            A::Log => simple(UnaryOp::Log),
+            A::Log2 => simple(UnaryOp::Log2),
+            A::Log10 => simple(UnaryOp::Log10),
+            A::Log1p => simple(UnaryOp::Log1p),
+            A::Sqrt => simple(UnaryOp::Sqrt),
+            A::Rsqrt => simple(UnaryOp::Rsqrt),
+            A::Sin => simple(UnaryOp::Sin),
+            A::Cos => simple(UnaryOp::Cos),
+            A::Tan => simple(UnaryOp::Tan),
+            A::Asin => simple(UnaryOp::Asin),
+            A::Acos => simple(UnaryOp::Acos),
+            A::Atan => simple(UnaryOp::Atan),
+            A::Sinh => simple(UnaryOp::Sinh),
+            A::Cosh => simple(UnaryOp::Cosh),
+            A::Tanh => simple(UnaryOp::Tanh),
+            A::Asinh => simple(UnaryOp::Asinh),
+            A::Acosh => simple(UnaryOp::Acosh),
+            A::Atanh => simple(UnaryOp::Atanh),
+            A::Sigmoid => simple(UnaryOp::Sigmoid),
+            A::Relu => simple(UnaryOp::Relu),
+            A::Erf => simple(UnaryOp::Erf),
+            A::Erfc => simple(UnaryOp::Erfc),
+            A::Floor => simple(UnaryOp::Floor),
+            A::Ceil => simple(UnaryOp::Ceil),
+            A::Round => {
+                if self.arg(1, "decimals").is_some() {
+                    return unsupported("round with decimals");
+                }
+                simple(UnaryOp::Round)
+            }
+            A::Trunc => simple(UnaryOp::Trunc),
+            A::Sign => simple(UnaryOp::Sign),
+            A::Reciprocal => simple(UnaryOp::Reciprocal),
+            A::BitwiseNot => simple(UnaryOp::BitwiseNot),
+            A::LogicalNot => Box::new(|bx: &mut Bx, v: &[ValueId]| bx.body.unary(UnaryOp::LogicalNot, v[0])),
+            A::IsNan => Box::new(|bx: &mut Bx, v: &[ValueId]| bx.body.unary(UnaryOp::IsNan, v[0])),
+            A::IsInf => Box::new(|bx: &mut Bx, v: &[ValueId]| bx.body.unary(UnaryOp::IsInf, v[0])),
+            A::Silu => Box::new(move |bx: &mut Bx, v: &[ValueId]| {
+                let x = bx.body.cast(v[0], cd);
+                let s = bx.body.unary(UnaryOp::Sigmoid, x);
+                bx.body.binary(BinaryOp::Mul, x, s)
+            }),
+            A::Gelu => {
+                let approx = match self.arg(1, "approximate") {
+                    None | Some(Arg::None) => "none".to_string(),
+                    Some(Arg::Str(s)) => s.clone(),
+                    other => return malformed(format!("gelu approximate must be a string, got {other:?}")),
+                };
+                match approx.as_str() {
+                    "none" => Box::new(move |bx: &mut Bx, v: &[ValueId]| {
+                        let x = bx.body.cast(v[0], cd);
+                        let half = bx.body.constant(Scalar::Float(0.5), cd);
+                        let inv_sqrt2 = bx.body.constant(Scalar::Float(std::f64::consts::FRAC_1_SQRT_2), cd);
+                        let one = bx.body.constant(Scalar::Float(1.0), cd);
+                        let t = bx.body.binary(BinaryOp::Mul, x, inv_sqrt2);
+                        let e = bx.body.unary(UnaryOp::Erf, t);
+                        let e1 = bx.body.binary(BinaryOp::Add, e, one);
+                        let hx = bx.body.binary(BinaryOp::Mul, x, half);
+                        bx.body.binary(BinaryOp::Mul, hx, e1)
+                    }),
+                    "tanh" => Box::new(move |bx: &mut Bx, v: &[ValueId]| {
+                        let x = bx.body.cast(v[0], cd);
+                        let c = |bx: &mut Bx, f: f64| bx.body.constant(Scalar::Float(f), cd);
+                        let k = c(bx, (2.0 / std::f64::consts::PI).sqrt());
+                        let a = c(bx, 0.044715);
+                        let half = c(bx, 0.5);
+                        let one = c(bx, 1.0);
+                        let x2 = bx.body.binary(BinaryOp::Mul, x, x);
+                        let x3 = bx.body.binary(BinaryOp::Mul, x2, x);
+                        let ax3 = bx.body.binary(BinaryOp::Mul, x3, a);
+                        let inner = bx.body.binary(BinaryOp::Add, x, ax3);
+                        let kin = bx.body.binary(BinaryOp::Mul, inner, k);
+                        let t = bx.body.unary(UnaryOp::Tanh, kin);
+                        let t1 = bx.body.binary(BinaryOp::Add, t, one);
+                        let hx = bx.body.binary(BinaryOp::Mul, x, half);
+                        bx.body.binary(BinaryOp::Mul, hx, t1)
+                    }),
+                    other => return unsupported(format!("gelu approximate='{other}'")),
+                }
+            }
+            _ => return malformed("not a unary op"),
+        };
+        if matches!(op, A::BitwiseNot) && in_dtype.is_float() {
+            return malformed("bitwise_not of a float tensor");
+        }
+        Ok(pointwise(vec![x], size, out.dtype, out.device.clone(), cd, f))
+    }
+
+    pub(super) fn lower_binary(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        use AtenOp as A;
+        let mut a = self.pw_arg(0, "self")?;
+        let mut b = self.pw_arg(1, "other")?;
+        if matches!(op, A::PowTensorScalar) {
+            b = self.pw_arg(1, "exponent")?;
+        }
+        if matches!(op, A::PowScalar) {
+            a = self.pw_arg(0, "self")?;
+            b = self.pw_arg(1, "exponent")?;
+        }
+        let out = self.out_meta()?.clone();
+        let size = self.out_shape_of(&[a.clone(), b.clone()])?;
+        let rt = result_type(&[a.operand(), b.operand()]);
+        // Comparisons and logical ops compute in the promoted type; the rest in the result type.
+        let compute = match op {
+            A::EqTensor | A::EqScalar | A::NeTensor | A::NeScalar | A::LtTensor | A::LtScalar | A::LeTensor
+            | A::LeScalar | A::GtTensor | A::GtScalar | A::GeTensor | A::GeScalar => rt.compute(),
+            A::LogicalAnd | A::LogicalOr | A::LogicalXor => DType::Bool,
+            _ => out.dtype.compute(),
+        };
+        let alpha = match op {
+            A::AddTensor | A::AddScalar | A::SubTensor | A::SubScalar | A::RsubScalar => match self.arg(2, "alpha") {
+                None | Some(Arg::None) => None,
+                Some(Arg::Int(1)) => None,
+                Some(Arg::Int(v)) => Some(Scalar::Int(*v)),
+                Some(Arg::Float(v)) => Some(Scalar::Float(*v)),
+                other => return malformed(format!("alpha must be a number, got {other:?}")),
+            },
+            _ => None,
+        };
+        let mode = match op {
+            A::DivTensorMode | A::DivScalarMode => match self.arg(2, "rounding_mode") {
+                None | Some(Arg::None) => None,
+                Some(Arg::Str(s)) if s == "trunc" || s == "floor" => Some(s.clone()),
+                other => return unsupported(format!("rounding_mode {other:?}")),
+            },
+            _ => None,
+        };
+        let bop = match op {
+            A::AddTensor | A::AddScalar => BinaryOp::Add,
+            A::SubTensor | A::SubScalar | A::RsubScalar => BinaryOp::Sub,
+            A::MulTensor | A::MulScalar => BinaryOp::Mul,
+            A::DivTensor | A::DivScalar => BinaryOp::TrueDiv,
+            A::DivTensorMode | A::DivScalarMode => match mode.as_deref() {
+                None => BinaryOp::TrueDiv,
+                Some("trunc") => BinaryOp::TruncDiv,
+                _ => BinaryOp::FloorDiv,
+            },
+            A::PowTensorTensor | A::PowTensorScalar | A::PowScalar => BinaryOp::Pow,
+            A::Maximum => BinaryOp::Maximum,
+            A::Minimum => BinaryOp::Minimum,
+            A::FmodTensor | A::FmodScalar => BinaryOp::Fmod,
+            A::RemainderTensor | A::RemainderScalar => BinaryOp::Remainder,
+            A::Atan2 => BinaryOp::Atan2,
+            A::EqTensor | A::EqScalar => BinaryOp::Eq,
+            A::NeTensor | A::NeScalar => BinaryOp::Ne,
+            A::LtTensor | A::LtScalar => BinaryOp::Lt,
+            A::LeTensor | A::LeScalar => BinaryOp::Le,
+            A::GtTensor | A::GtScalar => BinaryOp::Gt,
+            A::GeTensor | A::GeScalar => BinaryOp::Ge,
+            A::LogicalAnd => BinaryOp::LogicalAnd,
+            A::LogicalOr => BinaryOp::LogicalOr,
+            A::LogicalXor => BinaryOp::LogicalXor,
+            A::BitwiseAndTensor | A::BitwiseAndScalar => BinaryOp::BitAnd,
+            A::BitwiseOrTensor | A::BitwiseOrScalar => BinaryOp::BitOr,
+            A::BitwiseXorTensor | A::BitwiseXorScalar => BinaryOp::BitXor,
+            _ => return malformed("not a binary op"),
+        };
+        if matches!(bop, BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor) && compute.is_float() {
+            return malformed("bitwise op on floating-point values");
+        }
+        // Integer division by zero is undefined behaviour in C++; ATen raises. Keep ATen's.
+        if matches!(bop, BinaryOp::FloorDiv | BinaryOp::TruncDiv | BinaryOp::Remainder | BinaryOp::Fmod)
+            && !compute.is_float()
+        {
+            return unsupported("integer division (ATen raises on a zero divisor)");
+        }
+        let rsub = matches!(op, A::RsubScalar);
+        // sub: self - alpha*other; rsub: other - alpha*self.
+        let f = move |bx: &mut Bx, v: &[ValueId]| {
+            let x = bx.body.cast(v[0], compute);
+            let y = bx.body.cast(v[1], compute);
+            let (l, r) = if rsub { (y, x) } else { (x, y) };
+            let r = match alpha {
+                Some(al) => {
+                    let c = bx.body.constant(al, compute);
+                    bx.body.binary(BinaryOp::Mul, r, c)
+                }
+                None => r,
+            };
+            bx.body.binary(bop, l, r)
+        };
+        Ok(pointwise(vec![a, b], size, out.dtype, out.device.clone(), compute, f))
+    }
+
+    pub(super) fn lower_where(&mut self) -> LResult<TensorValue> {
+        let c = self.pw_arg(0, "condition")?;
+        let a = self.pw_arg(1, "self")?;
+        let b = self.pw_arg(2, "other")?;
+        let out = self.out_meta()?.clone();
+        let size = self.out_shape_of(&[c.clone(), a.clone(), b.clone()])?;
+        let cd = out.dtype.compute();
+        Ok(pointwise(vec![c, a, b], size, out.dtype, out.device.clone(), cd, move |bx, v| {
+            let x = bx.body.cast(v[1], cd);
+            let y = bx.body.cast(v[2], cd);
+            bx.body.where_(v[0], x, y)
+        }))
+    }
+
+    pub(super) fn lower_clamp(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let x = self.pw_arg(0, "self")?;
+        let (lo, hi) = match op {
+            AtenOp::ClampMin => (self.opt_pw(1, "min")?, None),
+            AtenOp::ClampMax => (None, self.opt_pw(1, "max")?),
+            _ => (self.opt_pw(1, "min")?, self.opt_pw(2, "max")?),
+        };
+        let out = self.out_meta()?.clone();
+        let mut inputs = vec![x];
+        inputs.extend(lo.clone());
+        inputs.extend(hi.clone());
+        let size = self.out_shape_of(&inputs)?;
+        let cd = out.dtype.compute();
+        let (has_lo, has_hi) = (lo.is_some(), hi.is_some());
+        Ok(pointwise(inputs, size, out.dtype, out.device.clone(), cd, move |bx, v| {
+            let mut r = bx.body.cast(v[0], cd);
+            let mut k = 1;
+            // torch.clamp propagates NaN from the input and applies min before max.
+            if has_lo {
+                let l = bx.body.cast(v[k], cd);
+                r = bx.body.binary(BinaryOp::Maximum, r, l);
+                k += 1;
+            }
+            if has_hi {
+                let h = bx.body.cast(v[k], cd);
+                r = bx.body.binary(BinaryOp::Minimum, r, h);
+            }
+            r
+        }))
+    }
+
+    fn opt_pw(&self, i: usize, key: &str) -> LResult<Option<PwIn>> {
+        match self.arg(i, key) {
+            None | Some(Arg::None) => Ok(None),
+            _ => self.pw_arg(i, key).map(Some),
+        }
+    }
+
+    pub(super) fn lower_copy(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let out = self.out_meta()?.clone();
+        let src = match op {
+            AtenOp::Copy => self.pw_arg(1, "src")?,
+            _ => self.pw_arg(0, "self")?,
+        };
+        if let Some(Arg::Device(d)) = self.arg(usize::MAX, "device") {
+            if *d != Device::Cpu {
+                return unsupported("copy to another device");
+            }
+        }
+        if let Some(Arg::Layout(l)) = self.arg(usize::MAX, "layout") {
+            if l != "strided" {
+                return unsupported(format!("layout {l}"));
+            }
+        }
+        let size = out.shape.clone();
+        if let PwIn::Tensor(t) = &src {
+            broadcast_shapes(&[&t.size, &size])?;
+        }
+        let cd = out.dtype;
+        Ok(pointwise(vec![src], size, out.dtype, out.device.clone(), cd, move |bx, v| bx.body.cast(v[0], cd)))
+    }
+}

@@ -1,0 +1,312 @@
+//! Reductions (sum, mean, amax, amin, prod, any, var) and the normalizations built from them
+//! (softmax, log_softmax, layer_norm). Each reduction is one Reduction node writing a buffer of
+//! the kept dims; epilogues stay lazy so the scheduler can fuse them after the reduction.
+
+use super::pointwise::{pointwise, PwIn};
+use super::views::reshape;
+use super::*;
+
+impl Ctx<'_> {
+    /// A Reduction node over `dims` of a tensor of `size`. `body(bx, full_idx, kept_idx)` returns
+    /// the value stored per kept index (it contains the `Reduce`). Returns the buffer, viewed with
+    /// the kept dims (keepdim=False).
+    pub fn reduce_node(
+        &mut self,
+        size: &[i64],
+        dims: &[usize],
+        dtype: DType,
+        device: Device,
+        body: impl Fn(&mut Bx, &[IndexExpr], &[IndexExpr]) -> ValueId,
+    ) -> TensorValue {
+        let kept: Vec<usize> = (0..size.len()).filter(|d| !dims.contains(d)).collect();
+        let ranges: Vec<i64> = kept.iter().map(|&d| size[d]).collect();
+        let reduction_ranges: Vec<i64> = dims.iter().map(|&d| size[d]).collect();
+        let layout = Layout::contiguous(&ranges, dtype, device);
+        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let mut lb = LoopBody::default();
+        {
+            let all: Vec<i64> = ranges.iter().chain(&reduction_ranges).copied().collect();
+            let mut bx = Bx { body: &mut lb, ranges: all };
+            let kept_idx: Vec<IndexExpr> = (0..kept.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
+            let mut full = vec![IndexExpr::zero(); size.len()];
+            for (i, &d) in kept.iter().enumerate() {
+                full[d] = kept_idx[i].clone();
+            }
+            for (j, &d) in dims.iter().enumerate() {
+                full[d] = IndexExpr::var(Var((kept.len() + j) as u32));
+            }
+            let v = body(&mut bx, &full, &kept_idx);
+            let v = bx.body.cast(v, dtype);
+            bx.body.set_store(layout.index_of(&kept_idx), v);
+        }
+        self.push_node(LoopNode { output: buf, ranges, reduction_ranges, body: lb, origins: vec![self.node_name()] });
+        view_of_layout(buf, &layout)
+    }
+
+    fn reduce_dims(&self, i: usize, key: &str, rank: usize) -> LResult<Vec<usize>> {
+        let dims = self.ints_arg(i, key)?.unwrap_or_default();
+        if dims.is_empty() {
+            return Ok((0..rank).collect());
+        }
+        let mut out = Vec::new();
+        for d in dims {
+            let d = norm_dim(d, rank)?;
+            if rank == 0 {
+                continue;
+            }
+            if !out.contains(&d) {
+                out.push(d);
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    pub(super) fn lower_reduction(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        use AtenOp as A;
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let rank = x.size.len();
+        let dims = match op {
+            A::SumDimIntList | A::MeanDim | A::Amax | A::Amin | A::AnyDims => self.reduce_dims(1, "dim", rank)?,
+            A::ProdDimInt | A::AnyDim => vec![norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?].into_iter().filter(|_| rank > 0).collect(),
+            _ => (0..rank).collect(),
+        };
+        let rop = match op {
+            A::SumDimIntList | A::SumDefault | A::MeanDim | A::MeanDefault => ReduceOp::Sum,
+            A::Amax | A::MaxDefault => ReduceOp::Max,
+            A::Amin | A::MinDefault => ReduceOp::Min,
+            A::ProdDefault | A::ProdDimInt => ReduceOp::Prod,
+            _ => ReduceOp::Any,
+        };
+        let count: i64 = dims.iter().map(|&d| x.size[d]).product();
+        if matches!(rop, ReduceOp::Max | ReduceOp::Min) && count == 0 {
+            return unsupported("max/min over an empty dimension (ATen raises)");
+        }
+        let mean = matches!(op, A::MeanDim | A::MeanDefault);
+        let acc = out.dtype.compute();
+        let xs = x.clone();
+        let r = self.reduce_node(&x.size, &dims, acc, out.device.clone(), move |bx, full, _| {
+            let v = xs.load(bx, full);
+            let v = if rop == ReduceOp::Any { v } else { bx.body.cast(v, acc) };
+            let r = bx.body.reduce(rop, v);
+            if mean {
+                let n = bx.body.constant(Scalar::Float(count as f64), acc);
+                bx.body.binary(BinaryOp::TrueDiv, r, n)
+            } else {
+                r
+            }
+        });
+        self.finish_reduction(r, &out)
+    }
+
+    /// Applies keepdim (a reshape to the metadata's shape) and the output dtype.
+    fn finish_reduction(&mut self, r: TensorValue, out: &TensorMeta) -> LResult<TensorValue> {
+        let r = reshape(&r, out.shape.clone())?;
+        if r.dtype == out.dtype {
+            return Ok(r);
+        }
+        let dt = out.dtype;
+        Ok(pointwise(vec![PwIn::Tensor(r)], out.shape.clone(), dt, out.device.clone(), dt, move |bx, v| bx.body.cast(v[0], dt)))
+    }
+
+    /// Two-pass variance: a mean node, then Σ(x - mean)² / (N - correction).
+    pub(super) fn lower_var(&mut self, op: AtenOp) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "self")?;
+        let rank = x.size.len();
+        let dims = self.reduce_dims(1, "dim", rank)?;
+        let correction = match self.arg(usize::MAX, "correction") {
+            None | Some(Arg::None) => 1.0,
+            Some(Arg::Int(v)) => *v as f64,
+            Some(Arg::Float(v)) => *v,
+            other => return malformed(format!("correction must be a number, got {other:?}")),
+        };
+        let metas: Vec<TensorMeta> = match self.meta() {
+            Meta::Tensor(t) => vec![t.clone()],
+            Meta::Tuple(items) => items.iter().filter_map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),
+            _ => return malformed("var without tensor metadata"),
+        };
+        let Some(vmeta) = metas.first().cloned() else { return malformed("var without tensor metadata") };
+        let acc = vmeta.dtype.compute();
+        if !acc.is_float() {
+            return unsupported("var of a non-float result");
+        }
+        let (mean_kept, var) = self.variance(&x, &dims, acc, correction);
+        let v = self.finish_reduction(var, &vmeta)?;
+        if op == AtenOp::VarMeanCorrection {
+            let mmeta = metas.get(1).cloned().unwrap_or_else(|| vmeta.clone());
+            let m = self.finish_reduction(mean_kept, &mmeta)?;
+            return Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(v)), Some(Lowered::Tensor(m))]));
+        }
+        Ok(Lowered::Tensor(v))
+    }
+
+    /// Returns (mean, variance) over `dims`, both with the kept dims.
+    fn variance(&mut self, x: &TensorValue, dims: &[usize], acc: DType, correction: f64) -> (TensorValue, TensorValue) {
+        let count: i64 = dims.iter().map(|&d| x.size[d]).product();
+        let xs = x.clone();
+        let mean = self.reduce_node(&x.size, dims, acc, x.device.clone(), move |bx, full, _| {
+            let v = xs.load(bx, full);
+            let v = bx.body.cast(v, acc);
+            let s = bx.body.reduce(ReduceOp::Sum, v);
+            let n = bx.body.constant(Scalar::Float(count as f64), acc);
+            bx.body.binary(BinaryOp::TrueDiv, s, n)
+        });
+        let (xs, m) = (x.clone(), mean.clone());
+        let denom = (count as f64 - correction).max(0.0);
+        let var = self.reduce_node(&x.size, dims, acc, x.device.clone(), move |bx, full, kept| {
+            let v = xs.load(bx, full);
+            let v = bx.body.cast(v, acc);
+            let mu = m.load(bx, kept);
+            let d = bx.body.binary(BinaryOp::Sub, v, mu);
+            let d2 = bx.body.binary(BinaryOp::Mul, d, d);
+            let s = bx.body.reduce(ReduceOp::Sum, d2);
+            let n = bx.body.constant(Scalar::Float(denom), acc);
+            bx.body.binary(BinaryOp::TrueDiv, s, n)
+        });
+        (mean, var)
+    }
+
+    pub(super) fn lower_softmax(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let rank = x.size.len();
+        let dim = if rank == 0 { None } else { Some(norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?) };
+        let acc = promote(out.dtype.compute(), x.dtype.compute());
+        let dims: Vec<usize> = dim.into_iter().collect();
+        let drop_dim = move |full: &[IndexExpr]| -> Vec<IndexExpr> {
+            full.iter().enumerate().filter(|(i, _)| Some(*i) != dim).map(|(_, e)| e.clone()).collect()
+        };
+        let xs = x.clone();
+        let max = self.reduce_node(&x.size, &dims, acc, x.device.clone(), move |bx, full, _| {
+            let v = xs.load(bx, full);
+            let v = bx.body.cast(v, acc);
+            bx.body.reduce(ReduceOp::Max, v)
+        });
+        let (xs, m) = (x.clone(), max.clone());
+        let sum = self.reduce_node(&x.size, &dims, acc, x.device.clone(), move |bx, full, kept| {
+            let v = xs.load(bx, full);
+            let v = bx.body.cast(v, acc);
+            let mx = m.load(bx, kept);
+            let d = bx.body.binary(BinaryOp::Sub, v, mx);
+            let e = bx.body.unary(UnaryOp::Exp, d);
+            bx.body.reduce(ReduceOp::Sum, e)
+        });
+        let log = op == AtenOp::LogSoftmax;
+        let (m, s) = (max, sum);
+        let out_dtype = out.dtype;
+        Ok(TensorValue {
+            size: x.size.clone(),
+            dtype: out.dtype,
+            device: out.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let xv = x.load(bx, idx);
+                    let xv = bx.body.cast(xv, acc);
+                    let kept = drop_dim(idx);
+                    let mx = m.load(bx, &kept);
+                    let sm = s.load(bx, &kept);
+                    let d = bx.body.binary(BinaryOp::Sub, xv, mx);
+                    let r = if log {
+                        let l = bx.body.unary(UnaryOp::Log, sm);
+                        bx.body.binary(BinaryOp::Sub, d, l)
+                    } else {
+                        let e = bx.body.unary(UnaryOp::Exp, d);
+                        bx.body.binary(BinaryOp::TrueDiv, e, sm)
+                    };
+                    bx.body.cast(r, out_dtype)
+                }),
+                reads: 3,
+                ops: 4,
+            },
+        })
+    }
+
+    pub(super) fn lower_layer_norm(&mut self) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "input")?;
+        let normalized = self.ints_arg(1, "normalized_shape")?.unwrap_or_default();
+        let w = match self.arg(2, "weight") {
+            Some(Arg::Node(n)) => Some(self.tensor_of(*n)?),
+            _ => None,
+        };
+        let b = match self.arg(3, "bias") {
+            Some(Arg::Node(n)) => Some(self.tensor_of(*n)?),
+            _ => None,
+        };
+        let eps = self.float_arg(4, "eps")?.unwrap_or(1e-5);
+        let rank = x.size.len();
+        let k = normalized.len();
+        if k > rank || x.size[rank - k..] != normalized[..] {
+            return malformed(format!("normalized_shape {normalized:?} does not match input {:?}", x.size));
+        }
+        let Meta::Tuple(metas) = self.meta() else { return malformed("native_layer_norm returns a tuple") };
+        let metas: Vec<Option<TensorMeta>> = metas.iter().map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect();
+        let Some(Some(out)) = metas.first().cloned() else { return malformed("native_layer_norm without output metadata") };
+        let acc = out.dtype.compute();
+        let dims: Vec<usize> = (rank - k..rank).collect();
+        let (mean, var) = self.variance(&x, &dims, acc, 0.0);
+        let axis = rank - k;
+        let (mean2, var2) = (mean.clone(), var.clone());
+        let rstd_of = move |bx: &mut Bx, kept: &[IndexExpr]| {
+            let v = var2.load(bx, kept);
+            let e = bx.body.constant(Scalar::Float(eps), acc);
+            let ve = bx.body.binary(BinaryOp::Add, v, e);
+            bx.body.unary(UnaryOp::Rsqrt, ve)
+        };
+        let rstd_of = Rc::new(rstd_of);
+        let (xs, r2) = (x.clone(), rstd_of.clone());
+        let y = TensorValue {
+            size: x.size.clone(),
+            dtype: out.dtype,
+            device: out.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let kept = &idx[..axis];
+                    let xv = xs.load(bx, idx);
+                    let xv = bx.body.cast(xv, acc);
+                    let mu = mean2.load(bx, kept);
+                    let rs = r2(bx, kept);
+                    let d = bx.body.binary(BinaryOp::Sub, xv, mu);
+                    let mut y = bx.body.binary(BinaryOp::Mul, d, rs);
+                    if let Some(w) = &w {
+                        let wv = w.load(bx, &idx[axis..]);
+                        let wv = bx.body.cast(wv, acc);
+                        y = bx.body.binary(BinaryOp::Mul, y, wv);
+                    }
+                    if let Some(b) = &b {
+                        let bv = b.load(bx, &idx[axis..]);
+                        let bv = bx.body.cast(bv, acc);
+                        y = bx.body.binary(BinaryOp::Add, y, bv);
+                    }
+                    bx.body.cast(y, out.dtype)
+                }),
+                reads: 5,
+                ops: 8,
+            },
+        };
+        let mut items = vec![Some(Lowered::Tensor(y))];
+        if let Some(Some(mm)) = metas.get(1) {
+            items.push(Some(Lowered::Tensor(self.finish_reduction(mean, mm)?)));
+        } else {
+            items.push(None);
+        }
+        if let Some(Some(rm)) = metas.get(2) {
+            let kept_size: Vec<i64> = x.size[..axis].to_vec();
+            let r3 = rstd_of.clone();
+            let rstd = TensorValue {
+                size: kept_size,
+                dtype: acc,
+                device: x.device.clone(),
+                src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, kept: &[IndexExpr]| r3(bx, kept)), reads: 1, ops: 3 },
+            };
+            items.push(Some(Lowered::Tensor(self.finish_reduction(rstd, rm)?)));
+        } else {
+            items.push(None);
+        }
+        Ok(Lowered::Tuple(items))
+    }
+}
+
+fn promote(a: DType, b: DType) -> DType {
+    crate::graph::promote_types(a, b)
+}

@@ -1,0 +1,183 @@
+//! View ops: every view is an index remapping onto its base, for buffer views and lazy values
+//! alike, so views never copy. Strides are recovered from the remapped index where needed.
+
+use super::*;
+
+/// A view of `tv` with `size`, reading the base at `reindex(idx)`.
+pub fn apply_view(tv: &TensorValue, size: Vec<i64>, reindex: ReindexFn) -> TensorValue {
+    let src = match &tv.src {
+        Src::View { buf, index } => {
+            let index = index.clone();
+            let reindex = reindex.clone();
+            Src::View { buf: *buf, index: Rc::new(move |idx: &[IndexExpr], r: &[i64]| index(&reindex(idx, r), r)) }
+        }
+        Src::Lazy { f, reads, ops } => {
+            let f = f.clone();
+            Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let i = reindex(idx, &bx.ranges);
+                    f(bx, &i)
+                }),
+                reads: *reads,
+                ops: *ops,
+            }
+        }
+    };
+    TensorValue { size, dtype: tv.dtype, device: tv.device.clone(), src }
+}
+
+/// Reshape by flattening the index and splitting it again; the simplifier removes the
+/// division and modulo whenever the reshape only merges or splits contiguous dims.
+pub fn reshape(tv: &TensorValue, new_size: Vec<i64>) -> LResult<TensorValue> {
+    let old = tv.size.clone();
+    if old.iter().product::<i64>() != new_size.iter().product::<i64>() {
+        return malformed(format!("cannot view {old:?} as {new_size:?}"));
+    }
+    if old == new_size {
+        return Ok(tv.clone());
+    }
+    let new_strides = contiguous_strides(&new_size);
+    let old_strides = contiguous_strides(&old);
+    let reindex: ReindexFn = Rc::new(move |idx: &[IndexExpr], r: &[i64]| {
+        let mut flat = IndexExpr::zero();
+        for (i, s) in idx.iter().zip(&new_strides) {
+            flat = flat.add(&i.scale(*s));
+        }
+        old.iter()
+            .zip(&old_strides)
+            .map(|(&d, &s)| if d == 1 { IndexExpr::zero() } else { flat.floordiv(s, r).modulo(d, r) })
+            .collect()
+    });
+    Ok(apply_view(tv, new_size, reindex))
+}
+
+pub fn permute(tv: &TensorValue, perm: &[usize]) -> TensorValue {
+    let size: Vec<i64> = perm.iter().map(|&p| tv.size[p]).collect();
+    let perm = perm.to_vec();
+    apply_view(
+        tv,
+        size,
+        Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+            let mut out = vec![IndexExpr::zero(); idx.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                out[p] = idx[i].clone();
+            }
+            out
+        }),
+    )
+}
+
+pub fn expand(tv: &TensorValue, size: Vec<i64>) -> LResult<TensorValue> {
+    let old = tv.size.clone();
+    if size.len() < old.len() {
+        return malformed(format!("cannot expand {old:?} to {size:?}"));
+    }
+    let off = size.len() - old.len();
+    let mut target = size.clone();
+    for (i, &d) in old.iter().enumerate() {
+        let t = &mut target[off + i];
+        if *t == -1 {
+            *t = d;
+        } else if d != 1 && d != *t {
+            return malformed(format!("cannot expand {old:?} to {size:?}"));
+        }
+    }
+    Ok(apply_view(
+        tv,
+        target,
+        Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+            old.iter().enumerate().map(|(i, &d)| if d == 1 { IndexExpr::zero() } else { idx[off + i].clone() }).collect()
+        }),
+    ))
+}
+
+impl Ctx<'_> {
+    pub(super) fn lower_view(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        use AtenOp as A;
+        let x = self.tensor_arg(0, "self")?;
+        let rank = x.size.len();
+        let out_shape = self.out_meta()?.shape.clone();
+        let tv = match op {
+            A::View | A::UnsafeView | A::Reshape => reshape(&x, out_shape.clone())?,
+            A::Alias => x,
+            A::Permute => {
+                let dims = self.ints_arg(1, "dims")?.unwrap_or_default();
+                let perm = dims.iter().map(|&d| norm_dim(d, rank)).collect::<LResult<Vec<_>>>()?;
+                let mut seen = perm.clone();
+                seen.sort();
+                if seen != (0..rank).collect::<Vec<_>>() {
+                    return malformed(format!("{dims:?} is not a permutation of {rank} dims"));
+                }
+                permute(&x, &perm)
+            }
+            A::TransposeInt | A::T => {
+                let (a, b) = if op == A::T {
+                    if rank < 2 {
+                        return Ok(x);
+                    }
+                    (0, 1)
+                } else {
+                    (norm_dim(self.int_arg(1, "dim0")?.unwrap_or(0), rank)?, norm_dim(self.int_arg(2, "dim1")?.unwrap_or(0), rank)?)
+                };
+                let mut perm: Vec<usize> = (0..rank).collect();
+                perm.swap(a, b);
+                permute(&x, &perm)
+            }
+            A::Expand => expand(&x, self.ints_arg(1, "size")?.unwrap_or_default())?,
+            A::Unsqueeze | A::SqueezeDim | A::SqueezeDims | A::Squeeze => reshape(&x, out_shape.clone())?,
+            A::SliceTensor => {
+                let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+                let n = x.size[dim];
+                let step = self.int_arg(4, "step")?.unwrap_or(1);
+                if step <= 0 {
+                    return malformed(format!("slice step must be positive, got {step}"));
+                }
+                let clampi = |v: i64| -> i64 {
+                    let v = if v < 0 { v + n } else { v };
+                    v.clamp(0, n)
+                };
+                let start = clampi(self.int_arg(2, "start")?.unwrap_or(0));
+                let end = clampi(self.int_arg(3, "end")?.unwrap_or(i64::MAX).min(i64::MAX / 2)).max(start);
+                let len = (end - start + step - 1) / step;
+                let mut size = x.size.clone();
+                size[dim] = len;
+                apply_view(
+                    &x,
+                    size,
+                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                        let mut out = idx.to_vec();
+                        out[dim] = idx[dim].scale(step).add_const(start);
+                        out
+                    }),
+                )
+            }
+            A::SelectInt => {
+                let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+                let n = x.size[dim];
+                let mut i = self.int_arg(2, "index")?.unwrap_or(0);
+                if i < 0 {
+                    i += n;
+                }
+                if i < 0 || i >= n {
+                    return malformed(format!("select index out of range for size {n}"));
+                }
+                let mut size = x.size.clone();
+                size.remove(dim);
+                apply_view(
+                    &x,
+                    size,
+                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                        let mut out = idx.to_vec();
+                        out.insert(dim, IndexExpr::constant(i));
+                        out
+                    }),
+                )
+            }
+            _ => return malformed("not a view op"),
+        };
+        if tv.size != out_shape {
+            return malformed(format!("view produced shape {:?}, metadata says {out_shape:?}", tv.size));
+        }
+        Ok(tv)
+    }
+}

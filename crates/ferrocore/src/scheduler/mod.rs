@@ -1,0 +1,285 @@
+//! The scheduler: turns the loop program into an ordered list of fused kernels and extern calls.
+//! Fusion is greedy in program order: each loop node joins the earlier kernel it shares the
+//! most data with, if the joint iteration plan is legal and no dependency would run backwards;
+//! otherwise it starts a kernel. Buffers used only inside one kernel are never allocated.
+//! Every decision is logged with its reason.
+
+mod plan;
+pub mod simplify;
+
+pub use plan::{KernelNode, KernelPlan, LocalRead, LoopGroup};
+
+use crate::loop_ir::*;
+use std::collections::HashSet;
+
+#[derive(Clone, Debug)]
+pub struct FusedKernel {
+    pub name: String,
+    pub plan: KernelPlan,
+}
+
+#[derive(Clone, Debug)]
+pub enum Item {
+    Kernel(FusedKernel),
+    Extern(usize),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// Allocated by the wrapper (or provided as input / by an extern call).
+    Allocated,
+    /// Lives only in registers of one kernel.
+    Local,
+}
+
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    pub program: LoopProgram,
+    pub items: Vec<Item>,
+    pub storage: Vec<Storage>,
+    pub decisions: Vec<String>,
+}
+
+/// How far back a node looks for a kernel to join (bounds compile time on big graphs).
+const FUSION_WINDOW: usize = 32;
+
+pub fn schedule(mut program: LoopProgram) -> Schedule {
+    let mut decisions = Vec::new();
+    for name in simplify::eliminate_dead_nodes(&mut program) {
+        decisions.push(format!("dead: {name} is never read; removed"));
+    }
+    for i in 0..program.nodes.len() {
+        program.nodes[i] = simplify::simplify_loops(&program.nodes[i]);
+    }
+
+    // Which item (by position in `slots`) produces each buffer.
+    let mut producer: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
+    enum Slot {
+        Kernel(Vec<usize>, KernelPlan),
+        Extern(usize),
+    }
+    let mut slots: Vec<Slot> = Vec::new();
+    for step in program.steps.clone() {
+        match step {
+            Step::Extern(e) => {
+                for b in &program.externs[e].outputs {
+                    producer[b.0 as usize].push(slots.len());
+                }
+                slots.push(Slot::Extern(e));
+            }
+            Step::Node(n) => {
+                let node = &program.nodes[n];
+                let out_name = program.buffer(node.output).name.clone();
+                let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
+                // earliest slot this node may run in: after every producer of what it reads
+                let earliest = reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).max();
+                let mut best: Option<(usize, i64, KernelPlan)> = None;
+                let lo = slots.len().saturating_sub(FUSION_WINDOW);
+                for (si, slot) in slots.iter().enumerate().skip(lo) {
+                    let Slot::Kernel(members, _) = slot else { continue };
+                    if let Some(e) = earliest {
+                        if si < e {
+                            continue;
+                        }
+                    }
+                    let score = shared_bytes(&program, members, &reads);
+                    if score == 0 {
+                        continue;
+                    }
+                    let mut candidate = members.clone();
+                    candidate.push(n);
+                    match KernelPlan::build(&program, &candidate) {
+                        Some(plan) => {
+                            if best.as_ref().map_or(true, |(_, s, _)| score > *s) {
+                                best = Some((si, score, plan));
+                            }
+                        }
+                        None => decisions.push(format!(
+                            "no fusion: {out_name} into kernel #{si}: iteration spaces or read indices do not line up"
+                        )),
+                    }
+                }
+                match best {
+                    Some((si, score, plan)) => {
+                        if let Slot::Kernel(members, p) = &mut slots[si] {
+                            decisions.push(format!(
+                                "fuse: {out_name} into kernel #{si} with {} (shares {score} bytes)",
+                                members.iter().map(|m| program.buffer(program.nodes[*m].output).name.clone()).collect::<Vec<_>>().join(", ")
+                            ));
+                            members.push(n);
+                            *p = plan;
+                        }
+                        producer[node.output.0 as usize].push(si);
+                    }
+                    None => {
+                        if let Some(plan) = KernelPlan::build(&program, &[n]) {
+                            producer[node.output.0 as usize].push(slots.len());
+                            slots.push(Slot::Kernel(vec![n], plan));
+                        } else {
+                            decisions.push(format!("error: {out_name} cannot be planned alone"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    let mut items = Vec::new();
+    let mut kernel_index = 0;
+    for slot in slots {
+        match slot {
+            Slot::Extern(e) => items.push(Item::Extern(e)),
+            Slot::Kernel(members, plan) => {
+                let name = kernel_name(&program, &members, &plan, kernel_index);
+                kernel_index += 1;
+                items.push(Item::Kernel(FusedKernel { name, plan }));
+            }
+        }
+    }
+    let storage = plan_storage(&program, &items, &mut decisions);
+    Schedule { program, items, storage, decisions }
+}
+
+/// Bytes of buffers the node reads that the kernel also reads or writes.
+fn shared_bytes(p: &LoopProgram, members: &[usize], reads: &[BufferId]) -> i64 {
+    let mut touched: HashSet<BufferId> = HashSet::new();
+    for &m in members {
+        touched.insert(p.nodes[m].output);
+        for (b, _) in p.nodes[m].reads() {
+            touched.insert(b);
+        }
+    }
+    let mut seen = HashSet::new();
+    reads
+        .iter()
+        .filter(|b| touched.contains(b) && seen.insert(**b))
+        .map(|b| {
+            let l = &p.buffer(*b).layout;
+            l.numel().max(1) * l.dtype.itemsize() as i64
+        })
+        .sum()
+}
+
+fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, index: usize) -> String {
+    let mut words: Vec<String> = Vec::new();
+    for &m in members {
+        for o in &p.nodes[m].origins {
+            // FX names like `add_3` -> `add`
+            let base = o.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').to_string();
+            let base: String = base.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+            if !base.is_empty() && !words.contains(&base) {
+                words.push(base);
+            }
+        }
+    }
+    words.truncate(6);
+    let kind = if plan.groups.iter().any(|g| g.reduction) { "red" } else { "poi" };
+    format!("cpp_{kind}_fused_{}_{index}", words.join("_"))
+}
+
+fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) -> Vec<Storage> {
+    let mut storage = vec![Storage::Allocated; p.buffers.len()];
+    let mut outputs: HashSet<BufferId> = HashSet::new();
+    for o in &p.outputs {
+        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
+            outputs.insert(*b);
+        }
+    }
+    // reads of each buffer from outside the kernel that writes it, and the local-read kinds
+    let mut outside: HashSet<BufferId> = HashSet::new();
+    let mut stored_reads: HashSet<BufferId> = HashSet::new();
+    let mut writer_kernel: Vec<Option<usize>> = vec![None; p.buffers.len()];
+    for (ki, it) in items.iter().enumerate() {
+        if let Item::Kernel(k) = it {
+            for kn in &k.plan.nodes {
+                writer_kernel[p.nodes[kn.node].output.0 as usize] = Some(ki);
+            }
+        }
+    }
+    for (ki, it) in items.iter().enumerate() {
+        match it {
+            Item::Extern(e) => {
+                let mut bufs = Vec::new();
+                collect_extern_bufs(&p.externs[*e].args, &mut bufs);
+                for (_, a) in &p.externs[*e].kwargs {
+                    collect_extern_bufs(std::slice::from_ref(a), &mut bufs);
+                }
+                outside.extend(bufs);
+            }
+            Item::Kernel(k) => {
+                for kn in &k.plan.nodes {
+                    for (b, _) in p.nodes[kn.node].reads() {
+                        if writer_kernel[b.0 as usize] != Some(ki) {
+                            outside.insert(b);
+                        }
+                    }
+                }
+                for (_, b, kind) in &k.plan.local_reads {
+                    if *kind == LocalRead::Stored {
+                        stored_reads.insert(*b);
+                    }
+                }
+            }
+        }
+    }
+    for (i, b) in p.buffers.iter().enumerate() {
+        let id = BufferId(i as u32);
+        if b.source == BufferSource::Computed
+            && writer_kernel[i].is_some()
+            && !outputs.contains(&id)
+            && !outside.contains(&id)
+            && !stored_reads.contains(&id)
+        {
+            storage[i] = Storage::Local;
+            decisions.push(format!("local: {} lives in registers of its kernel; not allocated", b.name));
+        }
+    }
+    storage
+}
+
+fn collect_extern_bufs(args: &[ExternArg], out: &mut Vec<BufferId>) {
+    for a in args {
+        match a {
+            ExternArg::Buffer(b) | ExternArg::View { buf: b, .. } => out.push(*b),
+            ExternArg::List(items) => collect_extern_bufs(items, out),
+            ExternArg::Literal(_) => {}
+        }
+    }
+}
+
+impl Schedule {
+    pub fn kernel_count(&self) -> usize {
+        self.items.iter().filter(|i| matches!(i, Item::Kernel(_))).count()
+    }
+
+    /// Text form: kernels with their loop groups and nodes, and extern calls, in order.
+    pub fn text(&self) -> String {
+        let p = &self.program;
+        let mut s = String::new();
+        for it in &self.items {
+            match it {
+                Item::Extern(e) => s.push_str(&p.extern_text(*e)),
+                Item::Kernel(k) => {
+                    s.push_str(&format!("  kernel {}: outer={}\n", k.name, k.plan.outer));
+                    for (gi, g) in k.plan.groups.iter().enumerate() {
+                        let names: Vec<String> = g
+                            .nodes
+                            .iter()
+                            .map(|&pos| {
+                                let b = p.nodes[k.plan.nodes[pos].node].output;
+                                let tag = if self.storage[b.0 as usize] == Storage::Local { " (local)" } else { "" };
+                                format!("{}{tag}", p.buffer(b).name)
+                            })
+                            .collect();
+                        let kind = if g.reduction { "reduce" } else { "loop" };
+                        s.push_str(&format!("    group {gi}: {kind} {:?}: {}\n", g.inner, names.join(", ")));
+                    }
+                }
+            }
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,200 @@
+//! The iteration plan of a fused kernel: one flattened outer loop `x0` (parallel) and, per loop
+//! group, nested inner loops over kernel variables `v1..`. Every node's variables are rewritten
+//! over these; the plan exists only if every in-kernel read is legal (see `KernelPlan::build`).
+
+use crate::loop_ir::*;
+use crate::symbolic::{IndexExpr, Var};
+
+#[derive(Clone, Debug)]
+pub struct LoopGroup {
+    pub inner: Vec<i64>,
+    pub reduction: bool,
+    pub nodes: Vec<usize>,
+}
+
+/// How a kernel reads a buffer that another node of the same kernel writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocalRead {
+    /// The producer is a reduction of an earlier group: its result is a scalar per `x0`.
+    Scalar,
+    /// Same group, same index: the value is forwarded in a register.
+    Forwarded,
+    /// An earlier group stored it at exactly this element in the same `x0` iteration.
+    Stored,
+}
+
+#[derive(Clone, Debug)]
+pub struct KernelNode {
+    pub node: usize,
+    pub group: usize,
+    /// The node rewritten over kernel variables (x0 = Var(0), inner = Var(1..)).
+    pub body: LoopBody,
+    /// Sizes of kernel variables for this node's group: [N, inner...].
+    pub ranges: Vec<i64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct KernelPlan {
+    pub outer: i64,
+    pub groups: Vec<LoopGroup>,
+    pub nodes: Vec<KernelNode>,
+    /// (reader node position, buffer) -> kind, for reads of in-kernel buffers.
+    pub local_reads: Vec<(usize, BufferId, LocalRead)>,
+}
+
+fn split_point(dims: &[i64], n: i64) -> Option<(Vec<i64>, Vec<i64>, Vec<(usize, i64, i64)>)> {
+    // outer pieces, inner pieces, and per dim (dim, outer part, inner part)
+    let mut outer = Vec::new();
+    let mut inner = Vec::new();
+    let mut parts = Vec::new();
+    let mut acc = 1i64;
+    for (j, &d) in dims.iter().enumerate() {
+        if d == 1 {
+            parts.push((j, 1, 1));
+        } else if acc == n {
+            inner.push(d);
+            parts.push((j, 1, d));
+        } else if n % (acc * d) == 0 {
+            outer.push(d);
+            acc *= d;
+            parts.push((j, d, 1));
+        } else if n % acc == 0 && (acc * d) % n == 0 {
+            let a = n / acc;
+            outer.push(a);
+            inner.push(d / a);
+            acc = n;
+            parts.push((j, a, d / a));
+        } else {
+            return None;
+        }
+    }
+    if acc != n {
+        return None;
+    }
+    Some((outer, inner, parts))
+}
+
+/// Substitution for a node with `dims` (its vars 0..) split at `n`, plus its inner sizes.
+fn node_subst(dims: &[i64], n: i64, first_inner_var: u32) -> Option<(Vec<Option<IndexExpr>>, Vec<i64>)> {
+    let (outer, inner, parts) = split_point(dims, n)?;
+    let x0 = IndexExpr::var(Var(0));
+    let kranges: Vec<i64> = std::iter::once(n).chain(inner.iter().copied()).collect();
+    let (mut outer_pos, mut inner_pos) = (0usize, 0u32);
+    let mut subst = vec![None; dims.len()];
+    for (j, a, b) in parts {
+        let mut e = IndexExpr::zero();
+        if a > 1 {
+            let stride: i64 = outer[outer_pos + 1..].iter().product();
+            let piece = x0.floordiv(stride, &kranges).modulo(a, &kranges);
+            outer_pos += 1;
+            e = e.add(&piece.scale(b));
+        }
+        if b > 1 {
+            e = e.add(&IndexExpr::var(Var(first_inner_var + inner_pos)));
+            inner_pos += 1;
+        }
+        subst[j] = Some(e);
+    }
+    Some((subst, inner))
+}
+
+impl KernelPlan {
+    /// Plans `nodes` (indices into the program, in execution order) as one kernel, or None when
+    /// their iteration spaces do not line up or some in-kernel read would be illegal.
+    pub fn build(p: &LoopProgram, nodes: &[usize]) -> Option<KernelPlan> {
+        let first = &p.nodes[*nodes.first()?];
+        let device = &p.buffer(first.output).layout.device;
+        let reduction_n = nodes
+            .iter()
+            .find(|&&i| !p.nodes[i].reduction_ranges.is_empty())
+            .map(|&i| p.nodes[i].ranges.iter().product::<i64>());
+        let outer = match reduction_n {
+            Some(n) => n,
+            None => {
+                let r = &first.ranges;
+                if r.len() >= 2 { r[..r.len() - 1].iter().product() } else { r.iter().product() }
+            }
+        };
+        let mut groups: Vec<LoopGroup> = Vec::new();
+        let mut knodes: Vec<KernelNode> = Vec::new();
+        let mut local_reads = Vec::new();
+        for (pos, &i) in nodes.iter().enumerate() {
+            let n = &p.nodes[i];
+            if &p.buffer(n.output).layout.device != device {
+                return None;
+            }
+            let (subst, inner, is_red) = if n.reduction_ranges.is_empty() {
+                let (s, inner) = node_subst(&n.ranges, outer, 1)?;
+                (s, inner, false)
+            } else {
+                if n.ranges.iter().product::<i64>() != outer {
+                    return None;
+                }
+                let (mut s, _) = node_subst(&n.ranges, outer, 1)?;
+                for j in 0..n.reduction_ranges.len() {
+                    s.push(Some(IndexExpr::var(Var(1 + j as u32))));
+                }
+                (s, n.reduction_ranges.clone(), true)
+            };
+            let kranges: Vec<i64> = std::iter::once(outer).chain(inner.iter().copied()).collect();
+            let body = n.body.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &kranges));
+            // reads of buffers written earlier in this kernel
+            let mut needs_new_group = false;
+            let mut reads_here = Vec::new();
+            for e in &body.exprs {
+                let Expr::Load { buf, index } = e else { continue };
+                let writers: Vec<&KernelNode> = knodes.iter().filter(|k| p.nodes[k.node].output == *buf).collect();
+                if writers.is_empty() {
+                    continue;
+                }
+                if writers.len() > 1 {
+                    return None;
+                }
+                let w = writers[0];
+                let st = &w.body.store.as_ref()?.index;
+                if st != index {
+                    return None;
+                }
+                let wg = &groups[w.group];
+                let w_red = !p.nodes[w.node].reduction_ranges.is_empty();
+                let kind = if w_red {
+                    let mut vs = Vec::new();
+                    index.vars(&mut vs);
+                    if vs.iter().any(|v| v.0 != 0) {
+                        return None;
+                    }
+                    // the result exists only after its group's loop: read it from a later group
+                    needs_new_group |= w.group + 1 == groups.len();
+                    LocalRead::Scalar
+                } else if w.group + 1 == groups.len() && wg.inner == inner {
+                    LocalRead::Forwarded
+                } else if wg.inner == inner {
+                    LocalRead::Stored
+                } else {
+                    return None;
+                };
+                reads_here.push((*buf, kind));
+            }
+            let join = match groups.last() {
+                Some(g) => g.inner == inner && !needs_new_group,
+                None => false,
+            };
+            if !join {
+                groups.push(LoopGroup { inner: inner.clone(), reduction: is_red, nodes: Vec::new() });
+            }
+            let gi = groups.len() - 1;
+            groups[gi].reduction |= is_red;
+            groups[gi].nodes.push(pos);
+            // a forwarded read must come from this same group
+            for (buf, kind) in reads_here {
+                let kind = match kind {
+                    LocalRead::Forwarded if !join => LocalRead::Stored,
+                    k => k,
+                };
+                local_reads.push((pos, buf, kind));
+            }
+            knodes.push(KernelNode { node: i, group: gi, body, ranges: kranges });
+        }
+        Some(KernelPlan { outer, groups, nodes: knodes, local_reads })
+    }
+}

@@ -1,0 +1,262 @@
+//! The host plan of a compiled graph — allocate, launch, call externs, free or reuse, return —
+//! and its rendering as a readable Python module (`call(args)` plus a `__main__` that times
+//! itself), like Inductor's output code. It does not generate kernels; it launches them.
+
+use crate::codegen::RenderedKernels;
+use crate::graph::DType;
+use crate::loop_ir::*;
+use crate::scheduler::{Item, Schedule, Storage};
+use std::collections::HashMap;
+use std::fmt::Write;
+
+/// One step of the host plan.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostStep {
+    Alloc(BufferId),
+    /// Reuse the storage of a freed buffer with the same layout.
+    Reuse { buf: BufferId, from: BufferId },
+    Launch(usize),
+    Extern(usize),
+    Free(BufferId),
+}
+
+#[derive(Clone, Debug)]
+pub struct HostPlan {
+    pub steps: Vec<HostStep>,
+}
+
+fn extern_bufs(args: &[ExternArg], out: &mut Vec<BufferId>) {
+    for a in args {
+        match a {
+            ExternArg::Buffer(b) | ExternArg::View { buf: b, .. } => out.push(*b),
+            ExternArg::List(items) => extern_bufs(items, out),
+            ExternArg::Literal(_) => {}
+        }
+    }
+}
+
+/// Orders allocations, launches and frees; frees each temporary after its last use and
+/// reuses freed storage of an identical layout for later allocations.
+pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
+    let p = &s.program;
+    let mut uses: Vec<Vec<BufferId>> = Vec::new();
+    let mut defs: Vec<Vec<BufferId>> = Vec::new();
+    let mut launch = 0;
+    let mut item_launch = Vec::new();
+    for it in &s.items {
+        match it {
+            Item::Kernel(k) => {
+                let args = &kernels.launches[launch].args;
+                let outs: Vec<BufferId> =
+                    k.plan.nodes.iter().map(|kn| p.nodes[kn.node].output).filter(|b| s.storage[b.0 as usize] == Storage::Allocated).collect();
+                uses.push(args.clone());
+                defs.push(outs);
+                item_launch.push(Some(launch));
+                launch += 1;
+            }
+            Item::Extern(e) => {
+                let mut b = Vec::new();
+                extern_bufs(&p.externs[*e].args, &mut b);
+                for (_, a) in &p.externs[*e].kwargs {
+                    extern_bufs(std::slice::from_ref(a), &mut b);
+                }
+                uses.push(b);
+                defs.push(p.externs[*e].outputs.clone());
+                item_launch.push(None);
+            }
+        }
+    }
+    let mut pinned = vec![false; p.buffers.len()];
+    for o in &p.outputs {
+        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
+            pinned[b.0 as usize] = true;
+        }
+    }
+    for b in &p.inputs {
+        pinned[b.0 as usize] = true;
+    }
+    let mut last_use: HashMap<BufferId, usize> = HashMap::new();
+    for (i, u) in uses.iter().enumerate() {
+        for b in u.iter().chain(&defs[i]) {
+            last_use.insert(*b, i);
+        }
+    }
+    let mut steps = Vec::new();
+    let mut allocated = vec![false; p.buffers.len()];
+    let mut free_pool: Vec<BufferId> = Vec::new();
+    for (i, it) in s.items.iter().enumerate() {
+        if let Item::Kernel(_) = it {
+            for b in &defs[i] {
+                if !allocated[b.0 as usize] {
+                    allocated[b.0 as usize] = true;
+                    let l = &p.buffer(*b).layout;
+                    let reusable = if pinned[b.0 as usize] {
+                        None
+                    } else {
+                        free_pool.iter().position(|f| p.buffer(*f).layout == *l)
+                    };
+                    match reusable {
+                        Some(pos) => {
+                            let from = free_pool.remove(pos);
+                            steps.push(HostStep::Reuse { buf: *b, from });
+                        }
+                        None => steps.push(HostStep::Alloc(*b)),
+                    }
+                }
+            }
+        }
+        match (it, item_launch[i]) {
+            (Item::Kernel(_), Some(l)) => steps.push(HostStep::Launch(l)),
+            (Item::Extern(e), _) => steps.push(HostStep::Extern(*e)),
+            _ => {}
+        }
+        let mut dying: Vec<BufferId> = uses[i].iter().chain(&defs[i]).copied().filter(|b| last_use.get(b) == Some(&i) && !pinned[b.0 as usize]).collect();
+        dying.sort();
+        dying.dedup();
+        for b in dying {
+            steps.push(HostStep::Free(b));
+            if p.buffer(b).source == BufferSource::Computed {
+                free_pool.push(b);
+            }
+        }
+    }
+    HostPlan { steps }
+}
+
+fn py_tuple(v: &[i64]) -> String {
+    match v.len() {
+        1 => format!("({},)", v[0]),
+        _ => format!("({})", v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+fn dtype_py(d: DType) -> String {
+    format!("torch.{}", d.torch_name())
+}
+
+fn view_py(p: &LoopProgram, buf: BufferId, size: &[i64], stride: &[i64], offset: i64) -> String {
+    let name = &p.buffer(buf).name;
+    format!("{name}.as_strided({}, {}, {name}.storage_offset() + {offset})", py_tuple(size), py_tuple(stride))
+}
+
+fn extern_arg_py(p: &LoopProgram, a: &ExternArg) -> String {
+    match a {
+        ExternArg::Buffer(b) => p.buffer(*b).name.clone(),
+        ExternArg::View { buf, size, stride, offset } => view_py(p, *buf, size, stride, *offset),
+        ExternArg::Literal(s) => s.clone(),
+        ExternArg::List(items) => format!("[{}]", items.iter().map(|i| extern_arg_py(p, i)).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// Renders the plan as a Python module.
+pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, graph_name: &str) -> String {
+    let p = &s.program;
+    let mut m = String::new();
+    let fallbacks = p.externs.iter().filter(|e| e.fallback).count();
+    let _ = writeln!(m, "# ferrocore output code for graph '{graph_name}'");
+    let _ = writeln!(m, "# kernels: {}, extern calls: {}, ATen fallbacks: {fallbacks}", kernels.launches.len(), p.externs.len() - fallbacks);
+    m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
+    m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, restride\n\n");
+    if !kernels.launches.is_empty() {
+        m.push_str("KERNEL_SOURCE = r'''\n");
+        m.push_str(&kernels.source);
+        m.push_str("'''\n\n_lib = load_kernels(KERNEL_SOURCE)\n");
+        for l in &kernels.launches {
+            let _ = writeln!(m, "{0} = _lib.{0}", l.name);
+        }
+    }
+    m.push_str("\n\ndef call(args):\n");
+    let names: Vec<String> = p.inputs.iter().map(|b| p.buffer(*b).name.clone()).collect();
+    match names.len() {
+        0 => {}
+        1 => {
+            let _ = writeln!(m, "    {}, = args", names[0]);
+        }
+        _ => {
+            let _ = writeln!(m, "    {} = args", names.join(", "));
+        }
+    }
+    // extern results read by kernels or returned must have the layout we compiled against
+    for step in &plan.steps {
+        match step {
+            HostStep::Alloc(b) => {
+                let l = &p.buffer(*b).layout;
+                let _ = writeln!(
+                    m,
+                    "    {} = torch.empty_strided({}, {}, dtype={}, device='{}')",
+                    p.buffer(*b).name,
+                    py_tuple(&l.size),
+                    py_tuple(&l.stride),
+                    dtype_py(l.dtype),
+                    l.device
+                );
+            }
+            HostStep::Reuse { buf, from } => {
+                let _ = writeln!(m, "    {} = {}  # reuse", p.buffer(*buf).name, p.buffer(*from).name);
+            }
+            HostStep::Launch(l) => {
+                let k = &kernels.launches[*l];
+                let args: Vec<String> = k.args.iter().map(|b| format!("c_ptr({})", p.buffer(*b).name)).collect();
+                let _ = writeln!(m, "    {}({})", k.name, args.join(", "));
+            }
+            HostStep::Extern(e) => {
+                let x = &p.externs[*e];
+                let mut args: Vec<String> = x.args.iter().map(|a| extern_arg_py(p, a)).collect();
+                args.extend(x.kwargs.iter().map(|(k, v)| format!("{k}={}", extern_arg_py(p, v))));
+                let note = match &x.reason {
+                    Some(r) => format!("  # fallback: {r}"),
+                    None => String::new(),
+                };
+                let call = format!("{}({})", x.callee, args.join(", "));
+                let restride = |b: &BufferId| -> String {
+                    let l = &p.buffer(*b).layout;
+                    format!("restride({{}}, {}, {})", py_tuple(&l.size), py_tuple(&l.stride))
+                };
+                let single = x.outputs.len() == 1 && matches!(p.buffer(x.outputs[0]).source, BufferSource::Extern { item: None, .. });
+                if single {
+                    let b = x.outputs[0];
+                    let _ = writeln!(m, "    {} = {}{note}", p.buffer(b).name, restride(&b).replace("{}", &call));
+                } else {
+                    let _ = writeln!(m, "    _r = {call}{note}");
+                    for b in &x.outputs {
+                        if let BufferSource::Extern { item: Some(i), .. } = p.buffer(*b).source {
+                            let _ = writeln!(m, "    {} = {}", p.buffer(*b).name, restride(b).replace("{}", &format!("_r[{i}]")));
+                        }
+                    }
+                    if x.outputs.is_empty() {
+                        m.push_str("    del _r\n");
+                    }
+                }
+            }
+            HostStep::Free(b) => {
+                let _ = writeln!(m, "    del {}", p.buffer(*b).name);
+            }
+        }
+    }
+    let outs: Vec<String> = p
+        .outputs
+        .iter()
+        .map(|o| match o {
+            OutputValue::Buffer(b) => p.buffer(*b).name.clone(),
+            OutputValue::View { buf, size, stride, offset } => view_py(p, *buf, size, stride, *offset),
+            OutputValue::None => "None".into(),
+        })
+        .collect();
+    let _ = writeln!(m, "    return ({}{})", outs.join(", "), if outs.len() == 1 { "," } else { "" });
+    // self-timing entry point
+    m.push_str("\n\ndef make_inputs():\n    return [\n");
+    for b in &p.inputs {
+        let l = &p.buffer(*b).layout;
+        let gen = if l.dtype.is_float() {
+            format!("torch.randn({}, dtype={})", py_tuple(&[l.storage_numel().max(1)]), dtype_py(l.dtype))
+        } else if l.dtype == DType::Bool {
+            format!("torch.randint(0, 2, {}).bool()", py_tuple(&[l.storage_numel().max(1)]))
+        } else {
+            format!("torch.randint(0, 8, {}, dtype={})", py_tuple(&[l.storage_numel().max(1)]), dtype_py(l.dtype))
+        };
+        let _ = writeln!(m, "        {gen}.as_strided({}, {}),", py_tuple(&l.size), py_tuple(&l.stride));
+    }
+    m.push_str("    ]\n\n\ndef benchmark_compiled_module(reps=100):\n    from ferrocore.runtime import benchmark\n    return benchmark(call, make_inputs(), reps)\n\n\n");
+    m.push_str("if __name__ == '__main__':\n    benchmark_compiled_module()\n");
+    m
+}

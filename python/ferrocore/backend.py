@@ -1,0 +1,168 @@
+"""The dynamo backend: AOT autograd to core ATen, then each graph through Rust.
+
+`torch.compile(model, backend="ferrocore")` finds `ferrocore_backend` through the
+`torch_dynamo_backends` entry point. A graph the exchange format cannot express runs eagerly (a
+logged, counted graph fallback); an error raised by Rust is a bug and propagates.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import json
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from . import options as _options
+from . import runtime
+from .metrics import metrics
+from .serialize import UnsupportedGraph, serialize_graph
+
+_graph_ids = itertools.count()
+
+
+def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
+    """Dynamo backend. `options=` (a dict) overrides env options; `mode` and the rest are ignored."""
+    overrides = kwargs.get("options") or {}
+    state = _AotClock()
+
+    def compiler(graph, inputs):  # forward, inference and backward graphs alike
+        return _compile(graph, state.take(), overrides)
+
+    compiled = aot_autograd(
+        fw_compiler=compiler,
+        bw_compiler=compiler,
+        decompositions=_decompositions(),
+    )(gm, example_inputs)
+    state.stop()
+    return compiled
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule, example_inputs: Any = None, options: dict | None = None
+) -> Callable:
+    """Compiles an ATen-level FX graph (e.g. from `make_fx`) directly; returns `f(*args) -> list`.
+
+    `example_inputs` is unused: the graph's `node.meta["val"]` carries the input metadata.
+    """
+    boxed = _compile(gm, {}, options or {})
+    return lambda *args: boxed(list(args))
+
+
+@functools.lru_cache(None)
+def _decompositions() -> dict:
+    from torch._decomp import core_aten_decompositions
+
+    return core_aten_decompositions()
+
+
+class _AotClock:
+    """Time AOT autograd spends before handing each graph over (tracing, partitioning)."""
+
+    def __init__(self) -> None:
+        self.mark: float | None = time.perf_counter()
+
+    def take(self) -> dict:
+        if self.mark is None:  # a backward compiled lazily, after this backend returned
+            return {}
+        now = time.perf_counter()
+        spent, self.mark = (now - self.mark) * 1e3, now
+        return {"aot": spent}
+
+    def stop(self) -> None:
+        self.mark = None
+
+
+def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callable:
+    name = f"graph_{next(_graph_ids)}"
+    start = time.perf_counter()
+    try:
+        graph_json = serialize_graph(gm, name)
+    except UnsupportedGraph as e:
+        print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)
+        metrics.record(_entry(name, timings, graph_fallback=True))
+        return make_boxed_func(gm.forward)
+    timings["serialize"] = (time.perf_counter() - start) * 1e3
+
+    _ferrocore = _extension()
+    options = _options.options_json(overrides)
+    result = json.loads(_ferrocore.compile_graph(graph_json, options))
+    _print_logs(result.get("logs", ()))
+
+    start = time.perf_counter()
+    with runtime.compile_options(options):
+        module = _import_module(result["module_path"], name)
+    timings.update(result.get("timings_ms", {}))
+    timings["load"] = (time.perf_counter() - start) * 1e3
+
+    fallbacks = result.get("fallbacks", [])
+    metrics.record(
+        _entry(
+            name,
+            timings,
+            kernels=result.get("kernels", 0),
+            externs=result.get("externs", 0),
+            fallbacks=len(fallbacks),
+            fallback_ops=[f["target"] for f in fallbacks],
+            cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
+            module_path=result["module_path"],
+        )
+    )
+    call = module.call
+    call._boxed_call = True  # `call(args)` takes the argument list and may clear it
+    return call
+
+
+def _entry(name: str, timings: dict, **fields) -> dict:
+    entry = {
+        "name": name,
+        "kernels": 0,
+        "externs": 0,
+        "fallbacks": 0,
+        "fallback_ops": [],
+        "graph_fallback": False,
+        "timings_ms": timings,
+        "cpp_cache_hit": False,
+    }
+    entry.update(fields)
+    return entry
+
+
+def _extension():
+    try:
+        from . import _ferrocore
+    except ImportError as e:
+        raise ImportError(
+            f"ferrocore's Rust extension cannot be imported ({e}); "
+            "build it with `bash scripts/setup.sh` or `maturin develop --release`"
+        ) from e
+    return _ferrocore
+
+
+def _import_module(path: str, name: str):
+    # One module name per graph: two graphs may share a cached file but must not share state.
+    mod_name = f"ferrocore_output_code_{name}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # for tracebacks and inspect
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[mod_name]
+        raise
+    return module
+
+
+def _print_logs(logs) -> None:
+    channel = None
+    for log in logs:
+        if log["channel"] != channel:
+            channel = log["channel"]
+            print(f"[ferrocore:{channel}]", file=sys.stderr)
+        print(log["text"].rstrip("\n"), file=sys.stderr)

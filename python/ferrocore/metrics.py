@@ -1,0 +1,64 @@
+"""Per-graph and running compile statistics: `ferrocore.metrics`.
+
+`metrics.last` describes the last graph handed to the backend (forward and backward graphs are
+separate graphs); `metrics.total` sums every graph since the last `reset()`.
+"""
+
+from __future__ import annotations
+
+_COUNTS = ("kernels", "externs", "fallbacks")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.last: dict = {}
+        self.total: dict = {
+            "graphs": 0,
+            "kernels": 0,
+            "externs": 0,
+            "fallbacks": 0,
+            "graph_fallbacks": 0,
+            "timings_ms": {},
+        }
+
+    def record(self, entry: dict) -> None:
+        """Adds one compiled (or eagerly run) graph; `entry` becomes `last`."""
+        self.last = entry
+        t = self.total
+        t["graphs"] += 1
+        for key in _COUNTS:
+            t[key] += entry.get(key, 0)
+        t["graph_fallbacks"] += int(entry.get("graph_fallback", False))
+        for stage, ms in entry.get("timings_ms", {}).items():
+            t["timings_ms"][stage] = t["timings_ms"].get(stage, 0.0) + ms
+
+    def summary(self) -> str:
+        t = self.total
+        lines = [
+            f"ferrocore: {t['graphs']} graphs, {t['kernels']} kernels, {t['externs']} externs, "
+            f"{t['fallbacks']} node fallbacks, {t['graph_fallbacks']} graphs run eagerly"
+        ]
+        if t["timings_ms"]:
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in t["timings_ms"].items())
+            lines.append(f"  time (ms): {stages}")
+        if self.last:
+            last = {k: v for k, v in self.last.items() if k != "timings_ms"}
+            lines.append(f"  last: {last}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+metrics = Metrics()
+
+
+def __getattr__(name: str):
+    # `ferrocore.metrics` is the Metrics instance, but code that does `import ferrocore.metrics`
+    # and then reads this module sees the same data.
+    if name in ("last", "total", "reset", "record", "summary"):
+        return getattr(metrics, name)
+    raise AttributeError(name)

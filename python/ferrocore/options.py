@@ -1,0 +1,63 @@
+"""The options JSON handed to Rust, built from the environment at each compile.
+
+Env is read per call, not at import, so a test or notebook can change `FERROCORE_LOGS` between
+compiles. `torch.compile(..., options={...})` overrides individual keys; unknown keys are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+LOG_CHANNELS = (
+    "graph",
+    "ir_pre_fusion",
+    "ir_post_fusion",
+    "fusion",
+    "schedule",
+    "output_code",
+    "fallback",
+)
+_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "num_threads")
+
+
+def build_options(overrides: dict | None = None) -> dict:
+    debug_dir = os.environ.get("FERROCORE_DEBUG_DIR") or None
+    opts = {
+        "cache_dir": _abspath(os.environ.get("FERROCORE_CACHE_DIR") or "~/.cache/ferrocore"),
+        "logs": parse_logs(os.environ.get("FERROCORE_LOGS", "")),
+        "debug_dir": _abspath(debug_dir) if debug_dir else None,
+        "cxx": os.environ.get("CXX") or "g++",
+        "num_threads": None,
+    }
+    for key, value in (overrides or {}).items():
+        if key in _KEYS:
+            opts[key] = parse_logs(value) if key == "logs" and isinstance(value, str) else value
+    return opts
+
+
+def options_json(overrides: dict | None = None) -> str:
+    return json.dumps(build_options(overrides))
+
+
+def parse_logs(spec: str) -> list:
+    """`"graph, output_code"` -> `["graph", "output_code"]`; `all` names every channel."""
+    logs = []
+    for name in spec.split(","):
+        name = name.strip().lower().lstrip("+")  # TORCH_LOGS habit: "+name" means verbose
+        if not name:
+            continue
+        if name == "all":
+            return list(LOG_CHANNELS)
+        if name not in LOG_CHANNELS:
+            warnings.warn(f"FERROCORE_LOGS: unknown channel {name!r}; known: {LOG_CHANNELS}")
+            continue
+        if name not in logs:
+            logs.append(name)
+    return logs
+
+
+def _abspath(path: str) -> str:
+    # Rust may run the compiler from another cwd; hand it absolute paths.
+    return os.path.abspath(os.path.expanduser(path))

@@ -1,0 +1,75 @@
+"""Helpers the generated wrapper modules call; they are on the hot path, so each is one step."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import statistics
+import time
+
+import torch
+
+from .options import options_json
+
+_libraries: dict = {}
+# Options of the compile that is importing a wrapper module, so its kernels are looked up in the
+# same cache with the same compiler; None outside the backend (e.g. running output_code.py).
+_compile_options: str | None = None
+
+
+@contextlib.contextmanager
+def compile_options(options: str):
+    global _compile_options
+    saved, _compile_options = _compile_options, options
+    try:
+        yield
+    finally:
+        _compile_options = saved
+
+
+def load_kernels(source: str) -> ctypes.CDLL:
+    """Compiles (or finds cached) the C++ translation unit `source` and loads it."""
+    from . import _ferrocore
+
+    path = _ferrocore.compile_cpp(source, _compile_options or options_json())
+    lib = _libraries.get(path)
+    if lib is None:
+        lib = _libraries[path] = ctypes.CDLL(path)
+    return lib
+
+
+def c_ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def empty_strided(size, stride, dtype, device) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+
+def reinterpret_tensor(t: torch.Tensor, size, stride, offset) -> torch.Tensor:
+    return t.as_strided(size, stride, offset)
+
+
+def benchmark(call, args, reps: int = 100) -> float:
+    """Prints and returns the median time of `call(list(args))` in ms."""
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(min(reps, 10)):
+        call(list(args))  # a copy each time: a boxed call may clear its argument list
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call(list(args))
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    median = statistics.median(times)
+    print(f"median {median:.4f} ms over {reps} runs")
+    return median
+
+
+def restride(t: torch.Tensor, size, stride) -> torch.Tensor:
+    """An extern call's result in the layout the kernels were compiled for (copied if ATen chose another)."""
+    if t.stride() == tuple(stride) or t.numel() <= 1:
+        return t
+    return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)

@@ -1,0 +1,205 @@
+"""ATen FX graph -> the exchange-format JSON (docs/exchange_format.md, version 1).
+
+This module only encodes; it never decides what ferrocore can compile. It refuses, with
+`UnsupportedGraph`, exactly the graphs version 1 cannot express (symbolic sizes, targets other
+than ATen ops and getitem, non-tensor inputs or outputs, complex inputs, dtypes/devices/layouts the
+format does not name); the backend then runs that graph eagerly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+FORMAT = "ferrocore.graph"
+VERSION = 1
+
+# Dtypes the format names. Anything else (uint16, complex32, float4...) has no spelling.
+_DTYPES = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128,
+}
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+class UnsupportedGraph(Exception):
+    """The graph cannot be expressed in the exchange format; `reason` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> str:
+    """The JSON document for `gm`, named `name`."""
+    # allow_nan=False: a stray non-finite float must fail here, not as invalid JSON in Rust.
+    return json.dumps(graph_to_dict(gm, name), separators=(",", ":"), allow_nan=False)
+
+
+def graph_to_dict(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> dict:
+    graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "name": name,
+        "nodes": [_node(n) for n in graph.nodes],
+    }
+
+
+def _node(n: torch.fx.Node) -> dict:
+    if n.op == "placeholder":
+        val = n.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise UnsupportedGraph(f"input {n.name} is a symbolic size ({val}): dynamic shapes")
+        if not isinstance(val, torch.Tensor):
+            raise UnsupportedGraph(f"input {n.name} is not a tensor ({_describe(val)})")
+        if val.dtype.is_complex:
+            raise UnsupportedGraph(f"input {n.name} is complex ({_dtype_name(val.dtype)})")
+        return {"kind": "placeholder", "name": n.name, "meta": _meta(val, n)}
+    if n.op == "call_function":
+        return {
+            "kind": "call_function",
+            "name": n.name,
+            "target": _target(n),
+            "args": [_arg(a, n) for a in n.args],
+            "kwargs": {k: _arg(v, n) for k, v in n.kwargs.items()},
+            "meta": _meta(n.meta.get("val"), n),
+        }
+    if n.op == "output":
+        return {"kind": "output", "name": n.name, "args": _outputs(n)}
+    # get_attr (lifted constants), call_module, call_method: no kind in version 1.
+    raise UnsupportedGraph(f"node {n.name} is a {n.op} node")
+
+
+def _target(n: torch.fx.Node) -> str:
+    t = n.target
+    if t is operator.getitem:
+        return "getitem"
+    if isinstance(t, torch._ops.OpOverload):
+        if t.namespace == "aten":
+            return str(t)  # e.g. "aten.add.Tensor"
+        # Version 1 carries ATen only; other namespaces (prims, quantized...) run eagerly.
+        raise UnsupportedGraph(f"node {n.name} calls {t}, which is not an ATen operator")
+    qualname = getattr(t, "__qualname__", None) or getattr(t, "__name__", repr(t))
+    raise UnsupportedGraph(
+        f"node {n.name} calls python:{getattr(t, '__module__', '?')}.{qualname}"
+    )
+
+
+def _outputs(n: torch.fx.Node) -> list:
+    (flat,) = n.args
+    if not isinstance(flat, (list, tuple)):
+        flat = [flat]
+    out = []
+    for a in flat:
+        if a is None:
+            out.append(None)  # e.g. no gradient for an input in a backward graph
+        elif isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            out.append({"node": a.name})
+        else:
+            raise UnsupportedGraph(f"output {_describe(a)} is not a tensor")
+    return out
+
+
+def _meta(val: Any, n: torch.fx.Node) -> dict | None:
+    if val is None:
+        return None
+    if isinstance(val, torch.Tensor):
+        return {"tensor": _tensor_meta(val, n)}
+    if isinstance(val, (tuple, list)):
+        return {"tuple": [_meta(v, n) for v in val]}
+    # bool before int: bool is an int subclass.
+    for ty, tag in ((bool, "bool"), (int, "int"), (float, "float")):
+        if type(val) is ty:
+            return {"scalar": tag}
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise UnsupportedGraph(f"node {n.name} has a symbolic value {val}")
+    raise UnsupportedGraph(f"node {n.name} produces {_describe(val)}")
+
+
+def _tensor_meta(t: torch.Tensor, n: torch.fx.Node) -> dict:
+    if t.layout != torch.strided:
+        raise UnsupportedGraph(f"node {n.name} has layout {t.layout}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise UnsupportedGraph(f"node {n.name} is on device {t.device}")
+    if t.dtype not in _DTYPES and not _is_float8(t.dtype):
+        raise UnsupportedGraph(f"node {n.name} has dtype {t.dtype}")
+    return {
+        "shape": [_concrete(s, n) for s in t.shape],
+        "stride": [_concrete(s, n) for s in t.stride()],
+        "storage_offset": _concrete(t.storage_offset(), n),
+        "dtype": _dtype_name(t.dtype),
+        "device": str(t.device),
+    }
+
+
+def _concrete(v: Any, n: torch.fx.Node) -> int:
+    if type(v) is not int:
+        raise UnsupportedGraph(f"node {n.name} has a symbolic size {v}")
+    return v
+
+
+def _arg(a: Any, n: torch.fx.Node) -> Any:
+    if a is None:
+        return None
+    if isinstance(a, torch.fx.Node):
+        return {"node": a.name}
+    ty = type(a)
+    if ty is bool:
+        return {"bool": a}
+    if ty is int:
+        if not _I64_MIN <= a <= _I64_MAX:
+            raise UnsupportedGraph(f"node {n.name} has an int argument {a} outside int64")
+        return {"int": a}
+    if ty is float:
+        if math.isfinite(a):
+            return {"float": a}
+        return {"float": "nan" if math.isnan(a) else ("inf" if a > 0 else "-inf")}
+    if ty is str:
+        return {"str": a}
+    if isinstance(a, (list, tuple)):
+        return {"list": [_arg(x, n) for x in a]}
+    if isinstance(a, torch.dtype):
+        if a not in _DTYPES and not _is_float8(a):
+            raise UnsupportedGraph(f"node {n.name} names dtype {a}")
+        return {"dtype": _dtype_name(a)}
+    if isinstance(a, torch.device):
+        if a.type not in ("cpu", "cuda"):
+            raise UnsupportedGraph(f"node {n.name} names device {a}")
+        return {"device": str(a)}
+    if isinstance(a, torch.layout):
+        return {"layout": _strip_torch(a)}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": _strip_torch(a)}
+    if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise UnsupportedGraph(f"node {n.name} has a symbolic argument {a}")
+    raise UnsupportedGraph(f"node {n.name} has an argument {_describe(a)}")
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return _strip_torch(d)
+
+
+def _strip_torch(x: Any) -> str:
+    s = str(x)
+    return s[len("torch."):] if s.startswith("torch.") else s
+
+
+def _is_float8(d: torch.dtype) -> bool:
+    return _strip_torch(d).startswith("float8")
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.fx.Node):
+        return f"node {x.name} ({_describe(x.meta.get('val'))})"
+    if x is None:
+        return "None"
+    if isinstance(x, (bool, int, float, str)):
+        return f"{type(x).__name__} {x!r}"
+    return type(x).__name__

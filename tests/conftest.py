@@ -1,0 +1,66 @@
+"""Session setup for the end-to-end tests.
+
+- `FERROCORE_CACHE_DIR` defaults to one directory shared by the whole run (set before ferrocore
+  can be imported, so every compile in the run uses it).
+- `FERROCORE_TEST_BACKEND` selects the backend under test (default `ferrocore`); `inductor`,
+  `aot_eager` and `eager` validate the tests themselves against PyTorch.
+- Every test starts from a reset dynamo and a fixed seed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+os.environ.setdefault("FERROCORE_CACHE_DIR", str(REPO_ROOT / ".ferrocore-cache-test"))
+
+# `examples/` (the demo's transformer block) and `tests/helpers.py` are imported by the tests.
+for path in (REPO_ROOT, Path(__file__).resolve().parent):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+from helpers import BACKEND, can_count_kernels, is_ferrocore  # noqa: E402
+
+# Each test resets dynamo, but a test may compile a function for several inputs; never let a
+# recompile fall back to eager silently, and never let an error be swallowed.
+if hasattr(torch._dynamo.config, "recompile_limit"):
+    torch._dynamo.config.recompile_limit = 64
+else:
+    torch._dynamo.config.cache_size_limit = 64
+torch._dynamo.config.accumulated_cache_size_limit = 4096
+torch._dynamo.config.suppress_errors = False
+
+
+def pytest_report_header(config):
+    return [
+        f"ferrocore e2e: backend={BACKEND} torch={torch.__version__} "
+        f"FERROCORE_CACHE_DIR={os.environ['FERROCORE_CACHE_DIR']}"
+    ]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "kernel_count: asserts the number of generated kernels")
+    config.addinivalue_line("markers", "ferrocore_only: needs the ferrocore backend's metrics")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("kernel_count") and not can_count_kernels():
+            item.add_marker(pytest.mark.skip(reason=f"backend {BACKEND} does not count kernels"))
+        if item.get_closest_marker("ferrocore_only") and not is_ferrocore():
+            item.add_marker(pytest.mark.skip(reason=f"needs ferrocore, backend is {BACKEND}"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_and_seed():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()

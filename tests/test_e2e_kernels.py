@@ -1,0 +1,79 @@
+"""Fusion and caching, observed from outside: how many kernels a function compiles to, and a
+warm compile-cache hit. Kernel counts are asserted for backends that report them (ferrocore, and
+inductor, whose design ferrocore follows); the cache test needs ferrocore's metrics."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+from helpers import check, compile_fn, ferrocore_metrics
+
+
+@pytest.mark.kernel_count
+def test_kernel_count_relu_add_sum_is_one_kernel():
+    check(lambda x: x.relu().add(1).sum(-1), torch.randn(32, 48), expect_kernels=1)
+
+
+@pytest.mark.kernel_count
+def test_kernel_count_softmax_last_dim_at_most_two():
+    check(lambda x: torch.softmax(x, -1), torch.randn(32, 64), max_kernels=2)
+
+
+@pytest.mark.kernel_count
+def test_kernel_count_ten_op_pointwise_chain_is_one_kernel():
+    def chain(x, y):
+        z = x * 2 + y  # 2
+        z = z.sin() - 0.5  # 4
+        z = z.abs().sqrt()  # 6
+        z = (z * y).tanh()  # 8
+        return torch.sigmoid(z + 1)  # 10
+
+    check(chain, torch.randn(32, 48), torch.randn(32, 48), expect_kernels=1)
+
+
+@pytest.mark.kernel_count
+def test_kernel_count_layer_norm_at_most_two():
+    x, w, b = torch.randn(32, 64), torch.randn(64), torch.randn(64)
+    check(lambda x, w, b: F.layer_norm(x, (64,), w, b), x, w, b, max_kernels=2)
+
+
+@pytest.mark.kernel_count
+def test_kernel_count_multiple_outputs_share_one_kernel():
+    # Two pointwise outputs of the same shape and their common input: one loop nest.
+    check(lambda x: (x.exp() + 1, x.exp() * 2), torch.randn(32, 48), expect_kernels=1)
+
+
+@pytest.mark.ferrocore_only
+def test_warm_cache_hit(tmp_path, monkeypatch):
+    metrics = ferrocore_metrics()
+    cache_dir = tmp_path / "ferrocore-cache"
+    monkeypatch.setenv("FERROCORE_CACHE_DIR", str(cache_dir))
+    # A constant unique to this run keeps the first compile from hitting any earlier cache entry.
+    c = round(random.uniform(1.0, 2.0), 6)
+
+    def fn(x):
+        return (x * c).sin().sum(-1)
+
+    x = torch.randn(16, 32)
+    expected = fn(x)
+
+    for attempt, expect_hit in (("cold", False), ("warm", True)):
+        torch._dynamo.reset()
+        metrics.reset()
+        compiled, counting = compile_fn(fn)
+        torch.testing.assert_close(compiled(x), expected)
+        assert counting.graphs >= 1
+        last = metrics.last
+        assert not last["graph_fallback"], f"{attempt} compile ran eagerly"
+        assert last["kernels"] >= 1
+        assert last["cpp_cache_hit"] is expect_hit, (
+            f"{attempt} compile: cpp_cache_hit={last['cpp_cache_hit']}, expected {expect_hit}"
+        )
+        assert cache_dir.is_dir() and any(cache_dir.rglob("*")), (
+            f"FERROCORE_CACHE_DIR={cache_dir} was not used"
+        )

@@ -1,0 +1,215 @@
+"""The Python front around a stand-in for the Rust extension: backend plumbing, graph fallback,
+metrics, options and the runtime helpers. The real extension is exercised by tests/test_e2e*.py.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("ferrocore") is None:  # not installed: use the source tree
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "python"))
+
+import ferrocore  # noqa: E402
+from ferrocore import options, runtime  # noqa: E402
+from ferrocore.backend import ferrocore_backend  # noqa: E402
+
+
+class FakeExtension:
+    """Writes a wrapper module that runs the graph eagerly, and answers like compile_graph."""
+
+    def __init__(self, tmp_path: Path):
+        self.tmp_path = tmp_path
+        self.graphs = []  # (graph document, options) per compile_graph call
+        self.cpp_options = []
+
+    def compile_graph(self, graph_json: str, options_json: str) -> str:
+        doc = json.loads(graph_json)
+        self.graphs.append((doc, json.loads(options_json)))
+        path = self.tmp_path / f"{doc['name']}.py"
+        # The module loads "kernels" at import, like a real wrapper, then runs the graph eagerly.
+        path.write_text(
+            "import sys\n"
+            "from ferrocore import runtime\n"
+            "lib = runtime.load_kernels('// kernels')\n"
+            "def call(args):\n"
+            f"    return sys.modules['fake_front_graphs'][{doc['name']!r}](args)\n"
+        )
+        return json.dumps(
+            {
+                "module_path": str(path),
+                "module_source": path.read_text(),
+                "kernels": 2,
+                "externs": 1,
+                "fallbacks": [{"node": "x", "target": "aten.foo.default", "reason": "test"}],
+                "timings_ms": {"lowering": 1.0, "cpp_compile": 5.0},
+                "cpp_cache_hit": True,
+                "logs": [{"channel": "output_code", "text": "def call(args): ...\n"}],
+            }
+        )
+
+    def compile_cpp(self, source: str, options_json: str) -> str:
+        self.cpp_options.append(json.loads(options_json))
+        return ctypes.util.find_library("m") or "libm.so.6"
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    ext = FakeExtension(tmp_path)
+    monkeypatch.setattr(ferrocore, "_ferrocore", ext, raising=False)
+    # Keep each graph so the stand-in wrapper can run it: serialize -> remember the FX module.
+    graphs = {}
+    import ferrocore.backend as backend
+
+    serialize = backend.serialize_graph
+
+    def remembering(gm, name):
+        doc = serialize(gm, name)
+        graphs[name] = lambda args: gm(*args)
+        return doc
+
+    monkeypatch.setattr(backend, "serialize_graph", remembering)
+    monkeypatch.setitem(sys.modules, "fake_front_graphs", graphs)
+    monkeypatch.setenv("FERROCORE_LOGS", "output_code,fallback")
+    monkeypatch.setenv("FERROCORE_CACHE_DIR", str(tmp_path / "cache"))
+    ferrocore.metrics.reset()
+    return ext
+
+
+def test_entry_point_is_declared_for_dynamo():
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert "[project.entry-points.torch_dynamo_backends]" in text
+    assert 'ferrocore = "ferrocore.backend:ferrocore_backend"' in text
+
+
+def test_compiles_through_the_extension(fake, capfd):
+    fn = torch.compile(lambda x: torch.relu(x) * 2, backend=ferrocore_backend, dynamic=False)
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(fn(x), torch.relu(x) * 2)
+
+    (doc, opts), = fake.graphs
+    assert doc["nodes"][1]["target"] == "aten.relu.default"
+    assert opts["logs"] == ["output_code", "fallback"]
+    # The wrapper's kernels are looked up with the options of the compile importing it.
+    assert fake.cpp_options == [opts]
+
+    last = ferrocore.metrics.last
+    assert (last["kernels"], last["externs"], last["fallbacks"]) == (2, 1, 1)
+    assert last["fallback_ops"] == ["aten.foo.default"]
+    assert last["graph_fallback"] is False and last["cpp_cache_hit"] is True
+    assert {"aot", "serialize", "lowering", "cpp_compile", "load"} <= set(last["timings_ms"])
+    assert ferrocore.metrics.total["graphs"] == 1
+    assert "[ferrocore:output_code]\ndef call(args): ..." in capfd.readouterr().err
+
+
+def test_training_compiles_forward_and_backward(fake):
+    x = torch.randn(3, 5)
+    w = torch.randn(5, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    fn = torch.compile(lambda x: (x * w).sin().sum(), backend=ferrocore_backend, dynamic=False)
+    fn(x).backward()
+    (x * w_ref).sin().sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    assert len(fake.graphs) == 2  # forward and backward
+    assert ferrocore.metrics.total["graphs"] == 2
+    assert ferrocore.metrics.total["kernels"] == 4
+
+
+def test_symbolic_graph_runs_eagerly(fake, capfd):
+    fn = torch.compile(lambda x: x.cos() + 1, backend=ferrocore_backend, dynamic=True)
+    x = torch.randn(6)
+    torch.testing.assert_close(fn(x), x.cos() + 1)
+    assert fake.graphs == []
+    assert ferrocore.metrics.last["graph_fallback"] is True
+    assert ferrocore.metrics.total["graph_fallbacks"] == 1
+    err = capfd.readouterr().err
+    assert "[ferrocore:fallback] graph graph_" in err and "runs eagerly: " in err
+
+
+def test_extension_errors_propagate(fake, monkeypatch):
+    class Broken(Exception):
+        pass
+
+    def fail(graph_json, options_json):
+        raise Broken("node add: malformed")
+
+    monkeypatch.setattr(fake, "compile_graph", fail)
+    fn = torch.compile(lambda x: x + 1, backend=ferrocore_backend, dynamic=False)
+    with pytest.raises(Exception, match="node add: malformed"):
+        fn(torch.randn(3))
+
+
+def test_torch_compile_options_and_mode_are_accepted(fake):
+    fn = torch.compile(
+        lambda x: x * 3,
+        backend=ferrocore_backend,
+        dynamic=False,
+        options={"cxx": "clang++", "logs": "graph", "unknown": 1},
+    )
+    fn(torch.randn(2))
+    (_, opts), = fake.graphs
+    assert opts["cxx"] == "clang++" and opts["logs"] == ["graph"] and "unknown" not in opts
+
+
+def test_compile_graph_helper_on_make_fx_graph(fake):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: (x.exp() - 1,), tracing_mode="fake")(torch.randn(3))
+    f = ferrocore.compile_graph(gm)
+    x = torch.randn(3)
+    (out,) = f(x)
+    torch.testing.assert_close(out, x.exp() - 1)
+
+
+def test_options_read_env_at_each_call(monkeypatch, tmp_path):
+    monkeypatch.delenv("FERROCORE_LOGS", raising=False)
+    monkeypatch.delenv("FERROCORE_DEBUG_DIR", raising=False)
+    monkeypatch.delenv("FERROCORE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    opts = options.build_options()
+    assert opts["logs"] == [] and opts["debug_dir"] is None and opts["cxx"] == "g++"
+    assert opts["cache_dir"].endswith("/.cache/ferrocore") and opts["num_threads"] is None
+
+    monkeypatch.setenv("FERROCORE_LOGS", " graph, +fusion ,graph")
+    monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(tmp_path / "dbg"))
+    monkeypatch.setenv("CXX", "clang++")
+    opts = json.loads(options.options_json())
+    assert opts["logs"] == ["graph", "fusion"]
+    assert opts["debug_dir"] == str(tmp_path / "dbg") and opts["cxx"] == "clang++"
+    assert options.parse_logs("all") == list(options.LOG_CHANNELS)
+    with pytest.warns(UserWarning, match="unknown channel"):
+        assert options.parse_logs("graph,nope") == ["graph"]
+
+
+def test_metrics_sum_over_graphs():
+    m = type(ferrocore.metrics)()
+    m.record({"kernels": 2, "externs": 1, "fallbacks": 1, "timings_ms": {"cpp_compile": 3.0}})
+    m.record({"graph_fallback": True, "timings_ms": {"cpp_compile": 1.5, "aot": 2.0}})
+    assert m.total == {
+        "graphs": 2,
+        "kernels": 2,
+        "externs": 1,
+        "fallbacks": 1,
+        "graph_fallbacks": 1,
+        "timings_ms": {"cpp_compile": 4.5, "aot": 2.0},
+    }
+    assert m.last["graph_fallback"] is True
+    assert "2 graphs" in repr(m)
+    m.reset()
+    assert m.last == {} and m.total["graphs"] == 0
+
+
+def test_runtime_helpers():
+    base = torch.arange(12.0)
+    t = runtime.reinterpret_tensor(base, (3, 2), (4, 1), 1)
+    assert t.tolist() == [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
+    e = runtime.empty_strided((2, 3), (1, 2), torch.float32, "cpu")
+    assert e.stride() == (1, 2)
+    assert runtime.c_ptr(base).value == base.data_ptr()
+    assert runtime.benchmark(lambda args: args[0] + 1, [base], reps=3) > 0
