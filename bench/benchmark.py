@@ -38,17 +38,24 @@ COMPILERS = ("inductor", "ferrocore")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--reps", type=int, default=30, help="timed samples per backend (default 30)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per backend (default 3)")
     ap.add_argument("--quick", action="store_true", help="small sizes, for smoke testing")
     ap.add_argument(
-        "--backends", default="eager,inductor,ferrocore",
+        "--backends",
+        default="eager,inductor,ferrocore",
         help="comma-separated subset of eager,inductor,ferrocore",
     )
     ap.add_argument("--only", default="", help="comma-separated workload names to run")
-    ap.add_argument("--min-sample-ms", type=float, default=2.0,
-                    help="calls are batched so one timed sample lasts at least this long")
+    ap.add_argument(
+        "--min-sample-ms",
+        type=float,
+        default=2.0,
+        help="calls are batched so one timed sample lasts at least this long",
+    )
     ap.add_argument("--keep-caches", action="store_true", help="keep the temporary cache dirs")
     return ap.parse_args(argv)
 
@@ -78,7 +85,6 @@ from examples.models import (  # noqa: E402
     make_block_input,
     make_elementwise_inputs,
 )
-
 
 # ------------------------------------------------------------------------------------------------
 # Workloads.
@@ -116,16 +122,28 @@ def workloads(quick: bool) -> list[Workload]:
     return [
         Workload(
             f"transformer block d{cfg.d_model} h{cfg.n_heads} s{cfg.seq_len} b{cfg.batch}",
-            make_block(cfg), lambda: (make_block_input(cfg),),
+            make_block(cfg),
+            lambda: (make_block_input(cfg),),
         ),
-        Workload(f"elementwise+reduction {er[0]}x{er[1]}", elementwise_reduction,
-                 lambda: make_elementwise_inputs(*er)),
-        Workload(f"10-op chain {n / 2**20:g}M f32", chain10, lambda: (torch.randn(n, generator=gen),)),
-        Workload(f"softmax {sm[0]}x{sm[1]}", softmax_last, lambda: (torch.randn(sm, generator=gen) * 3,)),
         Workload(
-            f"layer_norm {ln[0]}x{ln[1]}", layer_norm,
-            lambda: (torch.randn(ln, generator=gen), torch.randn(ln[1], generator=gen),
-                     torch.randn(ln[1], generator=gen)),
+            f"elementwise+reduction {er[0]}x{er[1]}",
+            elementwise_reduction,
+            lambda: make_elementwise_inputs(*er),
+        ),
+        Workload(
+            f"10-op chain {n / 2**20:g}M f32", chain10, lambda: (torch.randn(n, generator=gen),)
+        ),
+        Workload(
+            f"softmax {sm[0]}x{sm[1]}", softmax_last, lambda: (torch.randn(sm, generator=gen) * 3,)
+        ),
+        Workload(
+            f"layer_norm {ln[0]}x{ln[1]}",
+            layer_norm,
+            lambda: (
+                torch.randn(ln, generator=gen),
+                torch.randn(ln[1], generator=gen),
+                torch.randn(ln[1], generator=gen),
+            ),
         ),
     ]
 
@@ -164,8 +182,9 @@ def outputs_close(expected, actual, rtol, atol) -> str | None:
     return None
 
 
-def time_interleaved(fns: dict[str, Callable], args: tuple, reps: int, warmup: int,
-                     min_sample_ms: float) -> dict[str, float]:
+def time_interleaved(
+    fns: dict[str, Callable], args: tuple, reps: int, warmup: int, min_sample_ms: float
+) -> dict[str, float]:
     """Median ms per call for each function; samples interleaved in rotating order."""
     inner: dict[str, int] = {}
     for name, fn in fns.items():
@@ -222,7 +241,9 @@ def run_workload(w: Workload, backends: list[str], opts) -> Result:
         try:
             compiled, out, secs = compile_cold(w.fn, args, backend)
         except Exception as e:  # a compiler failure is a result, not the end of the run
-            res.notes.append(f"{backend} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            res.notes.append(
+                f"{backend} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            )
             print(f"  {backend}: compile FAILED", flush=True)
             traceback.print_exc(limit=3)
             continue
@@ -237,17 +258,44 @@ def run_workload(w: Workload, backends: list[str], opts) -> Result:
                 res.notes.append("ferrocore ran the graph eagerly")
             elif last.get("fallbacks"):
                 res.notes.append(f"ferrocore ATen fallbacks: {last.get('fallback_ops')}")
-            res.notes.append(f"ferrocore: {last.get('kernels')} kernels, {last.get('externs')} externs")
-        print(f"  {backend}: cold compile {secs:.2f} s{'  ' + mismatch if mismatch else ''}", flush=True)
+            res.notes.append(
+                f"ferrocore: {last.get('kernels')} kernels, {last.get('externs')} externs"
+            )
+        print(
+            f"  {backend}: cold compile {secs:.2f} s{'  ' + mismatch if mismatch else ''}",
+            flush=True,
+        )
         fns[backend] = compiled
     if fns:
         res.runtime_ms = time_interleaved(fns, args, opts.reps, opts.warmup, opts.min_sample_ms)
-        print("  runtime ms: " + ", ".join(f"{k} {v:.3f}" for k, v in res.runtime_ms.items()), flush=True)
+        print(
+            "  runtime ms: " + ", ".join(f"{k} {v:.3f}" for k, v in res.runtime_ms.items()),
+            flush=True,
+        )
     return res
 
 
 # ------------------------------------------------------------------------------------------------
 # Report.
+
+
+STAGE_ORDER = (
+    "aot",
+    "serialize",
+    "import",
+    "lowering",
+    "scheduling",
+    "codegen",
+    "wrapper",
+    "cpp_compile",
+    "load",
+)
+
+
+def ordered_stages(timings: dict) -> list[tuple[str, float]]:
+    """ferrocore's stages in pipeline order, unknown ones after."""
+    known = [(k, timings[k]) for k in STAGE_ORDER if k in timings]
+    return known + [(k, v) for k, v in timings.items() if k not in STAGE_ORDER]
 
 
 def _ms(d: dict, key: str) -> str:
@@ -272,7 +320,7 @@ def markdown_table(results: list[Result]) -> str:
     )
     lines = [head, head_rule(head)]
     for r in results:
-        stages = ", ".join(f"{k} {v:.1f}" for k, v in r.stages_ms.items()) or "n/a"
+        stages = ", ".join(f"{k} {v:.1f}" for k, v in ordered_stages(r.stages_ms)) or "n/a"
         lines.append(
             f"| {r.name} | {_ms(r.runtime_ms, 'eager')} | {_ms(r.runtime_ms, 'inductor')} "
             f"| {_ms(r.runtime_ms, 'ferrocore')} | {_ratio(r.runtime_ms)} "
@@ -296,12 +344,15 @@ def environment() -> str:
     except OSError:
         pass
     try:
-        cxx = subprocess.run([os.environ.get("CXX", "g++"), "--version"], capture_output=True,
-                             text=True, timeout=10).stdout.splitlines()[0]
+        cxx = subprocess.run(
+            [os.environ.get("CXX", "g++"), "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         cxx = "unknown"
-    return (f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {cxx}, "
-            f"python {platform.python_version()}")
+    return (
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, {cxx}, "
+        f"python {platform.python_version()}"
+    )
 
 
 def main(opts) -> int:
@@ -325,8 +376,10 @@ def main(opts) -> int:
         with torch.no_grad():
             init = warm_up_compilers(compilers)
             if init:
-                print("process warm-up compile (not counted): "
-                      + ", ".join(f"{k} {v:.2f} s" for k, v in init.items()))
+                print(
+                    "process warm-up compile (not counted): "
+                    + ", ".join(f"{k} {v:.2f} s" for k, v in init.items())
+                )
             only = {s.strip() for s in opts.only.split(",") if s.strip()}
             results = [
                 run_workload(w, backends, opts)
@@ -338,8 +391,10 @@ def main(opts) -> int:
             shutil.rmtree(_TMP, ignore_errors=True)
 
     print("\n## Results\n")
-    print(f"{environment()}; runtime = median of {opts.reps}; cold = first call after "
-          "dynamo reset with empty caches; ratios < 1 mean ferrocore is faster.\n")
+    print(
+        f"{environment()}; runtime = median of {opts.reps}; cold = first call after "
+        "dynamo reset with empty caches; ratios < 1 mean ferrocore is faster.\n"
+    )
     for n in notes:
         print(f"note: {n}\n")
     print(markdown_table(results))

@@ -1,1 +1,1 @@
-"""Runnable examples for ferrocore; `examples.models` holds the models the tests and benchmark share."""
+"""Runnable examples for ferrocore; `examples.models` is shared with the tests and bench."""

@@ -67,7 +67,9 @@ def outputs_match(expected, actual) -> bool:
     return True
 
 
-def time_interleaved(fns: dict[str, Callable], args, reps: int, warmup: int = 3) -> dict[str, float]:
+def time_interleaved(
+    fns: dict[str, Callable], args, reps: int, warmup: int = 3
+) -> dict[str, float]:
     """Median milliseconds per call; one rep of each function per round, rotating the order."""
     for _ in range(warmup):
         for fn in fns.values():
@@ -81,6 +83,25 @@ def time_interleaved(fns: dict[str, Callable], args, reps: int, warmup: int = 3)
             fns[name](*args)
             samples[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+STAGE_ORDER = (
+    "aot",
+    "serialize",
+    "import",
+    "lowering",
+    "scheduling",
+    "codegen",
+    "wrapper",
+    "cpp_compile",
+    "load",
+)
+
+
+def ordered_stages(timings: dict) -> list[tuple[str, float]]:
+    """ferrocore's stages in pipeline order, unknown ones after."""
+    known = [(k, timings[k]) for k in STAGE_ORDER if k in timings]
+    return known + [(k, v) for k, v in timings.items() if k not in STAGE_ORDER]
 
 
 def ferrocore_last() -> dict | None:
@@ -141,7 +162,7 @@ def run_case(name: str, fn: Callable, args: tuple, opts) -> bool:
             print_generated_code(last, opts.code_lines or None)
         timings = last.get("timings_ms") or {}
         print(f"compile time by stage (first call took {compile_s * 1e3:.1f} ms):")
-        for stage, ms in timings.items():
+        for stage, ms in ordered_stages(timings):
             print(f"  {stage:<12} {ms:10.2f} ms")
         print(f"  {'total':<12} {sum(timings.values()):10.2f} ms")
     else:
@@ -163,13 +184,17 @@ def run_case(name: str, fn: Callable, args: tuple, opts) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--backend", default="ferrocore", help="backend to demo (default ferrocore)")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per backend")
     ap.add_argument("--small", action="store_true", help="a small block and inputs")
     ap.add_argument("--no-inductor", action="store_true", help="skip the inductor comparison")
     ap.add_argument(
-        "--code-lines", type=int, default=200,
+        "--code-lines",
+        type=int,
+        default=200,
         help="lines of generated code to print per model (0: all, -1: none)",
     )
     opts = ap.parse_args(argv)
@@ -191,7 +216,10 @@ def main(argv=None) -> int:
             "transformer block", block, (make_block_input(cfg),), opts
         )
         results["elementwise + reduction"] = run_case(
-            "elementwise + reduction", elementwise_reduction, make_elementwise_inputs(rows, cols), opts
+            "elementwise + reduction",
+            elementwise_reduction,
+            make_elementwise_inputs(rows, cols),
+            opts,
         )
 
     print("\n=== summary ===")

@@ -25,7 +25,6 @@ for path in (REPO_ROOT, Path(__file__).resolve().parent):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-
 from helpers import BACKEND, can_count_kernels, is_ferrocore  # noqa: E402
 
 # Each test resets dynamo, but a test may compile a function for several inputs; never let a
@@ -36,6 +35,12 @@ else:
     torch._dynamo.config.cache_size_limit = 64
 torch._dynamo.config.accumulated_cache_size_limit = 4096
 torch._dynamo.config.suppress_errors = False
+
+if BACKEND == "inductor":
+    import torch._inductor.config
+
+    # Round at every explicit cast, as eager does (x.half().float() must lose precision).
+    torch._inductor.config.emulate_precision_casts = True
 
 
 def pytest_report_header(config):

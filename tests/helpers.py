@@ -158,8 +158,9 @@ def capture_inductor_kernels(stats: CompileStats):
         if original is not None:
             original(code)
 
-    with torch._inductor.config.patch(fx_graph_cache=False), mock.patch.object(
-        GraphLowering, "save_output_code", staticmethod(save_output_code)
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        mock.patch.object(GraphLowering, "save_output_code", staticmethod(save_output_code)),
     ):
         yield
     assert sources, "inductor generated no wrapper module"
@@ -185,9 +186,7 @@ def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Strides agree on every dim of size > 1 (strides of size-0/1 dims are meaningless)."""
     if a.dim() != b.dim():
         return False
-    return all(
-        size <= 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride())
-    )
+    return all(size <= 1 or sa == sb for size, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 def _aliases_any(t: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
@@ -227,7 +226,9 @@ def assert_same_output(
 ) -> None:
     exp_leaves, exp_spec = pytree.tree_flatten(expected)
     act_leaves, act_spec = pytree.tree_flatten(actual)
-    assert exp_spec == act_spec, f"{what}: structure differs: eager {exp_spec} vs compiled {act_spec}"
+    assert exp_spec == act_spec, (
+        f"{what}: structure differs: eager {exp_spec} vs compiled {act_spec}"
+    )
     for i, (e, a) in enumerate(zip(exp_leaves, act_leaves)):
         where = f"{what}[{i}]"
         assert type(e) is type(a), f"{where}: type {type(a).__name__}, eager {type(e).__name__}"
@@ -251,7 +252,7 @@ def assert_same_output(
             )
         r, t = _tolerances(e.dtype, rtol, atol)
         torch.testing.assert_close(
-            a, e, rtol=r, atol=t, equal_nan=True, msg=lambda m: f"{where}: {m}"
+            a, e, rtol=r, atol=t, equal_nan=True, msg=lambda m, where=where: f"{where}: {m}"
         )
 
 
@@ -262,8 +263,12 @@ def _snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _assert_inputs_unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
     for i, (b, a) in enumerate(zip(before, after)):
         torch.testing.assert_close(
-            a.detach(), b, rtol=0, atol=0, equal_nan=True,
-            msg=lambda m: f"input {i} was modified by the compiled function: {m}",
+            a.detach(),
+            b,
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+            msg=lambda m, i=i: f"input {i} was modified by the compiled function: {m}",
         )
 
 
@@ -307,7 +312,9 @@ def check(
     torch._dynamo.reset()
     reset_stats()
     compiled, counting = compile_fn(fn)
-    count_inductor = BACKEND == "inductor" and (expect_kernels is not None or max_kernels is not None)
+    count_inductor = BACKEND == "inductor" and (
+        expect_kernels is not None or max_kernels is not None
+    )
     inductor_stats = CompileStats()
     graphs_after_first_call = None
     for call in ("first", "second"):
@@ -321,7 +328,11 @@ def check(
             graphs_after_first_call = counting.graphs
         _assert_inputs_unchanged(before, tensor_inputs)
         assert_same_output(
-            expected, actual, inputs=tensor_inputs, rtol=rtol, atol=atol,
+            expected,
+            actual,
+            inputs=tensor_inputs,
+            rtol=rtol,
+            atol=atol,
             what=f"{call} compiled call, output",
         )
     assert counting.graphs == graphs_after_first_call, "the second call recompiled"

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-
 from helpers import check, compile_fn, ferrocore_metrics
 
 

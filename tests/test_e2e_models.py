@@ -6,16 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import check
 from torch import nn
 
 from examples.demo import TransformerBlock, make_block
 from examples.models import SMALL_CONFIG, BlockConfig, elementwise_reduction, make_block_input
-from helpers import check
 
 
 def make_mlp(approximate: str = "none") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(approximate=approximate), nn.Linear(64, 16)).eval()
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(approximate=approximate), nn.Linear(64, 16)
+    ).eval()
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -46,10 +48,19 @@ MATMULS = {
     "matmul_broadcast_batch": (torch.matmul, [(2, 1, 8, 16), (3, 16, 5)]),
     "matmul_vector": (lambda a, v: (a @ v, v @ a.t()), [(12, 16), (16,)]),
     "addmm": (lambda c, a, b: torch.addmm(c, a, b), [(24,), (16, 32), (32, 24)]),
-    "addmm_alpha_beta": (lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0), [(16, 24), (16, 32), (32, 24)]),
-    "baddbmm": (lambda c, a, b: torch.baddbmm(c, a, b, alpha=0.25), [(4, 8, 12), (4, 8, 16), (4, 16, 12)]),
+    "addmm_alpha_beta": (
+        lambda c, a, b: torch.addmm(c, a, b, beta=0.5, alpha=2.0),
+        [(16, 24), (16, 32), (32, 24)],
+    ),
+    "baddbmm": (
+        lambda c, a, b: torch.baddbmm(c, a, b, alpha=0.25),
+        [(4, 8, 12), (4, 8, 16), (4, 16, 12)],
+    ),
     "linear": (lambda x, w, b: F.linear(x, w, b), [(10, 32), (24, 32), (24,)]),
-    "mm_epilogue": (lambda a, b, c: ((a @ b) * 0.5 + c).relu().sum(-1), [(16, 32), (32, 24), (24,)]),
+    "mm_epilogue": (
+        lambda a, b, c: ((a @ b) * 0.5 + c).relu().sum(-1),
+        [(16, 32), (32, 24), (24,)],
+    ),
     "mm_prologue": (lambda a, b: (a.sin() * 2) @ (b + 1).t(), [(16, 32), (24, 32)]),
     "chained_mm": (lambda a, b, c: torch.softmax(a @ b, -1) @ c, [(16, 32), (32, 24), (24, 8)]),
 }
@@ -71,7 +82,9 @@ def test_matmul_other_dtypes(dtype):
     "cfg",
     [
         SMALL_CONFIG,
-        BlockConfig(d_model=48, n_heads=3, seq_len=12, batch=3, causal=False, gelu_approximate="tanh"),
+        BlockConfig(
+            d_model=48, n_heads=3, seq_len=12, batch=3, causal=False, gelu_approximate="tanh"
+        ),
     ],
     ids=["causal", "noncausal_tanh"],
 )

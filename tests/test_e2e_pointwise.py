@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from helpers import check
+from helpers import BACKEND, check
 
 
 def randn(*shape, dtype=torch.float32):
@@ -62,13 +61,18 @@ def test_unary(name):
 
 
 def test_round_half_to_even():
-    x = torch.tensor([-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 0.49999997, -0.49999997, 1e7 + 0.5])
+    x = torch.tensor(
+        [-3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 0.49999997, -0.49999997, 1e7 + 0.5]
+    )
     check(torch.round, x)
 
 
 def test_unary_special_values():
-    x = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 100.0, -100.0])
-    check(lambda x: (x.exp(), x.tanh(), x.sigmoid(), x.relu(), x.abs(), F.gelu(x), x.sign()), x)
+    # (Not gelu: eager CPU's gelu(inf) is nan when vectorized, inf for a 1-element tensor.)
+    x = torch.tensor(
+        [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 100.0, -100.0]
+    )
+    check(lambda x: (x.exp(), x.tanh(), x.sigmoid(), x.relu(), x.abs(), F.silu(x), x.sign()), x)
 
 
 def test_log_sqrt_of_edge_values():
@@ -113,18 +117,20 @@ def test_pow_scalar_exponent(exponent):
 
 
 def test_pow_scalar_base():
-    check(lambda x: torch.pow(2.0, x) + 3.0 ** x, randn(8, 16))
+    check(lambda x: torch.pow(2.0, x) + 3.0**x, randn(8, 16))
 
 
 def test_pow_int_tensor():
-    check(lambda x: x ** 2 + torch.pow(x, 3), small_ints(8, 16, dtype=torch.int64))
+    check(lambda x: x**2 + torch.pow(x, 3), small_ints(8, 16, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("mode", ["floor", "trunc"])
 def test_int_division_rounding(dtype, mode):
     a = torch.randint(-50, 50, (8, 16), dtype=dtype)
-    b = torch.randint(1, 7, (8, 16), dtype=dtype) * torch.randint(0, 2, (8, 16), dtype=dtype).mul(2).sub(1)
+    b = torch.randint(1, 7, (8, 16), dtype=dtype) * torch.randint(0, 2, (8, 16), dtype=dtype).mul(
+        2
+    ).sub(1)
     check(lambda a, b: torch.div(a, b, rounding_mode=mode), a, b)
 
 
@@ -142,7 +148,12 @@ def test_float_floor_div_and_remainder():
 # Comparisons, logical and bitwise ops.
 
 COMPARISONS = {
-    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
 }
 
 
@@ -217,14 +228,17 @@ def test_where_tensors():
 def test_where_scalar_and_broadcast_mask():
     check(
         lambda x, m: (torch.where(x > 0, x, 0.0), torch.where(m, x, -1.5), torch.where(m, 2, x)),
-        randn(8, 16), torch.rand(8, 1) > 0.5,
+        randn(8, 16),
+        torch.rand(8, 1) > 0.5,
     )
 
 
 def test_where_mixed_dtypes():
     check(
         lambda c, x, y: torch.where(c, x, y),
-        torch.rand(8, 16) > 0.5, randn(8, 16), torch.randint(-5, 5, (8, 16)),
+        torch.rand(8, 16) > 0.5,
+        randn(8, 16),
+        torch.randint(-5, 5, (8, 16)),
     )
 
 
@@ -254,7 +268,15 @@ def test_clamp_int_and_nan():
 # ------------------------------------------------------------------------------------------------
 # Casts.
 
-CAST_TARGETS = [torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.int8, torch.bool]
+CAST_TARGETS = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.int8,
+    torch.bool,
+]
 
 
 @pytest.mark.parametrize("dtype", CAST_TARGETS, ids=str)
@@ -267,10 +289,15 @@ def test_cast_from_float32(dtype):
 
 
 def test_float_half_methods():
-    check(lambda x: (x.half(), x.half().float(), x.double() * 3, x.bfloat16().float()), randn(12, 20) * 7)
+    check(
+        lambda x: (x.half(), x.half().float(), x.double() * 3, x.bfloat16().float()),
+        randn(12, 20) * 7,
+    )
 
 
-@pytest.mark.parametrize("src", [torch.int32, torch.int64, torch.bool, torch.int8, torch.uint8], ids=str)
+@pytest.mark.parametrize(
+    "src", [torch.int32, torch.int64, torch.bool, torch.int8, torch.uint8], ids=str
+)
 def test_cast_to_float(src):
     if src is torch.bool:
         x = torch.rand(12, 20) > 0.5
@@ -323,6 +350,11 @@ def test_zeros_ones_factories():
     check(lambda x: torch.zeros(12, 20) + x * torch.ones(20), randn(12, 20))
 
 
+@pytest.mark.xfail(
+    BACKEND == "inductor",
+    reason="inductor's CPU codegen computes this arange in int32 and wraps (torch 2.15)",
+    strict=True,
+)
 def test_arange_large_int64_values():
     # 10 * 10^9 overflows int32: the compiler must keep int64 arithmetic.
     check(lambda: torch.arange(0, 11) * 1000000000)
@@ -388,7 +420,11 @@ def test_type_promotion(name):
 
 
 def test_int_true_division_promotes_to_float():
-    check(lambda a, b: a / b, _make(torch.int32, (8, 16)), torch.randint(1, 9, (8, 16), dtype=torch.int32))
+    check(
+        lambda a, b: a / b,
+        _make(torch.int32, (8, 16)),
+        torch.randint(1, 9, (8, 16), dtype=torch.int32),
+    )
 
 
 SCALAR_PROMOTIONS = {
@@ -424,19 +460,38 @@ def ten_op_chain(x):
     return ((((x * 2 + 1).sin() - 0.5).abs().sqrt() * x).tanh() + 1).exp()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str
+)
 def test_pointwise_chain_dtypes(dtype):
-    check(ten_op_chain, randn(16, 48, dtype=dtype))
+    # Eager rounds every intermediate to bfloat16; a fused kernel may keep them in float32
+    # (inductor's default), which moves a few results of this 10-op chain by up to ~3%.
+    tol = {"rtol": 5e-2, "atol": 5e-2} if dtype is torch.bfloat16 else {}
+    check(ten_op_chain, randn(16, 48, dtype=dtype), **tol)
 
 
 def test_activation_chain():
-    check(lambda x, y: F.silu(x) * torch.sigmoid(y) + F.gelu(x - y, approximate="tanh") - torch.relu(-x), randn(16, 48), randn(16, 48))
+    check(
+        lambda x, y: (
+            F.silu(x) * torch.sigmoid(y) + F.gelu(x - y, approximate="tanh") - torch.relu(-x)
+        ),
+        randn(16, 48),
+        randn(16, 48),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
 def test_int_chain(dtype):
-    check(lambda a, b: ((a * 3 + b) // 2 - (a % 5)).abs() & 0xFF, _make(dtype, (16, 48)), _make(dtype, (16, 48)))
+    check(
+        lambda a, b: ((a * 3 + b) // 2 - (a % 5)).abs() & 0xFF,
+        _make(dtype, (16, 48)),
+        _make(dtype, (16, 48)),
+    )
 
 
 def test_bool_chain():
-    check(lambda a, b: (a & ~b) | (a ^ b).logical_not(), torch.rand(16, 48) > 0.5, torch.rand(16, 48) > 0.3)
+    check(
+        lambda a, b: (a & ~b) | (a ^ b).logical_not(),
+        torch.rand(16, 48) > 0.5,
+        torch.rand(16, 48) > 0.3,
+    )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import check
 
 # Odd sizes, the last one past a multiple of any vector width, so vector loops need tails.

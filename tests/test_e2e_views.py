@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import check
 
 
@@ -50,7 +49,9 @@ def test_transposed_plus_contiguous():
 # Views inside the function.
 
 VIEW_CHAINS = {
-    "view_permute_reshape_slice": lambda x: x.view(4, 8, 6).permute(1, 0, 2).reshape(8, 24)[:, 2:20:3] * 2,
+    "view_permute_reshape_slice": lambda x: (
+        x.view(4, 8, 6).permute(1, 0, 2).reshape(8, 24)[:, 2:20:3] * 2
+    ),
     "unsqueeze_squeeze": lambda x: (x.unsqueeze(1) + x[:5].unsqueeze(0)).sum(-1).squeeze() + 1,
     "expand": lambda x: x[:, None, :6].expand(32, 5, 6) * torch.arange(5.0).view(1, 5, 1),
     "select": lambda x: x.select(1, 2) + x[:, 0] * x.select(0, -1)[3],
@@ -59,9 +60,13 @@ VIEW_CHAINS = {
     "flatten_unflatten": lambda x: x.view(2, 16, 6).flatten(1).unflatten(1, (6, 16)).sin(),
     "reshape_of_transpose": lambda x: x.t().reshape(-1) + 1,
     "view_of_contiguous_t": lambda x: (x.t().contiguous().view(32, 6) - x).abs(),
-    "slice_of_permute_of_view": lambda x: x.view(2, 4, 4, 6).permute(3, 1, 0, 2)[1::2, :, 1, ::3] + 0.5,
+    "slice_of_permute_of_view": lambda x: (
+        x.view(2, 4, 4, 6).permute(3, 1, 0, 2)[1::2, :, 1, ::3] + 0.5
+    ),
     "diagonal": lambda x: x[:6].diagonal() * 2 + x[:6, :6].t().diagonal(1).sum(),
-    "movedim_unbind": lambda x: torch.stack(x.view(4, 8, 6).movedim(2, 0).unbind(0)[::2], dim=-1).cos(),
+    "movedim_unbind": lambda x: torch.stack(
+        x.view(4, 8, 6).movedim(2, 0).unbind(0)[::2], dim=-1
+    ).cos(),
 }
 
 
@@ -133,7 +138,10 @@ def test_output_aliases_input(name):
 
 
 def test_output_view_of_intermediate():
-    check(lambda x: ((x + 1).t(), (x * 2)[::2], (x - 1).view(4, 3, 20).permute(2, 0, 1)), randn(12, 20))
+    check(
+        lambda x: ((x + 1).t(), (x * 2)[::2], (x - 1).view(4, 3, 20).permute(2, 0, 1)),
+        randn(12, 20),
+    )
 
 
 def test_same_tensor_returned_twice():
@@ -157,7 +165,9 @@ def test_zero_dim_with_2d():
 
 def test_size_one_dims():
     x = randn(1, 9, 1)
-    check(lambda x, y: (x + y, (x * y).sum(0), x.squeeze(), x.expand(4, 9, 5) * 2), x, randn(4, 1, 5))
+    check(
+        lambda x, y: (x + y, (x * y).sum(0), x.squeeze(), x.expand(4, 9, 5) * 2), x, randn(4, 1, 5)
+    )
 
 
 def test_all_size_one():
@@ -180,7 +190,15 @@ def test_empty_mean_is_nan():
 # ------------------------------------------------------------------------------------------------
 # dtype coverage for one pointwise+reduction function.
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+]
 
 
 def _input(dtype):

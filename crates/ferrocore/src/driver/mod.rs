@@ -124,7 +124,7 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     st.emit("fallback", || {
         fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect()
     });
-    let sched = st.time("scheduling", || schedule(lowered.program));
+    let sched = st.time("scheduling", || schedule(lowered.program)).map_err(|e| CompileError { stage: "scheduling", message: e.to_string() })?;
     st.emit("fusion", || sched.decisions.join("\n") + "\n");
     st.emit("ir_post_fusion", || sched.text());
     let backend = CppBackend;

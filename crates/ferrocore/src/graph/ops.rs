@@ -105,12 +105,19 @@ aten_ops! {
     BitwiseOrScalar => "aten.bitwise_or.Scalar", 2..=2;
     BitwiseXorTensor => "aten.bitwise_xor.Tensor", 2..=2;
     BitwiseXorScalar => "aten.bitwise_xor.Scalar", 2..=2;
+    LshiftTensor => "aten.__lshift__.Tensor", 2..=2;
+    LshiftScalar => "aten.__lshift__.Scalar", 2..=2;
+    RshiftTensor => "aten.__rshift__.Tensor", 2..=2;
+    RshiftScalar => "aten.__rshift__.Scalar", 2..=2;
+    BitwiseLeftShift => "aten.bitwise_left_shift.Tensor", 2..=2;
+    BitwiseRightShift => "aten.bitwise_right_shift.Tensor", 2..=2;
     // ternary and friends
     WhereSelf => "aten.where.self", 3..=3;
     Clamp => "aten.clamp.default", 1..=3;
     ClampTensor => "aten.clamp.Tensor", 1..=3;
     ClampMin => "aten.clamp_min.default", 2..=2;
     ClampMax => "aten.clamp_max.default", 2..=2;
+    Hardtanh => "aten.hardtanh.default", 1..=3;
     // copies and casts
     ToCopy => "aten._to_copy.default", 1..=1;
     Clone => "aten.clone.default", 1..=1;
@@ -140,6 +147,10 @@ aten_ops! {
     AnyDims => "aten.any.dims", 1..=3;
     MaxDefault => "aten.max.default", 1..=1;
     MinDefault => "aten.min.default", 1..=1;
+    Argmax => "aten.argmax.default", 1..=3;
+    Argmin => "aten.argmin.default", 1..=3;
+    MaxDim => "aten.max.dim", 2..=3;
+    MinDim => "aten.min.dim", 2..=3;
     Softmax => "aten._softmax.default", 3..=3;
     LogSoftmax => "aten._log_softmax.default", 3..=3;
     NativeLayerNorm => "aten.native_layer_norm.default", 5..=5;
@@ -158,6 +169,9 @@ aten_ops! {
     TransposeInt => "aten.transpose.int", 3..=3;
     T => "aten.t.default", 1..=1;
     Alias => "aten.alias.default", 1..=1;
+    Diagonal => "aten.diagonal.default", 1..=4;
+    SplitWithSizes => "aten.split_with_sizes.default", 2..=3;
+    SplitTensor => "aten.split.Tensor", 2..=3;
     Cat => "aten.cat.default", 1..=2;
     // extern calls (library kernels through ATen)
     Mm => "aten.mm.default", 2..=2;

@@ -99,6 +99,9 @@ pub enum BinaryOp {
     BitAnd,
     BitOr,
     BitXor,
+    /// Shifts with torch's semantics for out-of-range counts.
+    LShift,
+    RShift,
 }
 
 impl BinaryOp {
@@ -115,6 +118,9 @@ pub enum ReduceOp {
     Max,
     Min,
     Any,
+    /// Index (int64, row-major over the reduction) of the first maximum / minimum; NaN wins.
+    ArgMax,
+    ArgMin,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -129,6 +135,8 @@ pub enum Expr {
     Cast(ValueId),
     /// Combines its operand over the reduction variables; valid after the reduction loop.
     Reduce(ReduceOp, ValueId),
+    /// ArgMax/ArgMin of a value, given the value's reduction index (int64).
+    ArgReduce(ReduceOp, ValueId, ValueId),
 }
 
 #[derive(Clone, Hash, PartialEq, Eq, Debug)]
@@ -141,6 +149,7 @@ enum Key {
     Where(ValueId, ValueId, ValueId),
     Cast(ValueId, DType),
     Reduce(ReduceOp, ValueId),
+    ArgReduce(ReduceOp, ValueId, ValueId),
 }
 
 /// The single store of a body: `output[index] = value`.
@@ -236,6 +245,10 @@ impl LoopBody {
         let x = if op == ReduceOp::Any { self.cast(x, DType::Bool) } else { x };
         self.push(Key::Reduce(op, x), Expr::Reduce(op, x), dt)
     }
+    pub fn arg_reduce(&mut self, op: ReduceOp, value: ValueId, index: ValueId) -> ValueId {
+        let index = self.cast(index, DType::I64);
+        self.push(Key::ArgReduce(op, value, index), Expr::ArgReduce(op, value, index), DType::I64)
+    }
     pub fn set_store(&mut self, index: IndexExpr, value: ValueId) {
         self.store = Some(Store { index, value });
     }
@@ -254,6 +267,7 @@ impl LoopBody {
                 Expr::Where(c, a, b) => h.where_(&vals[c.0 as usize], &vals[a.0 as usize], &vals[b.0 as usize], dt),
                 Expr::Cast(x) => h.cast(&vals[x.0 as usize], self.dtype(*x), dt),
                 Expr::Reduce(op, x) => h.reduce(*op, &vals[x.0 as usize], dt, ValueId(i as u32)),
+                Expr::ArgReduce(op, x, ix) => h.arg_reduce(*op, &vals[x.0 as usize], &vals[ix.0 as usize], self.dtype(*x)),
             };
             vals.push(v);
         }
@@ -275,6 +289,7 @@ pub trait OpsHandler {
     fn where_(&mut self, c: &Self::V, a: &Self::V, b: &Self::V, dtype: DType) -> Self::V;
     fn cast(&mut self, x: &Self::V, from: DType, to: DType) -> Self::V;
     fn reduce(&mut self, op: ReduceOp, x: &Self::V, dtype: DType, id: ValueId) -> Self::V;
+    fn arg_reduce(&mut self, op: ReduceOp, value: &Self::V, index: &Self::V, value_dtype: DType) -> Self::V;
     fn store(&mut self, index: &IndexExpr, value: &Self::V, dtype: DType);
 }
 

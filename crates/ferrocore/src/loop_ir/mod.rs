@@ -96,7 +96,7 @@ pub struct LoopNode {
 
 impl LoopNode {
     pub fn kind(&self) -> NodeKind {
-        if self.body.exprs.iter().any(|e| matches!(e, Expr::Reduce(..))) {
+        if self.body.exprs.iter().any(|e| matches!(e, Expr::Reduce(..) | Expr::ArgReduce(..))) {
             NodeKind::Reduction
         } else {
             NodeKind::Pointwise

@@ -51,6 +51,9 @@ impl OpsHandler for BodyPrinter<'_> {
     fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
         self.line(dtype, format!("reduce_{}({x})", format!("{op:?}").to_lowercase()))
     }
+    fn arg_reduce(&mut self, op: ReduceOp, value: &String, index: &String, _vd: DType) -> String {
+        self.line(DType::I64, format!("reduce_{}({value}, {index})", format!("{op:?}").to_lowercase()))
+    }
     fn store(&mut self, index: &IndexExpr, value: &String, _dtype: DType) {
         let name = self.program.buffer(self.output).name.clone();
         let _ = writeln!(self.out, "    store({name}, {index}, {value})");

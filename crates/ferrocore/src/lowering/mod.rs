@@ -285,19 +285,22 @@ impl<'g> Ctx<'g> {
             | FmodTensor | FmodScalar | RemainderTensor | RemainderScalar | Atan2 | EqTensor | EqScalar | NeTensor
             | NeScalar | LtTensor | LtScalar | LeTensor | LeScalar | GtTensor | GtScalar | GeTensor | GeScalar
             | LogicalAnd | LogicalOr | LogicalXor | BitwiseAndTensor | BitwiseAndScalar | BitwiseOrTensor
-            | BitwiseOrScalar | BitwiseXorTensor | BitwiseXorScalar => t(self.lower_binary(op)?),
+            | BitwiseOrScalar | BitwiseXorTensor | BitwiseXorScalar | LshiftTensor | LshiftScalar | RshiftTensor
+            | RshiftScalar | BitwiseLeftShift | BitwiseRightShift => t(self.lower_binary(op)?),
             WhereSelf => t(self.lower_where()?),
-            Clamp | ClampTensor | ClampMin | ClampMax => t(self.lower_clamp(op)?),
+            Clamp | ClampTensor | ClampMin | ClampMax | Hardtanh => t(self.lower_clamp(op)?),
             ToCopy | Clone | Copy | LiftFreshCopy => t(self.lower_copy(op)?),
             Full | FullLike | ScalarTensor | FillScalar => t(self.lower_full(op)?),
             ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
             SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault
             | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
             VarCorrection | VarMeanCorrection => self.lower_var(op)?,
+            Argmax | Argmin | MaxDim | MinDim => self.lower_arg_reduction(op)?,
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
-            | SliceTensor | SelectInt | TransposeInt | T | Alias => t(self.lower_view(op)?),
+            | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal => t(self.lower_view(op)?),
+            SplitWithSizes | SplitTensor => self.lower_split(op)?,
             Cat => t(self.lower_cat()?),
             Mm | Bmm | Addmm => self.lower_extern(op)?,
         })

@@ -298,16 +298,17 @@ impl Ctx<'_> {
             A::BitwiseAndTensor | A::BitwiseAndScalar => BinaryOp::BitAnd,
             A::BitwiseOrTensor | A::BitwiseOrScalar => BinaryOp::BitOr,
             A::BitwiseXorTensor | A::BitwiseXorScalar => BinaryOp::BitXor,
+            A::LshiftTensor | A::LshiftScalar | A::BitwiseLeftShift => BinaryOp::LShift,
+            A::RshiftTensor | A::RshiftScalar | A::BitwiseRightShift => BinaryOp::RShift,
             _ => return malformed("not a binary op"),
         };
-        if matches!(bop, BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor) && compute.is_float() {
+        if matches!(bop, BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::LShift | BinaryOp::RShift)
+            && compute.is_float()
+        {
             return malformed("bitwise op on floating-point values");
         }
-        // Integer division by zero is undefined behaviour in C++; ATen raises. Keep ATen's.
-        if matches!(bop, BinaryOp::FloorDiv | BinaryOp::TruncDiv | BinaryOp::Remainder | BinaryOp::Fmod)
-            && !compute.is_float()
-        {
-            return unsupported("integer division (ATen raises on a zero divisor)");
+        if matches!(bop, BinaryOp::LShift | BinaryOp::RShift) && compute == DType::Bool {
+            return unsupported("shift of bool values");
         }
         let rsub = matches!(op, A::RsubScalar);
         // sub: self - alpha*other; rsub: other - alpha*self.
@@ -344,6 +345,10 @@ impl Ctx<'_> {
     pub(super) fn lower_clamp(&mut self, op: AtenOp) -> LResult<TensorValue> {
         let x = self.pw_arg(0, "self")?;
         let (lo, hi) = match op {
+            AtenOp::Hardtanh => (
+                Some(self.opt_pw(1, "min_val")?.unwrap_or(PwIn::Scalar(Scalar::Float(-1.0)))),
+                Some(self.opt_pw(2, "max_val")?.unwrap_or(PwIn::Scalar(Scalar::Float(1.0)))),
+            ),
             AtenOp::ClampMin => (self.opt_pw(1, "min")?, None),
             AtenOp::ClampMax => (None, self.opt_pw(1, "max")?),
             _ => (self.opt_pw(1, "min")?, self.opt_pw(2, "max")?),

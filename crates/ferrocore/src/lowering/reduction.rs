@@ -100,6 +100,62 @@ impl Ctx<'_> {
         self.finish_reduction(r, &out)
     }
 
+    /// argmax/argmin (dim optional) and max.dim/min.dim (values and indices).
+    pub(super) fn lower_arg_reduction(&mut self, op: AtenOp) -> LResult<Lowered> {
+        use AtenOp as A;
+        let x = self.tensor_arg(0, "self")?;
+        let rank = x.size.len();
+        let dims: Vec<usize> = match self.int_arg(1, "dim")? {
+            Some(d) if rank > 0 => vec![norm_dim(d, rank)?],
+            Some(_) => vec![],
+            None => (0..rank).collect(),
+        };
+        let count: i64 = dims.iter().map(|&d| x.size[d]).product();
+        if count == 0 {
+            return unsupported("arg reduction over an empty dimension (ATen raises)");
+        }
+        let is_max = matches!(op, A::Argmax | A::MaxDim);
+        let aop = if is_max { ReduceOp::ArgMax } else { ReduceOp::ArgMin };
+        let metas: Vec<TensorMeta> = match self.meta() {
+            Meta::Tensor(t) => vec![t.clone()],
+            Meta::Tuple(items) => items.iter().filter_map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),
+            _ => return malformed("arg reduction without tensor metadata"),
+        };
+        let vd = x.dtype.compute();
+        let sizes: Vec<i64> = dims.iter().map(|&d| x.size[d]).collect();
+        let strides = contiguous_strides(&sizes);
+        let (xs, dims2) = (x.clone(), dims.clone());
+        let idx = self.reduce_node(&x.size, &dims, DType::I64, x.device.clone(), move |bx, full, _| {
+            let v = xs.load(bx, full);
+            let v = bx.body.cast(v, vd);
+            let mut lin = IndexExpr::zero();
+            for (j, &d) in dims2.iter().enumerate() {
+                lin = lin.add(&full[d].scale(strides[j]));
+            }
+            let li = bx.body.index(lin, DType::I64);
+            bx.body.arg_reduce(aop, v, li)
+        });
+        match op {
+            A::Argmax | A::Argmin => {
+                let m = metas.first().ok_or((LowerErrorKind::Malformed, "argmax without metadata".to_string()))?;
+                Ok(Lowered::Tensor(self.finish_reduction(idx, m)?))
+            }
+            _ => {
+                let (Some(vm), Some(im)) = (metas.first(), metas.get(1)) else { return malformed("max.dim returns two tensors") };
+                let xs = x.clone();
+                let rop = if is_max { ReduceOp::Max } else { ReduceOp::Min };
+                let vals = self.reduce_node(&x.size, &dims, vd, x.device.clone(), move |bx, full, _| {
+                    let v = xs.load(bx, full);
+                    let v = bx.body.cast(v, vd);
+                    bx.body.reduce(rop, v)
+                });
+                let v = self.finish_reduction(vals, vm)?;
+                let i = self.finish_reduction(idx, im)?;
+                Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(v)), Some(Lowered::Tensor(i))]))
+            }
+        }
+    }
+
     /// Applies keepdim (a reshape to the metadata's shape) and the output dtype.
     fn finish_reduction(&mut self, r: TensorValue, out: &TensorMeta) -> LResult<TensorValue> {
         let r = reshape(&r, out.shape.clone())?;

@@ -36,6 +36,11 @@ pub fn reshape(tv: &TensorValue, new_size: Vec<i64>) -> LResult<TensorValue> {
     if old == new_size {
         return Ok(tv.clone());
     }
+    if old.iter().any(|&d| d == 0) {
+        // no elements: any index map will do
+        let rank = old.len();
+        return Ok(apply_view(tv, new_size, Rc::new(move |_: &[IndexExpr], _: &[i64]| vec![IndexExpr::zero(); rank])));
+    }
     let new_strides = contiguous_strides(&new_size);
     let old_strides = contiguous_strides(&old);
     let reindex: ReindexFn = Rc::new(move |idx: &[IndexExpr], r: &[i64]| {
@@ -91,7 +96,54 @@ pub fn expand(tv: &TensorValue, size: Vec<i64>) -> LResult<TensorValue> {
     ))
 }
 
+/// A slice `[start, start+len)` of `dim`.
+pub fn narrow(tv: &TensorValue, dim: usize, start: i64, len: i64) -> TensorValue {
+    let mut size = tv.size.clone();
+    size[dim] = len;
+    apply_view(
+        tv,
+        size,
+        Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+            let mut out = idx.to_vec();
+            out[dim] = idx[dim].add_const(start);
+            out
+        }),
+    )
+}
+
 impl Ctx<'_> {
+    pub(super) fn lower_split(&mut self, op: AtenOp) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "self")?;
+        let rank = x.size.len();
+        let dim = norm_dim(self.int_arg(2, "dim")?.unwrap_or(0), rank)?;
+        let n = x.size[dim];
+        let sizes: Vec<i64> = if op == AtenOp::SplitTensor {
+            let chunk = self.int_arg(1, "split_size")?.unwrap_or(1).max(1);
+            let mut v = Vec::new();
+            let mut s = 0;
+            while s < n {
+                v.push(chunk.min(n - s));
+                s += chunk;
+            }
+            if v.is_empty() {
+                v.push(0);
+            }
+            v
+        } else {
+            self.ints_arg(1, "split_sizes")?.unwrap_or_default()
+        };
+        if sizes.iter().sum::<i64>() != n {
+            return malformed(format!("split sizes {sizes:?} do not add up to {n}"));
+        }
+        let mut start = 0;
+        let mut items = Vec::new();
+        for s in sizes {
+            items.push(Some(Lowered::Tensor(narrow(&x, dim, start, s))));
+            start += s;
+        }
+        Ok(Lowered::Tuple(items))
+    }
+
     pub(super) fn lower_view(&mut self, op: AtenOp) -> LResult<TensorValue> {
         use AtenOp as A;
         let x = self.tensor_arg(0, "self")?;
@@ -170,6 +222,37 @@ impl Ctx<'_> {
                         let mut out = idx.to_vec();
                         out.insert(dim, IndexExpr::constant(i));
                         out
+                    }),
+                )
+            }
+            A::Diagonal => {
+                let offset = self.int_arg(1, "offset")?.unwrap_or(0);
+                let d1 = norm_dim(self.int_arg(2, "dim1")?.unwrap_or(0), rank)?;
+                let d2 = norm_dim(self.int_arg(3, "dim2")?.unwrap_or(1), rank)?;
+                if d1 == d2 {
+                    return malformed("diagonal dims must differ");
+                }
+                let n = if offset >= 0 { x.size[d1].min(x.size[d2] - offset) } else { (x.size[d1] + offset).min(x.size[d2]) }.max(0);
+                let mut size: Vec<i64> = (0..rank).filter(|&d| d != d1 && d != d2).map(|d| x.size[d]).collect();
+                size.push(n);
+                let (r1, r2) = if offset >= 0 { (0, offset) } else { (-offset, 0) };
+                apply_view(
+                    &x,
+                    size,
+                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                        let diag = idx[idx.len() - 1].clone();
+                        let mut rest = idx[..idx.len() - 1].iter();
+                        (0..rank)
+                            .map(|d| {
+                                if d == d1 {
+                                    diag.add_const(r1)
+                                } else if d == d2 {
+                                    diag.add_const(r2)
+                                } else {
+                                    rest.next().cloned().unwrap_or_else(IndexExpr::zero)
+                                }
+                            })
+                            .collect()
                     }),
                 )
             }

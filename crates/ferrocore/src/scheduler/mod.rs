@@ -43,7 +43,7 @@ pub struct Schedule {
 /// How far back a node looks for a kernel to join (bounds compile time on big graphs).
 const FUSION_WINDOW: usize = 32;
 
-pub fn schedule(mut program: LoopProgram) -> Schedule {
+pub fn schedule(mut program: LoopProgram) -> Result<Schedule, SchedulerError> {
     let mut decisions = Vec::new();
     for name in simplify::eliminate_dead_nodes(&mut program) {
         decisions.push(format!("dead: {name} is never read; removed"));
@@ -51,6 +51,9 @@ pub fn schedule(mut program: LoopProgram) -> Schedule {
     for i in 0..program.nodes.len() {
         program.nodes[i] = simplify::simplify_loops(&program.nodes[i]);
     }
+    // nodes with no output elements do no work
+    let empty: Vec<usize> = (0..program.nodes.len()).filter(|&i| program.nodes[i].ranges.iter().product::<i64>() == 0).collect();
+    program.steps.retain(|s| !matches!(s, Step::Node(i) if empty.contains(i)));
 
     // Which item (by position in `slots`) produces each buffer.
     let mut producer: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
@@ -116,7 +119,7 @@ pub fn schedule(mut program: LoopProgram) -> Schedule {
                             producer[node.output.0 as usize].push(slots.len());
                             slots.push(Slot::Kernel(vec![n], plan));
                         } else {
-                            decisions.push(format!("error: {out_name} cannot be planned alone"));
+                            return Err(SchedulerError { message: format!("{out_name} cannot be planned as a kernel of its own") });
                         }
                     }
                 }
@@ -137,8 +140,20 @@ pub fn schedule(mut program: LoopProgram) -> Schedule {
         }
     }
     let storage = plan_storage(&program, &items, &mut decisions);
-    Schedule { program, items, storage, decisions }
+    Ok(Schedule { program, items, storage, decisions })
 }
+
+#[derive(Debug, Clone)]
+pub struct SchedulerError {
+    pub message: String,
+}
+
+impl std::fmt::Display for SchedulerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "scheduler: {}", self.message)
+    }
+}
+impl std::error::Error for SchedulerError {}
 
 /// Bytes of buffers the node reads that the kernel also reads or writes.
 fn shared_bytes(p: &LoopProgram, members: &[usize], reads: &[BufferId]) -> i64 {

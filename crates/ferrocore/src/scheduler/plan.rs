@@ -48,6 +48,9 @@ fn split_point(dims: &[i64], n: i64) -> Option<(Vec<i64>, Vec<i64>, Vec<(usize, 
     let mut inner = Vec::new();
     let mut parts = Vec::new();
     let mut acc = 1i64;
+    if n <= 0 || dims.iter().any(|&d| d <= 0) {
+        return None;
+    }
     for (j, &d) in dims.iter().enumerate() {
         if d == 1 {
             parts.push((j, 1, 1));

@@ -13,6 +13,9 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut group_is_red: Vec<bool> = Vec::new();
     let indices = node.body.indices();
+    if sizes.iter().any(|&s| s == 0) {
+        return node.clone(); // an empty loop: nothing to simplify
+    }
     for v in 0..sizes.len() {
         if sizes[v] == 1 {
             continue;

@@ -83,7 +83,18 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
     }
     let mut steps = Vec::new();
     let mut allocated = vec![false; p.buffers.len()];
-    let mut free_pool: Vec<BufferId> = Vec::new();
+    // outputs no kernel writes (no elements, e.g. a size-0 dim) still need storage
+    let defined: std::collections::HashSet<BufferId> = defs.iter().flatten().copied().collect();
+    for o in &p.outputs {
+        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
+            if p.buffer(*b).source == BufferSource::Computed && !defined.contains(b) && !allocated[b.0 as usize] {
+                allocated[b.0 as usize] = true;
+                steps.push(HostStep::Alloc(*b));
+            }
+        }
+    }
+    // freed temporaries and the position of their Free step (dropped if the storage is reused)
+    let mut free_pool: Vec<(BufferId, usize)> = Vec::new();
     for (i, it) in s.items.iter().enumerate() {
         if let Item::Kernel(_) = it {
             for b in &defs[i] {
@@ -93,12 +104,12 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
                     let reusable = if pinned[b.0 as usize] {
                         None
                     } else {
-                        free_pool.iter().position(|f| p.buffer(*f).layout == *l)
+                        free_pool.iter().position(|(f, _)| p.buffer(*f).layout == *l)
                     };
                     match reusable {
                         Some(pos) => {
-                            let from = free_pool.remove(pos);
-                            steps.push(HostStep::Reuse { buf: *b, from });
+                            let (from, free_step) = free_pool.remove(pos);
+                            steps[free_step] = HostStep::Reuse { buf: *b, from };
                         }
                         None => steps.push(HostStep::Alloc(*b)),
                     }
@@ -114,10 +125,10 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
         dying.sort();
         dying.dedup();
         for b in dying {
-            steps.push(HostStep::Free(b));
             if p.buffer(b).source == BufferSource::Computed {
-                free_pool.push(b);
+                free_pool.push((b, steps.len()));
             }
+            steps.push(HostStep::Free(b));
         }
     }
     HostPlan { steps }
@@ -192,7 +203,8 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                 );
             }
             HostStep::Reuse { buf, from } => {
-                let _ = writeln!(m, "    {} = {}  # reuse", p.buffer(*buf).name, p.buffer(*from).name);
+                let (b, f) = (&p.buffer(*buf).name, &p.buffer(*from).name);
+                let _ = writeln!(m, "    {b} = {f}; del {f}  # reuse");
             }
             HostStep::Launch(l) => {
                 let k = &kernels.launches[*l];

@@ -73,9 +73,43 @@ fn float_lit(f: f64, dt: DType) -> String {
     s
 }
 
+/// One accumulator of a reduction loop; arg reductions also carry the running best value.
+#[derive(Clone, Debug)]
+pub struct Acc {
+    pub name: String,
+    pub op: ReduceOp,
+    pub dtype: DType,
+    pub value_dtype: Option<DType>,
+}
+
+impl Acc {
+    pub fn declare(&self, suffix: &str) -> String {
+        let mut s = format!("{} {}{suffix} = {};", c_type(self.dtype), self.name, reduce_init(self.op, self.dtype));
+        if let Some(vd) = self.value_dtype {
+            let init = reduce_init(if self.op == ReduceOp::ArgMax { ReduceOp::Max } else { ReduceOp::Min }, vd);
+            s.push_str(&format!(" {} {}_v{suffix} = {init};", c_type(vd), self.name));
+        }
+        s
+    }
+    /// Merges `<name><from>` into `<name><into>` (thread-local partial results).
+    pub fn merge(&self, into: &str, from: &str) -> String {
+        let (a, b) = (format!("{}{into}", self.name), format!("{}{from}", self.name));
+        match self.value_dtype {
+            None => format!("{a} = {};", combine(self.op, self.dtype, &a, &b)),
+            Some(_) => {
+                let better = if self.op == ReduceOp::ArgMax { ">" } else { "<" };
+                format!(
+                    "if (({b}_v {better} {a}_v) || ({b}_v != {b}_v && {a}_v == {a}_v) || ((({b}_v == {a}_v) || ({b}_v != {b}_v && {a}_v != {a}_v)) && {b} < {a})) {{ {a}_v = {b}_v; {a} = {b}; }}"
+                )
+            }
+        }
+    }
+}
+
 pub fn reduce_init(op: ReduceOp, dt: DType) -> String {
     let ty = c_type(dt);
     match op {
+        ReduceOp::ArgMax | ReduceOp::ArgMin => "static_cast<int64_t>(0)".into(),
         ReduceOp::Sum => format!("static_cast<{ty}>(0)"),
         ReduceOp::Prod => format!("static_cast<{ty}>(1)"),
         ReduceOp::Any => "false".into(),
@@ -88,6 +122,8 @@ pub fn reduce_init(op: ReduceOp, dt: DType) -> String {
 
 pub fn combine(op: ReduceOp, dt: DType, acc: &str, v: &str) -> String {
     match op {
+        // arg reductions are merged by `Acc::merge`, never through this
+        ReduceOp::ArgMax | ReduceOp::ArgMin => acc.to_string(),
         ReduceOp::Sum => format!("{acc} + {v}"),
         ReduceOp::Prod => format!("{acc} * {v}"),
         ReduceOp::Any => format!("{acc} || {v}"),
@@ -111,7 +147,7 @@ pub struct BodyEmitter<'a> {
     pub pre: String,
     pub inner: String,
     pub post: String,
-    pub accs: Vec<(String, ReduceOp, DType)>,
+    pub accs: Vec<Acc>,
 }
 
 impl<'a> BodyEmitter<'a> {
@@ -200,7 +236,11 @@ impl OpsHandler for BodyEmitter<'_> {
             Scalar::Int(i) => format!("static_cast<{}>({i}LL)", c_type(dtype)),
             Scalar::Float(f) => float_lit(f, dtype),
         };
-        self.emit(dtype, e, &[])
+        // loop-invariant and used both inside and after the loops: declare before them
+        let name = self.fresh();
+        self.pre.push_str(&format!("const {} {name} = {e};\n", c_type(dtype)));
+        self.sections.push(Section::Inner);
+        name
     }
 
     fn index_expr(&mut self, e: &IndexExpr, dtype: DType) -> String {
@@ -261,10 +301,10 @@ impl OpsHandler for BodyEmitter<'_> {
             BinaryOp::Sub => format!("{a} - {b}"),
             BinaryOp::Mul => if od == DType::Bool { format!("{a} && {b}") } else { format!("{a} * {b}") },
             BinaryOp::TrueDiv => format!("{a} / {b}"),
-            BinaryOp::FloorDiv => if fl { format!("std::floor({a} / {b})") } else { format!("ferro_floordiv({a}, {b})") },
-            BinaryOp::TruncDiv => if fl { format!("std::trunc({a} / {b})") } else { format!("{a} / {b}") },
-            BinaryOp::Remainder => if fl { format!("ferro_remainder({a}, {b})") } else { format!("ferro_mod({a}, {b})") },
-            BinaryOp::Fmod => if fl { format!("std::fmod({a}, {b})") } else { format!("{a} % {b}") },
+            BinaryOp::FloorDiv => if fl { format!("std::floor({a} / {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
+            BinaryOp::TruncDiv => if fl { format!("std::trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
+            BinaryOp::Remainder => if fl { format!("ferro_remainder({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
+            BinaryOp::Fmod => if fl { format!("std::fmod({a}, {b})") } else { format!("ferro_fmod_i({a}, {b})") },
             BinaryOp::Pow => if fl { format!("std::pow({a}, {b})") } else { format!("ferro_ipow<{ty}>({a}, {b})") },
             BinaryOp::Maximum => if fl { format!("ferro_max({a}, {b})") } else { format!("std::max({a}, {b})") },
             BinaryOp::Minimum => if fl { format!("ferro_min({a}, {b})") } else { format!("std::min({a}, {b})") },
@@ -281,6 +321,8 @@ impl OpsHandler for BodyEmitter<'_> {
             BinaryOp::BitAnd => format!("{a} & {b}"),
             BinaryOp::BitOr => format!("{a} | {b}"),
             BinaryOp::BitXor => format!("{a} ^ {b}"),
+            BinaryOp::LShift => format!("ferro_lshift({a}, {b})"),
+            BinaryOp::RShift => format!("ferro_rshift({a}, {b})"),
         };
         let e = if dtype == DType::Bool || op.is_comparison() { e } else { format!("static_cast<{ty}>({e})") };
         self.emit(dtype, e, &[a, b])
@@ -300,7 +342,19 @@ impl OpsHandler for BodyEmitter<'_> {
         let target = if self.split { format!("{acc}_local") } else { acc.clone() };
         let line = format!("{target} = {};\n", combine(op, dtype, &target, x));
         self.inner.push_str(&line);
-        self.accs.push((acc.clone(), op, dtype));
+        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None });
+        self.sections.push(Section::Post);
+        self.post_names.push(acc.clone());
+        acc
+    }
+
+    fn arg_reduce(&mut self, op: ReduceOp, value: &String, index: &String, vd: DType) -> String {
+        let acc = self.fresh().replace("tmp", "acc");
+        let t = if self.split { format!("{acc}_local") } else { acc.clone() };
+        let better = if op == ReduceOp::ArgMax { ">" } else { "<" };
+        let nan = if vd.is_float() { format!(" || ({value} != {value} && {t}_v == {t}_v)") } else { String::new() };
+        self.inner.push_str(&format!("if (({value} {better} {t}_v){nan}) {{ {t}_v = {value}; {t} = {index}; }}\n"));
+        self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd) });
         self.sections.push(Section::Post);
         self.post_names.push(acc.clone());
         acc

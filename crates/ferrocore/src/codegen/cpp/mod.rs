@@ -8,7 +8,7 @@ use super::{CodegenError, KernelBackend, KernelLaunch, RenderedKernels};
 use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
-use expr::{c_type, storage_type, BodyEmitter, Section};
+use expr::{c_type, storage_type, Acc, BodyEmitter, Section};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -102,7 +102,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         let mut pre = String::new();
         let mut inner = String::new();
         let mut post = String::new();
-        let mut accs: Vec<(String, ReduceOp, DType)> = Vec::new();
+        let mut accs: Vec<Acc> = Vec::new();
         let split = parallel && !outer_parallel && !g.inner.is_empty();
         for &pos in &g.nodes {
             let kn = &plan.nodes[pos];
@@ -124,7 +124,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let section = em.section_of(store.value);
             let vdt = kn.body.dtype(store.value);
             // the value as a reader of the buffer sees it: rounded to the buffer's type
-            let local = format!("loc_{}", p.buffer(out_buf).name);
+            let local = format!("loc_{}_{pos}", p.buffer(out_buf).name);
             let conv = expr::cast_expr(&value, vdt, out_layout.dtype);
             let ct = c_type(out_layout.dtype);
             let line = format!("{ct} {local} = {conv};\n");
@@ -154,22 +154,23 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         }
         // emit the group
         let _ = writeln!(out, "    // group {gi}: {} {:?}", if g.reduction { "reduction" } else { "loop" }, g.inner);
-        for (name, op, dt) in &accs {
-            let _ = writeln!(out, "      {} {name} = {};", c_type(*dt), expr::reduce_init(*op, *dt));
+        for a in &accs {
+            let _ = writeln!(out, "      {}", a.declare(""));
         }
         out.push_str(&indent(&pre, 6));
         let depth = g.inner.len();
         if split {
             out.push_str("      #pragma omp parallel\n      {\n");
-            for (name, op, dt) in &accs {
-                let _ = writeln!(out, "        {} {name}_local = {};", c_type(*dt), expr::reduce_init(*op, *dt));
+            for a in &accs {
+                let _ = writeln!(out, "        {}", a.declare("_local"));
             }
             out.push_str("        #pragma omp for nowait\n");
         }
         let base = if split { 8 } else { 6 };
         for (d, size) in g.inner.iter().enumerate() {
             let pad = " ".repeat(base + 2 * d);
-            if d + 1 == depth && !(split && depth == 1) {
+            let has_arg = accs.iter().any(|a| a.value_dtype.is_some());
+            if d + 1 == depth && !(split && depth == 1) && !has_arg {
                 let clause = simd_clause(&accs, if split { "_local" } else { "" });
                 let _ = writeln!(out, "{pad}#pragma omp simd{clause}");
             }
@@ -181,8 +182,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         }
         if split {
             out.push_str("        #pragma omp critical\n        {\n");
-            for (name, op, dt) in &accs {
-                let _ = writeln!(out, "          {name} = {};", expr::combine(*op, *dt, name, &format!("{name}_local")));
+            for a in &accs {
+                let _ = writeln!(out, "          {}", a.merge("", "_local"));
             }
             out.push_str("        }\n      }\n");
         }
@@ -194,10 +195,11 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     Ok((out, args))
 }
 
-fn simd_clause(accs: &[(String, ReduceOp, DType)], suffix: &str) -> String {
+fn simd_clause(accs: &[Acc], suffix: &str) -> String {
     let mut s = String::new();
-    for (name, op, dt) in accs {
-        let op = match (op, dt) {
+    for a in accs {
+        let name = &a.name;
+        let op = match (a.op, a.dtype) {
             (ReduceOp::Sum, _) => "+",
             (ReduceOp::Prod, _) => "*",
             (ReduceOp::Any, _) => "||",
@@ -207,6 +209,7 @@ fn simd_clause(accs: &[(String, ReduceOp, DType)], suffix: &str) -> String {
             (ReduceOp::Min, DType::F64) => "ferro_dmin",
             (ReduceOp::Max, _) => "max",
             (ReduceOp::Min, _) => "min",
+            (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => continue,
         };
         let _ = write!(s, " reduction({op}:{name}{suffix})");
     }

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 #include <algorithm>
+#include <type_traits>
 
 static inline float ferro_h2f(uint16_t h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
 static inline uint16_t ferro_f2h(float f) { _Float16 v = (_Float16)f; uint16_t h; std::memcpy(&h, &v, 2); return h; }
@@ -36,3 +37,17 @@ template <typename T> static inline T ferro_sign(T x) { return (T)((T(0) < x) - 
 #pragma omp declare reduction(ferro_fmin : float : omp_out = ferro_min(omp_out, omp_in)) initializer(omp_priv = INFINITY)
 #pragma omp declare reduction(ferro_dmax : double : omp_out = ferro_max(omp_out, omp_in)) initializer(omp_priv = -INFINITY)
 #pragma omp declare reduction(ferro_dmin : double : omp_out = ferro_min(omp_out, omp_in)) initializer(omp_priv = INFINITY)
+// Integer division and modulo: ATen raises on a zero divisor; a kernel must not trap, so it
+// yields 0 there (documented in ARCHITECTURE.md).
+template <typename T> static inline T ferro_floordiv_i(T a, T b) { if (b == 0) return 0; T q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
+template <typename T> static inline T ferro_truncdiv_i(T a, T b) { return b == 0 ? 0 : a / b; }
+template <typename T> static inline T ferro_mod_i(T a, T b) { if (b == 0) return 0; T r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+template <typename T> static inline T ferro_fmod_i(T a, T b) { return b == 0 ? 0 : a % b; }
+template <typename T> static inline T ferro_lshift(T a, T b) {
+  if (b < 0 || b >= (T)(sizeof(T) * 8)) return 0;
+  return (T)((typename std::make_unsigned<T>::type)a << b);
+}
+template <typename T> static inline T ferro_rshift(T a, T b) {
+  if (b < 0 || b >= (T)(sizeof(T) * 8)) return a < 0 ? (T)-1 : (T)0;
+  return a >> b;
+}
