@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--code-lines",
         type=int,
-        default=200,
+        default=0,
         help="lines of generated code to print per model (0: all, -1: none)",
     )
     opts = ap.parse_args(argv)

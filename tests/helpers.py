@@ -29,8 +29,8 @@ BACKEND = os.environ.get("FERROCORE_TEST_BACKEND", "ferrocore")
 # Backends whose generated kernels can be counted after a compile.
 KERNEL_COUNTING_BACKENDS = ("ferrocore", "inductor")
 
-# (rtol, atol) per dtype; `None` means exact comparison.
-TOLERANCES: dict[torch.dtype, tuple[float, float] | None] = {
+# (rtol, atol) per floating dtype; integer and bool results are compared exactly.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-4, 1e-5),
     torch.float64: (1e-7, 1e-7),
     torch.float16: (1e-2, 1e-3),
@@ -209,9 +209,10 @@ def _is_constant(t: torch.Tensor) -> bool:
 
 
 def _tolerances(dtype: torch.dtype, rtol, atol) -> tuple[float, float]:
-    default = TOLERANCES.get(dtype)
-    if default is None:
-        return (0.0 if rtol is None else rtol, 0.0 if atol is None else atol)
+    """Per-dtype defaults, overridden by the test; integers and bools are always exact."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return (0.0, 0.0)
+    default = TOLERANCES.get(dtype, (1e-4, 1e-5))
     return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
 
 
@@ -285,6 +286,7 @@ def check(
     max_kernels: int | None = None,
     allow_fallbacks: bool = False,
     allow_constant: bool = False,
+    backend: Callable | None = None,
 ) -> CompileStats:
     """Compare `fn(*inputs)` eager vs compiled; return the compile statistics.
 
@@ -293,6 +295,8 @@ def check(
     allow_fallbacks: permit per-node ATen fallbacks in ferrocore (never a whole-graph fallback).
     allow_constant: permit an output whose elements are all equal; otherwise such an output is
     rejected because a wrong compiler could produce it by accident (all zeros, all False).
+    backend: a dynamo backend callable to use instead of the selected one (for testing this
+    harness); compile statistics are then not read.
     """
     tensor_inputs = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
     before = _snapshot(tensor_inputs)
@@ -309,11 +313,15 @@ def check(
                     "choose inputs that make it vary or pass allow_constant=True"
                 )
 
+    selected = backend is None
     torch._dynamo.reset()
-    reset_stats()
-    compiled, counting = compile_fn(fn)
-    count_inductor = BACKEND == "inductor" and (
-        expect_kernels is not None or max_kernels is not None
+    if selected:
+        reset_stats()
+    compiled, counting = compile_fn(fn, backend)
+    count_inductor = (
+        selected
+        and BACKEND == "inductor"
+        and (expect_kernels is not None or max_kernels is not None)
     )
     inductor_stats = CompileStats()
     graphs_after_first_call = None
@@ -337,6 +345,8 @@ def check(
         )
     assert counting.graphs == graphs_after_first_call, "the second call recompiled"
 
+    if not selected:
+        return CompileStats()
     stats = inductor_stats if count_inductor else read_stats()
     if is_ferrocore():
         assert not stats.graph_fallback, (

@@ -10,7 +10,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-pub const CXX_FLAGS: &[&str] = &["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-finite-math-only"];
+// -fno-math-errno lets math calls vectorize (libmvec) and sqrt inline; NaN/inf semantics stay IEEE.
+pub const CXX_FLAGS: &[&str] =
+    &["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-finite-math-only"];
+/// Libraries linked after the source.
+pub const CXX_LIBS: &[&str] = &["-lmvec", "-lm"];
 
 #[derive(Debug, Clone)]
 pub struct RuntimeError {
@@ -66,7 +70,7 @@ pub fn compile_cpp(source: &str, cache_dir: &Path, cxx: &str) -> Result<Compiled
     let mut key_material = String::from(source);
     key_material.push('\0');
     key_material.push_str(cxx);
-    for f in CXX_FLAGS {
+    for f in CXX_FLAGS.iter().chain(CXX_LIBS) {
         key_material.push('\0');
         key_material.push_str(f);
     }
@@ -86,6 +90,7 @@ pub fn compile_cpp(source: &str, cache_dir: &Path, cxx: &str) -> Result<Compiled
         .arg("-o")
         .arg(&tmp_lib)
         .arg(&src)
+        .args(CXX_LIBS)
         .output()
         .map_err(|e| rerr(format!("cannot run C++ compiler '{cxx}' on {}: {e}", src.display())))?;
     if !out.status.success() {

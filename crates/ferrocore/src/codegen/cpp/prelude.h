@@ -6,6 +6,56 @@
 #include <algorithm>
 #include <type_traits>
 
+// Vector variants from glibc's libmvec, so `omp simd` loops over math functions vectorize.
+extern "C" {
+float expf(float) __attribute__((simd("notinbranch")));
+double exp(double) __attribute__((simd("notinbranch")));
+float exp2f(float) __attribute__((simd("notinbranch")));
+double exp2(double) __attribute__((simd("notinbranch")));
+float expm1f(float) __attribute__((simd("notinbranch")));
+double expm1(double) __attribute__((simd("notinbranch")));
+float logf(float) __attribute__((simd("notinbranch")));
+double log(double) __attribute__((simd("notinbranch")));
+float log2f(float) __attribute__((simd("notinbranch")));
+double log2(double) __attribute__((simd("notinbranch")));
+float log10f(float) __attribute__((simd("notinbranch")));
+double log10(double) __attribute__((simd("notinbranch")));
+float log1pf(float) __attribute__((simd("notinbranch")));
+double log1p(double) __attribute__((simd("notinbranch")));
+float sinf(float) __attribute__((simd("notinbranch")));
+double sin(double) __attribute__((simd("notinbranch")));
+float cosf(float) __attribute__((simd("notinbranch")));
+double cos(double) __attribute__((simd("notinbranch")));
+float tanf(float) __attribute__((simd("notinbranch")));
+double tan(double) __attribute__((simd("notinbranch")));
+float asinf(float) __attribute__((simd("notinbranch")));
+double asin(double) __attribute__((simd("notinbranch")));
+float acosf(float) __attribute__((simd("notinbranch")));
+double acos(double) __attribute__((simd("notinbranch")));
+float atanf(float) __attribute__((simd("notinbranch")));
+double atan(double) __attribute__((simd("notinbranch")));
+float sinhf(float) __attribute__((simd("notinbranch")));
+double sinh(double) __attribute__((simd("notinbranch")));
+float coshf(float) __attribute__((simd("notinbranch")));
+double cosh(double) __attribute__((simd("notinbranch")));
+float tanhf(float) __attribute__((simd("notinbranch")));
+double tanh(double) __attribute__((simd("notinbranch")));
+float asinhf(float) __attribute__((simd("notinbranch")));
+double asinh(double) __attribute__((simd("notinbranch")));
+float acoshf(float) __attribute__((simd("notinbranch")));
+double acosh(double) __attribute__((simd("notinbranch")));
+float atanhf(float) __attribute__((simd("notinbranch")));
+double atanh(double) __attribute__((simd("notinbranch")));
+float erff(float) __attribute__((simd("notinbranch")));
+double erf(double) __attribute__((simd("notinbranch")));
+float erfcf(float) __attribute__((simd("notinbranch")));
+double erfc(double) __attribute__((simd("notinbranch")));
+float powf(float, float) __attribute__((simd("notinbranch")));
+double pow(double, double) __attribute__((simd("notinbranch")));
+float atan2f(float, float) __attribute__((simd("notinbranch")));
+double atan2(double, double) __attribute__((simd("notinbranch")));
+}
+
 static inline float ferro_h2f(uint16_t h) { _Float16 v; std::memcpy(&v, &h, 2); return (float)v; }
 static inline uint16_t ferro_f2h(float f) { _Float16 v = (_Float16)f; uint16_t h; std::memcpy(&h, &v, 2); return h; }
 static inline float ferro_bf2f(uint16_t b) { uint32_t u = ((uint32_t)b) << 16; float f; std::memcpy(&f, &u, 4); return f; }

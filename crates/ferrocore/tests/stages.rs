@@ -1,0 +1,181 @@
+//! Stage tests: exchange-format graph in, each stage's text form out, compared with golden files
+//! under tests/golden (re-approve with UPDATE_EXPECT=1). Kernel-count tests pin fusion rules.
+
+use ferrocore::codegen::cpp::CppBackend;
+use ferrocore::codegen::KernelBackend;
+use ferrocore::driver::{compile_graph, Options};
+use ferrocore::graph::parse_graph;
+use ferrocore::lowering::lower_graph;
+use ferrocore::scheduler::schedule;
+use std::path::PathBuf;
+
+fn meta(shape: &[i64], dtype: &str) -> String {
+    let mut stride = vec![1i64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        stride[i] = stride[i + 1] * shape[i + 1].max(1);
+    }
+    format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"{dtype}","device":"cpu"}}}}"#)
+}
+
+/// A tiny graph builder: inputs, calls (args as exchange-format JSON), outputs.
+struct G {
+    nodes: Vec<String>,
+}
+
+impl G {
+    fn new() -> G {
+        G { nodes: Vec::new() }
+    }
+    fn input(mut self, name: &str, shape: &[i64], dtype: &str) -> G {
+        self.nodes.push(format!(r#"{{"name":"{name}","kind":"placeholder","meta":{}}}"#, meta(shape, dtype)));
+        self
+    }
+    fn call(mut self, name: &str, target: &str, args: &str, out_meta: &str) -> G {
+        self.nodes.push(format!(r#"{{"name":"{name}","kind":"call_function","target":"{target}","args":[{args}],"kwargs":{{}},"meta":{out_meta}}}"#));
+        self
+    }
+    fn output(mut self, names: &[&str]) -> String {
+        let outs: Vec<String> = names.iter().map(|n| format!(r#"{{"node":"{n}"}}"#)).collect();
+        self.nodes.push(format!(r#"{{"name":"output","kind":"output","args":[{}]}}"#, outs.join(",")));
+        format!(r#"{{"format":"ferrocore.graph","version":1,"name":"g","nodes":[{}]}}"#, self.nodes.join(","))
+    }
+}
+
+fn n(name: &str) -> String {
+    format!(r#"{{"node":"{name}"}}"#)
+}
+
+fn check(golden: &str, actual: &str) {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(golden);
+    if std::env::var("UPDATE_EXPECT").is_ok() {
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("missing golden file {}; run with UPDATE_EXPECT=1", path.display()));
+    assert_eq!(expected, actual, "stage output differs from {golden}; re-approve with UPDATE_EXPECT=1 if intended");
+}
+
+/// Lowered IR, fused schedule and generated C++ of one graph.
+fn stages(doc: &str) -> (String, String, String, usize) {
+    let g = parse_graph(doc).unwrap();
+    let lowered = lower_graph(&g).unwrap();
+    let pre = lowered.program.to_string();
+    let s = schedule(lowered.program).unwrap();
+    let post = s.text();
+    let src = CppBackend.render(&s).unwrap().source;
+    let kernels = src.split(ferrocore::codegen::cpp::PRELUDE).nth(1).unwrap_or("").to_string();
+    (pre, post, kernels, s.kernel_count())
+}
+
+#[test]
+fn relu_add_sum_is_one_kernel() {
+    let doc = G::new()
+        .input("x", &[8, 32], "float32")
+        .call("relu", "aten.relu.default", &n("x"), &meta(&[8, 32], "float32"))
+        .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("relu")), &meta(&[8, 32], "float32"))
+        .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":-1}}]}}"#, n("add")), &meta(&[8], "float32"))
+        .output(&["sum_1"]);
+    let (pre, post, src, k) = stages(&doc);
+    assert_eq!(k, 1);
+    check("relu_add_sum.txt", &format!("{pre}\n{post}\n{src}"));
+}
+
+#[test]
+fn softmax_is_one_kernel_with_register_intermediates() {
+    let doc = G::new()
+        .input("x", &[16, 64], "float32")
+        .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, n("x")), &meta(&[16, 64], "float32"))
+        .output(&["sm"]);
+    let (pre, post, src, k) = stages(&doc);
+    assert!(k <= 2, "softmax took {k} kernels");
+    assert!(post.contains("(local)"), "max and sum must stay in registers:\n{post}");
+    check("softmax.txt", &format!("{pre}\n{post}\n{src}"));
+}
+
+#[test]
+fn layer_norm_is_at_most_two_kernels() {
+    let doc = G::new()
+        .input("x", &[4, 8, 32], "float32")
+        .input("w", &[32], "float32")
+        .input("b", &[32], "float32")
+        .call(
+            "ln",
+            "aten.native_layer_norm.default",
+            &format!(r#"{},{{"list":[{{"int":32}}]}},{},{},{{"float":1e-5}}"#, n("x"), n("w"), n("b")),
+            &format!(r#"{{"tuple":[{},{},{}]}}"#, meta(&[4, 8, 32], "float32"), meta(&[4, 8, 1], "float32"), meta(&[4, 8, 1], "float32")),
+        )
+        .call("y", "getitem", &format!(r#"{},{{"int":0}}"#, n("ln")), &meta(&[4, 8, 32], "float32"))
+        .output(&["y"]);
+    let (_, post, _, k) = stages(&doc);
+    assert!(k <= 2, "layer_norm took {k} kernels:\n{post}");
+}
+
+#[test]
+fn views_of_views_fold_to_affine_indices() {
+    // x[4, 6] -> t() -> reshape [24] -> view [6, 4] -> exp: reads x at 6*(j) + i without div/mod
+    let doc = G::new()
+        .input("x", &[4, 6], "float32")
+        .call("t", "aten.t.default", &n("x"), &format!(r#"{{"tensor":{{"shape":[6,4],"stride":[1,6],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#))
+        .call("perm", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("t")), &meta(&[4, 6], "float32"))
+        .call("v", "aten.view.default", &format!(r#"{},{{"list":[{{"int":2}},{{"int":2}},{{"int":6}}]}}"#, n("perm")), &meta(&[2, 2, 6], "float32"))
+        .call("e", "aten.exp.default", &n("v"), &meta(&[2, 2, 6], "float32"))
+        .output(&["e"]);
+    let (pre, _, _, k) = stages(&doc);
+    assert_eq!(k, 1);
+    assert!(!pre.contains("//") && !pre.contains('%'), "index not simplified:\n{pre}");
+    check("views.txt", &pre);
+}
+
+#[test]
+fn int64_index_math_does_not_overflow() {
+    let doc = G::new()
+        .call("a", "aten.arange.start_step", r#"{"int":0},{"int":11}"#, &meta(&[11], "int64"))
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":1000000000}}"#, n("a")), &meta(&[11], "int64"))
+        .output(&["m"]);
+    let (_, _, src, _) = stages(&doc);
+    assert!(src.contains("int64_t tmp") && src.contains("1000000000LL"), "{src}");
+    assert!(!src.contains("int32_t"), "{src}");
+}
+
+#[test]
+fn unknown_op_falls_back_to_aten_in_the_wrapper() {
+    let doc = G::new()
+        .input("x", &[4, 4], "float32")
+        .call("c", "aten.cummax.default", &format!(r#"{},{{"int":0}}"#, n("x")), &format!(r#"{{"tuple":[{},{}]}}"#, meta(&[4, 4], "float32"), meta(&[4, 4], "int64")))
+        .call("v", "getitem", &format!(r#"{},{{"int":0}}"#, n("c")), &meta(&[4, 4], "float32"))
+        .call("r", "aten.relu.default", &n("v"), &meta(&[4, 4], "float32"))
+        .output(&["r"]);
+    let dir = std::env::temp_dir().join(format!("ferrocore-stage-test-{}", std::process::id()));
+    let opts = Options { cache_dir: dir.clone(), skip_native_compile: true, ..Options::default() };
+    let r = compile_graph(&doc, &opts).unwrap();
+    assert_eq!(r.fallbacks.len(), 1);
+    assert_eq!(r.fallbacks[0].target, "aten.cummax.default");
+    assert!(r.module_source.contains("torch.ops.aten.cummax.default(x, 0)"), "{}", r.module_source);
+    assert_eq!(r.kernels, 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn inconsistent_shapes_are_errors_naming_the_node() {
+    let doc = G::new()
+        .input("x", &[4, 4], "float32")
+        .input("y", &[3, 4], "float32")
+        .call("bad_add", "aten.add.Tensor", &format!("{},{}", n("x"), n("y")), &meta(&[4, 4], "float32"))
+        .output(&["bad_add"]);
+    let opts = Options { skip_native_compile: true, ..Options::default() };
+    let e = compile_graph(&doc, &opts).unwrap_err().to_string();
+    assert!(e.contains("bad_add") && e.contains("broadcast"), "{e}");
+}
+
+#[test]
+fn horizontal_fusion_shares_one_pass_over_the_input() {
+    // sum and amax of the same rows: one kernel, one loop group with two accumulators
+    let doc = G::new()
+        .input("x", &[32, 128], "float32")
+        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("x")), &meta(&[32], "float32"))
+        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("x")), &meta(&[32], "float32"))
+        .output(&["s", "m"]);
+    let (_, post, _, k) = stages(&doc);
+    assert_eq!(k, 1, "{post}");
+    assert_eq!(post.matches("group").count(), 1, "{post}");
+}
