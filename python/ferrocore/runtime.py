@@ -70,6 +70,6 @@ def benchmark(call, args, reps: int = 100) -> float:
 
 def restride(t: torch.Tensor, size, stride) -> torch.Tensor:
     """An extern call's result in the layout the kernels were compiled for (copied if ATen chose another)."""
-    if t.stride() == tuple(stride) or t.numel() <= 1:
+    if t.numel() <= 1 or all(n <= 1 or a == b for n, a, b in zip(size, t.stride(), stride)):
         return t
     return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)

@@ -179,3 +179,18 @@ fn horizontal_fusion_shares_one_pass_over_the_input() {
     assert_eq!(k, 1, "{post}");
     assert_eq!(post.matches("group").count(), 1, "{post}");
 }
+
+#[test]
+fn wrapper_embeds_the_exact_kernel_source() {
+    // the embedded string is the runtime cache key: one byte of difference recompiles
+    let doc = G::new()
+        .input("x", &[8, 8], "float32")
+        .call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32"))
+        .output(&["e"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule(lower_graph(&g).unwrap().program).unwrap();
+    let k = CppBackend.render(&s).unwrap();
+    let plan = ferrocore::wrapper::plan_host(&s, &k);
+    let module = ferrocore::wrapper::render_module(&s, &k, &plan, "g");
+    assert!(module.contains(&format!("KERNEL_SOURCE = r'''{}'''", k.source)));
+}

@@ -151,6 +151,10 @@ impl IndexExpr {
         if lo >= 0 && hi < d as i128 {
             return q;
         }
+        // g·B + s with 0 <= s < g and g | d: floor((g·B + s) / d) = floor(B / (d/g))
+        if let Some((big, g)) = r.split_small_part(d, ranges) {
+            return q.add(&big.floordiv(d / g, ranges));
+        }
         // (x // a) // b = x // (a·b)
         let atom = match r.single_atom() {
             Some(Atom::FloorDiv(inner, d1)) if r.constant == 0 => Atom::FloorDiv(inner.clone(), d1 * d),
@@ -178,6 +182,11 @@ impl IndexExpr {
         if lo >= 0 && hi < d as i128 {
             return r;
         }
+        // g·B + s with 0 <= s < g and g | d: (g·B + s) mod d = g·(B mod (d/g)) + s
+        if let Some((big, g)) = r.split_small_part(d, ranges) {
+            let small = r.sub(&big.scale(g));
+            return big.modulo(d / g, ranges).scale(g).add(&small);
+        }
         let g = r.terms.iter().fold(gcd(r.constant.abs(), d), |g, (_, c)| gcd(g, c.abs()));
         if g > 1 {
             // (g·a) mod (g·b) = g·(a mod b)
@@ -189,6 +198,33 @@ impl IndexExpr {
             _ => Atom::Mod(Box::new(r), d),
         };
         IndexExpr { constant: 0, terms: vec![(atom, 1)] }
+    }
+
+    /// Finds g > 1 dividing `d` such that self = g·B + s with s in [0, g): returns (B, g),
+    /// trying the largest g first.
+    fn split_small_part(&self, d: i64, ranges: &VarRanges) -> Option<(IndexExpr, i64)> {
+        let mut cands: Vec<i64> = self.terms.iter().map(|(_, c)| gcd(c.abs(), d)).filter(|&g| g > 1 && g < d).collect();
+        cands.sort_unstable_by(|a, b| b.cmp(a));
+        cands.dedup();
+        for g in cands {
+            let mut big = IndexExpr::constant(self.constant.div_euclid(g));
+            let mut small = IndexExpr::constant(self.constant.rem_euclid(g));
+            for (a, c) in &self.terms {
+                if c % g == 0 {
+                    big.terms.push((a.clone(), c / g));
+                } else {
+                    small.terms.push((a.clone(), *c));
+                }
+            }
+            if big.terms.is_empty() {
+                continue;
+            }
+            let (lo, hi) = small.bounds(ranges);
+            if lo >= 0 && hi < g as i128 {
+                return Some((big, g));
+            }
+        }
+        None
     }
 
     fn exact_div(&self, g: i64) -> IndexExpr {

@@ -41,9 +41,11 @@ fn nested_division_merges_and_ranges_bound() {
     assert_eq!((lo, hi), (0, 49));
     // mod of mod with a divisor that divides
     assert_eq!(v(0).modulo(12, &r).modulo(4, &r).to_string(), "(v0 % 4)");
-    // gcd cancellation: (4*v0 + 2) // 8 -> (2*v0 + 1) // 4
-    assert_eq!(v(0).scale(4).add_const(2).floordiv(8, &r).to_string(), "((2*v0 + 1) // 4)");
-    assert_eq!(v(0).scale(4).add_const(2).modulo(8, &r).to_string(), "2*((2*v0 + 1) % 4)");
+    // a remainder smaller than a common factor drops out: (4*v0 + 2) // 8 -> v0 // 2
+    assert_eq!(v(0).scale(4).add_const(2).floordiv(8, &r).to_string(), "(v0 // 2)");
+    assert_eq!(v(0).scale(4).add_const(2).modulo(8, &r).to_string(), "4*(v0 % 2) + 2");
+    // (4*v0 + 6) // 8 -> (v0 + 1) // 2
+    assert_eq!(v(0).scale(4).add_const(6).floordiv(8, &r).to_string(), "((v0 + 1) // 2)");
 }
 
 #[test]
@@ -82,4 +84,13 @@ fn bounds_use_wide_arithmetic() {
     let r = [11];
     let e = v(0).scale(1_000_000_000);
     assert_eq!(e.bounds(&r), (0, 10_000_000_000));
+}
+
+#[test]
+fn small_remainders_fold_into_coarser_divisions() {
+    // (64*x0 + x1) // 32768 with x1 < 64 -> x0 // 512 ; mod -> 64*(x0 % 512) + x1
+    let r = [2048, 64];
+    let e = v(0).scale(64).add(&v(1));
+    assert_eq!(e.floordiv(32768, &r).to_string(), "(v0 // 512)");
+    assert_eq!(e.modulo(32768, &r).to_string(), "v1 + 64*(v0 % 512)");
 }

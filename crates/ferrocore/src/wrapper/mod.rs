@@ -169,7 +169,8 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
     m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, restride\n\n");
     if !kernels.launches.is_empty() {
-        m.push_str("KERNEL_SOURCE = r'''\n");
+        // the string must equal the compiled source byte for byte: it is the cache key
+        m.push_str("KERNEL_SOURCE = r'''");
         m.push_str(&kernels.source);
         m.push_str("'''\n\n_lib = load_kernels(KERNEL_SOURCE)\n");
         for l in &kernels.launches {
