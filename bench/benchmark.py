@@ -131,7 +131,13 @@ def workloads(quick: bool) -> list[Workload]:
             lambda: make_elementwise_inputs(*er),
         ),
         Workload(
-            f"10-op chain {n / 2**20:g}M f32", chain10, lambda: (torch.randn(n, generator=gen),)
+            f"10-op chain {n / 2**20:g}M f32",
+            chain10,
+            lambda: (torch.randn(n, generator=gen),),
+            # sqrt(|sin(.) - 0.5|) near 0 amplifies 1-ulp differences in sin (vectorized math
+            # libraries differ from eager's): over 16M elements a few results move by ~5e-4.
+            rtol=1e-3,
+            atol=1e-3,
         ),
         Workload(
             f"softmax {sm[0]}x{sm[1]}", softmax_last, lambda: (torch.randn(sm, generator=gen) * 3,)

@@ -267,8 +267,10 @@ impl Ctx<'_> {
                         let l = bx.body.unary(UnaryOp::Log, sm);
                         bx.body.binary(BinaryOp::Sub, d, l)
                     } else {
+                        // ATen scales by the reciprocal of the sum too; it is loop-invariant
                         let e = bx.body.unary(UnaryOp::Exp, d);
-                        bx.body.binary(BinaryOp::TrueDiv, e, sm)
+                        let inv = bx.body.unary(UnaryOp::Reciprocal, sm);
+                        bx.body.binary(BinaryOp::Mul, e, inv)
                     };
                     bx.body.cast(r, out_dtype)
                 }),

@@ -77,6 +77,7 @@ pub fn schedule(mut program: LoopProgram) -> Result<Schedule, SchedulerError> {
                 // earliest slot this node may run in: after every producer of what it reads
                 let earliest = reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).max();
                 let mut best: Option<(usize, i64, KernelPlan)> = None;
+                let mut rejected = false;
                 let lo = slots.len().saturating_sub(FUSION_WINDOW);
                 for (si, slot) in slots.iter().enumerate().skip(lo) {
                     let Slot::Kernel(members, _) = slot else { continue };
@@ -92,14 +93,15 @@ pub fn schedule(mut program: LoopProgram) -> Result<Schedule, SchedulerError> {
                     let mut candidate = members.clone();
                     candidate.push(n);
                     match KernelPlan::build(&program, &candidate) {
-                        Some(plan) => {
+                        Ok(plan) => {
                             if best.as_ref().map_or(true, |(_, s, _)| score > *s) {
                                 best = Some((si, score, plan));
                             }
                         }
-                        None => decisions.push(format!(
-                            "no fusion: {out_name} into kernel #{si}: iteration spaces or read indices do not line up"
-                        )),
+                        Err(why) => {
+                            rejected = true;
+                            decisions.push(format!("no fusion: {out_name} into kernel #{si}: {why}"))
+                        }
                     }
                 }
                 match best {
@@ -115,11 +117,16 @@ pub fn schedule(mut program: LoopProgram) -> Result<Schedule, SchedulerError> {
                         producer[node.output.0 as usize].push(si);
                     }
                     None => {
-                        if let Some(plan) = KernelPlan::build(&program, &[n]) {
-                            producer[node.output.0 as usize].push(slots.len());
-                            slots.push(Slot::Kernel(vec![n], plan));
-                        } else {
-                            return Err(SchedulerError { message: format!("{out_name} cannot be planned as a kernel of its own") });
+                        match KernelPlan::build(&program, &[n]) {
+                            Ok(plan) => {
+                                let why = if rejected { "every fusion was rejected" } else { "shares no data with an earlier kernel" };
+                                decisions.push(format!("new kernel #{}: {out_name} ({why})", slots.len()));
+                                producer[node.output.0 as usize].push(slots.len());
+                                slots.push(Slot::Kernel(vec![n], plan));
+                            }
+                            Err(why) => {
+                                return Err(SchedulerError { message: format!("{out_name} cannot be planned as a kernel: {why}") })
+                            }
                         }
                     }
                 }

@@ -102,10 +102,10 @@ fn node_subst(dims: &[i64], n: i64, first_inner_var: u32) -> Option<(Vec<Option<
 }
 
 impl KernelPlan {
-    /// Plans `nodes` (indices into the program, in execution order) as one kernel, or None when
-    /// their iteration spaces do not line up or some in-kernel read would be illegal.
-    pub fn build(p: &LoopProgram, nodes: &[usize]) -> Option<KernelPlan> {
-        let first = &p.nodes[*nodes.first()?];
+    /// Plans `nodes` (indices into the program, in execution order) as one kernel, or says why
+    /// not: iteration spaces that do not line up, or an in-kernel read that would be illegal.
+    pub fn build(p: &LoopProgram, nodes: &[usize]) -> Result<KernelPlan, String> {
+        let first = &p.nodes[*nodes.first().ok_or("no nodes")?];
         let device = &p.buffer(first.output).layout.device;
         let reduction_n = nodes
             .iter()
@@ -123,17 +123,19 @@ impl KernelPlan {
         let mut local_reads = Vec::new();
         for (pos, &i) in nodes.iter().enumerate() {
             let n = &p.nodes[i];
+            let name = &p.buffer(n.output).name;
             if &p.buffer(n.output).layout.device != device {
-                return None;
+                return Err(format!("{name} is on another device"));
             }
             let (subst, inner, is_red) = if n.reduction_ranges.is_empty() {
-                let (s, inner) = node_subst(&n.ranges, outer, 1)?;
+                let (s, inner) = node_subst(&n.ranges, outer, 1)
+                    .ok_or_else(|| format!("{name}'s ranges {:?} do not split at the kernel's outer size {outer}", n.ranges))?;
                 (s, inner, false)
             } else {
                 if n.ranges.iter().product::<i64>() != outer {
-                    return None;
+                    return Err(format!("reduction {name} has {} outputs, the kernel's outer size is {outer}", n.ranges.iter().product::<i64>()));
                 }
-                let (mut s, _) = node_subst(&n.ranges, outer, 1)?;
+                let (mut s, _) = node_subst(&n.ranges, outer, 1).ok_or_else(|| format!("{name}'s ranges do not split"))?;
                 for j in 0..n.reduction_ranges.len() {
                     s.push(Some(IndexExpr::var(Var(1 + j as u32))));
                 }
@@ -150,13 +152,14 @@ impl KernelPlan {
                 if writers.is_empty() {
                     continue;
                 }
+                let bname = &p.buffer(*buf).name;
                 if writers.len() > 1 {
-                    return None;
+                    return Err(format!("{name} reads {bname}, which several nodes of the kernel write"));
                 }
                 let w = writers[0];
-                let st = &w.body.store.as_ref()?.index;
+                let st = &w.body.store.as_ref().ok_or("writer without a store")?.index;
                 if st != index {
-                    return None;
+                    return Err(format!("{name} reads {bname} at {index}, which is written at {st}"));
                 }
                 let wg = &groups[w.group];
                 let w_red = !p.nodes[w.node].reduction_ranges.is_empty();
@@ -164,7 +167,7 @@ impl KernelPlan {
                     let mut vs = Vec::new();
                     index.vars(&mut vs);
                     if vs.iter().any(|v| v.0 != 0) {
-                        return None;
+                        return Err(format!("{name} reads reduction result {bname} inside its reduction loop"));
                     }
                     // the result exists only after its group's loop: read it from a later group
                     needs_new_group |= w.group + 1 == groups.len();
@@ -174,7 +177,7 @@ impl KernelPlan {
                 } else if wg.inner == inner {
                     LocalRead::Stored
                 } else {
-                    return None;
+                    return Err(format!("{name} reads {bname} over inner loops {inner:?}, written over {:?}", wg.inner));
                 };
                 reads_here.push((*buf, kind));
             }
@@ -198,6 +201,6 @@ impl KernelPlan {
             }
             knodes.push(KernelNode { node: i, group: gi, body, ranges: kranges });
         }
-        Some(KernelPlan { outer, groups, nodes: knodes, local_reads })
+        Ok(KernelPlan { outer, groups, nodes: knodes, local_reads })
     }
 }
