@@ -59,7 +59,11 @@ impl IndexExpr {
             map.iter().filter(|(a, _)| matches!(a, Atom::Mod(..))).map(|(a, c)| (a.clone(), *c)).collect();
         for (m, k) in mods {
             if let Atom::Mod(inner, d) = &m {
-                let div = Atom::FloorDiv(inner.clone(), *d);
+                // the partner of (e mod d) is e // d in canonical form: (x // a) // d is x // (a·d)
+                let div = match inner.single_atom() {
+                    Some(Atom::FloorDiv(x, a)) if inner.constant == 0 => Atom::FloorDiv(x.clone(), a * d),
+                    _ => Atom::FloorDiv(inner.clone(), *d),
+                };
                 if map.get(&div) == Some(&(k * d)) && map.contains_key(&m) {
                     map.remove(&div);
                     map.remove(&m);

@@ -94,3 +94,12 @@ fn small_remainders_fold_into_coarser_divisions() {
     assert_eq!(e.floordiv(32768, &r).to_string(), "(v0 // 512)");
     assert_eq!(e.modulo(32768, &r).to_string(), "v1 + 64*(v0 % 512)");
 }
+
+#[test]
+fn nested_div_mod_split_folds_back_to_the_flat_index() {
+    // merging [4,128,256] into one var k: 32768*(k//32768) + 256*((k//256)%128) + k%256 == k
+    let r = [131072];
+    let k = v(0);
+    let e = k.floordiv(32768, &r).scale(32768).add(&k.floordiv(256, &r).modulo(128, &r).scale(256)).add(&k.modulo(256, &r));
+    assert_eq!(e.to_string(), "v0");
+}

@@ -32,6 +32,8 @@ pub fn c_type(dt: DType) -> &'static str {
 pub fn storage_type(dt: DType) -> &'static str {
     match dt {
         DType::F16 | DType::BF16 => "uint16_t",
+        // bytes, not `bool`: GCC does not vectorize loops that load `bool` values
+        DType::Bool => "uint8_t",
         d => c_type(d),
     }
 }
@@ -51,6 +53,7 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
 
 pub fn store_conv(v: &str, dt: DType) -> String {
     match dt {
+        DType::Bool => format!("static_cast<uint8_t>({v})"),
         DType::F16 => format!("ferro_f2h({v})"),
         DType::BF16 => format!("ferro_f2bf({v})"),
         _ => v.to_string(),
@@ -225,6 +228,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let e = match dtype {
             DType::F16 => format!("ferro_h2f({raw})"),
             DType::BF16 => format!("ferro_bf2f({raw})"),
+            DType::Bool => format!("({raw} != 0)"),
             _ => raw,
         };
         self.emit(dtype, e, &[])
@@ -254,6 +258,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let e = match op {
             UnaryOp::Abs => if fl { format!("std::abs({x})") } else if xd == DType::Bool { x.clone() } else { format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})") },
             UnaryOp::Neg => format!("static_cast<{ty}>(-{x})"),
+            UnaryOp::Exp if ty == "float" => format!("ferro_expf({x})"),
             UnaryOp::Exp => format!("std::exp({x})"),
             UnaryOp::Exp2 => format!("std::exp2({x})"),
             UnaryOp::Expm1 => format!("std::expm1({x})"),
@@ -275,6 +280,7 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Asinh => format!("std::asinh({x})"),
             UnaryOp::Acosh => format!("std::acosh({x})"),
             UnaryOp::Atanh => format!("std::atanh({x})"),
+            UnaryOp::Sigmoid if ty == "float" => format!("1.0f / (1.0f + ferro_expf(-{x}))"),
             UnaryOp::Sigmoid => format!("static_cast<{ty}>(1) / (static_cast<{ty}>(1) + std::exp(-{x}))"),
             UnaryOp::Relu => format!("({x} < 0 ? static_cast<{ty}>(0) : {x})"),
             UnaryOp::Erf => format!("std::erf({x})"),

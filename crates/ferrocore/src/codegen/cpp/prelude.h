@@ -101,3 +101,29 @@ template <typename T> static inline T ferro_rshift(T a, T b) {
   if (b < 0 || b >= (T)(sizeof(T) * 8)) return a < 0 ? (T)-1 : (T)0;
   return a >> b;
 }
+// exp for float with no special-case branch: libmvec's expf leaves the vector path for -inf
+// (masked softmax), this one stays vectorized. <= 1 ulp (Cephes polynomial); exact 0, inf and
+// NaN at the edges, denormal results included.
+static inline float ferro_bits_f(int32_t i) { return __builtin_bit_cast(float, i); }
+static inline float ferro_expf(float x) {
+  // out-of-range lanes (and NaN) compute exp(0) and are replaced at the end: computing them
+  // would produce denormal intermediates, which cost ~100 cycles each on x86
+  float xc = ((x > -103.972084f) & (x < 88.7228394f)) ? x : 0.0f;  // `&`: no branch to if-convert
+  float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = std::fma(n, -0.693359375f, xc);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500E-4f;
+  p = std::fma(p, r, 1.3981999507E-3f);
+  p = std::fma(p, r, 8.3334519073E-3f);
+  p = std::fma(p, r, 4.1665795894E-2f);
+  p = std::fma(p, r, 1.6666665459E-1f);
+  p = std::fma(p, r, 5.0000001201E-1f);
+  p = std::fma(p, r * r, r + 1.0f);
+  int32_t ni = (int32_t)n;
+  int32_t n1 = ni >> 1;  // 2^n as two factors keeps denormal results
+  int32_t n2 = ni - n1;
+  float s = p * ferro_bits_f((n1 + 127) << 23) * ferro_bits_f((n2 + 127) << 23);
+  s = x > 88.7228394f ? INFINITY : s;
+  s = x < -103.972084f ? 0.0f : s;
+  return x != x ? x : s;
+}
