@@ -59,8 +59,10 @@ fn check(golden: &str, actual: &str) {
 fn stages(doc: &str) -> (String, String, String, usize) {
     let g = parse_graph(doc).unwrap();
     let lowered = lower_graph(&g).unwrap();
+    lowered.program.verify().unwrap();
     let pre = lowered.program.to_string();
     let s = schedule(lowered.program).unwrap();
+    s.program.verify().unwrap();
     let post = s.text();
     let src = CppBackend.render(&s).unwrap().source;
     let kernels = src.split(ferrocore::codegen::cpp::PRELUDE).nth(1).unwrap_or("").to_string();

@@ -118,6 +118,9 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     }
     st.emit("graph", || graph.to_string());
     let lowered = st.time("lowering", || lower_graph(&graph)).map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
+    if cfg!(debug_assertions) {
+        lowered.program.verify().map_err(|m| CompileError { stage: "lowering", message: format!("loop IR verifier: {m}") })?;
+    }
     st.emit("ir_pre_fusion", || lowered.program.to_string());
     let fallbacks: Vec<FallbackRecord> =
         lowered.fallbacks.iter().map(|f| FallbackRecord { node: f.node.clone(), target: f.target.clone(), reason: f.reason.clone() }).collect();

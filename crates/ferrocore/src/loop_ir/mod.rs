@@ -5,6 +5,7 @@
 
 mod body;
 mod print;
+mod verify;
 
 pub use body::*;
 
