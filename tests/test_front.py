@@ -174,7 +174,7 @@ def test_options_read_env_at_each_call(monkeypatch, tmp_path):
     monkeypatch.delenv("CXX", raising=False)
     opts = options.build_options()
     assert opts["logs"] == [] and opts["debug_dir"] is None and opts["cxx"] == "g++"
-    assert opts["cache_dir"].endswith("/.cache/ferrocore") and opts["num_threads"] is None
+    assert opts["cache_dir"].endswith("/.cache/ferrocore")
 
     monkeypatch.setenv("FERROCORE_LOGS", " graph, +fusion ,graph")
     monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(tmp_path / "dbg"))

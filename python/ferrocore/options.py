@@ -15,11 +15,10 @@ LOG_CHANNELS = (
     "ir_pre_fusion",
     "ir_post_fusion",
     "fusion",
-    "schedule",
     "output_code",
     "fallback",
 )
-_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "num_threads")
+_KEYS = ("cache_dir", "logs", "debug_dir", "cxx")
 
 
 def build_options(overrides: dict | None = None) -> dict:
@@ -29,7 +28,6 @@ def build_options(overrides: dict | None = None) -> dict:
         "logs": parse_logs(os.environ.get("FERROCORE_LOGS", "")),
         "debug_dir": _abspath(debug_dir) if debug_dir else None,
         "cxx": os.environ.get("CXX") or "g++",
-        "num_threads": None,
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:
