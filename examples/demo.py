@@ -112,6 +112,18 @@ def ferrocore_last() -> dict | None:
     return dict(ferrocore.metrics.last) if ferrocore.metrics.last else None
 
 
+def _without_prelude(lines: list) -> list:
+    """The C++ prelude is the same in every module: show it as one line."""
+    marker = "KERNEL_SOURCE = r" + "'" * 3
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith(marker))
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith('extern "C" void'))
+    except StopIteration:
+        return lines
+    skipped = f"// ... {end - start} lines of the shared kernel prelude (see the file)"
+    return lines[:start] + [marker, skipped] + lines[end:]
+
+
 def print_generated_code(last: dict | None, limit: int | None) -> None:
     if last is None:
         return
@@ -125,7 +137,7 @@ def print_generated_code(last: dict | None, limit: int | None) -> None:
     else:
         print("--- no module path in ferrocore.metrics.last; rerun with FERROCORE_LOGS=output_code")
         return
-    lines = source.splitlines()
+    lines = _without_prelude(source.splitlines())
     shown = lines if limit is None else lines[:limit]
     print("\n".join(shown))
     if len(shown) < len(lines):
