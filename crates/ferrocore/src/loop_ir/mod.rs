@@ -149,6 +149,22 @@ pub struct ExternCall {
     pub reason: Option<String>,
 }
 
+impl ExternCall {
+    /// Every buffer the call reads, positional and keyword arguments alike.
+    pub fn input_buffers(&self) -> Vec<BufferId> {
+        fn walk(a: &ExternArg, out: &mut Vec<BufferId>) {
+            match a {
+                ExternArg::Buffer(b) | ExternArg::View { buf: b, .. } => out.push(*b),
+                ExternArg::List(items) => items.iter().for_each(|i| walk(i, out)),
+                ExternArg::Literal(_) => {}
+            }
+        }
+        let mut out = Vec::new();
+        self.args.iter().chain(self.kwargs.iter().map(|(_, a)| a)).for_each(|a| walk(a, &mut out));
+        out
+    }
+}
+
 /// A graph output as the wrapper returns it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum OutputValue {

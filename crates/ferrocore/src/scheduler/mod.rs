@@ -221,12 +221,7 @@ fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) ->
     for (ki, it) in items.iter().enumerate() {
         match it {
             Item::Extern(e) => {
-                let mut bufs = Vec::new();
-                collect_extern_bufs(&p.externs[*e].args, &mut bufs);
-                for (_, a) in &p.externs[*e].kwargs {
-                    collect_extern_bufs(std::slice::from_ref(a), &mut bufs);
-                }
-                outside.extend(bufs);
+                outside.extend(p.externs[*e].input_buffers());
             }
             Item::Kernel(k) => {
                 for kn in &k.plan.nodes {
@@ -257,16 +252,6 @@ fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) ->
         }
     }
     storage
-}
-
-fn collect_extern_bufs(args: &[ExternArg], out: &mut Vec<BufferId>) {
-    for a in args {
-        match a {
-            ExternArg::Buffer(b) | ExternArg::View { buf: b, .. } => out.push(*b),
-            ExternArg::List(items) => collect_extern_bufs(items, out),
-            ExternArg::Literal(_) => {}
-        }
-    }
 }
 
 impl Schedule {

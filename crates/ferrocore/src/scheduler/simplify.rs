@@ -84,13 +84,10 @@ pub fn eliminate_dead_nodes(p: &mut LoopProgram) -> Vec<String> {
                         used[b.0 as usize] = true;
                     }
                 }
-                Step::Extern(i) => mark_extern(&p.externs[*i].args, &mut used),
-            }
-        }
-        for s in &p.steps {
-            if let Step::Extern(i) = s {
-                for (_, a) in &p.externs[*i].kwargs {
-                    mark_extern(std::slice::from_ref(a), &mut used);
+                Step::Extern(i) => {
+                    for b in p.externs[*i].input_buffers() {
+                        used[b.0 as usize] = true;
+                    }
                 }
             }
         }
@@ -117,12 +114,3 @@ pub fn eliminate_dead_nodes(p: &mut LoopProgram) -> Vec<String> {
     }
 }
 
-fn mark_extern(args: &[ExternArg], used: &mut [bool]) {
-    for a in args {
-        match a {
-            ExternArg::Buffer(b) | ExternArg::View { buf: b, .. } => used[b.0 as usize] = true,
-            ExternArg::List(items) => mark_extern(items, used),
-            ExternArg::Literal(_) => {}
-        }
-    }
-}

@@ -25,16 +25,6 @@ pub struct HostPlan {
     pub steps: Vec<HostStep>,
 }
 
-fn extern_bufs(args: &[ExternArg], out: &mut Vec<BufferId>) {
-    for a in args {
-        match a {
-            ExternArg::Buffer(b) | ExternArg::View { buf: b, .. } => out.push(*b),
-            ExternArg::List(items) => extern_bufs(items, out),
-            ExternArg::Literal(_) => {}
-        }
-    }
-}
-
 /// Orders allocations, launches and frees; frees each temporary after its last use and
 /// reuses freed storage of an identical layout for later allocations.
 pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
@@ -55,12 +45,7 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
                 launch += 1;
             }
             Item::Extern(e) => {
-                let mut b = Vec::new();
-                extern_bufs(&p.externs[*e].args, &mut b);
-                for (_, a) in &p.externs[*e].kwargs {
-                    extern_bufs(std::slice::from_ref(a), &mut b);
-                }
-                uses.push(b);
+                uses.push(p.externs[*e].input_buffers());
                 defs.push(p.externs[*e].outputs.clone());
                 item_launch.push(None);
             }
