@@ -50,3 +50,21 @@ def test_stage_timings_are_recorded():
     t = ferrocore.metrics.last["timings_ms"]
     for stage in ("import", "lowering", "scheduling", "codegen", "wrapper"):
         assert stage in t and t[stage] >= 0
+
+
+def test_storage_viewed_by_a_fallback_result_is_not_reused():
+    # unfold has no lowering: its ATen result is a view of `a`'s buffer, which must stay intact
+    # even though `b` (same layout, computed after `a` is last used) could take its storage
+    def fn(x, w):
+        a = x * 2
+        u = a.unfold(0, 2, 1)
+        b = x * u.sum()
+        return u, b @ w
+
+    x, w = torch.randn(9, 4), torch.randn(4, 3)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ferrocore", dynamic=False)(x, w)
+    assert ferrocore.metrics.last["fallback_ops"] == ["aten.unfold.default"]
+    want = fn(x, w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e)

@@ -51,6 +51,12 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
             }
         }
     }
+    let mut extern_arg = vec![false; p.buffers.len()];
+    for x in &p.externs {
+        for b in x.input_buffers() {
+            extern_arg[b.0 as usize] = true;
+        }
+    }
     let mut pinned = vec![false; p.buffers.len()];
     for o in &p.outputs {
         if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
@@ -110,7 +116,8 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
         dying.sort();
         dying.dedup();
         for b in dying {
-            if p.buffer(b).source == BufferSource::Computed {
+            // an extern call may return a view of its argument: such storage is never reused
+            if p.buffer(b).source == BufferSource::Computed && !extern_arg[b.0 as usize] {
                 free_pool.push((b, steps.len()));
             }
             steps.push(HostStep::Free(b));
