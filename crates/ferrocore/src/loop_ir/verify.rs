@@ -56,6 +56,9 @@ impl LoopProgram {
                     return Err(here(format!("t{i} refers to a later expression")));
                 }
             }
+            if n.kind() == NodeKind::Reduction && n.reduction_ranges.is_empty() {
+                return Err(here("a reduction without reduction loops".into()));
+            }
             let st = b.store.as_ref().ok_or_else(|| here("no store".into()))?;
             if st.value.0 as usize >= b.exprs.len() {
                 return Err(here("store of an undefined value".into()));

@@ -107,8 +107,8 @@ impl Ctx<'_> {
             if tv.size == [0] && rank != 1 {
                 continue;
             }
-            if tv.size.len() != rank {
-                return malformed(format!("cat input of rank {} for output rank {rank}", tv.size.len()));
+            if tv.size.len() != rank || (0..rank).any(|d| d != dim && tv.size[d] != out.shape[d]) {
+                return malformed(format!("cat input of shape {:?} does not fit output {:?} along dim {dim}", tv.size, out.shape));
             }
             let mut body = LoopBody::default();
             {

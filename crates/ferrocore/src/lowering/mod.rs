@@ -468,10 +468,11 @@ impl<'g> Ctx<'g> {
     fn output_value(&mut self, tv: &TensorValue, meta: &TensorMeta) -> OutputValue {
         if let Some((buf, stride, offset)) = tv.strided() {
             let l = &self.prog.buffer(buf).layout;
-            if l.size == tv.size && l.stride == stride && l.offset == offset && l.dtype == meta.dtype {
+            let eager_strides = same_strides(&tv.size, &stride, &meta.stride);
+            if l.size == tv.size && l.stride == stride && l.offset == offset && l.dtype == meta.dtype && eager_strides {
                 return OutputValue::Buffer(buf);
             }
-            if same_strides(&tv.size, &stride, &meta.stride) && l.dtype == meta.dtype {
+            if eager_strides && l.dtype == meta.dtype {
                 return OutputValue::View { buf, size: tv.size.clone(), stride, offset };
             }
         }

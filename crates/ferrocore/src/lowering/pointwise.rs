@@ -248,7 +248,7 @@ impl Ctx<'_> {
         // Comparisons and logical ops compute in the promoted type; the rest in the result type.
         let compute = match op {
             A::EqTensor | A::EqScalar | A::NeTensor | A::NeScalar | A::LtTensor | A::LtScalar | A::LeTensor
-            | A::LeScalar | A::GtTensor | A::GtScalar | A::GeTensor | A::GeScalar => rt.compute(),
+            | A::LeScalar | A::GtTensor | A::GtScalar | A::GeTensor | A::GeScalar => rt, // a half-typed scalar is rounded first
             A::LogicalAnd | A::LogicalOr | A::LogicalXor => DType::Bool,
             _ => out.dtype.compute(),
         };
@@ -325,7 +325,9 @@ impl Ctx<'_> {
             };
             bx.body.binary(bop, l, r)
         };
-        Ok(pointwise(vec![a, b], size, out.dtype, out.device.clone(), compute, f))
+        // scalars enter in the computation type; comparisons then round them to a half type
+        // like ATen's common-dtype cast, arithmetic keeps them exact like ATen's opmath
+        Ok(pointwise(vec![a, b], size, out.dtype, out.device.clone(), compute.compute(), f))
     }
 
     pub(super) fn lower_where(&mut self) -> LResult<TensorValue> {

@@ -20,7 +20,10 @@ impl Ctx<'_> {
     ) -> TensorValue {
         let kept: Vec<usize> = (0..size.len()).filter(|d| !dims.contains(d)).collect();
         let ranges: Vec<i64> = kept.iter().map(|&d| size[d]).collect();
-        let reduction_ranges: Vec<i64> = dims.iter().map(|&d| size[d]).collect();
+        let mut reduction_ranges: Vec<i64> = dims.iter().map(|&d| size[d]).collect();
+        if reduction_ranges.is_empty() {
+            reduction_ranges.push(1); // reducing nothing (a 0-d input): one iteration
+        }
         let layout = Layout::contiguous(&ranges, dtype, device);
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let mut lb = LoopBody::default();

@@ -162,6 +162,7 @@ impl Ctx<'_> {
                 }
                 permute(&x, &perm)
             }
+            A::TransposeInt | A::T if rank == 0 => x,
             A::TransposeInt | A::T => {
                 let (a, b) = if op == A::T {
                     if rank < 2 {
@@ -190,7 +191,9 @@ impl Ctx<'_> {
                 };
                 let start = clampi(self.int_arg(2, "start")?.unwrap_or(0));
                 let end = clampi(self.int_arg(3, "end")?.unwrap_or(i64::MAX).min(i64::MAX / 2)).max(start);
-                let len = (end - start + step - 1) / step;
+                let len = if end > start { (end - start - 1) / step + 1 } else { 0 };
+                // one element: the step never multiplies an index (and cannot overflow one)
+                let step = if len <= 1 { 1 } else { step };
                 let mut size = x.size.clone();
                 size[dim] = len;
                 apply_view(

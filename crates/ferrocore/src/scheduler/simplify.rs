@@ -34,7 +34,9 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
         groups.push(vec![v]);
         group_is_red.push(red);
     }
-    let new_ranges: Vec<i64> = groups.iter().map(|g| g.iter().map(|&v| sizes[v]).product()).collect();
+    let mut new_ranges: Vec<i64> = groups.iter().map(|g| g.iter().map(|&v| sizes[v]).product()).collect();
+    // a reduction keeps one (size-1) reduction loop even when all its reduced dims had size 1
+    let keep_unit_reduction = node.kind() == NodeKind::Reduction && !group_is_red.iter().any(|r| *r);
     // old var -> expression in new vars
     let mut subst: Vec<Option<IndexExpr>> = vec![Some(IndexExpr::zero()); sizes.len()];
     for (k, g) in groups.iter().enumerate() {
@@ -47,6 +49,9 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
     }
     let body = node.body.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &new_ranges));
     let n_out = group_is_red.iter().filter(|r| !**r).count();
+    if keep_unit_reduction {
+        new_ranges.push(1);
+    }
     LoopNode {
         output: node.output,
         ranges: new_ranges[..n_out].to_vec(),

@@ -87,6 +87,13 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
     // freed temporaries and the position of their Free step (dropped if the storage is reused)
     let mut free_pool: Vec<(BufferId, usize)> = Vec::new();
     for (i, it) in s.items.iter().enumerate() {
+        // buffers no kernel writes (no elements) but that this item reads still need storage
+        for b in &uses[i] {
+            if p.buffer(*b).source == BufferSource::Computed && !defined.contains(b) && !allocated[b.0 as usize] {
+                allocated[b.0 as usize] = true;
+                steps.push(HostStep::Alloc(*b));
+            }
+        }
         if let Item::Kernel(_) = it {
             for b in &defs[i] {
                 if !allocated[b.0 as usize] {

@@ -90,7 +90,7 @@ impl Acc {
         let mut s = format!("{} {}{suffix} = {};", c_type(self.dtype), self.name, reduce_init(self.op, self.dtype));
         if let Some(vd) = self.value_dtype {
             let init = reduce_init(if self.op == ReduceOp::ArgMax { ReduceOp::Max } else { ReduceOp::Min }, vd);
-            s.push_str(&format!(" {} {}_v{suffix} = {init};", c_type(vd), self.name));
+            s.push_str(&format!(" {} {}{suffix}_v = {init};", c_type(vd), self.name));
         }
         s
     }
@@ -307,7 +307,7 @@ impl OpsHandler for BodyEmitter<'_> {
             BinaryOp::Sub => format!("{a} - {b}"),
             BinaryOp::Mul => if od == DType::Bool { format!("{a} && {b}") } else { format!("{a} * {b}") },
             BinaryOp::TrueDiv => format!("{a} / {b}"),
-            BinaryOp::FloorDiv => if fl { format!("std::floor({a} / {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
+            BinaryOp::FloorDiv => if fl { format!("ferro_floordiv_f({a}, {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
             BinaryOp::TruncDiv => if fl { format!("std::trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
             BinaryOp::Remainder => if fl { format!("ferro_remainder({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
             BinaryOp::Fmod => if fl { format!("std::fmod({a}, {b})") } else { format!("ferro_fmod_i({a}, {b})") },

@@ -127,3 +127,15 @@ static inline float ferro_expf(float x) {
   s = x < -103.972084f ? 0.0f : s;
   return x != x ? x : s;
 }
+// Python floor division for floats, exact where floor(a / b) is not: the quotient is formed
+// from a - fmod(a, b), corrected by one when the remainder's sign differs from the divisor's,
+// then rounded to the nearest integer it should be; zero keeps the sign of a / b.
+template <typename T> static inline T ferro_floordiv_f(T a, T b) {
+  if (b == 0) return a / b;
+  T rem = std::fmod(a, b);
+  T q = (a - rem) / b;
+  if (rem != 0 && ((b < 0) != (rem < 0))) q -= T(1);
+  if (q == 0) return std::copysign(T(0), a / b);
+  T fq = std::floor(q);
+  return (q - fq > T(0.5)) ? fq + T(1) : fq;
+}

@@ -1,0 +1,46 @@
+"""Regressions from the code review of the first end-to-end version."""
+
+import torch
+
+from helpers import check
+
+
+def test_reductions_over_size_one_dims():
+    x = torch.randn(8, 1)
+    check(lambda t: t.sum(-1) * 2, x)
+    check(lambda t: torch.softmax(t, -1), x, allow_constant=True)
+    check(lambda t: t.t().mean(0) + 1, x)
+    check(lambda t: t.argmax(-1), x, allow_constant=True)
+    check(lambda t: t.sum() + t.view(()) if t.numel() == 1 else t.view(8).sum(0, keepdim=True), x)
+
+
+def test_full_arg_reduction_runs_split_across_threads():
+    x = torch.randn(70000)
+    x[12345] = 50.0
+    check(lambda t: (t.argmax(), t.argmin(), torch.max(t, 0)[1]), x)
+
+
+def test_output_returned_with_eager_strides_when_also_an_extern_input():
+    x = torch.randn(6, 4).t()  # transposed input
+    w = torch.randn(6, 3)
+    check(lambda t, m: (torch.mm(t.sin(), m), t.sin()), x, w)
+
+
+def test_half_comparison_with_a_scalar_rounds_the_scalar():
+    x = torch.full((4,), 0.1, dtype=torch.float16)
+    check(lambda t: (t == 0.1, t < 0.1, t >= 0.1), x, allow_constant=True)
+
+
+def test_float_floor_division_matches_aten():
+    x = torch.tensor([1.0, -1.0, 7.5, -7.5, 0.0, 3.0])
+    check(lambda t: (t // 0.1, t // -0.3, torch.div(t, 0.7, rounding_mode="floor")), x)
+
+
+def test_empty_intermediate_feeding_an_extern():
+    x, w = torch.randn(4, 0), torch.randn(0, 3)
+    check(lambda a, b: torch.mm(a.sin(), b) + 1, x, w, allow_constant=True)
+
+
+def test_slice_with_huge_step():
+    x = torch.randn(10, 3)
+    check(lambda t: t[:: 2**40] * 2, x)
