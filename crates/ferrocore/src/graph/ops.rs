@@ -177,4 +177,22 @@ aten_ops! {
     Mm => "aten.mm.default", 2..=2;
     Bmm => "aten.bmm.default", 2..=2;
     Addmm => "aten.addmm.default", 3..=3;
+    Convolution => "aten.convolution.default", 9..=9;
+    ConvolutionBackward => "aten.convolution_backward.default", 11..=11;
+    Sort => "aten.sort.default", 1..=3;
+    Topk => "aten.topk.default", 2..=5;
+    Randperm => "aten.randperm.default", 1..=1;
+    FftR2c => "aten._fft_r2c.default", 4..=4;
+    FftC2r => "aten._fft_c2r.default", 4..=4;
+    CdistForward => "aten._cdist_forward.default", 4..=4;
+    PdistForward => "aten._pdist_forward.default", 2..=2;
+    EmbeddingBag => "aten._embedding_bag.default", 2..=9;
+    // pointwise with parameters
+    Elu => "aten.elu.default", 1..=4;
+    LeakyRelu => "aten.leaky_relu.default", 1..=2;
+    // data movement expressible as index maps
+    Flip => "aten.flip.default", 2..=2;
+    Repeat => "aten.repeat.default", 2..=2;
+    AsStrided => "aten.as_strided.default", 3..=4;
+    VarDim => "aten.var.dim", 1..=3;
 }

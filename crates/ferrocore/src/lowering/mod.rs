@@ -249,12 +249,12 @@ impl<'g> Ctx<'g> {
                 _ => false,
             }
         };
-        match target {
+        let op = match target {
             Target::GetItem => return self.lower_getitem(id),
             Target::Unknown(name) => return unsupported(format!("no lowering for {name}")),
-            Target::Aten(_) => {}
-        }
-        if bad_meta(&node.meta) {
+            Target::Aten(op) => *op,
+        };
+        if bad_meta(&node.meta) && !is_library_call(op) {
             return unsupported("dtype or device not compiled by ferrocore");
         }
         if let NodeKind::Call { args, kwargs, .. } = &node.kind {
@@ -262,14 +262,13 @@ impl<'g> Ctx<'g> {
                 let mut refs = Vec::new();
                 collect_refs(a, &mut refs);
                 for r in refs {
-                    if bad_meta(&self.graph.node(r).meta) {
+                    if bad_meta(&self.graph.node(r).meta) && !is_library_call(op) {
                         return unsupported("an input's dtype or device is not compiled by ferrocore");
                     }
                 }
             }
         }
-        let Target::Aten(op) = target else { unreachable!() };
-        self.dispatch(*op)
+        self.dispatch(op)
     }
 
     /// The registry: every known overload maps to its lowering.
@@ -294,7 +293,7 @@ impl<'g> Ctx<'g> {
             ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
             SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault
             | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
-            VarCorrection | VarMeanCorrection => self.lower_var(op)?,
+            VarCorrection | VarMeanCorrection | VarDim => self.lower_var(op)?,
             Argmax | Argmin | MaxDim | MinDim => self.lower_arg_reduction(op)?,
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
@@ -302,7 +301,10 @@ impl<'g> Ctx<'g> {
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,
             Cat => t(self.lower_cat()?),
-            Mm | Bmm | Addmm => self.lower_extern(op)?,
+            Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | Topk | Randperm | FftR2c | FftC2r
+            | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
+            Elu | LeakyRelu => t(self.lower_activation(op)?),
+            Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
         })
     }
 
@@ -484,6 +486,17 @@ impl<'g> Ctx<'g> {
             Src::Lazy { .. } => OutputValue::None,
         }
     }
+}
+
+/// Ops that always run as ATen library calls (see docs/externs.md): they take and return any
+/// dtype torch supports, since no generated kernel touches their data directly.
+pub fn is_library_call(op: AtenOp) -> bool {
+    use AtenOp::*;
+    matches!(
+        op,
+        Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | Topk | Randperm | FftR2c | FftC2r | CdistForward
+            | PdistForward | EmbeddingBag
+    )
 }
 
 pub fn collect_refs(a: &Arg, out: &mut Vec<NodeId>) {

@@ -410,3 +410,50 @@ impl Ctx<'_> {
         Ok(pointwise(vec![src], size, out.dtype, out.device.clone(), cd, move |bx, v| bx.body.cast(v[0], cd)))
     }
 }
+
+impl Ctx<'_> {
+    /// elu and leaky_relu: a select between the identity and a scaled negative branch.
+    pub(super) fn lower_activation(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let x = self.pw_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let size = self.out_shape_of(std::slice::from_ref(&x))?;
+        let cd = out.dtype.compute();
+        if !cd.is_float() {
+            return unsupported("activation of a non-float tensor");
+        }
+        let num = |v: Option<f64>, d: f64| v.unwrap_or(d);
+        Ok(match op {
+            AtenOp::LeakyRelu => {
+                let slope = num(self.float_arg(1, "negative_slope")?, 0.01);
+                pointwise(vec![x], size, out.dtype, out.device.clone(), cd, move |bx, v| {
+                    let x = bx.body.cast(v[0], cd);
+                    let zero = bx.body.constant(Scalar::Float(0.0), cd);
+                    let s = bx.body.constant(Scalar::Float(slope), cd);
+                    let pos = bx.body.binary(BinaryOp::Gt, x, zero);
+                    let neg = bx.body.binary(BinaryOp::Mul, x, s);
+                    bx.body.where_(pos, x, neg)
+                })
+            }
+            _ => {
+                let alpha = num(self.float_arg(1, "alpha")?, 1.0);
+                let scale = num(self.float_arg(2, "scale")?, 1.0);
+                let input_scale = num(self.float_arg(3, "input_scale")?, 1.0);
+                pointwise(vec![x], size, out.dtype, out.device.clone(), cd, move |bx, v| {
+                    // x > 0 ? scale·x : scale·alpha·(exp(input_scale·x) − 1)
+                    let x = bx.body.cast(v[0], cd);
+                    let c = |bx: &mut Bx, f: f64| bx.body.constant(Scalar::Float(f), cd);
+                    let zero = c(bx, 0.0);
+                    let is = c(bx, input_scale);
+                    let sa = c(bx, scale * alpha);
+                    let sc = c(bx, scale);
+                    let pos = bx.body.binary(BinaryOp::Gt, x, zero);
+                    let xs = bx.body.binary(BinaryOp::Mul, x, is);
+                    let em = bx.body.unary(UnaryOp::Expm1, xs);
+                    let neg = bx.body.binary(BinaryOp::Mul, em, sa);
+                    let p = bx.body.binary(BinaryOp::Mul, x, sc);
+                    bx.body.where_(pos, p, neg)
+                })
+            }
+        })
+    }
+}

@@ -174,12 +174,13 @@ impl Ctx<'_> {
         let x = self.tensor_arg(0, "self")?;
         let rank = x.size.len();
         let dims = self.reduce_dims(1, "dim", rank)?;
-        let correction = match self.arg(usize::MAX, "correction") {
+        let correction = match if op == AtenOp::VarDim { None } else { self.arg(usize::MAX, "correction") } {
             None | Some(Arg::None) => 1.0,
             Some(Arg::Int(v)) => *v as f64,
             Some(Arg::Float(v)) => *v,
             other => return malformed(format!("correction must be a number, got {other:?}")),
         };
+        let correction = if op == AtenOp::VarDim { f64::from(u8::from(self.bool_arg(2, "unbiased", true)?)) } else { correction };
         let metas: Vec<TensorMeta> = match self.meta() {
             Meta::Tensor(t) => vec![t.clone()],
             Meta::Tuple(items) => items.iter().filter_map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),

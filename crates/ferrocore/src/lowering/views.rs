@@ -267,3 +267,70 @@ impl Ctx<'_> {
         Ok(tv)
     }
 }
+
+impl Ctx<'_> {
+    /// flip, repeat and as_strided: index maps onto the input, no copies.
+    pub(super) fn lower_data_movement(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let rank = x.size.len();
+        let tv = match op {
+            AtenOp::Flip => {
+                let dims = self.ints_arg(1, "dims")?.unwrap_or_default();
+                let dims = dims.iter().map(|&d| norm_dim(d, rank)).collect::<LResult<Vec<_>>>()?;
+                let size = x.size.clone();
+                apply_view(
+                    &x,
+                    size.clone(),
+                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                        idx.iter()
+                            .enumerate()
+                            .map(|(d, e)| if dims.contains(&d) { IndexExpr::constant(size[d] - 1).sub(e) } else { e.clone() })
+                            .collect()
+                    }),
+                )
+            }
+            AtenOp::Repeat => {
+                let reps = self.ints_arg(1, "repeats")?.unwrap_or_default();
+                if reps.len() < rank {
+                    return malformed(format!("repeat needs at least {rank} repeats, got {reps:?}"));
+                }
+                let off = reps.len() - rank;
+                let in_size = x.size.clone();
+                let size: Vec<i64> = reps.iter().enumerate().map(|(i, r)| r * if i < off { 1 } else { in_size[i - off] }).collect();
+                apply_view(
+                    &x,
+                    size,
+                    Rc::new(move |idx: &[IndexExpr], r: &[i64]| {
+                        in_size.iter().enumerate().map(|(d, &n)| if n <= 1 { IndexExpr::zero() } else { idx[off + d].modulo(n, r) }).collect()
+                    }),
+                )
+            }
+            _ => {
+                let size = self.ints_arg(1, "size")?.unwrap_or_default();
+                let stride = self.ints_arg(2, "stride")?.unwrap_or_default();
+                if size.len() != stride.len() {
+                    return malformed("as_strided size and stride differ in rank");
+                }
+                // as_strided addresses the storage: find where this tensor's data starts in it
+                let tv = self.realize(&x);
+                let Src::View { buf, .. } = tv.src else { return malformed("realize produced no buffer") };
+                let base = match self.prog.buffer(buf).source {
+                    BufferSource::Input(i) => {
+                        let id = self.graph.inputs[i];
+                        self.graph.node(id).meta.tensor().map_or(0, |t| t.storage_offset)
+                    }
+                    BufferSource::Computed => 0,
+                    BufferSource::Extern { .. } => return unsupported("as_strided of an extern result (storage offset unknown)"),
+                };
+                let offset = self.int_arg(3, "storage_offset")?.unwrap_or(base) - base;
+                let l = Layout { size: size.clone(), stride, offset, dtype: tv.dtype, device: tv.device.clone() };
+                view_of_layout(buf, &l)
+            }
+        };
+        if tv.size != out.shape {
+            return malformed(format!("{} produced shape {:?}, metadata says {:?}", op.name(), tv.size, out.shape));
+        }
+        Ok(tv)
+    }
+}
