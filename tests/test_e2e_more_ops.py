@@ -31,3 +31,41 @@ def test_library_calls_count_as_externs_not_fallbacks():
     v = torch.randn(5, 12)
     check(lambda t: (torch.sort(t, -1)[0] * 2, torch.topk(t, 3)[1], torch.topk(t, 3)[0].sum()), v)
     assert ferrocore.metrics.last["fallbacks"] == 0
+
+
+def test_embedding_index_select_gather():
+    w = torch.randn(10, 6)
+    ind = torch.tensor([[1, 9, 0], [3, 3, 7]])
+    check(lambda a, i: F.embedding(i, a) * 2, w, ind)
+    x = torch.randn(5, 7, 3)
+    sel = torch.tensor([4, 0, 6, 6])
+    check(lambda t, i: (torch.index_select(t, 1, i) + 1, torch.index_select(t, 0, i[:2])), x, sel)
+    g = torch.randint(0, 7, (5, 4, 3))
+    check(lambda t, i: torch.gather(t, 1, i).sum(-1), x, g)
+
+
+def test_advanced_indexing():
+    x = torch.randn(6, 5, 4)
+    i = torch.tensor([0, 3, -1])
+    j = torch.tensor([[1], [4]])
+    check(lambda t, a: t[a] * 2, x, i)
+    check(lambda t, a: t[:, a[:2]], x, i)
+    check(lambda t, a, b: t[a, :, b.view(-1)[:1]], x, i, j)
+    check(lambda t, a, b: t[b, a[:2]] + 1, x, i, j)
+
+
+def test_constant_pad():
+    x = torch.randn(2, 3, 4, 5)
+    check(lambda t: (F.pad(t, (1, 2)), F.pad(t, (2, 0, 1, 3), value=-1.5), F.pad(t, (-1, 1, 0, -2))), x)
+
+
+def test_out_of_range_index_raises_instead_of_reading_out_of_bounds():
+    w = torch.randn(10, 6)
+    bad = torch.tensor([1, 10])
+    fn = torch.compile(lambda a, i: F.embedding(i, a) + 1, backend="ferrocore", dynamic=False)
+    fn(w, torch.tensor([1, 2]))  # compiles with valid indices
+    try:
+        fn(w, bad)
+    except IndexError:
+        return
+    raise AssertionError("an out-of-range index must raise")

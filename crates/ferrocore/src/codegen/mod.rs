@@ -13,6 +13,8 @@ use std::fmt;
 pub struct KernelLaunch {
     pub name: String,
     pub args: Vec<BufferId>,
+    /// The kernel reports out-of-range gather indices through its return value.
+    pub checks_indices: bool,
 }
 
 #[derive(Clone, Debug)]

@@ -195,4 +195,10 @@ aten_ops! {
     Repeat => "aten.repeat.default", 2..=2;
     AsStrided => "aten.as_strided.default", 3..=4;
     VarDim => "aten.var.dim", 1..=3;
+    // indexing: gathers through indices computed at run time
+    Embedding => "aten.embedding.default", 2..=5;
+    IndexSelect => "aten.index_select.default", 3..=3;
+    Gather => "aten.gather.default", 3..=4;
+    IndexTensor => "aten.index.Tensor", 2..=2;
+    ConstantPadNd => "aten.constant_pad_nd.default", 2..=3;
 }

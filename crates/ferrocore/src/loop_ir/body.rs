@@ -137,6 +137,12 @@ pub enum Expr {
     Reduce(ReduceOp, ValueId),
     /// ArgMax/ArgMin of a value, given the value's reduction index (int64).
     ArgReduce(ReduceOp, ValueId, ValueId),
+    /// A load at `index + Σ coeff·value`, the values being int64 indices computed in the body
+    /// (gather, embedding, padding). Each value must come from `CheckIndex` or be in range.
+    LoadIndirect { buf: BufferId, index: IndexExpr, terms: Vec<(ValueId, i64)> },
+    /// An int64 index into a dim of `size`: negatives wrap when `wrap`; the result is clamped
+    /// into range, and an out-of-range input makes the kernel report an error to the wrapper.
+    CheckIndex { value: ValueId, size: i64, wrap: bool },
 }
 
 #[derive(Clone, Hash, PartialEq, Eq, Debug)]
@@ -150,6 +156,8 @@ enum Key {
     Cast(ValueId, DType),
     Reduce(ReduceOp, ValueId),
     ArgReduce(ReduceOp, ValueId, ValueId),
+    LoadIndirect(BufferId, IndexExpr, Vec<(ValueId, i64)>),
+    CheckIndex(ValueId, i64, bool),
 }
 
 /// The single store of a body: `output[index] = value`.
@@ -249,6 +257,14 @@ impl LoopBody {
         let index = self.cast(index, DType::I64);
         self.push(Key::ArgReduce(op, value, index), Expr::ArgReduce(op, value, index), DType::I64)
     }
+    pub fn load_indirect(&mut self, buf: BufferId, index: IndexExpr, terms: Vec<(ValueId, i64)>, dtype: DType) -> ValueId {
+        let terms: Vec<(ValueId, i64)> = terms.into_iter().map(|(v, c)| (self.cast(v, DType::I64), c)).collect();
+        self.push(Key::LoadIndirect(buf, index.clone(), terms.clone()), Expr::LoadIndirect { buf, index, terms }, dtype)
+    }
+    pub fn check_index(&mut self, value: ValueId, size: i64, wrap: bool) -> ValueId {
+        let value = self.cast(value, DType::I64);
+        self.push(Key::CheckIndex(value, size, wrap), Expr::CheckIndex { value, size, wrap }, DType::I64)
+    }
     pub fn set_store(&mut self, index: IndexExpr, value: ValueId) {
         self.store = Some(Store { index, value });
     }
@@ -268,6 +284,11 @@ impl LoopBody {
                 Expr::Cast(x) => h.cast(&vals[x.0 as usize], self.dtype(*x), dt),
                 Expr::Reduce(op, x) => h.reduce(*op, &vals[x.0 as usize], dt, ValueId(i as u32)),
                 Expr::ArgReduce(op, x, ix) => h.arg_reduce(*op, &vals[x.0 as usize], &vals[ix.0 as usize], self.dtype(*x)),
+                Expr::LoadIndirect { buf, index, terms } => {
+                    let t: Vec<(H::V, i64)> = terms.iter().map(|(v, c)| (vals[v.0 as usize].clone(), *c)).collect();
+                    h.load_indirect(*buf, index, &t, dt)
+                }
+                Expr::CheckIndex { value, size, wrap } => h.check_index(&vals[value.0 as usize], *size, *wrap),
             };
             vals.push(v);
         }
@@ -290,6 +311,8 @@ pub trait OpsHandler {
     fn cast(&mut self, x: &Self::V, from: DType, to: DType) -> Self::V;
     fn reduce(&mut self, op: ReduceOp, x: &Self::V, dtype: DType, id: ValueId) -> Self::V;
     fn arg_reduce(&mut self, op: ReduceOp, value: &Self::V, index: &Self::V, value_dtype: DType) -> Self::V;
+    fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(Self::V, i64)], dtype: DType) -> Self::V;
+    fn check_index(&mut self, value: &Self::V, size: i64, wrap: bool) -> Self::V;
     fn store(&mut self, index: &IndexExpr, value: &Self::V, dtype: DType);
 }
 
@@ -300,6 +323,7 @@ impl LoopBody {
         for (i, e) in self.exprs.iter().enumerate() {
             let e2 = match e {
                 Expr::Load { buf, index } => Expr::Load { buf: *buf, index: f(index) },
+                Expr::LoadIndirect { buf, index, terms } => Expr::LoadIndirect { buf: *buf, index: f(index), terms: terms.clone() },
                 Expr::Index(ix) => Expr::Index(f(ix)),
                 other => other.clone(),
             };
@@ -316,7 +340,7 @@ impl LoopBody {
             .exprs
             .iter()
             .filter_map(|e| match e {
-                Expr::Load { index, .. } => Some(index),
+                Expr::Load { index, .. } | Expr::LoadIndirect { index, .. } => Some(index),
                 Expr::Index(ix) => Some(ix),
                 _ => None,
             })

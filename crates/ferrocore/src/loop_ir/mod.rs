@@ -110,13 +110,17 @@ impl LoopNode {
     pub fn reads(&self) -> Vec<(BufferId, IndexExpr)> {
         let mut out = Vec::new();
         for e in &self.body.exprs {
-            if let Expr::Load { buf, index } = e {
+            if let Expr::Load { buf, index } | Expr::LoadIndirect { buf, index, .. } = e {
                 if !out.iter().any(|(b, i)| b == buf && i == index) {
                     out.push((*buf, index.clone()));
                 }
             }
         }
         out
+    }
+    /// Whether the body reports out-of-range indices (the kernel's return value).
+    pub fn checks_indices(&self) -> bool {
+        self.body.exprs.iter().any(|e| matches!(e, Expr::CheckIndex { .. }))
     }
     pub fn var(i: usize) -> Var {
         Var(i as u32)

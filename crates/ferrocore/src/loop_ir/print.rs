@@ -51,6 +51,15 @@ impl OpsHandler for BodyPrinter<'_> {
     fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
         self.line(dtype, format!("reduce_{}({x})", format!("{op:?}").to_lowercase()))
     }
+    fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
+        let name = self.program.buffer(buf).name.clone();
+        let t: Vec<String> = terms.iter().map(|(v, c)| format!(" + {c}*{v}")).collect();
+        self.line(dtype, format!("load({name}, {index}{})", t.join("")))
+    }
+    fn check_index(&mut self, value: &String, size: i64, wrap: bool) -> String {
+        let w = if wrap { ", wrap" } else { "" };
+        self.line(DType::I64, format!("check_index({value}, {size}{w})"))
+    }
     fn arg_reduce(&mut self, op: ReduceOp, value: &String, index: &String, _vd: DType) -> String {
         self.line(DType::I64, format!("reduce_{}({value}, {index})", format!("{op:?}").to_lowercase()))
     }

@@ -2,6 +2,7 @@
 //! builds and by the stage tests.
 
 use super::*;
+use crate::graph::DType;
 use crate::symbolic::Var;
 
 fn check_index(e: &IndexExpr, nvars: usize, what: &str) -> Result<(), String> {
@@ -51,6 +52,14 @@ impl LoopProgram {
                     }
                     Expr::Where(c, x, y) => before(c) && before(x) && before(y),
                     Expr::ArgReduce(_, x, ix) => before(x) && before(ix),
+                    Expr::LoadIndirect { buf, index, terms } => {
+                        if buf.0 as usize >= self.buffers.len() {
+                            return Err(here(format!("t{i} loads a buffer that does not exist")));
+                        }
+                        check_index(index, nvars, &format!("t{i}")).map_err(here)?;
+                        terms.iter().all(|(v, _)| before(v) && b.dtype(*v) == DType::I64)
+                    }
+                    Expr::CheckIndex { value, size, .. } => before(value) && *size > 0,
                 };
                 if !ok {
                     return Err(here(format!("t{i} refers to a later expression")));

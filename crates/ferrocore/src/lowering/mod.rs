@@ -6,6 +6,7 @@
 
 mod creation;
 mod externs;
+mod indexing;
 mod pointwise;
 mod reduction;
 mod views;
@@ -305,6 +306,8 @@ impl<'g> Ctx<'g> {
             | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
+            Embedding | IndexSelect | Gather | IndexTensor => t(self.lower_gather(op)?),
+            ConstantPadNd => t(self.lower_constant_pad()?),
         })
     }
 

@@ -147,6 +147,12 @@ impl KernelPlan {
             let mut needs_new_group = false;
             let mut reads_here = Vec::new();
             for e in &body.exprs {
+                if let Expr::LoadIndirect { buf, .. } = e {
+                    if knodes.iter().any(|k| p.nodes[k.node].output == *buf) {
+                        return Err(format!("{name} gathers from {}, written in this kernel", p.buffer(*buf).name));
+                    }
+                    continue;
+                }
                 let Expr::Load { buf, index } = e else { continue };
                 let writers: Vec<&KernelNode> = knodes.iter().filter(|k| p.nodes[k.node].output == *buf).collect();
                 if writers.is_empty() {

@@ -209,7 +209,12 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             HostStep::Launch(l) => {
                 let k = &kernels.launches[*l];
                 let args: Vec<String> = k.args.iter().map(|b| format!("c_ptr({})", p.buffer(*b).name)).collect();
-                let _ = writeln!(m, "    {}({})", k.name, args.join(", "));
+                if k.checks_indices {
+                    let _ = writeln!(m, "    if {}({}):", k.name, args.join(", "));
+                    let _ = writeln!(m, "        raise IndexError('index out of range in {}')", k.name);
+                } else {
+                    let _ = writeln!(m, "    {}({})", k.name, args.join(", "));
+                }
             }
             HostStep::Extern(e) => {
                 let x = &p.externs[*e];

@@ -83,6 +83,8 @@ pub struct Acc {
     pub op: ReduceOp,
     pub dtype: DType,
     pub value_dtype: Option<DType>,
+    /// An "any index out of range" flag rather than a value of the body.
+    pub index_check: bool,
 }
 
 impl Acc {
@@ -348,7 +350,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let target = if self.split { format!("{acc}_local") } else { acc.clone() };
         let line = format!("{target} = {};\n", combine(op, dtype, &target, x));
         self.inner.push_str(&line);
-        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None });
+        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false });
         self.sections.push(Section::Post);
         self.post_names.push(acc.clone());
         acc
@@ -360,10 +362,39 @@ impl OpsHandler for BodyEmitter<'_> {
         let better = if op == ReduceOp::ArgMax { ">" } else { "<" };
         let nan = if vd.is_float() { format!(" || ({value} != {value} && {t}_v == {t}_v)") } else { String::new() };
         self.inner.push_str(&format!("if (({value} {better} {t}_v){nan}) {{ {t}_v = {value}; {t} = {index}; }}\n"));
-        self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd) });
+        self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), index_check: false });
         self.sections.push(Section::Post);
         self.post_names.push(acc.clone());
         acc
+    }
+
+    fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
+        let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
+        let mut addr = self.index(index);
+        for (v, c) in terms {
+            addr.push_str(&format!(" + {c}LL*{v}"));
+        }
+        let raw = format!("{p}[{addr}]");
+        let e = match dtype {
+            DType::F16 => format!("ferro_h2f({raw})"),
+            DType::BF16 => format!("ferro_bf2f({raw})"),
+            DType::Bool => format!("({raw} != 0)"),
+            _ => raw,
+        };
+        let ops: Vec<&String> = terms.iter().map(|(v, _)| v).collect();
+        self.emit(dtype, e, &ops)
+    }
+
+    fn check_index(&mut self, value: &String, size: i64, wrap: bool) -> String {
+        let w = if wrap { format!("({value} < 0 ? {value} + {size}LL : {value})") } else { value.clone() };
+        let wrapped = self.emit(DType::I64, w, &[value]);
+        let flag = self.fresh().replace("tmp", "bad");
+        let target = if self.split { format!("{flag}_local") } else { flag.clone() };
+        self.inner.push_str(&format!("{target} = {target} || ({wrapped} < 0) || ({wrapped} >= {size}LL);\n"));
+        self.accs.push(Acc { name: flag, op: ReduceOp::Any, dtype: DType::Bool, value_dtype: None, index_check: true });
+        // clamped, so that the load stays inside the buffer whatever the input
+        let clamped = format!("({wrapped} < 0 ? 0LL : ({wrapped} >= {size}LL ? {}LL : {wrapped}))", size - 1);
+        self.emit(DType::I64, clamped, &[&wrapped])
     }
 
     fn store(&mut self, _index: &IndexExpr, _value: &String, _dtype: DType) {

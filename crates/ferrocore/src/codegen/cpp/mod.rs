@@ -32,7 +32,8 @@ impl KernelBackend for CppBackend {
                 let (text, args) = render_kernel(s, k)?;
                 source.push('\n');
                 source.push_str(&text);
-                launches.push(KernelLaunch { name: k.name.clone(), args });
+                let checks_indices = k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].checks_indices());
+                launches.push(KernelLaunch { name: k.name.clone(), args, checks_indices });
             }
         }
         Ok(RenderedKernels { language: "cpp", source, launches })
@@ -58,8 +59,9 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     let mut read: Vec<BufferId> = Vec::new();
     for (pos, kn) in plan.nodes.iter().enumerate() {
         for e in &kn.body.exprs {
-            if let Expr::Load { buf, .. } = e {
-                let from_memory = !matches!(local_kind(pos, *buf), Some(LocalRead::Scalar | LocalRead::Forwarded));
+            if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
+                let direct = matches!(e, Expr::Load { .. });
+                let from_memory = !direct || !matches!(local_kind(pos, *buf), Some(LocalRead::Scalar | LocalRead::Forwarded));
                 if from_memory && !written.contains(buf) && !read.contains(buf) {
                     read.push(*buf);
                 }
@@ -84,7 +86,9 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     let parallel = work >= PARALLEL_THRESHOLD;
     let outer_parallel = parallel && n > 1;
     let mut out = String::new();
-    let _ = writeln!(out, "extern \"C\" void {}({}) {{", k.name, params.join(", "));
+    // kernels return nonzero when a gathered index was out of range (the wrapper raises)
+    let _ = writeln!(out, "extern \"C\" int {}({}) {{", k.name, params.join(", "));
+    out.push_str("  int ferro_err = 0;\n");
     let single_flat = plan.groups.len() == 1 && plan.groups[0].inner.is_empty() && !plan.groups[0].reduction;
     if single_flat {
         if parallel {
@@ -188,8 +192,11 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             out.push_str("        }\n      }\n");
         }
         out.push_str(&indent(&post, 6));
+        for a in accs.iter().filter(|a| a.index_check) {
+            let _ = writeln!(out, "      if ({}) {{\n        #pragma omp atomic write\n        ferro_err = 1;\n      }}", a.name);
+        }
     }
-    out.push_str("  }\n}\n");
+    out.push_str("  }\n  return ferro_err;\n}\n");
     let mut args = read;
     args.extend(written);
     Ok((out, args))

@@ -1,0 +1,189 @@
+//! Gathers: embedding, index_select, gather, advanced indexing (index.Tensor) and constant
+//! padding. The gathered tensor is read through `LoadIndirect` at an address built from indices
+//! loaded in the same body; user indices go through `CheckIndex`, so a bad index is an
+//! IndexError raised by the wrapper, never a read outside the buffer.
+
+use super::pointwise::broadcast_index;
+use super::*;
+
+/// A strided base for indirect loads: (buffer, strides, offset), realizing if needed.
+fn strided_base(cx: &mut Ctx, tv: &TensorValue) -> LResult<(BufferId, Vec<i64>, i64)> {
+    if let Some(s) = tv.strided() {
+        return Ok(s);
+    }
+    let lazy = TensorValue { src: Src::Lazy { f: loader(tv), reads: 1, ops: 0 }, ..tv.clone() };
+    let r = cx.realize(&lazy);
+    r.strided().ok_or((LowerErrorKind::Malformed, "realized value is not strided".to_string()))
+}
+
+fn loader(tv: &TensorValue) -> LoadFn {
+    let t = tv.clone();
+    Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| t.load(bx, idx))
+}
+
+/// Index tensor value at `idx`, checked against `size` (negatives wrap when `wrap`).
+fn checked_index(bx: &mut Bx, index: &TensorValue, idx: &[IndexExpr], size: i64, wrap: bool) -> ValueId {
+    let v = index.load(bx, idx);
+    bx.body.check_index(v, size, wrap)
+}
+
+impl Ctx<'_> {
+    pub(super) fn lower_gather(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let out = self.out_meta()?.clone();
+        let (src, idx_tensors): (TensorValue, Vec<Option<TensorValue>>) = match op {
+            AtenOp::Embedding => (self.tensor_arg(0, "weight")?, vec![Some(self.tensor_arg(1, "indices")?)]),
+            AtenOp::IndexTensor => {
+                let Some(Arg::List(items)) = self.arg(1, "indices") else { return malformed("index takes a list of tensors") };
+                let mut v = Vec::new();
+                for it in items {
+                    v.push(match it {
+                        Arg::Node(n) => Some(self.tensor_of(*n)?),
+                        Arg::None => None,
+                        other => return malformed(format!("index entries must be tensors or None, got {other:?}")),
+                    });
+                }
+                (self.tensor_arg(0, "self")?, v)
+            }
+            _ => (self.tensor_arg(0, "self")?, vec![Some(self.tensor_arg(2, "index")?)]),
+        };
+        for t in idx_tensors.iter().flatten() {
+            if !matches!(t.dtype, DType::I64 | DType::I32) {
+                return unsupported(format!("{} indices", t.dtype)); // bool masks have data-dependent shapes
+            }
+        }
+        let (buf, stride, offset) = strided_base(self, &src)?;
+        let sizes = src.size.clone();
+        let rank = sizes.len();
+        let dt = src.dtype;
+        let f: LoadFn = match op {
+            AtenOp::Embedding => {
+                if rank != 2 {
+                    return malformed("embedding weight must be 2-D");
+                }
+                let ind = idx_tensors[0].clone().ok_or((LowerErrorKind::Malformed, "no indices".to_string()))?;
+                let k = ind.size.len();
+                Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let row = checked_index(bx, &ind, &idx[..k], sizes[0], false);
+                    let base = idx[k].scale(stride[1]).add_const(offset);
+                    bx.body.load_indirect(buf, base, vec![(row, stride[0])], dt)
+                })
+            }
+            AtenOp::IndexSelect | AtenOp::Gather => {
+                let dim = if rank == 0 { 0 } else { norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)? };
+                let ind = idx_tensors[0].clone().ok_or((LowerErrorKind::Malformed, "no index".to_string()))?;
+                if rank == 0 {
+                    return unsupported("gather from a 0-d tensor");
+                }
+                let gather = op == AtenOp::Gather;
+                Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let i = if gather { checked_index(bx, &ind, idx, sizes[dim], false) } else {
+                        let ii = if ind.size.is_empty() { vec![] } else { vec![idx[dim].clone()] };
+                        checked_index(bx, &ind, &ii, sizes[dim], false)
+                    };
+                    let mut base = IndexExpr::constant(offset);
+                    for d in (0..rank).filter(|&d| d != dim) {
+                        base = base.add(&idx[d].scale(stride[d]));
+                    }
+                    bx.body.load_indirect(buf, base, vec![(i, stride[dim])], dt)
+                })
+            }
+            _ => {
+                // advanced indexing: the index tensors broadcast to `b`; their result dims go where
+                // the first indexed dim was if the indexed dims are adjacent, else in front
+                let indexed: Vec<usize> = (0..idx_tensors.len()).filter(|&d| idx_tensors[d].is_some()).collect();
+                if indexed.is_empty() || idx_tensors.len() > rank {
+                    return unsupported("index without index tensors");
+                }
+                let shapes: Vec<&[i64]> = indexed.iter().filter_map(|&d| idx_tensors[d].as_ref().map(|t| t.size.as_slice())).collect();
+                let b = super::pointwise::broadcast_shapes(&shapes)?;
+                let adjacent = indexed.windows(2).all(|w| w[1] == w[0] + 1);
+                let first = if adjacent { indexed[0] } else { 0 };
+                let nb = b.len();
+                let rest: Vec<usize> = (0..rank).filter(|d| !indexed.contains(d)).collect();
+                let tensors = idx_tensors.clone();
+                Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    // output dims: rest dims before `first`, then b, then the other rest dims
+                    let before: Vec<usize> = rest.iter().copied().filter(|&d| d < first).collect();
+                    let bidx = &idx[before.len()..before.len() + nb];
+                    let mut base = IndexExpr::constant(offset);
+                    let mut pos = 0usize;
+                    for &d in &rest {
+                        let o = if pos < before.len() { pos } else { pos + nb };
+                        base = base.add(&idx[o].scale(stride[d]));
+                        pos += 1;
+                    }
+                    let mut terms = Vec::new();
+                    for &d in &indexed {
+                        if let Some(t) = &tensors[d] {
+                            let ti = broadcast_index(&t.size, bidx);
+                            terms.push((checked_index(bx, t, &ti, sizes[d], true), stride[d]));
+                        }
+                    }
+                    bx.body.load_indirect(buf, base, terms, dt)
+                })
+            }
+        };
+        let (reads, ops) = (2, 3);
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } })
+    }
+
+    /// constant_pad_nd: out[i] = in[i - lo] inside the input, `value` outside (negative pads crop).
+    pub(super) fn lower_constant_pad(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let pad = self.ints_arg(1, "pad")?.unwrap_or_default();
+        let value = self.float_arg(2, "value")?.unwrap_or(0.0);
+        let rank = x.size.len();
+        if pad.len() % 2 != 0 || pad.len() / 2 > rank {
+            return malformed(format!("pad {pad:?} for a rank-{rank} tensor"));
+        }
+        // low pad per dim (the list starts from the last dim)
+        let mut lo = vec![0i64; rank];
+        for (k, pair) in pad.chunks(2).enumerate() {
+            lo[rank - 1 - k] = pair[0];
+        }
+        let (buf, stride, offset) = strided_base(self, &x)?;
+        let sizes = x.size.clone();
+        let dt = x.dtype;
+        let padded: Vec<usize> = (0..rank).filter(|&d| lo[d] != 0 || out.shape[d] != sizes[d]).collect();
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let mut base = IndexExpr::constant(offset);
+            let mut terms = Vec::new();
+            let mut inside: Option<ValueId> = None;
+            for d in 0..rank {
+                let src = idx[d].add_const(-lo[d]);
+                if !padded.contains(&d) {
+                    base = base.add(&src.scale(stride[d]));
+                    continue;
+                }
+                // clamp into the input (the value is discarded outside) and remember the bounds test
+                let i = bx.body.index(src, DType::I64);
+                let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+                let top = bx.body.constant(Scalar::Int(sizes[d] - 1), DType::I64);
+                let ge = bx.body.binary(BinaryOp::Ge, i, zero);
+                let le = bx.body.binary(BinaryOp::Le, i, top);
+                let ok = bx.body.binary(BinaryOp::LogicalAnd, ge, le);
+                inside = Some(match inside {
+                    Some(p) => bx.body.binary(BinaryOp::LogicalAnd, p, ok),
+                    None => ok,
+                });
+                let c = bx.body.binary(BinaryOp::Maximum, i, zero);
+                let c = bx.body.binary(BinaryOp::Minimum, c, top);
+                terms.push((c, stride[d]));
+            }
+            let v = if sizes.iter().any(|&s| s == 0) {
+                bx.body.constant(Scalar::Float(value), dt) // nothing to read
+            } else {
+                bx.body.load_indirect(buf, base, terms, dt)
+            };
+            match inside {
+                Some(ok) => {
+                    let pv = bx.body.constant(Scalar::Float(value), dt);
+                    bx.body.where_(ok, v, pv)
+                }
+                None => v,
+            }
+        });
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 6 } })
+    }
+}
