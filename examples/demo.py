@@ -117,7 +117,7 @@ def _without_prelude(lines: list) -> list:
     marker = "KERNEL_SOURCE = r" + "'" * 3
     try:
         start = next(i for i, line in enumerate(lines) if line.startswith(marker))
-        end = next(i for i in range(start, len(lines)) if lines[i].startswith('extern "C" void'))
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith('extern "C" int'))
     except StopIteration:
         return lines
     skipped = f"// ... {end - start} lines of the shared kernel prelude (see the file)"

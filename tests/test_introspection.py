@@ -21,7 +21,7 @@ def test_logs_print_every_requested_stage(monkeypatch, capfd):
         assert f"[ferrocore:{channel}]" in err, channel
     assert "aten._softmax.default" in err  # the imported graph
     assert "Reduction ranges=[8] reduce=[32]" in err  # the loop IR
-    assert 'extern "C" void cpp_red_fused' in err  # the generated kernel
+    assert 'extern "C" int cpp_red_fused' in err  # the generated kernel
     assert "local: " in err  # a fusion decision with its reason
 
 
