@@ -69,3 +69,32 @@ def test_out_of_range_index_raises_instead_of_reading_out_of_bounds():
     except IndexError:
         return
     raise AssertionError("an out-of-range index must raise")
+
+
+def test_reflection_and_replication_pads():
+    x = torch.randn(2, 3, 6, 5)
+    check(lambda t: (F.pad(t[0], (2, 3), mode="reflect"), F.pad(t, (1, 2, 3, 1), mode="reflect")), x)
+    check(lambda t: (F.pad(t, (2, 3, 1, 4), mode="replicate"), F.pad(t[0], (4, 1, 2, 0), mode="replicate")), x)
+    v = torch.randn(2, 3, 4, 5, 6)
+    check(lambda t: (F.pad(t, (1, 2, 2, 1, 1, 1), mode="reflect"), F.pad(t, (1, 0, 0, 2, 3, 1), mode="replicate")), v)
+
+
+def test_select_and_slice_scatter():
+    x = torch.randn(5, 8)
+    row = torch.randn(8)
+    cols = torch.randn(5, 3)
+    check(lambda t, r: torch.select_scatter(t, r, 0, 2) * 2, x, row)
+    check(lambda t, c: torch.slice_scatter(t, c, 1, 1, 8, 3) + 1, x, cols)
+    check(lambda t, c: torch.slice_scatter(t, c[:2], 0, 3), x, torch.randn(2, 8))
+
+
+def test_empty_like_shapes_and_strides():
+    x = torch.randn(3, 4).t()
+    def fn(t):
+        e = torch.empty_like(t)
+        return e.shape, e.stride(), (t + 1)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ferrocore", dynamic=False)(x)
+    want = fn(x)
+    assert got[0] == want[0] and got[1] == want[1]
+    torch.testing.assert_close(got[2], want[2])

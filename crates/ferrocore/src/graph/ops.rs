@@ -201,4 +201,13 @@ aten_ops! {
     Gather => "aten.gather.default", 3..=4;
     IndexTensor => "aten.index.Tensor", 2..=2;
     ConstantPadNd => "aten.constant_pad_nd.default", 2..=3;
+    ReflectionPad1d => "aten.reflection_pad1d.default", 2..=2;
+    ReflectionPad2d => "aten.reflection_pad2d.default", 2..=2;
+    ReflectionPad3d => "aten.reflection_pad3d.default", 2..=2;
+    ReplicationPad2d => "aten.replication_pad2d.default", 2..=2;
+    ReplicationPad3d => "aten.replication_pad3d.default", 2..=2;
+    SelectScatter => "aten.select_scatter.default", 4..=4;
+    SliceScatter => "aten.slice_scatter.default", 2..=6;
+    EmptyMemoryFormat => "aten.empty.memory_format", 1..=1;
+    EmptyStrided => "aten.empty_strided.default", 2..=2;
 }

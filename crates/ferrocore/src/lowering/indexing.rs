@@ -187,3 +187,123 @@ impl Ctx<'_> {
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 6 } })
     }
 }
+
+impl Ctx<'_> {
+    /// reflection_pad{1,2,3}d / replication_pad{2,3}d: the last k dims read the input at a
+    /// reflected or clamped index, always inside it.
+    pub(super) fn lower_edge_pad(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let pad = self.ints_arg(1, "padding")?.unwrap_or_default();
+        let rank = x.size.len();
+        let k = pad.len() / 2;
+        if pad.len() % 2 != 0 || k > rank {
+            return malformed(format!("padding {pad:?} for a rank-{rank} tensor"));
+        }
+        let reflect = matches!(op, AtenOp::ReflectionPad1d | AtenOp::ReflectionPad2d | AtenOp::ReflectionPad3d);
+        let mut lo = vec![0i64; rank];
+        for (j, pair) in pad.chunks(2).enumerate() {
+            lo[rank - 1 - j] = pair[0];
+        }
+        if x.size.iter().any(|&s| s == 0) {
+            return unsupported("edge padding of an empty tensor (ATen raises)");
+        }
+        let (buf, stride, offset) = strided_base(self, &x)?;
+        let sizes = x.size.clone();
+        let dt = x.dtype;
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let mut base = IndexExpr::constant(offset);
+            let mut terms = Vec::new();
+            for d in 0..rank {
+                let src = idx[d].add_const(-lo[d]);
+                if d < rank - k {
+                    base = base.add(&src.scale(stride[d]));
+                    continue;
+                }
+                let n = sizes[d];
+                let i = bx.body.index(src, DType::I64);
+                let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+                let top = bx.body.constant(Scalar::Int(n - 1), DType::I64);
+                let j = if reflect {
+                    // reflect at both edges: |i|, then 2(n-1) - that past the end
+                    let neg = bx.body.unary(UnaryOp::Neg, i);
+                    let a = bx.body.binary(BinaryOp::Maximum, i, neg);
+                    let two_top = bx.body.constant(Scalar::Int(2 * (n - 1)), DType::I64);
+                    let r = bx.body.binary(BinaryOp::Sub, two_top, a);
+                    bx.body.binary(BinaryOp::Minimum, a, r)
+                } else {
+                    i
+                };
+                let c = bx.body.binary(BinaryOp::Maximum, j, zero);
+                let c = bx.body.binary(BinaryOp::Minimum, c, top);
+                terms.push((c, stride[d]));
+            }
+            bx.body.load_indirect(buf, base, terms, dt)
+        });
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 6 } })
+    }
+
+    /// select_scatter / slice_scatter: `src` where the index falls in the selection, else `x`.
+    pub(super) fn lower_scatter_view(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let src = self.tensor_arg(1, "src")?;
+        let out = self.out_meta()?.clone();
+        let rank = x.size.len();
+        let dim = norm_dim(self.int_arg(2, "dim")?.unwrap_or(0), rank)?;
+        let n = x.size[dim];
+        let (start, step, len) = if op == AtenOp::SelectScatter {
+            let mut i = self.int_arg(3, "index")?.unwrap_or(0);
+            if i < 0 {
+                i += n;
+            }
+            (i, 1, 1)
+        } else {
+            let clampi = |v: i64| (if v < 0 { v + n } else { v }).clamp(0, n);
+            let start = clampi(self.int_arg(3, "start")?.unwrap_or(0));
+            let end = clampi(self.int_arg(4, "end")?.unwrap_or(i64::MAX / 2).min(i64::MAX / 2)).max(start);
+            let step = self.int_arg(5, "step")?.unwrap_or(1).max(1);
+            (start, step, if end > start { (end - start - 1) / step + 1 } else { 0 })
+        };
+        if len == 0 {
+            return Ok(x);
+        }
+        let select = op == AtenOp::SelectScatter;
+        let (sbuf, sstride, soff) = strided_base(self, &src)?;
+        let cd = out.dtype;
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let keep = x.load(bx, idx);
+            let keep = bx.body.cast(keep, cd);
+            // position along `dim` inside the slice, clamped so the load stays in `src`
+            let rel = bx.body.index(idx[dim].add_const(-start), DType::I64);
+            let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+            let stepc = bx.body.constant(Scalar::Int(step), DType::I64);
+            let lastc = bx.body.constant(Scalar::Int(len - 1), DType::I64);
+            let q = bx.body.binary(BinaryOp::FloorDiv, rel, stepc);
+            let r = bx.body.binary(BinaryOp::Remainder, rel, stepc);
+            let ge = bx.body.binary(BinaryOp::Ge, rel, zero);
+            let on = bx.body.binary(BinaryOp::Eq, r, zero);
+            let le = bx.body.binary(BinaryOp::Le, q, lastc);
+            let in1 = bx.body.binary(BinaryOp::LogicalAnd, ge, on);
+            let inside = bx.body.binary(BinaryOp::LogicalAnd, in1, le);
+            let c = bx.body.binary(BinaryOp::Maximum, q, zero);
+            let c = bx.body.binary(BinaryOp::Minimum, c, lastc);
+            let mut base = IndexExpr::constant(soff);
+            let mut sd = 0usize;
+            for d in 0..rank {
+                if d == dim {
+                    if !select {
+                        sd += 1; // the sliced dim is indexed through `c`
+                    }
+                    continue;
+                }
+                base = base.add(&idx[d].scale(sstride[sd]));
+                sd += 1;
+            }
+            let terms = if select { vec![] } else { vec![(c, sstride[dim])] };
+            let v = bx.body.load_indirect(sbuf, base, terms, src.dtype);
+            let v = bx.body.cast(v, cd);
+            bx.body.where_(inside, v, keep)
+        });
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 2, ops: 12 } })
+    }
+}

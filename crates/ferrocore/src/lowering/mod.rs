@@ -290,7 +290,7 @@ impl<'g> Ctx<'g> {
             WhereSelf => t(self.lower_where()?),
             Clamp | ClampTensor | ClampMin | ClampMax | Hardtanh => t(self.lower_clamp(op)?),
             ToCopy | Clone | Copy | LiftFreshCopy => t(self.lower_copy(op)?),
-            Full | FullLike | ScalarTensor | FillScalar => t(self.lower_full(op)?),
+            Full | FullLike | ScalarTensor | FillScalar | EmptyMemoryFormat | EmptyStrided => t(self.lower_full(op)?),
             ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
             SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault
             | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
@@ -308,6 +308,10 @@ impl<'g> Ctx<'g> {
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
             Embedding | IndexSelect | Gather | IndexTensor => t(self.lower_gather(op)?),
             ConstantPadNd => t(self.lower_constant_pad()?),
+            ReflectionPad1d | ReflectionPad2d | ReflectionPad3d | ReplicationPad2d | ReplicationPad3d => {
+                t(self.lower_edge_pad(op)?)
+            }
+            SelectScatter | SliceScatter => t(self.lower_scatter_view(op)?),
         })
     }
 
