@@ -98,3 +98,12 @@ def test_empty_like_shapes_and_strides():
     want = fn(x)
     assert got[0] == want[0] and got[1] == want[1]
     torch.testing.assert_close(got[2], want[2])
+
+
+def test_cumsum_and_cumprod():
+    x = torch.randn(6, 9, 5)
+    check(lambda t: (t.cumsum(0), t.cumsum(1) * 2, t.cumsum(-1).sum(-1), (t * 0.5).cumprod(2)), x)
+    i = torch.randint(-3, 4, (4, 7), dtype=torch.int32)
+    check(lambda t: (t.cumsum(1), torch.cumsum(t, 0, dtype=torch.float32)), i)
+    big = torch.randn(3, 40000)
+    check(lambda t: t.cumsum(-1), big, rtol=1e-4, atol=1e-3)

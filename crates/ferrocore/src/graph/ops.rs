@@ -195,6 +195,8 @@ aten_ops! {
     Repeat => "aten.repeat.default", 2..=2;
     AsStrided => "aten.as_strided.default", 3..=4;
     VarDim => "aten.var.dim", 1..=3;
+    Cumsum => "aten.cumsum.default", 2..=2;
+    Cumprod => "aten.cumprod.default", 2..=2;
     // indexing: gathers through indices computed at run time
     Embedding => "aten.embedding.default", 2..=5;
     IndexSelect => "aten.index_select.default", 3..=3;

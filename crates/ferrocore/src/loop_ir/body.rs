@@ -137,6 +137,9 @@ pub enum Expr {
     Reduce(ReduceOp, ValueId),
     /// ArgMax/ArgMin of a value, given the value's reduction index (int64).
     ArgReduce(ReduceOp, ValueId, ValueId),
+    /// The inclusive running combine of its operand along the (single) reduction variable,
+    /// valid inside the loop: the node stores it at every step (cumsum, cumprod).
+    Scan(ReduceOp, ValueId),
     /// A load at `index + Σ coeff·value`, the values being int64 indices computed in the body
     /// (gather, embedding, padding). Each value must come from `CheckIndex` or be in range.
     LoadIndirect { buf: BufferId, index: IndexExpr, terms: Vec<(ValueId, i64)> },
@@ -156,6 +159,7 @@ enum Key {
     Cast(ValueId, DType),
     Reduce(ReduceOp, ValueId),
     ArgReduce(ReduceOp, ValueId, ValueId),
+    Scan(ReduceOp, ValueId),
     LoadIndirect(BufferId, IndexExpr, Vec<(ValueId, i64)>),
     CheckIndex(ValueId, i64, bool),
 }
@@ -261,6 +265,9 @@ impl LoopBody {
         let terms: Vec<(ValueId, i64)> = terms.into_iter().map(|(v, c)| (self.cast(v, DType::I64), c)).collect();
         self.push(Key::LoadIndirect(buf, index.clone(), terms.clone()), Expr::LoadIndirect { buf, index, terms }, dtype)
     }
+    pub fn scan(&mut self, op: ReduceOp, x: ValueId) -> ValueId {
+        self.push(Key::Scan(op, x), Expr::Scan(op, x), self.dtype(x))
+    }
     pub fn check_index(&mut self, value: ValueId, size: i64, wrap: bool) -> ValueId {
         let value = self.cast(value, DType::I64);
         self.push(Key::CheckIndex(value, size, wrap), Expr::CheckIndex { value, size, wrap }, DType::I64)
@@ -283,6 +290,7 @@ impl LoopBody {
                 Expr::Where(c, a, b) => h.where_(&vals[c.0 as usize], &vals[a.0 as usize], &vals[b.0 as usize], dt),
                 Expr::Cast(x) => h.cast(&vals[x.0 as usize], self.dtype(*x), dt),
                 Expr::Reduce(op, x) => h.reduce(*op, &vals[x.0 as usize], dt, ValueId(i as u32)),
+                Expr::Scan(op, x) => h.scan(*op, &vals[x.0 as usize], dt),
                 Expr::ArgReduce(op, x, ix) => h.arg_reduce(*op, &vals[x.0 as usize], &vals[ix.0 as usize], self.dtype(*x)),
                 Expr::LoadIndirect { buf, index, terms } => {
                     let t: Vec<(H::V, i64)> = terms.iter().map(|(v, c)| (vals[v.0 as usize].clone(), *c)).collect();
@@ -311,6 +319,7 @@ pub trait OpsHandler {
     fn cast(&mut self, x: &Self::V, from: DType, to: DType) -> Self::V;
     fn reduce(&mut self, op: ReduceOp, x: &Self::V, dtype: DType, id: ValueId) -> Self::V;
     fn arg_reduce(&mut self, op: ReduceOp, value: &Self::V, index: &Self::V, value_dtype: DType) -> Self::V;
+    fn scan(&mut self, op: ReduceOp, x: &Self::V, dtype: DType) -> Self::V;
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(Self::V, i64)], dtype: DType) -> Self::V;
     fn check_index(&mut self, value: &Self::V, size: i64, wrap: bool) -> Self::V;
     fn store(&mut self, index: &IndexExpr, value: &Self::V, dtype: DType);

@@ -81,6 +81,8 @@ pub struct Buffer {
 pub enum NodeKind {
     Pointwise,
     Reduction,
+    /// Stores a running combine along its one reduction variable at every step.
+    Scan,
 }
 
 /// One computed buffer: `ranges` are the output loop variables `v0..vn`, `reduction_ranges`
@@ -97,7 +99,9 @@ pub struct LoopNode {
 
 impl LoopNode {
     pub fn kind(&self) -> NodeKind {
-        if self.body.exprs.iter().any(|e| matches!(e, Expr::Reduce(..) | Expr::ArgReduce(..))) {
+        if self.body.exprs.iter().any(|e| matches!(e, Expr::Scan(..))) {
+            NodeKind::Scan
+        } else if self.body.exprs.iter().any(|e| matches!(e, Expr::Reduce(..) | Expr::ArgReduce(..))) {
             NodeKind::Reduction
         } else {
             NodeKind::Pointwise

@@ -51,6 +51,9 @@ impl OpsHandler for BodyPrinter<'_> {
     fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
         self.line(dtype, format!("reduce_{}({x})", format!("{op:?}").to_lowercase()))
     }
+    fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
+        self.line(dtype, format!("scan_{}({x})", format!("{op:?}").to_lowercase()))
+    }
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
         let name = self.program.buffer(buf).name.clone();
         let t: Vec<String> = terms.iter().map(|(v, c)| format!(" + {c}*{v}")).collect();
@@ -78,6 +81,7 @@ impl LoopProgram {
         let kind = match n.kind() {
             NodeKind::Pointwise => "Pointwise",
             NodeKind::Reduction => "Reduction",
+            NodeKind::Scan => "Scan",
         };
         let red = if n.reduction_ranges.is_empty() { String::new() } else { format!(" reduce={:?}", n.reduction_ranges) };
         format!(

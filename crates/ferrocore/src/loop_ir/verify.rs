@@ -43,7 +43,7 @@ impl LoopProgram {
                         true
                     }
                     Expr::Constant(_) => true,
-                    Expr::Unary(_, x) | Expr::Cast(x) | Expr::Reduce(_, x) => before(x),
+                    Expr::Unary(_, x) | Expr::Cast(x) | Expr::Reduce(_, x) | Expr::Scan(_, x) => before(x),
                     Expr::Binary(_, a, c) => {
                         if before(a) && before(c) && b.dtype(*a) != b.dtype(*c) {
                             return Err(here(format!("t{i}: binary operands have dtypes {} and {}", b.dtype(*a), b.dtype(*c))));
@@ -65,14 +65,19 @@ impl LoopProgram {
                     return Err(here(format!("t{i} refers to a later expression")));
                 }
             }
-            if n.kind() == NodeKind::Reduction && n.reduction_ranges.is_empty() {
+            if n.kind() != NodeKind::Pointwise && n.reduction_ranges.is_empty() {
                 return Err(here("a reduction without reduction loops".into()));
+            }
+            if n.kind() == NodeKind::Scan && n.reduction_ranges.len() != 1 {
+                return Err(here("a scan runs along exactly one variable".into()));
             }
             let st = b.store.as_ref().ok_or_else(|| here("no store".into()))?;
             if st.value.0 as usize >= b.exprs.len() {
                 return Err(here("store of an undefined value".into()));
             }
-            check_index(&st.index, n.ranges.len(), "store").map_err(here)?;
+            // a scan stores at every step of its scan variable
+            let store_vars = if n.kind() == NodeKind::Scan { nvars } else { n.ranges.len() };
+            check_index(&st.index, store_vars, "store").map_err(here)?;
         }
         for s in &self.steps {
             match s {

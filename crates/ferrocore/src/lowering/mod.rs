@@ -296,6 +296,7 @@ impl<'g> Ctx<'g> {
             | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
             VarCorrection | VarMeanCorrection | VarDim => self.lower_var(op)?,
             Argmax | Argmin | MaxDim | MinDim => self.lower_arg_reduction(op)?,
+            Cumsum | Cumprod => t(self.lower_scan(op)?),
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze

@@ -103,6 +103,39 @@ impl Ctx<'_> {
         self.finish_reduction(r, &out)
     }
 
+    /// cumsum / cumprod: a Scan node along `dim` writing every element of a full-size buffer.
+    pub(super) fn lower_scan(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let rank = x.size.len();
+        let dim = if rank == 0 { None } else { Some(norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?) };
+        let acc = out.dtype.compute();
+        let rop = if op == AtenOp::Cumsum { ReduceOp::Sum } else { ReduceOp::Prod };
+        let kept: Vec<usize> = (0..rank).filter(|&d| Some(d) != dim).collect();
+        let ranges: Vec<i64> = kept.iter().map(|&d| x.size[d]).collect();
+        let reduction_ranges = vec![dim.map_or(1, |d| x.size[d])];
+        let layout = Layout::contiguous(&x.size, acc, out.device.clone());
+        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let mut body = LoopBody::default();
+        {
+            let all: Vec<i64> = ranges.iter().chain(&reduction_ranges).copied().collect();
+            let mut bx = Bx { body: &mut body, ranges: all };
+            let mut full = vec![IndexExpr::zero(); rank];
+            for (i, &d) in kept.iter().enumerate() {
+                full[d] = IndexExpr::var(Var(i as u32));
+            }
+            if let Some(d) = dim {
+                full[d] = IndexExpr::var(Var(kept.len() as u32));
+            }
+            let v = x.load(&mut bx, &full);
+            let v = bx.body.cast(v, acc);
+            let s = bx.body.scan(rop, v);
+            bx.body.set_store(layout.index_of(&full), s);
+        }
+        self.push_node(LoopNode { output: buf, ranges, reduction_ranges, body, origins: vec![self.node_name()] });
+        self.finish_reduction(view_of_layout(buf, &layout), &out)
+    }
+
     /// argmax/argmin (dim optional) and max.dim/min.dim (values and indices).
     pub(super) fn lower_arg_reduction(&mut self, op: AtenOp) -> LResult<Lowered> {
         use AtenOp as A;

@@ -167,6 +167,9 @@ impl KernelPlan {
                 if st != index {
                     return Err(format!("{name} reads {bname} at {index}, which is written at {st}"));
                 }
+                if p.nodes[w.node].kind() == NodeKind::Scan {
+                    return Err(format!("{name} reads scan output {bname}, written step by step"));
+                }
                 let wg = &groups[w.group];
                 let w_red = !p.nodes[w.node].reduction_ranges.is_empty();
                 let kind = if w_red {

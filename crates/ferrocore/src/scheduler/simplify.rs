@@ -36,7 +36,7 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
     }
     let mut new_ranges: Vec<i64> = groups.iter().map(|g| g.iter().map(|&v| sizes[v]).product()).collect();
     // a reduction keeps one (size-1) reduction loop even when all its reduced dims had size 1
-    let keep_unit_reduction = node.kind() == NodeKind::Reduction && !group_is_red.iter().any(|r| *r);
+    let keep_unit_reduction = node.kind() != NodeKind::Pointwise && !group_is_red.iter().any(|r| *r);
     // old var -> expression in new vars
     let mut subst: Vec<Option<IndexExpr>> = vec![Some(IndexExpr::zero()); sizes.len()];
     for (k, g) in groups.iter().enumerate() {

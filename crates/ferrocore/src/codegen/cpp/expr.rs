@@ -85,6 +85,8 @@ pub struct Acc {
     pub value_dtype: Option<DType>,
     /// An "any index out of range" flag rather than a value of the body.
     pub index_check: bool,
+    /// A running scan value: the loop carries a dependence and must stay sequential.
+    pub scan: bool,
 }
 
 impl Acc {
@@ -350,7 +352,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let target = if self.split { format!("{acc}_local") } else { acc.clone() };
         let line = format!("{target} = {};\n", combine(op, dtype, &target, x));
         self.inner.push_str(&line);
-        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false });
+        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false, scan: false });
         self.sections.push(Section::Post);
         self.post_names.push(acc.clone());
         acc
@@ -362,10 +364,17 @@ impl OpsHandler for BodyEmitter<'_> {
         let better = if op == ReduceOp::ArgMax { ">" } else { "<" };
         let nan = if vd.is_float() { format!(" || ({value} != {value} && {t}_v == {t}_v)") } else { String::new() };
         self.inner.push_str(&format!("if (({value} {better} {t}_v){nan}) {{ {t}_v = {value}; {t} = {index}; }}\n"));
-        self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), index_check: false });
+        self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), index_check: false, scan: false });
         self.sections.push(Section::Post);
         self.post_names.push(acc.clone());
         acc
+    }
+
+    fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
+        let acc = self.fresh().replace("tmp", "acc");
+        self.inner.push_str(&format!("{acc} = {};\n", combine(op, dtype, &acc, x)));
+        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false, scan: true });
+        self.emit(dtype, acc, &[x])
     }
 
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
@@ -391,7 +400,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let flag = self.fresh().replace("tmp", "bad");
         let target = if self.split { format!("{flag}_local") } else { flag.clone() };
         self.inner.push_str(&format!("{target} = {target} || ({wrapped} < 0) || ({wrapped} >= {size}LL);\n"));
-        self.accs.push(Acc { name: flag, op: ReduceOp::Any, dtype: DType::Bool, value_dtype: None, index_check: true });
+        self.accs.push(Acc { name: flag, op: ReduceOp::Any, dtype: DType::Bool, value_dtype: None, index_check: true, scan: false });
         // clamped, so that the load stays inside the buffer whatever the input
         let clamped = format!("({wrapped} < 0 ? 0LL : ({wrapped} >= {size}LL ? {}LL : {wrapped}))", size - 1);
         self.emit(DType::I64, clamped, &[&wrapped])

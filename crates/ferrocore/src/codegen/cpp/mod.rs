@@ -107,7 +107,9 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         let mut inner = String::new();
         let mut post = String::new();
         let mut accs: Vec<Acc> = Vec::new();
-        let split = parallel && !outer_parallel && !g.inner.is_empty();
+        // a scan carries a dependence along its loop: that loop never splits across threads
+        let has_scan = g.nodes.iter().any(|&pos| p.nodes[plan.nodes[pos].node].kind() == NodeKind::Scan);
+        let split = parallel && !outer_parallel && !g.inner.is_empty() && !has_scan;
         for &pos in &g.nodes {
             let kn = &plan.nodes[pos];
             let node = &p.nodes[kn.node];
@@ -120,7 +122,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
                 }
             }
             let out_layout = &p.buffer(out_buf).layout;
-            let is_red = !node.reduction_ranges.is_empty();
+            let is_red = node.kind() == NodeKind::Reduction;
             let mut em = BodyEmitter::new(p, &kn.body, &ptr, &replace, &kn.ranges, &mut tmp, split);
             let vals = kn.body.visit(&mut em);
             let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
@@ -173,7 +175,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         let base = if split { 8 } else { 6 };
         for (d, size) in g.inner.iter().enumerate() {
             let pad = " ".repeat(base + 2 * d);
-            let has_arg = accs.iter().any(|a| a.value_dtype.is_some());
+            let has_arg = accs.iter().any(|a| a.value_dtype.is_some() || a.scan);
             if d + 1 == depth && !(split && depth == 1) && !has_arg {
                 let clause = simd_clause(&accs, if split { "_local" } else { "" });
                 let _ = writeln!(out, "{pad}#pragma omp simd{clause}");
@@ -204,7 +206,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
 
 fn simd_clause(accs: &[Acc], suffix: &str) -> String {
     let mut s = String::new();
-    for a in accs {
+    for a in accs.iter().filter(|a| !a.scan) {
         let name = &a.name;
         let op = match (a.op, a.dtype) {
             (ReduceOp::Sum, _) => "+",
