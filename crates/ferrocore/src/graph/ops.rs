@@ -196,6 +196,10 @@ aten_ops! {
     AsStrided => "aten.as_strided.default", 3..=4;
     VarDim => "aten.var.dim", 1..=3;
     Cumsum => "aten.cumsum.default", 2..=2;
+    // random: counter-based streams seeded from torch's default generator
+    Rand => "aten.rand.default", 1..=1;
+    Randn => "aten.randn.default", 1..=1;
+    NativeDropout => "aten.native_dropout.default", 3..=3;
     Cumprod => "aten.cumprod.default", 2..=2;
     // indexing: gathers through indices computed at run time
     Embedding => "aten.embedding.default", 2..=5;

@@ -143,6 +143,9 @@ pub enum Expr {
     /// A load at `index + Σ coeff·value`, the values being int64 indices computed in the body
     /// (gather, embedding, padding). Each value must come from `CheckIndex` or be in range.
     LoadIndirect { buf: BufferId, index: IndexExpr, terms: Vec<(ValueId, i64)> },
+    /// A counter-based random number (Philox 4x32-10) for element `offset` of the stream `seed`:
+    /// uniform in [0, 1) or standard normal, as float32.
+    Random { normal: bool, seed: ValueId, offset: ValueId },
     /// An int64 index into a dim of `size`: negatives wrap when `wrap`; the result is clamped
     /// into range, and an out-of-range input makes the kernel report an error to the wrapper.
     CheckIndex { value: ValueId, size: i64, wrap: bool },
@@ -160,6 +163,7 @@ enum Key {
     Reduce(ReduceOp, ValueId),
     ArgReduce(ReduceOp, ValueId, ValueId),
     Scan(ReduceOp, ValueId),
+    Random(bool, ValueId, ValueId),
     LoadIndirect(BufferId, IndexExpr, Vec<(ValueId, i64)>),
     CheckIndex(ValueId, i64, bool),
 }
@@ -265,6 +269,11 @@ impl LoopBody {
         let terms: Vec<(ValueId, i64)> = terms.into_iter().map(|(v, c)| (self.cast(v, DType::I64), c)).collect();
         self.push(Key::LoadIndirect(buf, index.clone(), terms.clone()), Expr::LoadIndirect { buf, index, terms }, dtype)
     }
+    pub fn random(&mut self, normal: bool, seed: ValueId, offset: ValueId) -> ValueId {
+        let seed = self.cast(seed, DType::I64);
+        let offset = self.cast(offset, DType::I64);
+        self.push(Key::Random(normal, seed, offset), Expr::Random { normal, seed, offset }, DType::F32)
+    }
     pub fn scan(&mut self, op: ReduceOp, x: ValueId) -> ValueId {
         self.push(Key::Scan(op, x), Expr::Scan(op, x), self.dtype(x))
     }
@@ -291,6 +300,7 @@ impl LoopBody {
                 Expr::Cast(x) => h.cast(&vals[x.0 as usize], self.dtype(*x), dt),
                 Expr::Reduce(op, x) => h.reduce(*op, &vals[x.0 as usize], dt, ValueId(i as u32)),
                 Expr::Scan(op, x) => h.scan(*op, &vals[x.0 as usize], dt),
+                Expr::Random { normal, seed, offset } => h.random(*normal, &vals[seed.0 as usize], &vals[offset.0 as usize]),
                 Expr::ArgReduce(op, x, ix) => h.arg_reduce(*op, &vals[x.0 as usize], &vals[ix.0 as usize], self.dtype(*x)),
                 Expr::LoadIndirect { buf, index, terms } => {
                     let t: Vec<(H::V, i64)> = terms.iter().map(|(v, c)| (vals[v.0 as usize].clone(), *c)).collect();
@@ -320,6 +330,7 @@ pub trait OpsHandler {
     fn reduce(&mut self, op: ReduceOp, x: &Self::V, dtype: DType, id: ValueId) -> Self::V;
     fn arg_reduce(&mut self, op: ReduceOp, value: &Self::V, index: &Self::V, value_dtype: DType) -> Self::V;
     fn scan(&mut self, op: ReduceOp, x: &Self::V, dtype: DType) -> Self::V;
+    fn random(&mut self, normal: bool, seed: &Self::V, offset: &Self::V) -> Self::V;
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(Self::V, i64)], dtype: DType) -> Self::V;
     fn check_index(&mut self, value: &Self::V, size: i64, wrap: bool) -> Self::V;
     fn store(&mut self, index: &IndexExpr, value: &Self::V, dtype: DType);

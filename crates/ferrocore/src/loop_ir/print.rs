@@ -51,6 +51,10 @@ impl OpsHandler for BodyPrinter<'_> {
     fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
         self.line(dtype, format!("reduce_{}({x})", format!("{op:?}").to_lowercase()))
     }
+    fn random(&mut self, normal: bool, seed: &String, offset: &String) -> String {
+        let f = if normal { "randn" } else { "rand" };
+        self.line(DType::F32, format!("{f}({seed}, {offset})"))
+    }
     fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
         self.line(dtype, format!("scan_{}({x})", format!("{op:?}").to_lowercase()))
     }

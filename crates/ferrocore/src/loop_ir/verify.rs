@@ -60,6 +60,7 @@ impl LoopProgram {
                         terms.iter().all(|(v, _)| before(v) && b.dtype(*v) == DType::I64)
                     }
                     Expr::CheckIndex { value, size, .. } => before(value) && *size > 0,
+                    Expr::Random { seed, offset, .. } => before(seed) && before(offset),
                 };
                 if !ok {
                     return Err(here(format!("t{i} refers to a later expression")));

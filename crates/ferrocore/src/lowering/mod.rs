@@ -7,6 +7,7 @@
 mod creation;
 mod externs;
 mod indexing;
+mod random;
 mod pointwise;
 mod reduction;
 mod views;
@@ -297,6 +298,8 @@ impl<'g> Ctx<'g> {
             VarCorrection | VarMeanCorrection | VarDim => self.lower_var(op)?,
             Argmax | Argmin | MaxDim | MinDim => self.lower_arg_reduction(op)?,
             Cumsum | Cumprod => t(self.lower_scan(op)?),
+            Rand | Randn => t(self.lower_random(op)?),
+            NativeDropout => self.lower_dropout()?,
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze

@@ -370,6 +370,11 @@ impl OpsHandler for BodyEmitter<'_> {
         acc
     }
 
+    fn random(&mut self, normal: bool, seed: &String, offset: &String) -> String {
+        let f = if normal { "ferro_randn" } else { "ferro_rand" };
+        self.emit(DType::F32, format!("{f}(static_cast<uint64_t>({seed}), static_cast<uint64_t>({offset}))"), &[seed, offset])
+    }
+
     fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
         let acc = self.fresh().replace("tmp", "acc");
         self.inner.push_str(&format!("{acc} = {};\n", combine(op, dtype, &acc, x)));

@@ -139,3 +139,36 @@ template <typename T> static inline T ferro_floordiv_f(T a, T b) {
   T fq = std::floor(q);
   return (q - fq > T(0.5)) ? fq + T(1) : fq;
 }
+// Philox 4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"): a counter-based
+// generator, so element i of a stream is a pure function of (seed, i) and any loop order or
+// thread split gives the same numbers.
+static inline void ferro_philox(uint64_t seed, uint64_t offset, uint32_t out[4]) {
+  uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32);
+  uint32_t c0 = (uint32_t)offset, c1 = (uint32_t)(offset >> 32), c2 = 0, c3 = 0;
+  for (int round = 0; round < 10; ++round) {
+    uint64_t p0 = (uint64_t)0xD2511F53u * c0;
+    uint64_t p1 = (uint64_t)0xCD9E8D57u * c2;
+    uint32_t n0 = (uint32_t)(p1 >> 32) ^ c1 ^ k0;
+    uint32_t n2 = (uint32_t)(p0 >> 32) ^ c3 ^ k1;
+    c1 = (uint32_t)p1;
+    c3 = (uint32_t)p0;
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  out[0] = c0; out[1] = c1; out[2] = c2; out[3] = c3;
+}
+static inline float ferro_rand(uint64_t seed, uint64_t offset) {
+  uint32_t r[4];
+  ferro_philox(seed, offset, r);
+  return (float)(r[0] >> 8) * (1.0f / 16777216.0f);  // 24 random bits: [0, 1)
+}
+static inline float ferro_randn(uint64_t seed, uint64_t offset) {
+  uint32_t r[4];
+  ferro_philox(seed, offset, r);
+  // Box-Muller on two 32-bit draws; u1 in (0, 1] keeps the log finite
+  double u1 = ((double)r[0] + 1.0) * (1.0 / 4294967296.0);
+  double u2 = (double)r[1] * (1.0 / 4294967296.0);
+  return (float)(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+}

@@ -1,0 +1,129 @@
+//! Random tensors: rand, randn and native_dropout. Each op draws one 64-bit seed from torch's
+//! default generator in the wrapper (an extern `torch.randint` call, so `torch.manual_seed`
+//! makes runs reproducible) and its kernel computes element i as Philox(seed, i).
+
+use super::*;
+
+impl Ctx<'_> {
+    /// A 0-d int64 buffer holding a fresh seed, drawn when the wrapper runs.
+    fn seed_buffer(&mut self) -> BufferId {
+        let call = self.prog.externs.len();
+        let layout = Layout { size: vec![], stride: vec![], offset: 0, dtype: DType::I64, device: Device::Cpu };
+        let buf = self.prog.add_buffer(layout, BufferSource::Extern { call, item: None });
+        let lit = |s: &str| ExternArg::Literal(s.to_string());
+        self.prog.externs.push(ExternCall {
+            callee: "torch.randint".into(),
+            args: vec![lit("-9223372036854775808"), lit("9223372036854775807"), lit("()")],
+            kwargs: vec![("dtype".into(), lit("torch.int64"))],
+            outputs: vec![buf],
+            fallback: false,
+            origin: self.node_name(),
+            reason: None,
+        });
+        self.prog.steps.push(Step::Extern(call));
+        buf
+    }
+
+    /// Uniform [0, 1) or standard-normal values over `size`, one stream element per element.
+    fn random_values(&mut self, size: &[i64], normal: bool) -> TensorValue {
+        let seed = self.seed_buffer();
+        let strides = contiguous_strides(size);
+        TensorValue {
+            size: size.to_vec(),
+            dtype: DType::F32,
+            device: Device::Cpu,
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let s = bx.body.load(seed, IndexExpr::zero(), DType::I64);
+                    let mut flat = IndexExpr::zero();
+                    for (i, st) in idx.iter().zip(&strides) {
+                        flat = flat.add(&i.scale(*st));
+                    }
+                    let o = bx.body.index(flat, DType::I64);
+                    bx.body.random(normal, s, o)
+                }),
+                reads: 1,
+                ops: 30,
+            },
+        }
+    }
+
+    pub(super) fn lower_random(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let out = self.out_meta()?.clone();
+        if !out.dtype.is_float() {
+            return unsupported(format!("random {} values", out.dtype));
+        }
+        if self.arg(usize::MAX, "generator").is_some_and(|g| *g != Arg::None) {
+            return unsupported("an explicit generator");
+        }
+        let r = self.random_values(&out.shape, op == AtenOp::Randn);
+        let dt = out.dtype;
+        let f = match r.src {
+            Src::Lazy { f, .. } => f,
+            Src::View { .. } => return malformed("random values must be lazy"),
+        };
+        Ok(TensorValue {
+            size: out.shape.clone(),
+            dtype: dt,
+            device: out.device.clone(),
+            src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                let v = f(bx, idx);
+                bx.body.cast(v, dt)
+            }), reads: 1, ops: 31 },
+        })
+    }
+
+    /// native_dropout(x, p, train) -> (x·keep/(1-p), keep) with keep = rand >= p.
+    pub(super) fn lower_dropout(&mut self) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "input")?;
+        let p = self.float_arg(1, "p")?.unwrap_or(0.5);
+        let train = self.bool_arg(2, "train", true)?;
+        if !train {
+            return unsupported("native_dropout with train=False");
+        }
+        if !x.dtype.is_float() {
+            return unsupported("dropout of a non-float tensor");
+        }
+        let r = self.random_values(&x.size, false);
+        let cd = x.dtype.compute();
+        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
+        let keep = {
+            let r = r.clone();
+            TensorValue {
+                size: x.size.clone(),
+                dtype: DType::Bool,
+                device: x.device.clone(),
+                src: Src::Lazy {
+                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                        let u = r.load(bx, idx);
+                        let pc = bx.body.constant(Scalar::Float(p), DType::F32);
+                        bx.body.binary(BinaryOp::Ge, u, pc)
+                    }),
+                    reads: 1,
+                    ops: 32,
+                },
+            }
+        };
+        let (k2, xs) = (keep.clone(), x.clone());
+        let out = TensorValue {
+            size: x.size.clone(),
+            dtype: x.dtype,
+            device: x.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let k = k2.load(bx, idx);
+                    let v = xs.load(bx, idx);
+                    let v = bx.body.cast(v, cd);
+                    let s = bx.body.constant(Scalar::Float(scale), cd);
+                    let z = bx.body.constant(Scalar::Float(0.0), cd);
+                    let kept = bx.body.binary(BinaryOp::Mul, v, s);
+                    let r = bx.body.where_(k, kept, z);
+                    bx.body.cast(r, xs.dtype)
+                }),
+                reads: 2,
+                ops: 36,
+            },
+        };
+        Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(out)), Some(Lowered::Tensor(keep))]))
+    }
+}

@@ -1,0 +1,41 @@
+"""Random ops: checked by distribution and by reproducibility under torch.manual_seed."""
+
+import torch
+import torch.nn.functional as F
+
+import ferrocore
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="ferrocore", dynamic=False)
+
+
+def test_rand_and_randn_distributions_and_seeding():
+    fn = _compiled(lambda x: (torch.rand(256, 512) + x, torch.randn(300, 300, dtype=torch.float64) * 2))
+    x = torch.zeros(256, 512)
+    torch.manual_seed(7)
+    u, n = fn(x)
+    assert ferrocore.metrics.last["fallbacks"] == 0 and not ferrocore.metrics.last["graph_fallback"]
+    assert u.dtype == torch.float32 and n.dtype == torch.float64 and u.shape == (256, 512)
+    assert 0.0 <= u.min() and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.std().item() - 12 ** -0.5) < 0.01
+    assert abs(n.mean().item()) < 0.03 and abs(n.std().item() - 2.0) < 0.03
+    torch.manual_seed(7)
+    u2, n2 = fn(x)
+    assert torch.equal(u, u2) and torch.equal(n, n2)  # same seed, same numbers
+    u3, _ = fn(x)
+    assert not torch.equal(u, u3)  # the generator advanced
+
+
+def test_dropout_mask_and_scaling():
+    fn = _compiled(lambda x: F.dropout(x * 1, p=0.3, training=True))
+    x = torch.randn(400, 500)
+    torch.manual_seed(3)
+    y = fn(x)
+    assert ferrocore.metrics.last["fallbacks"] == 0
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.01
+    torch.testing.assert_close(y[kept], (x / 0.7)[kept])
+    torch.manual_seed(3)
+    assert torch.equal(fn(x), y)
