@@ -107,3 +107,28 @@ def test_cumsum_and_cumprod():
     check(lambda t: (t.cumsum(1), torch.cumsum(t, 0, dtype=torch.float32)), i)
     big = torch.randn(3, 40000)
     check(lambda t: t.cumsum(-1), big, rtol=1e-4, atol=1e-3)
+
+
+def test_batch_norm_eval_and_training_without_running_stats():
+    bn = torch.nn.BatchNorm2d(4).eval()
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(4))
+        bn.running_var.copy_(torch.rand(4) + 0.5)
+        bn.weight.copy_(torch.randn(4))
+    x = torch.randn(3, 4, 5, 6)
+    with torch.no_grad():
+        check(lambda t: bn(t) * 2, x)
+    check(lambda t: F.batch_norm(t, None, None, training=True), x, rtol=1e-4, atol=1e-4)
+
+
+def test_group_norm():
+    x = torch.randn(2, 6, 4, 5)
+    w, b = torch.randn(6), torch.randn(6)
+    check(lambda t, a, c: F.group_norm(t, 3, a, c), x, w, b, rtol=1e-4, atol=1e-4)
+    check(lambda t: F.group_norm(t, 2), x, rtol=1e-4, atol=1e-4)
+
+
+def test_upsample_nearest():
+    x = torch.randn(2, 3, 5, 7)
+    check(lambda t: (F.interpolate(t, scale_factor=2, mode="nearest"), F.interpolate(t, size=(8, 3), mode="nearest")), x)
+    check(lambda t: F.interpolate(t, scale_factor=1.7, mode="nearest"), x)

@@ -154,6 +154,10 @@ aten_ops! {
     Softmax => "aten._softmax.default", 3..=3;
     LogSoftmax => "aten._log_softmax.default", 3..=3;
     NativeLayerNorm => "aten.native_layer_norm.default", 5..=5;
+    BatchNormNoTraining => "aten._native_batch_norm_legit_no_training.default", 7..=7;
+    BatchNormNoStats => "aten._native_batch_norm_legit.no_stats", 6..=6;
+    NativeGroupNorm => "aten.native_group_norm.default", 8..=8;
+    UpsampleNearest2d => "aten.upsample_nearest2d.vec", 2..=3;
     // views
     View => "aten.view.default", 2..=2;
     UnsafeView => "aten._unsafe_view.default", 2..=2;

@@ -307,3 +307,60 @@ impl Ctx<'_> {
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 2, ops: 12 } })
     }
 }
+
+impl Ctx<'_> {
+    /// upsample_nearest2d: src = min(floor(dst · scale), in − 1) in float32, as ATen computes it.
+    pub(super) fn lower_upsample_nearest(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "input")?;
+        let out = self.out_meta()?.clone();
+        let rank = x.size.len();
+        if rank != 4 || out.shape.len() != 4 {
+            return malformed("upsample_nearest2d takes a 4-D input");
+        }
+        let factors = match self.arg(2, "scale_factors") {
+            Some(Arg::List(items)) => items
+                .iter()
+                .map(|a| match a {
+                    Arg::Float(f) => Ok(Some(*f)),
+                    Arg::Int(i) => Ok(Some(*i as f64)),
+                    _ => malformed("scale factors must be numbers"),
+                })
+                .collect::<LResult<Vec<_>>>()?,
+            _ => vec![None, None],
+        };
+        let (buf, stride, offset) = strided_base(self, &x)?;
+        let ins = x.size.clone();
+        let outs = out.shape.clone();
+        let scales: Vec<f32> = (0..2)
+            .map(|k| match factors.get(k).copied().flatten() {
+                Some(f) if f > 0.0 => (1.0 / f) as f32,
+                _ => ins[2 + k] as f32 / outs[2 + k] as f32,
+            })
+            .collect();
+        let dt = x.dtype;
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let mut base = IndexExpr::constant(offset).add(&idx[0].scale(stride[0])).add(&idx[1].scale(stride[1]));
+            let mut terms = Vec::new();
+            for k in 0..2 {
+                let d = 2 + k;
+                if outs[d] == ins[d] {
+                    base = base.add(&idx[d].scale(stride[d]));
+                    continue;
+                }
+                let o = bx.body.index(idx[d].clone(), DType::I64);
+                let of = bx.body.cast(o, DType::F32);
+                let s = bx.body.constant(Scalar::Float(scales[k] as f64), DType::F32);
+                let p = bx.body.binary(BinaryOp::Mul, of, s);
+                let fl = bx.body.unary(UnaryOp::Floor, p);
+                let i = bx.body.cast(fl, DType::I64);
+                let top = bx.body.constant(Scalar::Int(ins[d] - 1), DType::I64);
+                let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+                let c = bx.body.binary(BinaryOp::Minimum, i, top);
+                let c = bx.body.binary(BinaryOp::Maximum, c, zero);
+                terms.push((c, stride[d]));
+            }
+            bx.body.load_indirect(buf, base, terms, dt)
+        });
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 8 } })
+    }
+}

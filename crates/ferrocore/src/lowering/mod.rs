@@ -302,6 +302,9 @@ impl<'g> Ctx<'g> {
             NativeDropout => self.lower_dropout()?,
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
+            BatchNormNoTraining | BatchNormNoStats => self.lower_batch_norm(op)?,
+            NativeGroupNorm => self.lower_group_norm()?,
+            UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,

@@ -405,3 +405,191 @@ impl Ctx<'_> {
 fn promote(a: DType, b: DType) -> DType {
     crate::graph::promote_types(a, b)
 }
+
+impl Ctx<'_> {
+    fn opt_tensor(&self, i: usize, key: &str) -> LResult<Option<TensorValue>> {
+        match self.arg(i, key) {
+            Some(Arg::Node(n)) => Ok(Some(self.tensor_of(*n)?)),
+            None | Some(Arg::None) => Ok(None),
+            other => malformed(format!("argument {i} ({key}) must be a tensor or None, got {other:?}")),
+        }
+    }
+
+    fn tuple_metas(&self) -> LResult<Vec<TensorMeta>> {
+        match self.meta() {
+            Meta::Tuple(items) => Ok(items.iter().filter_map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect()),
+            _ => malformed("expected a tuple result"),
+        }
+    }
+
+    /// (x - mean[c]) * rstd[c] * w[c] + b[c] with c = dim 1, lazily.
+    fn normalize_channels(
+        x: &TensorValue,
+        mean: TensorValue,
+        rstd: TensorValue,
+        w: Option<TensorValue>,
+        b: Option<TensorValue>,
+        out: &TensorMeta,
+        acc: DType,
+    ) -> TensorValue {
+        let xs = x.clone();
+        let dt = out.dtype;
+        TensorValue {
+            size: x.size.clone(),
+            dtype: dt,
+            device: out.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let c = std::slice::from_ref(&idx[1]);
+                    let v = xs.load(bx, idx);
+                    let v = bx.body.cast(v, acc);
+                    let m = mean.load(bx, c);
+                    let m = bx.body.cast(m, acc);
+                    let r = rstd.load(bx, c);
+                    let r = bx.body.cast(r, acc);
+                    let d = bx.body.binary(BinaryOp::Sub, v, m);
+                    let mut y = bx.body.binary(BinaryOp::Mul, d, r);
+                    if let Some(w) = &w {
+                        let wv = w.load(bx, c);
+                        let wv = bx.body.cast(wv, acc);
+                        y = bx.body.binary(BinaryOp::Mul, y, wv);
+                    }
+                    if let Some(b) = &b {
+                        let bv = b.load(bx, c);
+                        let bv = bx.body.cast(bv, acc);
+                        y = bx.body.binary(BinaryOp::Add, y, bv);
+                    }
+                    bx.body.cast(y, dt)
+                }),
+                reads: 5,
+                ops: 8,
+            },
+        }
+    }
+
+    /// Batch norm in eval mode (running statistics) or training without running statistics.
+    pub(super) fn lower_batch_norm(&mut self, op: AtenOp) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "input")?;
+        let w = self.opt_tensor(1, "weight")?;
+        let b = self.opt_tensor(2, "bias")?;
+        let metas = self.tuple_metas()?;
+        let (Some(out), Some(m1), Some(m2)) = (metas.first(), metas.get(1), metas.get(2)) else {
+            return malformed("batch norm returns three tensors");
+        };
+        if x.size.len() < 2 {
+            return malformed("batch norm input needs a channel dim");
+        }
+        let acc = out.dtype.compute();
+        let eps = self.float_arg(if op == AtenOp::BatchNormNoTraining { 6 } else { 5 }, "eps")?.unwrap_or(1e-5);
+        let device = x.device.clone();
+        let rstd_of = |var: TensorValue| -> TensorValue {
+            let size = var.size.clone();
+            super::pointwise::pointwise(vec![super::pointwise::PwIn::Tensor(var)], size, acc, device.clone(), acc, move |bx, v| {
+                let v = bx.body.cast(v[0], acc);
+                let e = bx.body.constant(Scalar::Float(eps), acc);
+                let s = bx.body.binary(BinaryOp::Add, v, e);
+                bx.body.unary(UnaryOp::Rsqrt, s)
+            })
+        };
+        if op == AtenOp::BatchNormNoTraining {
+            let mean = self.tensor_arg(3, "running_mean")?;
+            let var = self.tensor_arg(4, "running_var")?;
+            let rstd = rstd_of(var);
+            let y = Self::normalize_channels(&x, mean, rstd, w, b, out, acc);
+            // save_mean / save_rstd are empty in eval mode
+            let empty = |m: &TensorMeta| self.empty_like_meta(m);
+            return Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(empty(m1))), Some(Lowered::Tensor(empty(m2)))]));
+        }
+        let dims: Vec<usize> = (0..x.size.len()).filter(|&d| d != 1).collect();
+        let (mean, var) = self.variance(&x, &dims, acc, 0.0);
+        let rstd = rstd_of(var);
+        let y = Self::normalize_channels(&x, mean.clone(), rstd.clone(), w, b, out, acc);
+        let m = self.finish_reduction(mean, m1)?;
+        let r = self.finish_reduction(rstd, m2)?;
+        Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(m)), Some(Lowered::Tensor(r))]))
+    }
+
+    fn empty_like_meta(&self, m: &TensorMeta) -> TensorValue {
+        let dt = m.dtype;
+        TensorValue {
+            size: m.shape.clone(),
+            dtype: dt,
+            device: m.device.clone(),
+            src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _: &[IndexExpr]| bx.body.constant(Scalar::Int(0), dt)), reads: 0, ops: 1 },
+        }
+    }
+
+    /// native_group_norm: statistics per (sample, group) over the group's channels and space.
+    pub(super) fn lower_group_norm(&mut self) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "input")?;
+        let w = self.opt_tensor(1, "weight")?;
+        let b = self.opt_tensor(2, "bias")?;
+        let n = self.int_arg(3, "N")?.unwrap_or(0);
+        let c = self.int_arg(4, "C")?.unwrap_or(0);
+        let hw = self.int_arg(5, "HxW")?.unwrap_or(0);
+        let g = self.int_arg(6, "group")?.unwrap_or(1);
+        let eps = self.float_arg(7, "eps")?.unwrap_or(1e-5);
+        let metas = self.tuple_metas()?;
+        let (Some(out), Some(m1), Some(m2)) = (metas.first().cloned(), metas.get(1).cloned(), metas.get(2).cloned()) else {
+            return malformed("group norm returns three tensors");
+        };
+        if g <= 0 || c % g != 0 || n * c * hw != x.numel() || n * c * hw == 0 {
+            return unsupported("group norm with these sizes");
+        }
+        let acc = out.dtype.compute();
+        let grouped = super::views::reshape(&x, vec![n, g, (c / g) * hw])?;
+        let (mean, var) = self.variance(&grouped, &[2], acc, 0.0);
+        let (vm, mm) = (var.clone(), mean.clone());
+        let rstd = TensorValue {
+            size: vec![n, g],
+            dtype: acc,
+            device: Device::Cpu,
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let v = vm.load(bx, idx);
+                    let e = bx.body.constant(Scalar::Float(eps), acc);
+                    let s = bx.body.binary(BinaryOp::Add, v, e);
+                    bx.body.unary(UnaryOp::Rsqrt, s)
+                }),
+                reads: 1,
+                ops: 3,
+            },
+        };
+        let (xs, rs, dt) = (x.clone(), rstd.clone(), out.dtype);
+        let cpg = c / g;
+        let y = TensorValue {
+            size: x.size.clone(),
+            dtype: dt,
+            device: out.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let ch = idx[1].clone();
+                    let r = bx.ranges.clone();
+                    let grp = [idx[0].clone(), ch.floordiv(cpg, &r)];
+                    let v = xs.load(bx, idx);
+                    let v = bx.body.cast(v, acc);
+                    let m = mm.load(bx, &grp);
+                    let s = rs.load(bx, &grp);
+                    let d = bx.body.binary(BinaryOp::Sub, v, m);
+                    let mut o = bx.body.binary(BinaryOp::Mul, d, s);
+                    if let Some(w) = &w {
+                        let wv = w.load(bx, std::slice::from_ref(&ch));
+                        let wv = bx.body.cast(wv, acc);
+                        o = bx.body.binary(BinaryOp::Mul, o, wv);
+                    }
+                    if let Some(b) = &b {
+                        let bv = b.load(bx, std::slice::from_ref(&ch));
+                        let bv = bx.body.cast(bv, acc);
+                        o = bx.body.binary(BinaryOp::Add, o, bv);
+                    }
+                    bx.body.cast(o, dt)
+                }),
+                reads: 5,
+                ops: 8,
+            },
+        };
+        let m = self.finish_reduction(mean, &m1)?;
+        let r = self.finish_reduction(rstd, &m2)?;
+        Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(m)), Some(Lowered::Tensor(r))]))
+    }
+}
