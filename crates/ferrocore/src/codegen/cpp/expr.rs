@@ -6,8 +6,11 @@ use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Printer, Var};
 use std::collections::HashMap;
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+/// Where a value is computed: before the group's loops (it depends on `x0` at most), inside
+/// them, or after them (it depends on a reduction result).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
 pub enum Section {
+    Pre,
     Inner,
     Post,
 }
@@ -144,13 +147,12 @@ pub fn combine(op: ReduceOp, dt: DType, acc: &str, v: &str) -> String {
 pub struct BodyEmitter<'a> {
     program: &'a LoopProgram,
     ptr: &'a HashMap<BufferId, String>,
-    replace: &'a HashMap<BufferId, String>,
+    replace: &'a HashMap<BufferId, (String, Section)>,
     ranges: &'a [i64],
     tmp: &'a mut usize,
     /// Accumulate into thread-local copies (`<acc>_local`) of the accumulators.
     split: bool,
-    sections: Vec<Section>,
-    post_names: Vec<String>,
+    sections: HashMap<String, Section>,
     pub pre: String,
     pub inner: String,
     pub post: String,
@@ -162,7 +164,7 @@ impl<'a> BodyEmitter<'a> {
         program: &'a LoopProgram,
         _body: &LoopBody,
         ptr: &'a HashMap<BufferId, String>,
-        replace: &'a HashMap<BufferId, String>,
+        replace: &'a HashMap<BufferId, (String, Section)>,
         ranges: &'a [i64],
         tmp: &'a mut usize,
         split: bool,
@@ -174,8 +176,7 @@ impl<'a> BodyEmitter<'a> {
             ranges,
             tmp,
             split,
-            sections: Vec::new(),
-            post_names: Vec::new(),
+            sections: HashMap::new(),
             pre: String::new(),
             inner: String::new(),
             post: String::new(),
@@ -183,8 +184,17 @@ impl<'a> BodyEmitter<'a> {
         }
     }
 
-    pub fn section_of(&self, v: ValueId) -> Section {
-        self.sections[v.0 as usize]
+    /// The section of a value this emitter returned (names it did not make were computed
+    /// before this group: scalar locals of earlier groups).
+    pub fn section_of(&self, name: &str) -> Section {
+        self.sections.get(name).copied().unwrap_or(Section::Pre)
+    }
+
+    /// Inner when the index uses an inner loop variable, else computable before the loops.
+    fn index_section(e: &IndexExpr) -> Section {
+        let mut vs = Vec::new();
+        e.vars(&mut vs);
+        if vs.iter().any(|v| v.0 != 0) { Section::Inner } else { Section::Pre }
     }
 
     pub fn index(&self, e: &IndexExpr) -> String {
@@ -198,24 +208,22 @@ impl<'a> BodyEmitter<'a> {
         n
     }
 
-    /// Emits `T tmpN = expr;` in the section given by the operands and returns `tmpN`.
-    fn emit(&mut self, dt: DType, expr: String, operands: &[&String]) -> String {
-        let post = operands.iter().any(|o| self.is_post(o));
+    /// Emits `T tmpN = expr;` in the latest section of `at_least` and the operands' sections.
+    fn emit_in(&mut self, at_least: Section, dt: DType, expr: String, operands: &[&String]) -> String {
+        let section = operands.iter().map(|o| self.section_of(o)).fold(at_least, Section::max);
         let name = self.fresh();
         let line = format!("{} {name} = {expr};\n", c_type(dt));
-        if post {
-            self.post.push_str(&line);
-            self.sections.push(Section::Post);
-            self.post_names.push(name.clone());
-        } else {
-            self.inner.push_str(&line);
-            self.sections.push(Section::Inner);
+        match section {
+            Section::Pre => self.pre.push_str(&line),
+            Section::Inner => self.inner.push_str(&line),
+            Section::Post => self.post.push_str(&line),
         }
+        self.sections.insert(name.clone(), section);
         name
     }
 
-    fn is_post(&self, name: &str) -> bool {
-        self.post_names.iter().any(|n| n == name)
+    fn emit(&mut self, dt: DType, expr: String, operands: &[&String]) -> String {
+        self.emit_in(Section::Pre, dt, expr, operands)
     }
 }
 
@@ -223,8 +231,9 @@ impl OpsHandler for BodyEmitter<'_> {
     type V = String;
 
     fn load(&mut self, buf: BufferId, index: &IndexExpr, dtype: DType) -> String {
-        if let Some(name) = self.replace.get(&buf) {
-            self.sections.push(Section::Inner);
+        if let Some((name, section)) = self.replace.get(&buf) {
+            // a scalar of an earlier group (Pre) or a value computed in this loop (Inner)
+            self.sections.insert(name.clone(), *section);
             return name.clone();
         }
         let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
@@ -235,7 +244,7 @@ impl OpsHandler for BodyEmitter<'_> {
             DType::Bool => format!("({raw} != 0)"),
             _ => raw,
         };
-        self.emit(dtype, e, &[])
+        self.emit_in(Self::index_section(index), dtype, e, &[])
     }
 
     fn constant(&mut self, value: Scalar, dtype: DType) -> String {
@@ -244,16 +253,12 @@ impl OpsHandler for BodyEmitter<'_> {
             Scalar::Int(i) => format!("static_cast<{}>({i}LL)", c_type(dtype)),
             Scalar::Float(f) => float_lit(f, dtype),
         };
-        // loop-invariant and used both inside and after the loops: declare before them
-        let name = self.fresh();
-        self.pre.push_str(&format!("const {} {name} = {e};\n", c_type(dtype)));
-        self.sections.push(Section::Inner);
-        name
+        self.emit(dtype, e, &[])
     }
 
     fn index_expr(&mut self, e: &IndexExpr, dtype: DType) -> String {
         let ix = self.index(e);
-        self.emit(dtype, format!("static_cast<{}>({ix})", c_type(dtype)), &[])
+        self.emit_in(Self::index_section(e), dtype, format!("static_cast<{}>({ix})", c_type(dtype)), &[])
     }
 
     fn unary(&mut self, op: UnaryOp, x: &String, xd: DType, dtype: DType) -> String {
@@ -353,8 +358,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let line = format!("{target} = {};\n", combine(op, dtype, &target, x));
         self.inner.push_str(&line);
         self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false, scan: false });
-        self.sections.push(Section::Post);
-        self.post_names.push(acc.clone());
+        self.sections.insert(acc.clone(), Section::Post);
         acc
     }
 
@@ -365,8 +369,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let nan = if vd.is_float() { format!(" || ({value} != {value} && {t}_v == {t}_v)") } else { String::new() };
         self.inner.push_str(&format!("if (({value} {better} {t}_v){nan}) {{ {t}_v = {value}; {t} = {index}; }}\n"));
         self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), index_check: false, scan: false });
-        self.sections.push(Section::Post);
-        self.post_names.push(acc.clone());
+        self.sections.insert(acc.clone(), Section::Post);
         acc
     }
 
@@ -379,7 +382,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let acc = self.fresh().replace("tmp", "acc");
         self.inner.push_str(&format!("{acc} = {};\n", combine(op, dtype, &acc, x)));
         self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false, scan: true });
-        self.emit(dtype, acc, &[x])
+        self.emit_in(Section::Inner, dtype, acc, &[x])
     }
 
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
@@ -389,6 +392,7 @@ impl OpsHandler for BodyEmitter<'_> {
             addr.push_str(&format!(" + {c}LL*{v}"));
         }
         let raw = format!("{p}[{addr}]");
+        let at = Self::index_section(index);
         let e = match dtype {
             DType::F16 => format!("ferro_h2f({raw})"),
             DType::BF16 => format!("ferro_bf2f({raw})"),
@@ -396,7 +400,7 @@ impl OpsHandler for BodyEmitter<'_> {
             _ => raw,
         };
         let ops: Vec<&String> = terms.iter().map(|(v, _)| v).collect();
-        self.emit(dtype, e, &ops)
+        self.emit_in(at, dtype, e, &ops)
     }
 
     fn check_index(&mut self, value: &String, size: i64, wrap: bool) -> String {

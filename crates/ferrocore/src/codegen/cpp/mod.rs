@@ -114,11 +114,16 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let kn = &plan.nodes[pos];
             let node = &p.nodes[kn.node];
             let out_buf = node.output;
-            let mut replace: HashMap<BufferId, String> = HashMap::new();
+            let mut replace: HashMap<BufferId, (String, Section)> = HashMap::new();
             for (r, b, kind) in &plan.local_reads {
-                if *r == pos && matches!(kind, LocalRead::Scalar | LocalRead::Forwarded) {
+                let section = match kind {
+                    LocalRead::Scalar => Section::Pre,
+                    LocalRead::Forwarded => Section::Inner,
+                    LocalRead::Stored => continue,
+                };
+                if *r == pos {
                     let name = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
-                    replace.insert(*b, name);
+                    replace.insert(*b, (name, section));
                 }
             }
             let out_layout = &p.buffer(out_buf).layout;
@@ -127,7 +132,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let vals = kn.body.visit(&mut em);
             let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
             let value = vals[store.value.0 as usize].clone();
-            let section = em.section_of(store.value);
+            let section = em.section_of(&value);
             let vdt = kn.body.dtype(store.value);
             // the value as a reader of the buffer sees it: rounded to the buffer's type
             let local = format!("loc_{}_{pos}", p.buffer(out_buf).name);
@@ -151,7 +156,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
                     post.push_str(&line);
                     post.push_str(&store_line);
                 }
-                (false, Section::Inner) => {
+                (false, Section::Pre | Section::Inner) => {
                     inner.push_str(&line);
                     inner.push_str(&store_line);
                 }
