@@ -132,3 +132,13 @@ def test_upsample_nearest():
     x = torch.randn(2, 3, 5, 7)
     check(lambda t: (F.interpolate(t, scale_factor=2, mode="nearest"), F.interpolate(t, size=(8, 3), mode="nearest")), x)
     check(lambda t: F.interpolate(t, scale_factor=1.7, mode="nearest"), x)
+
+
+def test_pooling():
+    x = torch.randn(2, 3, 9, 10)
+    check(lambda t: (F.avg_pool2d(t, 3), F.avg_pool2d(t, 3, 2, 1), F.avg_pool2d(t, 3, 2, 1, count_include_pad=False)), x)
+    check(lambda t: (F.avg_pool2d(t, (2, 3), ceil_mode=True), F.avg_pool2d(t, 2, divisor_override=3)), x)
+    check(lambda t: F.max_pool2d(t, 3, 2, 1), x)
+    check(lambda t: F.max_pool2d(t, 2, return_indices=True), x)
+    check(lambda t: F.max_pool2d(t, 3, 1, 1, dilation=2, return_indices=True), x)
+    check(lambda t: (F.adaptive_avg_pool2d(t, (4, 3)), F.adaptive_avg_pool2d(t[0], 1)), x)

@@ -158,6 +158,9 @@ aten_ops! {
     BatchNormNoStats => "aten._native_batch_norm_legit.no_stats", 6..=6;
     NativeGroupNorm => "aten.native_group_norm.default", 8..=8;
     UpsampleNearest2d => "aten.upsample_nearest2d.vec", 2..=3;
+    AvgPool2d => "aten.avg_pool2d.default", 2..=7;
+    MaxPool2dWithIndices => "aten.max_pool2d_with_indices.default", 2..=6;
+    AdaptiveAvgPool2d => "aten._adaptive_avg_pool2d.default", 2..=2;
     // views
     View => "aten.view.default", 2..=2;
     UnsafeView => "aten._unsafe_view.default", 2..=2;

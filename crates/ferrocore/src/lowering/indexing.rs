@@ -7,7 +7,7 @@ use super::pointwise::broadcast_index;
 use super::*;
 
 /// A strided base for indirect loads: (buffer, strides, offset), realizing if needed.
-fn strided_base(cx: &mut Ctx, tv: &TensorValue) -> LResult<(BufferId, Vec<i64>, i64)> {
+pub(super) fn strided_base(cx: &mut Ctx, tv: &TensorValue) -> LResult<(BufferId, Vec<i64>, i64)> {
     if let Some(s) = tv.strided() {
         return Ok(s);
     }

@@ -7,6 +7,7 @@
 mod creation;
 mod externs;
 mod indexing;
+mod pooling;
 mod random;
 mod pointwise;
 mod reduction;
@@ -305,6 +306,7 @@ impl<'g> Ctx<'g> {
             BatchNormNoTraining | BatchNormNoStats => self.lower_batch_norm(op)?,
             NativeGroupNorm => self.lower_group_norm()?,
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
+            AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d => self.lower_pool2d(op)?,
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,
