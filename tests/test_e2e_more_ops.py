@@ -142,3 +142,23 @@ def test_pooling():
     check(lambda t: F.max_pool2d(t, 2, return_indices=True), x)
     check(lambda t: F.max_pool2d(t, 3, 1, 1, dilation=2, return_indices=True), x)
     check(lambda t: (F.adaptive_avg_pool2d(t, (4, 3)), F.adaptive_avg_pool2d(t[0], 1)), x)
+
+
+def test_layer_norm_backward_lowering():
+    # AOT autograd decomposes this op for torch.compile; trace it whole to test the lowering
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 8, 16), torch.randn(16), torch.randn(16)
+    dy = torch.randn(4, 8, 16)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [16], w, b, 1e-5)
+
+    def bw(dy, x, mean, rstd, w, b):
+        return torch.ops.aten.native_layer_norm_backward(dy, x, [16], mean, rstd, w, b, [True, True, True])
+
+    args = (dy, x, mean, rstd, w, b)
+    gm = make_fx(bw)(*args)
+    got = ferrocore.compile_graph(gm)(*args)
+    assert ferrocore.metrics.last["fallbacks"] == 0 and ferrocore.metrics.last["kernels"] >= 1
+    for g, e in zip(got, bw(*args)):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)

@@ -154,6 +154,7 @@ aten_ops! {
     Softmax => "aten._softmax.default", 3..=3;
     LogSoftmax => "aten._log_softmax.default", 3..=3;
     NativeLayerNorm => "aten.native_layer_norm.default", 5..=5;
+    NativeLayerNormBackward => "aten.native_layer_norm_backward.default", 8..=8;
     BatchNormNoTraining => "aten._native_batch_norm_legit_no_training.default", 7..=7;
     BatchNormNoStats => "aten._native_batch_norm_legit.no_stats", 6..=6;
     NativeGroupNorm => "aten.native_group_norm.default", 8..=8;

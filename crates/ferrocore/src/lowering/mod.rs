@@ -303,6 +303,7 @@ impl<'g> Ctx<'g> {
             NativeDropout => self.lower_dropout()?,
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
+            NativeLayerNormBackward => self.lower_layer_norm_backward()?,
             BatchNormNoTraining | BatchNormNoStats => self.lower_batch_norm(op)?,
             NativeGroupNorm => self.lower_group_norm()?,
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),

@@ -593,3 +593,124 @@ impl Ctx<'_> {
         Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(m)), Some(Lowered::Tensor(r))]))
     }
 }
+
+impl Ctx<'_> {
+    /// native_layer_norm_backward: with x̂ = (x − mean)·rstd and g = dy·w over the N normalized
+    /// elements of a row, dx = rstd/N · (N·g − Σg − x̂·Σ(g·x̂)); dw = Σ_rows dy·x̂; db = Σ_rows dy.
+    pub(super) fn lower_layer_norm_backward(&mut self) -> LResult<Lowered> {
+        let dy = self.tensor_arg(0, "grad_out")?;
+        let x = self.tensor_arg(1, "input")?;
+        let normalized = self.ints_arg(2, "normalized_shape")?.unwrap_or_default();
+        let mean = self.tensor_arg(3, "mean")?;
+        let rstd = self.tensor_arg(4, "rstd")?;
+        let w = self.opt_tensor(5, "weight")?;
+        let metas: Vec<Option<TensorMeta>> = match self.meta() {
+            Meta::Tuple(items) => items.iter().map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),
+            _ => return malformed("native_layer_norm_backward returns a tuple"),
+        };
+        let rank = x.size.len();
+        let k = normalized.len();
+        if k > rank || x.size[rank - k..] != normalized[..] || dy.size != x.size {
+            return malformed("layer norm backward shapes do not match");
+        }
+        let axis = rank - k;
+        let n: i64 = normalized.iter().product();
+        let acc = x.dtype.compute();
+        let stat_idx = move |idx: &[IndexExpr]| -> Vec<IndexExpr> {
+            idx.iter().enumerate().map(|(d, e)| if d < axis { e.clone() } else { IndexExpr::zero() }).collect()
+        };
+        // x̂ and g as lazy values over the full index
+        let (xs, ms, rs) = (x.clone(), mean.clone(), rstd.clone());
+        let xhat = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| -> ValueId {
+            let s = stat_idx(idx);
+            let v = xs.load(bx, idx);
+            let v = bx.body.cast(v, acc);
+            let m = ms.load(bx, &s);
+            let m = bx.body.cast(m, acc);
+            let r = rs.load(bx, &s);
+            let r = bx.body.cast(r, acc);
+            let d = bx.body.binary(BinaryOp::Sub, v, m);
+            bx.body.binary(BinaryOp::Mul, d, r)
+        });
+        let (dys, ws) = (dy.clone(), w.clone());
+        let g = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| -> ValueId {
+            let d = dys.load(bx, idx);
+            let d = bx.body.cast(d, acc);
+            match &ws {
+                Some(w) => {
+                    let wv = w.load(bx, &idx[axis..]);
+                    let wv = bx.body.cast(wv, acc);
+                    bx.body.binary(BinaryOp::Mul, d, wv)
+                }
+                None => d,
+            }
+        });
+        let row_dims: Vec<usize> = (axis..rank).collect();
+        let col_dims: Vec<usize> = (0..axis).collect();
+        let mut items: Vec<Option<Lowered>> = vec![None, None, None];
+        if let Some(Some(m0)) = metas.first() {
+            let g1 = g.clone();
+            let s1 = self.reduce_node(&x.size, &row_dims, acc, x.device.clone(), move |bx, full, _| {
+                let v = g1(bx, full);
+                bx.body.reduce(ReduceOp::Sum, v)
+            });
+            let (g2, xh2) = (g.clone(), xhat.clone());
+            let s2 = self.reduce_node(&x.size, &row_dims, acc, x.device.clone(), move |bx, full, _| {
+                let a = g2(bx, full);
+                let b = xh2(bx, full);
+                let p = bx.body.binary(BinaryOp::Mul, a, b);
+                bx.body.reduce(ReduceOp::Sum, p)
+            });
+            let (g3, xh3, rs3, dt) = (g.clone(), xhat.clone(), rstd.clone(), m0.dtype);
+            let dx = TensorValue {
+                size: x.size.clone(),
+                dtype: dt,
+                device: x.device.clone(),
+                src: Src::Lazy {
+                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                        let rows = &idx[..axis];
+                        let gv = g3(bx, idx);
+                        let xh = xh3(bx, idx);
+                        let a = s1.load(bx, rows);
+                        let b = s2.load(bx, rows);
+                        let st: Vec<IndexExpr> = idx.iter().enumerate().map(|(d, e)| if d < axis { e.clone() } else { IndexExpr::zero() }).collect();
+                        let r = rs3.load(bx, &st);
+                        let r = bx.body.cast(r, acc);
+                        let nn = bx.body.constant(Scalar::Float(n as f64), acc);
+                        let t = bx.body.binary(BinaryOp::Mul, gv, nn);
+                        let t = bx.body.binary(BinaryOp::Sub, t, a);
+                        let xb = bx.body.binary(BinaryOp::Mul, xh, b);
+                        let t = bx.body.binary(BinaryOp::Sub, t, xb);
+                        let scale = bx.body.binary(BinaryOp::TrueDiv, r, nn);
+                        let o = bx.body.binary(BinaryOp::Mul, t, scale);
+                        bx.body.cast(o, dt)
+                    }),
+                    reads: 6,
+                    ops: 16,
+                },
+            };
+            items[0] = Some(Lowered::Tensor(dx));
+        }
+        if let Some(Some(m1)) = metas.get(1) {
+            let (dys, xh) = (dy.clone(), xhat.clone());
+            let dw = self.reduce_node(&x.size, &col_dims, acc, x.device.clone(), move |bx, full, _| {
+                let d = dys.load(bx, full);
+                let d = bx.body.cast(d, acc);
+                let h = xh(bx, full);
+                let p = bx.body.binary(BinaryOp::Mul, d, h);
+                bx.body.reduce(ReduceOp::Sum, p)
+            });
+            items[1] = Some(Lowered::Tensor(self.finish_reduction(dw, m1)?));
+        }
+        if let Some(Some(m2)) = metas.get(2) {
+            let dys = dy.clone();
+            let db = self.reduce_node(&x.size, &col_dims, acc, x.device.clone(), move |bx, full, _| {
+                let d = dys.load(bx, full);
+                let d = bx.body.cast(d, acc);
+                bx.body.reduce(ReduceOp::Sum, d)
+            });
+            items[2] = Some(Lowered::Tensor(self.finish_reduction(db, m2)?));
+        }
+        Ok(Lowered::Tuple(items))
+    }
+}
