@@ -44,3 +44,19 @@ def test_empty_intermediate_feeding_an_extern():
 def test_slice_with_huge_step():
     x = torch.randn(10, 3)
     check(lambda t: t[:: 2**40] * 2, x)
+
+
+def test_fallback_result_with_another_dtype_than_its_metadata():
+    # ATen's functional batch norm returns float32 running stats for float16 inputs while the
+    # graph's metadata says float16: the wrapper converts instead of misreading the bytes
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, dtype=torch.float16)
+    stats = [torch.zeros(3, dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
+    mine = [s.clone() for s in stats]
+    fn = lambda t, m, v: torch.nn.functional.batch_norm(t, m, v, training=True)  # noqa: E731
+    want = fn(x, *stats)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ferrocore", dynamic=False)(x, *mine)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(mine, stats):
+        torch.testing.assert_close(a, b)

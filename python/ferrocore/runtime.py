@@ -68,8 +68,13 @@ def benchmark(call, args, reps: int = 100) -> float:
     return median
 
 
-def restride(t: torch.Tensor, size, stride) -> torch.Tensor:
-    """An extern call's result in the layout the kernels were compiled for (copied if ATen chose another)."""
+def restride(t: torch.Tensor, size, stride, dtype) -> torch.Tensor:
+    """An extern call's result in the layout and dtype the kernels were compiled for.
+
+    Copied only when ATen returned something else than the graph's metadata promised.
+    """
+    if t.dtype != dtype:
+        t = t.to(dtype)
     if t.numel() <= 1 or all(n <= 1 or a == b for n, a, b in zip(size, t.stride(), stride)):
         return t
     return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)

@@ -227,7 +227,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                 let call = format!("{}({})", x.callee, args.join(", "));
                 let restride = |b: &BufferId| -> String {
                     let l = &p.buffer(*b).layout;
-                    format!("restride({{}}, {}, {})", py_tuple(&l.size), py_tuple(&l.stride))
+                    format!("restride({{}}, {}, {}, {})", py_tuple(&l.size), py_tuple(&l.stride), dtype_py(l.dtype))
                 };
                 let single = x.outputs.len() == 1 && matches!(p.buffer(x.outputs[0]).source, BufferSource::Extern { item: None, .. });
                 if single {
