@@ -43,6 +43,23 @@ if BACKEND == "inductor":
     torch._inductor.config.emulate_precision_casts = True
 
 
+def pytest_addoption(parser):
+    # The OpInfo conformance sweep (tests/test_opinfo.py); without these only its CI subset runs.
+    group = parser.getgroup("opinfo", "ferrocore OpInfo conformance")
+    group.addoption("--opinfo-full", action="store_true",
+                    help="run the full OpInfo sweep (also: FERROCORE_OPINFO_FULL=1)")
+    group.addoption("--opinfo-report", default="opinfo_report",
+                    help="report path without suffix: writes PATH.json and PATH.md")
+    group.addoption("--opinfo-min-pass", type=float, default=0.0,
+                    help="fail the sweep if its pass rate is below this fraction (default 0)")
+    group.addoption("--opinfo-max-samples", type=int, default=None,
+                    help="samples per op and dtype in the sweep (default: all)")
+    group.addoption("--opinfo-ops", default=None,
+                    help="comma list of OpInfo names (or name prefixes ending in *) to sweep")
+    group.addoption("--opinfo-resume", action="store_true",
+                    help="continue an interrupted sweep from PATH.progress.jsonl")
+
+
 def pytest_report_header(config):
     return [
         f"ferrocore e2e: backend={BACKEND} torch={torch.__version__} "
