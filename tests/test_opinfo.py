@@ -106,7 +106,7 @@ _known("fallback: aten.index_select.default from a 0-d tensor ('gather from a 0-
        ("index_select", F32), ("index_select", I64))
 _known("fallback: no lowering for aten._native_batch_norm_legit_functional.default "
        "(training-mode batch norm)",
-       ("nn.functional.batch_norm", F32))
+       ("nn.functional.batch_norm", F32), ("nn.functional.batch_norm", F16))
 _known("fallback: no lowering for aten.rand_like.default (aten.rand is lowered)",
        ("rand_like", F32), ("rand_like", BF16))
 
@@ -123,9 +123,6 @@ _known("wrong stride: scaled_dot_product_attention output is (8, 32, 1), eager (
        "shape (4, 3, 8): the graph output keeps the bmm/permute layout instead of eager's",
        ("nn.functional.scaled_dot_product_attention", F32),
        ("nn.functional.scaled_dot_product_attention", BF16))
-_known("wrong values: training batch norm in float16 writes garbage (inf) into running_mean / "
-       "running_var (the input mutation); float32 is right",
-       ("nn.functional.batch_norm", F16))
 
 
 def _known_reason(op: str, dtype: str) -> str | None:

@@ -60,3 +60,11 @@ def test_fallback_result_with_another_dtype_than_its_metadata():
     torch.testing.assert_close(got, want)
     for a, b in zip(mine, stats):
         torch.testing.assert_close(a, b)
+
+
+def test_flipped_view_output_and_bool_padding():
+    x = torch.randn(5, 10)
+    check(lambda t: torch.fliplr(t), x)
+    check(lambda t: (t.flip(0), t.flip(1)[1:]), x)
+    b = torch.rand(3, 4) > 0.5
+    check(lambda t: torch.constant_pad_nd(t, (1, 2), True), b)

@@ -132,7 +132,13 @@ impl Ctx<'_> {
         let x = self.tensor_arg(0, "self")?;
         let out = self.out_meta()?.clone();
         let pad = self.ints_arg(1, "pad")?.unwrap_or_default();
-        let value = self.float_arg(2, "value")?.unwrap_or(0.0);
+        let value = match self.arg(2, "value") {
+            None | Some(Arg::None) => Scalar::Int(0),
+            Some(Arg::Int(v)) => Scalar::Int(*v),
+            Some(Arg::Float(v)) => Scalar::Float(*v),
+            Some(Arg::Bool(v)) => Scalar::Bool(*v),
+            other => return malformed(format!("pad value must be a number, got {other:?}")),
+        };
         let rank = x.size.len();
         if pad.len() % 2 != 0 || pad.len() / 2 > rank {
             return malformed(format!("pad {pad:?} for a rank-{rank} tensor"));
@@ -172,13 +178,13 @@ impl Ctx<'_> {
                 terms.push((c, stride[d]));
             }
             let v = if sizes.iter().any(|&s| s == 0) {
-                bx.body.constant(Scalar::Float(value), dt) // nothing to read
+                bx.body.constant(value, dt) // nothing to read
             } else {
                 bx.body.load_indirect(buf, base, terms, dt)
             };
             match inside {
                 Some(ok) => {
-                    let pv = bx.body.constant(Scalar::Float(value), dt);
+                    let pv = bx.body.constant(value, dt);
                     bx.body.where_(ok, v, pv)
                 }
                 None => v,

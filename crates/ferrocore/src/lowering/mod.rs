@@ -74,6 +74,10 @@ impl TensorValue {
         for i in 0..self.size.len() {
             strides.push(if self.size[i] == 1 { 0 } else { e.affine_coeff(Var(i as u32))? });
         }
+        // torch tensors cannot have negative strides (a flipped view): such views are copied
+        if strides.iter().any(|&s| s < 0) {
+            return None;
+        }
         if e.terms.iter().any(|(a, _)| !matches!(a, crate::symbolic::Atom::Var(_))) {
             return None;
         }
