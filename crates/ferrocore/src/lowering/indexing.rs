@@ -21,6 +21,26 @@ fn loader(tv: &TensorValue) -> LoadFn {
     Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| t.load(bx, idx))
 }
 
+/// `i` clamped into `[0, hi]`: the address a masked-off lane reads harmlessly.
+pub(super) fn clamp_index(bx: &mut Bx, i: ValueId, hi: i64) -> ValueId {
+    let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+    let top = bx.body.constant(Scalar::Int(hi), DType::I64);
+    let c = bx.body.binary(BinaryOp::Maximum, i, zero);
+    bx.body.binary(BinaryOp::Minimum, c, top)
+}
+
+/// `0 <= i < end`, and-ed onto the conditions gathered so far.
+pub(super) fn and_in_range(bx: &mut Bx, so_far: Option<ValueId>, i: ValueId, end: ValueId) -> ValueId {
+    let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+    let ge = bx.body.binary(BinaryOp::Ge, i, zero);
+    let lt = bx.body.binary(BinaryOp::Lt, i, end);
+    let ok = bx.body.binary(BinaryOp::LogicalAnd, ge, lt);
+    match so_far {
+        Some(p) => bx.body.binary(BinaryOp::LogicalAnd, p, ok),
+        None => ok,
+    }
+}
+
 /// Index tensor value at `idx`, checked against `size` (negatives wrap when `wrap`).
 fn checked_index(bx: &mut Bx, index: &TensorValue, idx: &[IndexExpr], size: i64, wrap: bool) -> ValueId {
     let v = index.load(bx, idx);
@@ -164,18 +184,9 @@ impl Ctx<'_> {
                 }
                 // clamp into the input (the value is discarded outside) and remember the bounds test
                 let i = bx.body.index(src, DType::I64);
-                let zero = bx.body.constant(Scalar::Int(0), DType::I64);
-                let top = bx.body.constant(Scalar::Int(sizes[d] - 1), DType::I64);
-                let ge = bx.body.binary(BinaryOp::Ge, i, zero);
-                let le = bx.body.binary(BinaryOp::Le, i, top);
-                let ok = bx.body.binary(BinaryOp::LogicalAnd, ge, le);
-                inside = Some(match inside {
-                    Some(p) => bx.body.binary(BinaryOp::LogicalAnd, p, ok),
-                    None => ok,
-                });
-                let c = bx.body.binary(BinaryOp::Maximum, i, zero);
-                let c = bx.body.binary(BinaryOp::Minimum, c, top);
-                terms.push((c, stride[d]));
+                let n = bx.body.constant(Scalar::Int(sizes[d]), DType::I64);
+                inside = Some(and_in_range(bx, inside, i, n));
+                terms.push((clamp_index(bx, i, sizes[d] - 1), stride[d]));
             }
             let v = if sizes.iter().any(|&s| s == 0) {
                 bx.body.constant(value, dt) // nothing to read
@@ -228,8 +239,6 @@ impl Ctx<'_> {
                 }
                 let n = sizes[d];
                 let i = bx.body.index(src, DType::I64);
-                let zero = bx.body.constant(Scalar::Int(0), DType::I64);
-                let top = bx.body.constant(Scalar::Int(n - 1), DType::I64);
                 let j = if reflect {
                     // reflect at both edges: |i|, then 2(n-1) - that past the end
                     let neg = bx.body.unary(UnaryOp::Neg, i);
@@ -240,9 +249,7 @@ impl Ctx<'_> {
                 } else {
                     i
                 };
-                let c = bx.body.binary(BinaryOp::Maximum, j, zero);
-                let c = bx.body.binary(BinaryOp::Minimum, c, top);
-                terms.push((c, stride[d]));
+                terms.push((clamp_index(bx, j, n - 1), stride[d]));
             }
             bx.body.load_indirect(buf, base, terms, dt)
         });
@@ -291,8 +298,7 @@ impl Ctx<'_> {
             let le = bx.body.binary(BinaryOp::Le, q, lastc);
             let in1 = bx.body.binary(BinaryOp::LogicalAnd, ge, on);
             let inside = bx.body.binary(BinaryOp::LogicalAnd, in1, le);
-            let c = bx.body.binary(BinaryOp::Maximum, q, zero);
-            let c = bx.body.binary(BinaryOp::Minimum, c, lastc);
+            let c = clamp_index(bx, q, len - 1);
             let mut base = IndexExpr::constant(soff);
             let mut sd = 0usize;
             for d in 0..rank {
@@ -359,11 +365,7 @@ impl Ctx<'_> {
                 let p = bx.body.binary(BinaryOp::Mul, of, s);
                 let fl = bx.body.unary(UnaryOp::Floor, p);
                 let i = bx.body.cast(fl, DType::I64);
-                let top = bx.body.constant(Scalar::Int(ins[d] - 1), DType::I64);
-                let zero = bx.body.constant(Scalar::Int(0), DType::I64);
-                let c = bx.body.binary(BinaryOp::Minimum, i, top);
-                let c = bx.body.binary(BinaryOp::Maximum, c, zero);
-                terms.push((c, stride[d]));
+                terms.push((clamp_index(bx, i, ins[d] - 1), stride[d]));
             }
             bx.body.load_indirect(buf, base, terms, dt)
         });

@@ -3,7 +3,7 @@
 //! identity. avg_pool2d, max_pool2d_with_indices (values and argmax indices, fused in one
 //! kernel) and _adaptive_avg_pool2d (per-output window bounds).
 
-use super::indexing::strided_base;
+use super::indexing::{and_in_range, clamp_index, strided_base};
 use super::*;
 
 #[derive(Clone, Copy, PartialEq)]
@@ -111,16 +111,8 @@ impl Ctx<'_> {
                     let (start, end) = window_bounds(&mut bx, kind, wn, o);
                     let i = bx.body.index(kv.scale(wn.dilation), DType::I64);
                     let pos = bx.body.binary(BinaryOp::Add, start, i);
-                    let ge = bx.body.binary(BinaryOp::Ge, pos, zero);
-                    let lt = bx.body.binary(BinaryOp::Lt, pos, end);
-                    let ok = bx.body.binary(BinaryOp::LogicalAnd, ge, lt);
-                    valid = Some(match valid {
-                        Some(v) => bx.body.binary(BinaryOp::LogicalAnd, v, ok),
-                        None => ok,
-                    });
-                    let top = bx.body.constant(Scalar::Int(wn.input - 1), DType::I64);
-                    let c = bx.body.binary(BinaryOp::Maximum, pos, zero);
-                    let c = bx.body.binary(BinaryOp::Minimum, c, top);
+                    valid = Some(and_in_range(&mut bx, valid, pos, end));
+                    let c = clamp_index(&mut bx, pos, wn.input - 1);
                     terms.push((c, xs[nb + k]));
                     positions.push(c);
                 }
