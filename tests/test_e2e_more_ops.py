@@ -162,3 +162,26 @@ def test_layer_norm_backward_lowering():
     assert ferrocore.metrics.last["fallbacks"] == 0 and ferrocore.metrics.last["kernels"] >= 1
     for g, e in zip(got, bw(*args)):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_lgamma_and_empty_permuted_free_losses():
+    x = torch.rand(6, 7) * 5 + 0.05
+    check(lambda t: torch.lgamma(t) + torch.lgamma(-t), x)
+    a, b = torch.randn(5, 6), torch.randn(5, 6)
+    check(lambda p, q: F.cosine_embedding_loss(p, q, torch.tensor([1, -1, 1, 1, -1])), a, b)
+
+
+def test_training_batch_norm_updates_running_stats():
+    x = torch.randn(4, 3, 5, 6)
+    mean, var = torch.randn(3), torch.rand(3) + 0.5
+    w, b = torch.randn(3), torch.randn(3)
+    stats = [mean.clone(), var.clone()]
+    want = F.batch_norm(x, *stats, w, b, training=True, momentum=0.3)
+    torch._dynamo.reset()
+    mine = [mean.clone(), var.clone()]
+    got = torch.compile(lambda t, m, v: F.batch_norm(t, m, v, w, b, training=True, momentum=0.3), backend="ferrocore")(x, *mine)
+    torch.testing.assert_close(got, want)
+    for a, c in zip(mine, stats):
+        torch.testing.assert_close(a, c)
+    assert ferrocore.metrics.last["fallbacks"] == 0
+    check(lambda t, m, v: F.batch_norm(t, m, v, w, b, training=False), x, mean, var)

@@ -39,3 +39,18 @@ def test_dropout_mask_and_scaling():
     torch.testing.assert_close(y[kept], (x / 0.7)[kept])
     torch.manual_seed(3)
     assert torch.equal(fn(x), y)
+
+
+def test_rand_like_randn_like_and_bernoulli():
+    fn = _compiled(lambda x: (torch.rand_like(x), torch.randn_like(x) + 1, torch.bernoulli(x, 0.25), F.dropout2d(x, 0.5)))
+    x = torch.zeros(64, 32, 20)
+    torch.manual_seed(11)
+    u, n, b, d = fn(x)
+    assert ferrocore.metrics.last["fallbacks"] == 0 and not ferrocore.metrics.last["graph_fallback"]
+    assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean().item() - 0.5) < 0.01
+    assert abs(n.mean().item() - 1.0) < 0.02 and abs(n.std().item() - 1.0) < 0.02
+    assert set(b.unique().tolist()) == {0.0, 1.0} and abs(b.mean().item() - 0.25) < 0.01
+    assert d.shape == x.shape
+    torch.manual_seed(11)
+    again = fn(x)
+    assert all(torch.equal(a, c) for a, c in zip((u, n, b, d), again))

@@ -5,7 +5,7 @@ Two modes:
 - CI subset (default): `test_opinfo_subset[op-dtype]`, one test per (op, dtype) of `FAST_OPS`
   (representative OpInfos of every op family, float32 plus one other dtype each), on the first
   `FAST_SAMPLES` samples. Each must pass: right values, shapes, dtypes and strides, and no ATen
-  fallback. Pairs listed in `KNOWN_FAILURES` are xfail (strict=False) with their reason.
+  fallback. Pairs listed in `KNOWN_FAILURES` are strict xfails with their reason (a pair that starts passing must leave the list).
 - Full sweep (`--opinfo-full` or FERROCORE_OPINFO_FULL=1): `test_opinfo_full_sweep` runs every
   core-relevant OpInfo (see `opinfo_support.select_core_ops`) on every harness dtype it supports
   on CPU and every sample, writes `opinfo_report.json` / `.md` (`--opinfo-report PATH`), and
@@ -96,24 +96,8 @@ def _known(reason: str, *pairs) -> None:
 # day). The full sweep's report ranks the same causes over every OpInfo.
 
 # -- missing lowerings (values right, some node runs through ATen) ------------------------------
-_known("fallback: no lowering for aten.scatter.src / aten.scatter.reduce",
-       ("scatter", F32), ("scatter", BF16))
-_known("fallback: no lowering for aten.scatter_add.default",
-       ("scatter_add", F32), ("scatter_add", F16))
-_known("fallback: no lowering for aten.index_put.default (index_add decomposes to it)",
-       ("index_add", F32), ("index_add", BF16), ("index_put", F32), ("index_put", F16))
-_known("fallback: aten.index_select.default from a 0-d tensor ('gather from a 0-d tensor')",
-       ("index_select", F32), ("index_select", I64))
-_known("fallback: no lowering for aten._native_batch_norm_legit_functional.default "
-       "(training-mode batch norm)",
-       ("nn.functional.batch_norm", F32), ("nn.functional.batch_norm", F16))
-_known("fallback: no lowering for aten.rand_like.default (aten.rand is lowered)",
-       ("rand_like", F32), ("rand_like", BF16))
 
 # -- whole graph or whole function not compiled --------------------------------------------------
-_known("graph runs eagerly: 'node _tensor_constant0 is a get_attr node' (a lifted tensor "
-       "constant, here the index list of x[[1, 2]])",
-       ("__getitem__", F32), ("__getitem__", I64))
 _known("no graph: dynamo graph-breaks on narrow(x, dim, start: Tensor, length) (data-dependent "
        "start) and runs it eagerly; not ferrocore's to fix, kept visible",
        ("narrow", F32), ("narrow", B8))
@@ -144,7 +128,7 @@ def _subset_params():
             marks = []
             reason = _known_reason(name, dtype)
             if reason:
-                marks.append(pytest.mark.xfail(reason=reason, strict=False))
+                marks.append(pytest.mark.xfail(reason=reason, strict=True))
             params.append(pytest.param(name, dtype, id=f"{name}-{dtype}", marks=marks))
     return params
 

@@ -1,6 +1,7 @@
 """Regressions from the code review of the first end-to-end version."""
 
 import torch
+import ferrocore
 
 from helpers import check
 
@@ -46,9 +47,10 @@ def test_slice_with_huge_step():
     check(lambda t: t[:: 2**40] * 2, x)
 
 
-def test_fallback_result_with_another_dtype_than_its_metadata():
+def test_float16_training_batch_norm_updates_running_stats():
     # ATen's functional batch norm returns float32 running stats for float16 inputs while the
-    # graph's metadata says float16: the wrapper converts instead of misreading the bytes
+    # graph's metadata says float16 (this once ran as a fallback whose result the wrapper had to
+    # convert); the lowering computes in float32 and stores float16 like the metadata says
     torch.manual_seed(0)
     x = torch.randn(4, 3, 5, dtype=torch.float16)
     stats = [torch.zeros(3, dtype=torch.float16), torch.ones(3, dtype=torch.float16)]
@@ -57,9 +59,11 @@ def test_fallback_result_with_another_dtype_than_its_metadata():
     want = fn(x, *stats)
     torch._dynamo.reset()
     got = torch.compile(fn, backend="ferrocore", dynamic=False)(x, *mine)
-    torch.testing.assert_close(got, want)
+    # float16: the normalization's float32 rounding order may differ from ATen's by one ulp
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
     for a, b in zip(mine, stats):
         torch.testing.assert_close(a, b)
+    assert ferrocore.metrics.last["fallbacks"] == 0
 
 
 def test_flipped_view_output_and_bool_padding():

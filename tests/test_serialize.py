@@ -21,7 +21,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 if importlib.util.find_spec("ferrocore") is None:  # not installed: use the source tree
     sys.path.append(str(Path(__file__).resolve().parent.parent / "python"))
 
-from ferrocore.serialize import UnsupportedGraph, graph_to_dict, serialize_graph  # noqa: E402
+from ferrocore.backend import compile_graph  # noqa: E402
+from ferrocore.serialize import UnsupportedGraph, graph_to_dict, lifted_constants, serialize_graph  # noqa: E402
 
 
 def capture(fn, *inputs, dynamic=False):
@@ -252,12 +253,27 @@ def test_non_tensor_output_is_unsupported():
         serialize_graph(graph, "g")
 
 
-def test_get_attr_is_unsupported():
+def test_get_attr_becomes_a_trailing_input():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    c = graph.get_attr("c")
+    graph.output((graph.call_function(torch.ops.aten.add.Tensor, (x, c)),))
+    x.meta["val"] = torch.empty(3)
+    list(graph.nodes)[-2].meta["val"] = torch.empty(3)
+    gm = torch.fx.GraphModule({"c": torch.arange(3.0)}, graph)
+    doc = json.loads(serialize_graph(gm, "g"))
+    kinds = [(n["kind"], n["name"]) for n in doc["nodes"]]
+    assert kinds[:2] == [("placeholder", "x"), ("placeholder", "c")]
+    assert [t.tolist() for t in lifted_constants(gm)] == [[0.0, 1.0, 2.0]]
+    out = compile_graph(gm)(torch.ones(3))
+    assert out[0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_get_attr_of_a_bare_graph_is_unsupported():
     graph = torch.fx.Graph()
     graph.output((graph.get_attr("c"),))
-    gm = torch.fx.GraphModule({"c": torch.ones(3)}, graph)
     with pytest.raises(UnsupportedGraph, match="get_attr"):
-        serialize_graph(gm, "g")
+        serialize_graph(graph, "g")
 
 
 def test_unencodable_argument_is_unsupported():

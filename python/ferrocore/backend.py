@@ -22,7 +22,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from . import options as _options
 from . import runtime
 from .metrics import metrics
-from .serialize import UnsupportedGraph, serialize_graph
+from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
 _graph_ids = itertools.count()
 
@@ -84,6 +84,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callab
     start = time.perf_counter()
     try:
         graph_json = serialize_graph(gm, name)
+        constants = lifted_constants(gm)
     except UnsupportedGraph as e:
         print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)
         metrics.record(_entry(name, timings, graph_fallback=True))
@@ -115,6 +116,14 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callab
         )
     )
     call = module.call
+    if constants:
+        # lifted constants are the graph's last inputs (see serialize.lifted_constants)
+        inner = call
+
+        def call(args):
+            args.extend(constants)
+            return inner(args)
+
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
 

@@ -37,19 +37,55 @@ class UnsupportedGraph(Exception):
 
 
 def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> str:
-    """The JSON document for `gm`, named `name`."""
+    """The JSON document for `gm`, named `name`. Lifted tensor constants (`get_attr` nodes)
+    become extra inputs after the graph's own: call with `args + lifted_constants(gm)`."""
     # allow_nan=False: a stray non-finite float must fail here, not as invalid JSON in Rust.
     return json.dumps(graph_to_dict(gm, name), separators=(",", ":"), allow_nan=False)
 
 
+def lifted_constants(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[torch.Tensor]:
+    """The tensors behind the graph's `get_attr` nodes, in node order."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        if any(n.op == "get_attr" for n in gm.nodes):
+            raise UnsupportedGraph("a bare fx.Graph with get_attr nodes (no module to read them from)")
+        return []
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            out.append(_attr_value(gm, n))
+    return out
+
+
+def _attr_value(gm: torch.fx.GraphModule, n: torch.fx.Node) -> torch.Tensor:
+    obj: Any = gm
+    for part in str(n.target).split("."):
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, torch.Tensor):
+        raise UnsupportedGraph(f"node {n.name} is a get_attr of {_describe(obj)}, not a tensor")
+    return obj
+
+
 def graph_to_dict(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> dict:
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
+    nodes = list(graph.nodes)
+    constants = lifted_constants(gm)
+    # placeholders refer to nothing: the lifted constants go right after the real inputs
+    inputs = [_node(n) for n in nodes if n.op == "placeholder"]
+    lifted = [n for n in nodes if n.op == "get_attr"]
+    inputs += [_constant_input(n, t) for n, t in zip(lifted, constants)]
+    rest = [_node(n) for n in nodes if n.op not in ("placeholder", "get_attr")]
     return {
         "format": FORMAT,
         "version": VERSION,
         "name": name,
-        "nodes": [_node(n) for n in graph.nodes],
+        "nodes": inputs + rest,
     }
+
+
+def _constant_input(n: torch.fx.Node, t: torch.Tensor) -> dict:
+    if t.dtype.is_complex:
+        raise UnsupportedGraph(f"constant {n.name} is complex ({_dtype_name(t.dtype)})")
+    return {"kind": "placeholder", "name": n.name, "meta": _meta(t, n)}
 
 
 def _node(n: torch.fx.Node) -> dict:

@@ -91,6 +91,17 @@ impl DType {
             DType::C128 => 16,
         }
     }
+    /// Smallest and largest value of an integer type (bool: 0 and 1).
+    pub fn int_range(self) -> (i64, i64) {
+        match self {
+            DType::Bool => (0, 1),
+            DType::U8 => (0, u8::MAX as i64),
+            DType::I8 => (i8::MIN as i64, i8::MAX as i64),
+            DType::I16 => (i16::MIN as i64, i16::MAX as i64),
+            DType::I32 => (i32::MIN as i64, i32::MAX as i64),
+            _ => (i64::MIN, i64::MAX),
+        }
+    }
     /// The type arithmetic happens in: half types compute in float32.
     pub fn compute(self) -> DType {
         match self {

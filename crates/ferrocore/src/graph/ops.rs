@@ -50,6 +50,7 @@ aten_ops! {
     Relu => "aten.relu.default", 1..=1;
     Erf => "aten.erf.default", 1..=1;
     Erfc => "aten.erfc.default", 1..=1;
+    Lgamma => "aten.lgamma.default", 1..=1;
     Floor => "aten.floor.default", 1..=1;
     Ceil => "aten.ceil.default", 1..=1;
     Round => "aten.round.default", 1..=1;
@@ -157,6 +158,8 @@ aten_ops! {
     NativeLayerNormBackward => "aten.native_layer_norm_backward.default", 8..=8;
     BatchNormNoTraining => "aten._native_batch_norm_legit_no_training.default", 7..=7;
     BatchNormNoStats => "aten._native_batch_norm_legit.no_stats", 6..=6;
+    BatchNormLegit => "aten._native_batch_norm_legit.default", 8..=8;
+    BatchNormFunctional => "aten._native_batch_norm_legit_functional.default", 8..=8;
     NativeGroupNorm => "aten.native_group_norm.default", 8..=8;
     UpsampleNearest2d => "aten.upsample_nearest2d.vec", 2..=3;
     AvgPool2d => "aten.avg_pool2d.default", 2..=7;
@@ -207,6 +210,9 @@ aten_ops! {
     // random: counter-based streams seeded from torch's default generator
     Rand => "aten.rand.default", 1..=1;
     Randn => "aten.randn.default", 1..=1;
+    RandLike => "aten.rand_like.default", 1..=1;
+    RandnLike => "aten.randn_like.default", 1..=1;
+    BernoulliP => "aten.bernoulli.p", 1..=2;
     NativeDropout => "aten.native_dropout.default", 3..=3;
     Cumprod => "aten.cumprod.default", 2..=2;
     // indexing: gathers through indices computed at run time
@@ -222,6 +228,18 @@ aten_ops! {
     ReplicationPad3d => "aten.replication_pad3d.default", 2..=2;
     SelectScatter => "aten.select_scatter.default", 4..=4;
     SliceScatter => "aten.slice_scatter.default", 2..=6;
+    // scatters: indirect stores into a copy of the destination
+    ScatterSrc => "aten.scatter.src", 4..=4;
+    ScatterValue => "aten.scatter.value", 4..=4;
+    ScatterReduce => "aten.scatter.reduce", 4..=5;
+    ScatterValueReduce => "aten.scatter.value_reduce", 4..=5;
+    ScatterAdd => "aten.scatter_add.default", 4..=4;
+    ScatterReduceTwo => "aten.scatter_reduce.two", 5..=6;
+    IndexPut => "aten.index_put.default", 3..=4;
+    MaskedScatter => "aten.masked_scatter.default", 3..=3;
+    MaxPool2dWithIndicesBackward => "aten.max_pool2d_with_indices_backward.default", 8..=8;
+    EmbeddingDenseBackward => "aten.embedding_dense_backward.default", 5..=5;
     EmptyMemoryFormat => "aten.empty.memory_format", 1..=1;
     EmptyStrided => "aten.empty_strided.default", 2..=2;
+    EmptyPermuted => "aten.empty_permuted.default", 2..=2;
 }

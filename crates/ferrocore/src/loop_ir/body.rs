@@ -55,6 +55,8 @@ pub enum UnaryOp {
     Relu,
     Erf,
     Erfc,
+    /// log|Γ(x)|.
+    Lgamma,
     Floor,
     Ceil,
     /// Round half to even (torch.round).
@@ -168,11 +170,30 @@ enum Key {
     CheckIndex(ValueId, i64, bool),
 }
 
-/// The single store of a body: `output[index] = value`.
+/// How a store combines with what the buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreMode {
+    /// `output[i] = value`.
+    Set,
+    /// `output[i] = op(output[i], value)` (Sum, Prod, Max, Min): accumulating scatters.
+    Combine(ReduceOp),
+}
+
+/// The single store of a body: `output[index + Σ coeff·term] = value`. A store with `terms`
+/// (data-dependent addresses) or a combining mode is a scatter: it updates a buffer an earlier
+/// node filled, and the scheduler keeps it in a kernel of its own.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Store {
     pub index: IndexExpr,
     pub value: ValueId,
+    pub terms: Vec<(ValueId, i64)>,
+    pub mode: StoreMode,
+}
+
+impl Store {
+    pub fn is_scatter(&self) -> bool {
+        !self.terms.is_empty() || self.mode != StoreMode::Set
+    }
 }
 
 /// `exprs[i]` has type `dtypes[i]` (the compute type: half types are float32 with the rounding
@@ -282,7 +303,13 @@ impl LoopBody {
         self.push(Key::CheckIndex(value, size, wrap), Expr::CheckIndex { value, size, wrap }, DType::I64)
     }
     pub fn set_store(&mut self, index: IndexExpr, value: ValueId) {
-        self.store = Some(Store { index, value });
+        self.store = Some(Store { index, value, terms: Vec::new(), mode: StoreMode::Set });
+    }
+    /// A scatter store: `terms` are int64 indices computed in the body (each from `CheckIndex`
+    /// or clamped into range).
+    pub fn set_scatter_store(&mut self, index: IndexExpr, terms: Vec<(ValueId, i64)>, value: ValueId, mode: StoreMode) {
+        let terms = terms.into_iter().map(|(v, c)| (self.cast(v, DType::I64), c)).collect();
+        self.store = Some(Store { index, value, terms, mode });
     }
 
     /// Runs the body through a handler in arena order, returning the handler's value per id.
@@ -311,7 +338,8 @@ impl LoopBody {
             vals.push(v);
         }
         if let Some(st) = &self.store {
-            h.store(&st.index, &vals[st.value.0 as usize], self.dtype(st.value));
+            let t: Vec<(H::V, i64)> = st.terms.iter().map(|(v, c)| (vals[v.0 as usize].clone(), *c)).collect();
+            h.store(&st.index, &t, st.mode, &vals[st.value.0 as usize], self.dtype(st.value));
         }
         vals
     }
@@ -333,7 +361,7 @@ pub trait OpsHandler {
     fn random(&mut self, normal: bool, seed: &Self::V, offset: &Self::V) -> Self::V;
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(Self::V, i64)], dtype: DType) -> Self::V;
     fn check_index(&mut self, value: &Self::V, size: i64, wrap: bool) -> Self::V;
-    fn store(&mut self, index: &IndexExpr, value: &Self::V, dtype: DType);
+    fn store(&mut self, index: &IndexExpr, terms: &[(Self::V, i64)], mode: StoreMode, value: &Self::V, dtype: DType);
 }
 
 impl LoopBody {
@@ -350,7 +378,7 @@ impl LoopBody {
             out.exprs.push(e2);
             out.dtypes.push(self.dtypes[i]);
         }
-        out.store = self.store.as_ref().map(|s| Store { index: f(&s.index), value: s.value });
+        out.store = self.store.as_ref().map(|s| Store { index: f(&s.index), ..s.clone() });
         out
     }
 

@@ -126,6 +126,10 @@ impl LoopNode {
     pub fn checks_indices(&self) -> bool {
         self.body.exprs.iter().any(|e| matches!(e, Expr::CheckIndex { .. }))
     }
+    /// Whether the node updates its (already filled) output at data-dependent places.
+    pub fn is_scatter(&self) -> bool {
+        self.body.store.as_ref().is_some_and(|s| s.is_scatter())
+    }
     pub fn var(i: usize) -> Var {
         Var(i as u32)
     }

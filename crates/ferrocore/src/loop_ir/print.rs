@@ -70,9 +70,14 @@ impl OpsHandler for BodyPrinter<'_> {
     fn arg_reduce(&mut self, op: ReduceOp, value: &String, index: &String, _vd: DType) -> String {
         self.line(DType::I64, format!("reduce_{}({value}, {index})", format!("{op:?}").to_lowercase()))
     }
-    fn store(&mut self, index: &IndexExpr, value: &String, _dtype: DType) {
+    fn store(&mut self, index: &IndexExpr, terms: &[(String, i64)], mode: StoreMode, value: &String, _dtype: DType) {
         let name = self.program.buffer(self.output).name.clone();
-        let _ = writeln!(self.out, "    store({name}, {index}, {value})");
+        let t: String = terms.iter().map(|(v, c)| format!(" + {c}*{v}")).collect();
+        let how = match mode {
+            StoreMode::Set => String::new(),
+            StoreMode::Combine(op) => format!(", {}", format!("{op:?}").to_lowercase()),
+        };
+        let _ = writeln!(self.out, "    store({name}, {index}{t}, {value}{how})");
     }
 }
 

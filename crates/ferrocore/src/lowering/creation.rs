@@ -8,7 +8,7 @@ impl Ctx<'_> {
         let value = match op {
             AtenOp::Full | AtenOp::FullLike | AtenOp::FillScalar => self.arg(1, "fill_value").or(self.arg(1, "value")),
             // uninitialized memory in eager: zeros are one valid content
-            AtenOp::EmptyMemoryFormat | AtenOp::EmptyStrided => Some(&Arg::Int(0)),
+            AtenOp::EmptyMemoryFormat | AtenOp::EmptyStrided | AtenOp::EmptyPermuted => Some(&Arg::Int(0)),
             _ => self.arg(0, "s"),
         };
         let value = match value {

@@ -3,7 +3,6 @@
 //! loaded in the same body; user indices go through `CheckIndex`, so a bad index is an
 //! IndexError raised by the wrapper, never a read outside the buffer.
 
-use super::pointwise::broadcast_index;
 use super::*;
 
 /// A strided base for indirect loads: (buffer, strides, offset), realizing if needed.
@@ -52,18 +51,7 @@ impl Ctx<'_> {
         let out = self.out_meta()?.clone();
         let (src, idx_tensors): (TensorValue, Vec<Option<TensorValue>>) = match op {
             AtenOp::Embedding => (self.tensor_arg(0, "weight")?, vec![Some(self.tensor_arg(1, "indices")?)]),
-            AtenOp::IndexTensor => {
-                let Some(Arg::List(items)) = self.arg(1, "indices") else { return malformed("index takes a list of tensors") };
-                let mut v = Vec::new();
-                for it in items {
-                    v.push(match it {
-                        Arg::Node(n) => Some(self.tensor_of(*n)?),
-                        Arg::None => None,
-                        other => return malformed(format!("index entries must be tensors or None, got {other:?}")),
-                    });
-                }
-                (self.tensor_arg(0, "self")?, v)
-            }
+            AtenOp::IndexTensor => (self.tensor_arg(0, "self")?, self.optional_tensor_list(1, "indices")?),
             _ => (self.tensor_arg(0, "self")?, vec![Some(self.tensor_arg(2, "index")?)]),
         };
         for t in idx_tensors.iter().flatten() {
@@ -91,10 +79,25 @@ impl Ctx<'_> {
             AtenOp::IndexSelect | AtenOp::Gather => {
                 let dim = if rank == 0 { 0 } else { norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)? };
                 let ind = idx_tensors[0].clone().ok_or((LowerErrorKind::Malformed, "no index".to_string()))?;
-                if rank == 0 {
-                    return unsupported("gather from a 0-d tensor");
-                }
                 let gather = op == AtenOp::Gather;
+                if rank == 0 {
+                    // one element: every index must be 0 (or -1 for index_select, as in eager)
+                    return Ok(TensorValue {
+                        size: out.shape.clone(),
+                        dtype: out.dtype,
+                        device: out.device.clone(),
+                        src: Src::Lazy {
+                            f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                                // index_select's index has one element; gather's has the output's shape
+                                let ii = if gather { idx.to_vec() } else { vec![IndexExpr::zero(); ind.size.len()] };
+                                let i = checked_index(bx, &ind, &ii, 1, !gather);
+                                bx.body.load_indirect(buf, IndexExpr::constant(offset), vec![(i, 0)], dt)
+                            }),
+                            reads: 2,
+                            ops: 3,
+                        },
+                    });
+                }
                 Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let i = if gather { checked_index(bx, &ind, idx, sizes[dim], false) } else {
                         let ii = if ind.size.is_empty() { vec![] } else { vec![idx[dim].clone()] };
@@ -108,37 +111,9 @@ impl Ctx<'_> {
                 })
             }
             _ => {
-                // advanced indexing: the index tensors broadcast to `b`; their result dims go where
-                // the first indexed dim was if the indexed dims are adjacent, else in front
-                let indexed: Vec<usize> = (0..idx_tensors.len()).filter(|&d| idx_tensors[d].is_some()).collect();
-                if indexed.is_empty() || idx_tensors.len() > rank {
-                    return unsupported("index without index tensors");
-                }
-                let shapes: Vec<&[i64]> = indexed.iter().filter_map(|&d| idx_tensors[d].as_ref().map(|t| t.size.as_slice())).collect();
-                let b = super::pointwise::broadcast_shapes(&shapes)?;
-                let adjacent = indexed.windows(2).all(|w| w[1] == w[0] + 1);
-                let first = if adjacent { indexed[0] } else { 0 };
-                let nb = b.len();
-                let rest: Vec<usize> = (0..rank).filter(|d| !indexed.contains(d)).collect();
-                let tensors = idx_tensors.clone();
+                let adv = super::scatter::AdvancedIndex::new(&sizes, &idx_tensors)?;
                 Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    // output dims: rest dims before `first`, then b, then the other rest dims
-                    let before: Vec<usize> = rest.iter().copied().filter(|&d| d < first).collect();
-                    let bidx = &idx[before.len()..before.len() + nb];
-                    let mut base = IndexExpr::constant(offset);
-                    let mut pos = 0usize;
-                    for &d in &rest {
-                        let o = if pos < before.len() { pos } else { pos + nb };
-                        base = base.add(&idx[o].scale(stride[d]));
-                        pos += 1;
-                    }
-                    let mut terms = Vec::new();
-                    for &d in &indexed {
-                        if let Some(t) = &tensors[d] {
-                            let ti = broadcast_index(&t.size, bidx);
-                            terms.push((checked_index(bx, t, &ti, sizes[d], true), stride[d]));
-                        }
-                    }
+                    let (base, terms) = adv.address(bx, idx, &stride, offset);
                     bx.body.load_indirect(buf, base, terms, dt)
                 })
             }

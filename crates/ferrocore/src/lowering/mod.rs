@@ -11,6 +11,7 @@ mod pooling;
 mod random;
 mod pointwise;
 mod reduction;
+mod scatter;
 mod views;
 
 use crate::graph::{Arg, AtenOp, DType, Device, Graph, Meta, NodeId, NodeKind, Target, TensorMeta};
@@ -284,7 +285,7 @@ impl<'g> Ctx<'g> {
         let t = Lowered::Tensor;
         Ok(match op {
             Abs | Neg | Exp | Exp2 | Expm1 | Log | Log2 | Log10 | Log1p | Sqrt | Rsqrt | Sin | Cos | Tan | Asin | Acos
-            | Atan | Sinh | Cosh | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Floor | Ceil | Round
+            | Atan | Sinh | Cosh | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Lgamma | Floor | Ceil | Round
             | Trunc | Sign | Reciprocal | BitwiseNot | LogicalNot | IsNan | IsInf | Gelu | Silu => t(self.lower_unary(op)?),
             AddTensor | AddScalar | SubTensor | SubScalar | RsubScalar | MulTensor | MulScalar | DivTensor | DivScalar
             | DivTensorMode | DivScalarMode | PowTensorTensor | PowTensorScalar | PowScalar | Maximum | Minimum
@@ -296,19 +297,19 @@ impl<'g> Ctx<'g> {
             WhereSelf => t(self.lower_where()?),
             Clamp | ClampTensor | ClampMin | ClampMax | Hardtanh => t(self.lower_clamp(op)?),
             ToCopy | Clone | Copy | LiftFreshCopy => t(self.lower_copy(op)?),
-            Full | FullLike | ScalarTensor | FillScalar | EmptyMemoryFormat | EmptyStrided => t(self.lower_full(op)?),
+            Full | FullLike | ScalarTensor | FillScalar | EmptyMemoryFormat | EmptyStrided | EmptyPermuted => t(self.lower_full(op)?),
             ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
             SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault
             | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
             VarCorrection | VarMeanCorrection | VarDim => self.lower_var(op)?,
             Argmax | Argmin | MaxDim | MinDim => self.lower_arg_reduction(op)?,
             Cumsum | Cumprod => t(self.lower_scan(op)?),
-            Rand | Randn => t(self.lower_random(op)?),
+            Rand | Randn | RandLike | RandnLike | BernoulliP => t(self.lower_random(op)?),
             NativeDropout => self.lower_dropout()?,
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
             NativeLayerNormBackward => self.lower_layer_norm_backward()?,
-            BatchNormNoTraining | BatchNormNoStats => self.lower_batch_norm(op)?,
+            BatchNormNoTraining | BatchNormNoStats | BatchNormLegit | BatchNormFunctional => self.lower_batch_norm(op)?,
             NativeGroupNorm => self.lower_group_norm()?,
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d => self.lower_pool2d(op)?,
@@ -326,6 +327,13 @@ impl<'g> Ctx<'g> {
                 t(self.lower_edge_pad(op)?)
             }
             SelectScatter | SliceScatter => t(self.lower_scatter_view(op)?),
+            ScatterSrc | ScatterValue | ScatterReduce | ScatterValueReduce | ScatterAdd | ScatterReduceTwo => {
+                t(self.lower_scatter(op)?)
+            }
+            IndexPut => t(self.lower_index_put()?),
+            MaskedScatter => t(self.lower_masked_scatter()?),
+            MaxPool2dWithIndicesBackward => t(self.lower_max_pool_backward()?),
+            EmbeddingDenseBackward => t(self.lower_embedding_backward()?),
         })
     }
 

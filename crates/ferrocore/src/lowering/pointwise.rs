@@ -165,6 +165,7 @@ impl Ctx<'_> {
             A::Relu => simple(UnaryOp::Relu),
             A::Erf => simple(UnaryOp::Erf),
             A::Erfc => simple(UnaryOp::Erfc),
+            A::Lgamma => simple(UnaryOp::Lgamma),
             A::Floor => simple(UnaryOp::Floor),
             A::Ceil => simple(UnaryOp::Ceil),
             A::Round => {

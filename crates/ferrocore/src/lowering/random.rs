@@ -56,8 +56,11 @@ impl Ctx<'_> {
         if self.arg(usize::MAX, "generator").is_some_and(|g| *g != Arg::None) {
             return unsupported("an explicit generator");
         }
-        let r = self.random_values(&out.shape, op == AtenOp::Randn);
+        let normal = matches!(op, AtenOp::Randn | AtenOp::RandnLike);
+        let r = self.random_values(&out.shape, normal);
         let dt = out.dtype;
+        // bernoulli(x, p): 1 with probability p
+        let p = if op == AtenOp::BernoulliP { Some(self.float_arg(1, "p")?.unwrap_or(0.5)) } else { None };
         let f = match r.src {
             Src::Lazy { f, .. } => f,
             Src::View { .. } => return malformed("random values must be lazy"),
@@ -68,6 +71,13 @@ impl Ctx<'_> {
             device: out.device.clone(),
             src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                 let v = f(bx, idx);
+                let v = match p {
+                    Some(p) => {
+                        let pc = bx.body.constant(Scalar::Float(p), DType::F32);
+                        bx.body.binary(BinaryOp::Lt, v, pc)
+                    }
+                    None => v,
+                };
                 bx.body.cast(v, dt)
             }), reads: 1, ops: 31 },
         })

@@ -480,7 +480,22 @@ impl Ctx<'_> {
             return malformed("batch norm input needs a channel dim");
         }
         let acc = out.dtype.compute();
-        let eps = self.float_arg(if op == AtenOp::BatchNormNoTraining { 6 } else { 5 }, "eps")?.unwrap_or(1e-5);
+        let with_stats = matches!(op, AtenOp::BatchNormLegit | AtenOp::BatchNormFunctional);
+        let eps_at = match op {
+            AtenOp::BatchNormNoTraining => 6,
+            AtenOp::BatchNormNoStats => 5,
+            _ => 7,
+        };
+        let eps = self.float_arg(eps_at, "eps")?.unwrap_or(1e-5);
+        let training = match op {
+            AtenOp::BatchNormNoTraining => false,
+            AtenOp::BatchNormNoStats => true,
+            _ => self.bool_arg(5, "training", true)?,
+        };
+        if op == AtenOp::BatchNormLegit && training {
+            // updates running_mean/var in place: functional graphs carry the _functional form
+            return unsupported("_native_batch_norm_legit in training mode mutates its running statistics");
+        }
         let device = x.device.clone();
         let rstd_of = |var: TensorValue| -> TensorValue {
             let size = var.size.clone();
@@ -491,22 +506,54 @@ impl Ctx<'_> {
                 bx.body.unary(UnaryOp::Rsqrt, s)
             })
         };
-        if op == AtenOp::BatchNormNoTraining {
+        if !training {
             let mean = self.tensor_arg(3, "running_mean")?;
             let var = self.tensor_arg(4, "running_var")?;
             let rstd = rstd_of(var);
             let y = Self::normalize_channels(&x, mean, rstd, w, b, out, acc);
             // save_mean / save_rstd are empty in eval mode
             let empty = |m: &TensorMeta| self.empty_like_meta(m);
-            return Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(empty(m1))), Some(Lowered::Tensor(empty(m2)))]));
+            let mut items = vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(empty(m1))), Some(Lowered::Tensor(empty(m2)))];
+            if op == AtenOp::BatchNormFunctional {
+                // eval mode leaves the running statistics as they were
+                items.push(Some(Lowered::Tensor(self.tensor_arg(3, "running_mean")?)));
+                items.push(Some(Lowered::Tensor(self.tensor_arg(4, "running_var")?)));
+            }
+            return Ok(Lowered::Tuple(items));
         }
         let dims: Vec<usize> = (0..x.size.len()).filter(|&d| d != 1).collect();
         let (mean, var) = self.variance(&x, &dims, acc, 0.0);
-        let rstd = rstd_of(var);
+        let rstd = rstd_of(var.clone());
         let y = Self::normalize_channels(&x, mean.clone(), rstd.clone(), w, b, out, acc);
-        let m = self.finish_reduction(mean, m1)?;
+        let m = self.finish_reduction(mean.clone(), m1)?;
         let r = self.finish_reduction(rstd, m2)?;
-        Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(m)), Some(Lowered::Tensor(r))]))
+        let mut items = vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(m)), Some(Lowered::Tensor(r))];
+        if with_stats {
+            let (Some(rm_meta), Some(rv_meta)) = (metas.get(3), metas.get(4)) else {
+                return malformed("_native_batch_norm_legit_functional returns five tensors");
+            };
+            let momentum = self.float_arg(6, "momentum")?.unwrap_or(0.1);
+            let n: i64 = dims.iter().map(|&d| x.size[d]).product();
+            // running stats blend in the batch mean and the unbiased batch variance
+            let unbias = if n > 1 { n as f64 / (n - 1) as f64 } else { f64::NAN };
+            for (k, (stat, meta, scale)) in [(mean, rm_meta, 1.0), (var, rv_meta, unbias)].into_iter().enumerate() {
+                let running = self.tensor_arg(3 + k, if k == 0 { "running_mean" } else { "running_var" })?;
+                let stat = reshape(&stat, running.size.clone())?;
+                let dt = meta.dtype;
+                let sdt = dt.compute();
+                let v = pointwise(vec![PwIn::Tensor(running), PwIn::Tensor(stat)], meta.shape.clone(), dt, meta.device.clone(), sdt, move |bx, v| {
+                    let r = bx.body.cast(v[0], sdt);
+                    let s = bx.body.cast(v[1], sdt);
+                    let keep = bx.body.constant(Scalar::Float(1.0 - momentum), sdt);
+                    let take = bx.body.constant(Scalar::Float(momentum * scale), sdt);
+                    let a = bx.body.binary(BinaryOp::Mul, r, keep);
+                    let b = bx.body.binary(BinaryOp::Mul, s, take);
+                    bx.body.binary(BinaryOp::Add, a, b)
+                });
+                items.push(Some(Lowered::Tensor(v)));
+            }
+        }
+        Ok(Lowered::Tuple(items))
     }
 
     fn empty_like_meta(&self, m: &TensorMeta) -> TensorValue {

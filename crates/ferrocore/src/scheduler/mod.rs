@@ -76,11 +76,21 @@ pub fn schedule(mut program: LoopProgram) -> Result<Schedule, SchedulerError> {
                 let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
                 // earliest slot this node may run in: after every producer of what it reads
                 let earliest = reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).max();
+                let earliest = if node.is_scatter() { earliest.max(producer[node.output.0 as usize].iter().copied().max()) } else { earliest };
                 let mut best: Option<(usize, i64, KernelPlan)> = None;
                 let mut rejected = false;
                 let lo = slots.len().saturating_sub(FUSION_WINDOW);
+                // a scatter updates a buffer filled by earlier writers: it runs after all of them,
+                // alone, and nothing joins its kernel
+                let scatter = node.is_scatter();
+                if scatter {
+                    decisions.push(format!("scatter: {out_name} updates its buffer at computed indices; a kernel of its own"));
+                }
                 for (si, slot) in slots.iter().enumerate().skip(lo) {
                     let Slot::Kernel(members, _) = slot else { continue };
+                    if scatter || members.iter().any(|&m| program.nodes[m].is_scatter()) {
+                        continue;
+                    }
                     if let Some(e) = earliest {
                         if si < e {
                             continue;
@@ -241,7 +251,9 @@ fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) ->
     }
     for (i, b) in p.buffers.iter().enumerate() {
         let id = BufferId(i as u32);
+        let scattered = p.nodes.iter().any(|n| n.output == id && n.is_scatter());
         if b.source == BufferSource::Computed
+            && !scattered
             && writer_kernel[i].is_some()
             && !outputs.contains(&id)
             && !outside.contains(&id)

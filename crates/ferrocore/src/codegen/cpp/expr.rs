@@ -54,6 +54,16 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
     }
 }
 
+/// A stored element of a `dt` buffer as the value it computes with.
+pub fn load_conv(raw: &str, dt: DType) -> String {
+    match dt {
+        DType::F16 => format!("ferro_h2f({raw})"),
+        DType::BF16 => format!("ferro_bf2f({raw})"),
+        DType::Bool => format!("({raw} != 0)"),
+        _ => raw.to_string(),
+    }
+}
+
 pub fn store_conv(v: &str, dt: DType) -> String {
     match dt {
         DType::Bool => format!("static_cast<uint8_t>({v})"),
@@ -237,13 +247,7 @@ impl OpsHandler for BodyEmitter<'_> {
             return name.clone();
         }
         let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
-        let raw = format!("{p}[{}]", self.index(index));
-        let e = match dtype {
-            DType::F16 => format!("ferro_h2f({raw})"),
-            DType::BF16 => format!("ferro_bf2f({raw})"),
-            DType::Bool => format!("({raw} != 0)"),
-            _ => raw,
-        };
+        let e = load_conv(&format!("{p}[{}]", self.index(index)), dtype);
         self.emit_in(Self::index_section(index), dtype, e, &[])
     }
 
@@ -294,6 +298,7 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Relu => format!("({x} < 0 ? static_cast<{ty}>(0) : {x})"),
             UnaryOp::Erf => format!("std::erf({x})"),
             UnaryOp::Erfc => format!("std::erfc({x})"),
+            UnaryOp::Lgamma => format!("std::lgamma({x})"),
             UnaryOp::Floor => if fl { format!("std::floor({x})") } else { x.clone() },
             UnaryOp::Ceil => if fl { format!("std::ceil({x})") } else { x.clone() },
             UnaryOp::Round => if fl { format!("std::nearbyint({x})") } else { x.clone() },
@@ -415,7 +420,7 @@ impl OpsHandler for BodyEmitter<'_> {
         self.emit(DType::I64, clamped, &[&wrapped])
     }
 
-    fn store(&mut self, _index: &IndexExpr, _value: &String, _dtype: DType) {
+    fn store(&mut self, _index: &IndexExpr, _terms: &[(String, i64)], _mode: StoreMode, _value: &String, _dtype: DType) {
         // the kernel writer places the store: it knows the buffer's storage and local name
     }
 }

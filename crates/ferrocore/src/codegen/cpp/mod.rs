@@ -83,7 +83,11 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
 
     let n = plan.outer;
     let work: i64 = plan.groups.iter().map(|g| n * g.inner.iter().product::<i64>()).max().unwrap_or(n);
-    let parallel = work >= PARALLEL_THRESHOLD;
+    // a scatter kernel holds one node (the scheduler never fuses one): its stores may collide
+    let scatter = plan.nodes.iter().find_map(|kn| kn.body.store.as_ref().filter(|st| st.is_scatter()));
+    let scatter_dtype = plan.nodes.first().map(|kn| p.buffer(p.nodes[kn.node].output).layout.dtype);
+    let parallel = work >= PARALLEL_THRESHOLD && scatter.map_or(true, |st| scatter_parallel(st.mode, scatter_dtype));
+    let vectorize = scatter.is_none();
     let outer_parallel = parallel && n > 1;
     let mut out = String::new();
     // kernels return nonzero when a gathered index was out of range (the wrapper raises)
@@ -92,7 +96,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     let single_flat = plan.groups.len() == 1 && plan.groups[0].inner.is_empty() && !plan.groups[0].reduction;
     if single_flat {
         if parallel {
-            out.push_str("  #pragma omp parallel for simd\n");
+            out.push_str(if vectorize { "  #pragma omp parallel for simd\n" } else { "  #pragma omp parallel for\n" });
         }
     } else if outer_parallel {
         out.push_str("  #pragma omp parallel for\n");
@@ -140,10 +144,30 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let ct = c_type(out_layout.dtype);
             let line = format!("{ct} {local} = {conv};\n");
             let allocated = s.storage[out_buf.0 as usize] == Storage::Allocated;
-            let idx = em.index(&store.index);
+            let mut idx = em.index(&store.index);
+            for (v, c) in &store.terms {
+                idx = format!("{idx} + {c}LL * {}", vals[v.0 as usize]);
+            }
             let store_line = if allocated {
                 let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
-                format!("{dst}[{idx}] = {};\n", expr::store_conv(&local, out_layout.dtype))
+                let odt = out_layout.dtype;
+                match store.mode {
+                    StoreMode::Set => format!("{dst}[{idx}] = {};\n", expr::store_conv(&local, odt)),
+                    StoreMode::Combine(op) if atomic_scatter(op, odt) => {
+                        format!("#pragma omp atomic\n{dst}[{idx}] += {local};\n")
+                    }
+                    StoreMode::Combine(op) => {
+                        // a read-modify-write; the kernel runs sequentially (see `scatter_parallel`)
+                        let old = expr::load_conv(&format!("{dst}[{idx}]"), odt);
+                        let new = if odt == DType::Bool {
+                            let c = if matches!(op, ReduceOp::Sum | ReduceOp::Max) { "||" } else { "&&" };
+                            format!("({old} {c} {local})")
+                        } else {
+                            expr::combine(op, odt, &old, &local)
+                        };
+                        format!("{dst}[{idx}] = {};\n", expr::store_conv(&new, odt))
+                    }
+                }
             } else {
                 String::new()
             };
@@ -181,7 +205,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         for (d, size) in g.inner.iter().enumerate() {
             let pad = " ".repeat(base + 2 * d);
             let has_arg = accs.iter().any(|a| a.value_dtype.is_some() || a.scan);
-            if d + 1 == depth && !(split && depth == 1) && !has_arg {
+            if d + 1 == depth && !(split && depth == 1) && !has_arg && vectorize {
                 let clause = simd_clause(&accs, if split { "_local" } else { "" });
                 let _ = writeln!(out, "{pad}#pragma omp simd{clause}");
             }
@@ -207,6 +231,21 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     let mut args = read;
     args.extend(written);
     Ok((out, args))
+}
+
+/// Scatter-adds of plain C types use `omp atomic`; other combining stores (products, max/min,
+/// half types) are read-modify-writes that must not race.
+fn atomic_scatter(op: ReduceOp, dt: DType) -> bool {
+    op == ReduceOp::Sum && matches!(dt, DType::F32 | DType::F64 | DType::I32 | DType::I64 | DType::I16 | DType::I8 | DType::U8)
+}
+
+/// Whether a scatter kernel may run its iterations in parallel. Plain stores run in order, so
+/// that the last of several writes to one element wins, as in eager's CPU loops.
+fn scatter_parallel(mode: StoreMode, dt: Option<DType>) -> bool {
+    match (mode, dt) {
+        (StoreMode::Combine(op), Some(dt)) => atomic_scatter(op, dt),
+        _ => false,
+    }
 }
 
 fn simd_clause(accs: &[Acc], suffix: &str) -> String {

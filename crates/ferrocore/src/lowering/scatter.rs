@@ -1,0 +1,565 @@
+//! Scatters: scatter / scatter_add / scatter_reduce, index_put, masked_scatter, and the
+//! backward ops that are scatters at heart (max-pool indices, embedding). A scatter is a copy of
+//! the destination into a fresh buffer followed by scatter nodes whose stores go to addresses
+//! computed in the body (`Store::terms`), optionally combining with what is there. Every
+//! user index passes `CheckIndex`, so a bad index raises IndexError and never writes outside.
+
+use super::pointwise::{broadcast_index, broadcast_shapes};
+use super::*;
+
+/// One scatter pass over `ranges`: for each index, (affine part of the destination address,
+/// data-dependent terms, value).
+pub(super) type ScatterFn = Rc<dyn Fn(&mut Bx, &[IndexExpr]) -> (IndexExpr, Vec<(ValueId, i64)>, ValueId)>;
+
+pub(super) struct ScatterPass {
+    pub ranges: Vec<i64>,
+    pub f: ScatterFn,
+    pub mode: StoreMode,
+}
+
+/// The identity of a combining scatter: what an element starts from when `self` is excluded.
+fn identity(op: ReduceOp, dt: DType) -> Scalar {
+    match op {
+        ReduceOp::Prod => Scalar::Int(1),
+        ReduceOp::Max if dt.is_float() => Scalar::Float(f64::NEG_INFINITY),
+        ReduceOp::Min if dt.is_float() => Scalar::Float(f64::INFINITY),
+        ReduceOp::Max => Scalar::Int(dt.int_range().0),
+        ReduceOp::Min => Scalar::Int(dt.int_range().1),
+        _ => Scalar::Int(0),
+    }
+}
+
+fn reduce_by_name(name: &str) -> LResult<Option<ReduceOp>> {
+    Ok(match name {
+        "sum" | "add" => Some(ReduceOp::Sum),
+        "prod" | "multiply" => Some(ReduceOp::Prod),
+        "amax" => Some(ReduceOp::Max),
+        "amin" => Some(ReduceOp::Min),
+        "mean" => None,
+        other => return malformed(format!("unknown scatter reduction '{other}'")),
+    })
+}
+
+impl Ctx<'_> {
+    /// Copies `init` into a fresh contiguous buffer of `dtype`, then runs `passes` over it in order.
+    pub(super) fn scatter_into(&mut self, init: &TensorValue, dtype: DType, passes: Vec<ScatterPass>) -> TensorValue {
+        let layout = Layout::contiguous(&init.size, dtype, init.device.clone());
+        let dst = self.realize_into(init, layout.clone());
+        let Src::View { buf, .. } = dst.src else { return dst };
+        for pass in passes {
+            let mut body = LoopBody::default();
+            {
+                let mut bx = Bx { body: &mut body, ranges: pass.ranges.clone() };
+                let vars: Vec<IndexExpr> = (0..pass.ranges.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
+                let (index, terms, v) = (pass.f)(&mut bx, &vars);
+                let v = bx.body.cast(v, dtype);
+                bx.body.set_scatter_store(index, terms, v, pass.mode);
+            }
+            self.push_node(LoopNode { output: buf, ranges: pass.ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+        }
+        view_of_layout(buf, &layout)
+    }
+
+    /// scatter.src/.value/.reduce/.value_reduce, scatter_add, scatter_reduce.two.
+    pub(super) fn lower_scatter(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        use AtenOp as A;
+        let x = self.tensor_arg(0, "self")?;
+        let index = self.tensor_arg(2, "index")?;
+        let out = self.out_meta()?.clone();
+        let dt = out.dtype;
+        if !matches!(index.dtype, DType::I64 | DType::I32) {
+            return malformed(format!("scatter index must be int64, got {}", index.dtype));
+        }
+        let rank = x.size.len();
+        let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+        let src: Option<TensorValue> = match self.arg(3, "src").or(self.arg(3, "value")) {
+            Some(Arg::Node(n)) => Some(self.tensor_of(*n)?),
+            _ => None,
+        };
+        let value = match self.arg(3, "value") {
+            Some(Arg::Int(v)) => Some(Scalar::Int(*v)),
+            Some(Arg::Float(v)) => Some(Scalar::Float(*v)),
+            Some(Arg::Bool(v)) => Some(Scalar::Bool(*v)),
+            _ => None,
+        };
+        if src.is_none() && value.is_none() {
+            return malformed("scatter needs a src tensor or a value");
+        }
+        let (reduce, include_self) = match op {
+            A::ScatterAdd => (Some(Some(ReduceOp::Sum)), true),
+            A::ScatterReduceTwo => {
+                let Some(Arg::Str(r)) = self.arg(4, "reduce") else { return malformed("scatter_reduce needs a reduce string") };
+                (Some(reduce_by_name(r)?), self.bool_arg(5, "include_self", true)?)
+            }
+            A::ScatterReduce | A::ScatterValueReduce => {
+                let Some(Arg::Str(r)) = self.arg(4, "reduce") else { return malformed("scatter needs a reduce string") };
+                match r.as_str() {
+                    "add" | "multiply" => (Some(reduce_by_name(r)?), true),
+                    other => return malformed(format!("scatter reduce must be 'add' or 'multiply', got '{other}'")),
+                }
+            }
+            _ => (None, true),
+        };
+        if index.size.len() != rank.max(1) && !(rank == 0 && index.size.is_empty()) {
+            return malformed(format!("index rank {} differs from self rank {rank}", index.size.len()));
+        }
+        let sizes = if rank == 0 { vec![1] } else { x.size.clone() };
+        let dstride = contiguous_strides(&sizes);
+        let n_dim = sizes[dim];
+        let ranges = index.size.clone();
+        // the address of index element `idx`: its own position, with `dim` replaced by its value
+        let addr = {
+            let (index, dstride) = (index.clone(), dstride.clone());
+            Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| -> (IndexExpr, Vec<(ValueId, i64)>) {
+                let raw = index.load(bx, idx);
+                let i = bx.body.check_index(raw, n_dim, false);
+                let mut base = IndexExpr::zero();
+                for (d, e) in idx.iter().enumerate() {
+                    if d != dim {
+                        base = base.add(&e.scale(dstride[d]));
+                    }
+                }
+                (base, vec![(i, dstride[dim])])
+            })
+        };
+        let src_value = {
+            let src = src.clone();
+            Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| -> ValueId {
+                match (&src, value) {
+                    (Some(s), _) => {
+                        let v = s.load(bx, idx);
+                        bx.body.cast(v, dt)
+                    }
+                    (None, Some(c)) => bx.body.constant(c, dt),
+                    (None, None) => bx.body.constant(Scalar::Int(0), dt),
+                }
+            })
+        };
+        let pass = |mode: StoreMode, val: Option<Scalar>| -> ScatterPass {
+            let (addr, src_value) = (addr.clone(), src_value.clone());
+            ScatterPass {
+                ranges: ranges.clone(),
+                mode,
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let (base, terms) = addr(bx, idx);
+                    let v = match val {
+                        Some(c) => bx.body.constant(c, dt),
+                        None => src_value(bx, idx),
+                    };
+                    (base, terms, v)
+                }),
+            }
+        };
+        let xv = if rank == 0 { reshaped(&x, vec![1]) } else { x.clone() };
+        let result = match reduce {
+            None => self.scatter_into(&xv, dt, vec![pass(StoreMode::Set, None)]),
+            Some(Some(rop)) => {
+                let mut passes = Vec::new();
+                if !include_self {
+                    passes.push(pass(StoreMode::Set, Some(identity(rop, dt))));
+                }
+                passes.push(pass(StoreMode::Combine(rop), None));
+                self.scatter_into(&xv, dt, passes)
+            }
+            Some(None) => {
+                // mean: a sum and a count, divided where anything landed
+                let mut passes = Vec::new();
+                if !include_self {
+                    passes.push(pass(StoreMode::Set, Some(Scalar::Int(0))));
+                }
+                passes.push(pass(StoreMode::Combine(ReduceOp::Sum), None));
+                let sum = self.scatter_into(&xv, dt, passes);
+                let start = Scalar::Int(include_self as i64);
+                let zeros = constant_value(&sizes, dt, start, &x.device);
+                let count = self.scatter_into(&zeros, dt, vec![pass(StoreMode::Combine(ReduceOp::Sum), Some(Scalar::Int(1)))]);
+                let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let s = sum.load(bx, idx);
+                    let c = count.load(bx, idx);
+                    let zero = bx.body.constant(Scalar::Int(0), dt);
+                    let one = bx.body.constant(Scalar::Int(1), dt);
+                    let none = bx.body.binary(BinaryOp::Eq, c, zero);
+                    let c = bx.body.where_(none, one, c);
+                    let q = if dt.is_float() { bx.body.binary(BinaryOp::TrueDiv, s, c) } else { bx.body.binary(BinaryOp::FloorDiv, s, c) };
+                    bx.body.cast(q, dt)
+                });
+                TensorValue { size: sizes.clone(), dtype: dt, device: x.device.clone(), src: Src::Lazy { f, reads: 2, ops: 6 } }
+            }
+        };
+        Ok(if rank == 0 { reshaped(&result, vec![]) } else { result })
+    }
+
+    /// index_put(self, indices, values, accumulate): advanced-indexing assignment. Integer
+    /// indices scatter (accumulate adds); a boolean mask with a single value is a `where`.
+    pub(super) fn lower_index_put(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let values = self.tensor_arg(2, "values")?;
+        let accumulate = self.bool_arg(3, "accumulate", false)?;
+        let out = self.out_meta()?.clone();
+        let dt = out.dtype;
+        let tensors = self.optional_tensor_list(1, "indices")?;
+        if tensors.iter().flatten().any(|t| matches!(t.dtype, DType::Bool | DType::U8)) {
+            return self.index_put_mask(&x, &tensors, &values, accumulate);
+        }
+        let rank = x.size.len();
+        let adv = AdvancedIndex::new(&x.size, &tensors)?;
+        let shape = adv.result_shape(&x.size);
+        if broadcast_shapes(&[&values.size, &shape])? != shape {
+            return malformed(format!("values of shape {:?} do not broadcast to {shape:?}", values.size));
+        }
+        let dstride = contiguous_strides(&x.size);
+        let _ = rank;
+        let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let (base, terms) = adv.address(bx, idx, &dstride, 0);
+            let vi = broadcast_index(&values.size, idx);
+            let v = values.load(bx, &vi);
+            (base, terms, v)
+        });
+        let mode = if accumulate { StoreMode::Combine(ReduceOp::Sum) } else { StoreMode::Set };
+        Ok(self.scatter_into(&x, dt, vec![ScatterPass { ranges: shape, f, mode }]))
+    }
+
+    /// `self[mask] = values` with one boolean index tensor: the k-th selected element takes
+    /// `values.flatten()[k]` (or the single value), found with a running count of the mask.
+    fn index_put_mask(&mut self, x: &TensorValue, tensors: &[Option<TensorValue>], values: &TensorValue, accumulate: bool) -> LResult<TensorValue> {
+        let masks: Vec<(usize, &TensorValue)> = tensors.iter().enumerate().filter_map(|(d, t)| t.as_ref().map(|t| (d, t))).collect();
+        let [(first, mask)] = masks.as_slice() else { return unsupported("index_put with a boolean mask and other index tensors") };
+        let (first, mask) = (*first, (*mask).clone());
+        let k = mask.size.len();
+        if first + k > x.size.len() || x.size[first..first + k] != mask.size[..] {
+            return unsupported(format!("boolean mask of shape {:?} at dim {first} of {:?}", mask.size, x.size));
+        }
+        let mask_at = move |idx: &[IndexExpr]| idx[first..first + k].to_vec();
+        // x[mask] has shape x[:first] + [selected] + x[first + k:]; values broadcast to it
+        let rank = x.size.len();
+        let sel_rank = rank - k + 1;
+        if values.size.len() > sel_rank {
+            return malformed(format!("values of shape {:?} for a boolean index_put on {:?}", values.size, x.size));
+        }
+        let picked: LoadFn = if values.numel() == 1 {
+            let v = values.clone();
+            Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| {
+                let z = vec![IndexExpr::zero(); v.size.len()];
+                v.load(bx, &z)
+            })
+        } else {
+            let count = self.running_count(&mask);
+            let (vbuf, vstride, voff) = indexing::strided_base(self, values)?;
+            let (vsize, vdt) = (values.size.clone(), values.dtype);
+            let lead = sel_rank - vsize.len();
+            let mstride = contiguous_strides(&mask.size);
+            Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                let row = selected_before(bx, count, &idx[first..first + k], &mstride);
+                // idx of the selection: idx[:first], row, idx[first + k:]
+                let mut base = IndexExpr::constant(voff);
+                let mut terms = Vec::new();
+                for (j, &n) in vsize.iter().enumerate() {
+                    let d = lead + j;
+                    if n == 1 {
+                        continue;
+                    }
+                    if d < first {
+                        base = base.add(&idx[d].scale(vstride[j]));
+                    } else if d == first {
+                        terms.push((bx.body.check_index(row, n, false), vstride[j]));
+                    } else {
+                        base = base.add(&idx[d + k - 1].scale(vstride[j]));
+                    }
+                }
+                bx.body.load_indirect(vbuf, base, terms, vdt)
+            })
+        };
+        let dt = x.dtype;
+        let xs = x.clone();
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let m = mask.load(bx, &mask_at(idx));
+            let keep = xs.load(bx, idx);
+            let v = picked(bx, idx);
+            let v = bx.body.cast(v, dt);
+            let new = if accumulate { bx.body.binary(BinaryOp::Add, keep, v) } else { v };
+            let new = bx.body.cast(new, dt);
+            bx.body.where_(m, new, keep)
+        });
+        Ok(TensorValue { size: x.size.clone(), dtype: dt, device: x.device.clone(), src: Src::Lazy { f, reads: 3, ops: 8 } })
+    }
+
+    /// The inclusive running count of `mask` in row-major order, as an int64 buffer.
+    fn running_count(&mut self, mask: &TensorValue) -> BufferId {
+        let numel = mask.numel();
+        let layout = Layout::contiguous(&[numel], DType::I64, mask.device.clone());
+        let buf = self.prog.add_buffer(layout, BufferSource::Computed);
+        let mut body = LoopBody::default();
+        {
+            let mut bx = Bx { body: &mut body, ranges: vec![numel] };
+            let flat = IndexExpr::var(Var(0));
+            let idx = unravel(&flat, &mask.size);
+            let m = mask.load(&mut bx, &idx);
+            let m = bx.body.cast(m, DType::I64);
+            let s = bx.body.scan(ReduceOp::Sum, m);
+            bx.body.set_store(flat, s);
+        }
+        self.push_node(LoopNode { output: buf, ranges: vec![], reduction_ranges: vec![numel], body, origins: vec![self.node_name()] });
+        buf
+    }
+
+    /// For a boolean `mask` of the result's shape: at each selected index, element
+    /// `values.flatten()[k]`, k counting the selected elements before it (row-major).
+    fn masked_pick(&mut self, mask: &TensorValue, values: &TensorValue) -> LResult<LoadFn> {
+        let count = self.running_count(mask);
+        let (vbuf, vstride, voff) = indexing::strided_base(self, values)?;
+        let vshape = values.size.clone();
+        let vnumel = values.numel();
+        let vdt = values.dtype;
+        let mstride = contiguous_strides(&mask.size);
+        Ok(Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            if vnumel == 0 {
+                return bx.body.constant(Scalar::Int(0), vdt); // nothing can be selected
+            }
+            let k = selected_before(bx, count, idx, &mstride);
+            let k = bx.body.check_index(k, vnumel, false);
+            // the k-th element of `values` in row-major order, through its strides
+            let mut terms = Vec::new();
+            let mut rem = k;
+            let vcontig = contiguous_strides(&vshape);
+            for d in 0..vshape.len() {
+                let c = bx.body.constant(Scalar::Int(vcontig[d]), DType::I64);
+                let q = bx.body.binary(BinaryOp::FloorDiv, rem, c);
+                rem = bx.body.binary(BinaryOp::Remainder, rem, c);
+                terms.push((q, vstride[d]));
+            }
+            bx.body.load_indirect(vbuf, IndexExpr::constant(voff), terms, vdt)
+        }))
+    }
+
+    /// masked_scatter(self, mask, source): selected elements take source's elements in order.
+    pub(super) fn lower_masked_scatter(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let mask = self.tensor_arg(1, "mask")?;
+        let source = self.tensor_arg(2, "source")?;
+        let out = self.out_meta()?.clone();
+        let shape = out.shape.clone();
+        let bmask = broadcast_to(&mask, &shape);
+        let bx_ = broadcast_to(&x, &shape);
+        let picked = self.masked_pick(&bmask, &source)?;
+        let dt = out.dtype;
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let m = bmask.load(bx, idx);
+            let keep = bx_.load(bx, idx);
+            let v = picked(bx, idx);
+            let v = bx.body.cast(v, dt);
+            bx.body.where_(m, v, keep)
+        });
+        Ok(TensorValue { size: shape, dtype: dt, device: out.device.clone(), src: Src::Lazy { f, reads: 3, ops: 10 } })
+    }
+
+    /// max_pool2d_with_indices_backward: gradients added at the recorded argmax of each window.
+    pub(super) fn lower_max_pool_backward(&mut self) -> LResult<TensorValue> {
+        let grad = self.tensor_arg(0, "grad_output")?;
+        let x = self.tensor_arg(1, "self")?;
+        let indices = self.tensor_arg(7, "indices")?;
+        let out = self.out_meta()?.clone();
+        let rank = x.size.len();
+        if !(3..=4).contains(&rank) || grad.size.len() != rank || indices.size != grad.size {
+            return malformed("max_pool2d backward takes 3-D or 4-D tensors of matching ranks");
+        }
+        let dt = out.dtype;
+        let plane = x.size[rank - 2] * x.size[rank - 1];
+        let dstride = contiguous_strides(&x.size);
+        let granges = grad.size.clone();
+        let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let raw = indices.load(bx, idx);
+            let i = bx.body.check_index(raw, plane, false);
+            let mut base = IndexExpr::zero();
+            for d in 0..rank - 2 {
+                base = base.add(&idx[d].scale(dstride[d]));
+            }
+            let g = grad.load(bx, idx);
+            (base, vec![(i, 1)], g)
+        });
+        let zeros = constant_value(&x.size, dt, Scalar::Int(0), &x.device);
+        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges: granges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+    }
+
+    /// embedding_dense_backward: rows of the gradient added into the rows their indices name.
+    pub(super) fn lower_embedding_backward(&mut self) -> LResult<TensorValue> {
+        let grad = self.tensor_arg(0, "grad_output")?;
+        let indices = self.tensor_arg(1, "indices")?;
+        let num_weights = self.int_arg(2, "num_weights")?.ok_or((LowerErrorKind::Malformed, "num_weights missing".to_string()))?;
+        let padding_idx = self.int_arg(3, "padding_idx")?.unwrap_or(-1);
+        let by_freq = self.bool_arg(4, "scale_grad_by_freq", false)?;
+        let out = self.out_meta()?.clone();
+        let dt = out.dtype;
+        let k = indices.size.len();
+        if grad.size.len() != k + 1 {
+            return malformed("embedding backward: grad_output must have one more dim than indices");
+        }
+        let width = grad.size[k];
+        let granges = grad.size.clone();
+        let device = grad.device.clone();
+        // per-row counts, for scale_grad_by_freq
+        let counts = if by_freq {
+            let ind = indices.clone();
+            let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                let raw = ind.load(bx, idx);
+                let i = bx.body.check_index(raw, num_weights, false);
+                let one = bx.body.constant(Scalar::Int(1), DType::I64);
+                (IndexExpr::zero(), vec![(i, 1)], one)
+            });
+            let zeros = constant_value(&[num_weights], DType::I64, Scalar::Int(0), &device);
+            Some(self.scatter_into(&zeros, DType::I64, vec![ScatterPass { ranges: indices.size.clone(), f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+        } else {
+            None
+        };
+        let counts = counts.map(|c| c.strided()).flatten();
+        let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let raw = indices.load(bx, &idx[..k]);
+            let i = bx.body.check_index(raw, num_weights, false);
+            let mut g = grad.load(bx, idx);
+            g = bx.body.cast(g, dt.compute());
+            if let Some((cbuf, _, _)) = &counts {
+                let c = bx.body.load_indirect(*cbuf, IndexExpr::zero(), vec![(i, 1)], DType::I64);
+                let c = bx.body.cast(c, dt.compute());
+                g = bx.body.binary(BinaryOp::TrueDiv, g, c);
+            }
+            if padding_idx >= 0 {
+                let p = bx.body.constant(Scalar::Int(padding_idx), DType::I64);
+                let is_pad = bx.body.binary(BinaryOp::Eq, i, p);
+                let zero = bx.body.constant(Scalar::Int(0), dt.compute());
+                g = bx.body.where_(is_pad, zero, g);
+            }
+            (idx[k].clone(), vec![(i, width)], g)
+        });
+        let zeros = constant_value(&[num_weights, width], dt, Scalar::Int(0), &device);
+        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges: granges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+    }
+
+    /// A list argument of optional tensors (index / index_put indices).
+    pub(super) fn optional_tensor_list(&self, i: usize, key: &str) -> LResult<Vec<Option<TensorValue>>> {
+        let Some(Arg::List(items)) = self.arg(i, key) else { return malformed(format!("{key} must be a list of tensors")) };
+        items
+            .iter()
+            .map(|it| match it {
+                Arg::Node(n) => Ok(Some(self.tensor_of(*n)?)),
+                Arg::None => Ok(None),
+                other => malformed(format!("{key} entries must be tensors or None, got {other:?}")),
+            })
+            .collect()
+    }
+}
+
+/// How many elements the mask selects before the one at `idx` (clamped at 0 where none is
+/// selected yet: the value is unused there), from the running count `count`.
+fn selected_before(bx: &mut Bx, count: BufferId, idx: &[IndexExpr], mstride: &[i64]) -> ValueId {
+    let mut flat = IndexExpr::zero();
+    for (e, s) in idx.iter().zip(mstride) {
+        flat = flat.add(&e.scale(*s));
+    }
+    let c = bx.body.load(count, flat, DType::I64);
+    let one = bx.body.constant(Scalar::Int(1), DType::I64);
+    let k = bx.body.binary(BinaryOp::Sub, c, one);
+    indexing::clamp_index(bx, k, i64::MAX)
+}
+
+/// Row-major coordinates of flat index `flat` in `shape`.
+pub(super) fn unravel(flat: &IndexExpr, shape: &[i64]) -> Vec<IndexExpr> {
+    let strides = contiguous_strides(shape);
+    let numel: i64 = shape.iter().product();
+    let ranges = [numel.max(1)];
+    shape.iter().zip(&strides).map(|(&n, &s)| flat.floordiv(s, &ranges).modulo(n, &ranges)).collect()
+}
+
+/// A tensor filled with `value`.
+pub(super) fn constant_value(size: &[i64], dt: DType, value: Scalar, device: &Device) -> TensorValue {
+    TensorValue {
+        size: size.to_vec(),
+        dtype: dt,
+        device: device.clone(),
+        src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| bx.body.constant(value, dt)), reads: 0, ops: 1 },
+    }
+}
+
+/// The same elements under another shape with equal numel (0-d <-> [1]).
+fn reshaped(t: &TensorValue, size: Vec<i64>) -> TensorValue {
+    let inner = t.clone();
+    let rank = t.size.len();
+    TensorValue {
+        size,
+        dtype: t.dtype,
+        device: t.device.clone(),
+        src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| inner.load(bx, &vec![IndexExpr::zero(); rank])), reads: 1, ops: 0 },
+    }
+}
+
+/// `t` read at the trailing-aligned broadcast of an index of `shape`.
+fn broadcast_to(t: &TensorValue, shape: &[i64]) -> TensorValue {
+    let inner = t.clone();
+    TensorValue {
+        size: shape.to_vec(),
+        dtype: t.dtype,
+        device: t.device.clone(),
+        src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| inner.load(bx, &broadcast_index(&inner.size, idx))), reads: 1, ops: 0 },
+    }
+}
+
+/// Advanced indexing with integer index tensors: the indexed dims are replaced by the broadcast
+/// shape of the index tensors, placed where the first indexed dim was when the indexed dims are
+/// adjacent, else in front (numpy's rule).
+#[derive(Clone)]
+pub(super) struct AdvancedIndex {
+    tensors: Vec<Option<TensorValue>>,
+    indexed: Vec<usize>,
+    rest: Vec<usize>,
+    /// Number of unindexed dims before the broadcast block in the result.
+    before: usize,
+    b: Vec<i64>,
+    sizes: Vec<i64>,
+}
+
+impl AdvancedIndex {
+    pub(super) fn new(sizes: &[i64], tensors: &[Option<TensorValue>]) -> LResult<AdvancedIndex> {
+        let rank = sizes.len();
+        let indexed: Vec<usize> = (0..tensors.len()).filter(|&d| tensors[d].is_some()).collect();
+        if indexed.is_empty() || tensors.len() > rank {
+            return unsupported("indexing without index tensors");
+        }
+        for t in tensors.iter().flatten() {
+            if !matches!(t.dtype, DType::I64 | DType::I32) {
+                return unsupported(format!("{} indices", t.dtype)); // bool masks have data-dependent shapes
+            }
+        }
+        let shapes: Vec<&[i64]> = tensors.iter().flatten().map(|t| t.size.as_slice()).collect();
+        let b = broadcast_shapes(&shapes)?;
+        let adjacent = indexed.windows(2).all(|w| w[1] == w[0] + 1);
+        let first = if adjacent { indexed[0] } else { 0 };
+        let rest: Vec<usize> = (0..rank).filter(|d| !indexed.contains(d)).collect();
+        let before = rest.iter().filter(|&&d| d < first).count();
+        Ok(AdvancedIndex { tensors: tensors.to_vec(), indexed, rest, before, b, sizes: sizes.to_vec() })
+    }
+
+    pub(super) fn result_shape(&self, sizes: &[i64]) -> Vec<i64> {
+        let mut s: Vec<i64> = self.rest[..self.before].iter().map(|&d| sizes[d]).collect();
+        s.extend(&self.b);
+        s.extend(self.rest[self.before..].iter().map(|&d| sizes[d]));
+        s
+    }
+
+    /// The address in a tensor with `stride`/`offset` of result element `idx`: the affine part
+    /// and one checked index term per index tensor (negative indices wrap).
+    pub(super) fn address(&self, bx: &mut Bx, idx: &[IndexExpr], stride: &[i64], offset: i64) -> (IndexExpr, Vec<(ValueId, i64)>) {
+        let nb = self.b.len();
+        let bidx = &idx[self.before..self.before + nb];
+        let mut base = IndexExpr::constant(offset);
+        for (pos, &d) in self.rest.iter().enumerate() {
+            let o = if pos < self.before { pos } else { pos + nb };
+            base = base.add(&idx[o].scale(stride[d]));
+        }
+        let mut terms = Vec::new();
+        for &d in &self.indexed {
+            if let Some(t) = &self.tensors[d] {
+                let ti = broadcast_index(&t.size, bidx);
+                let v = t.load(bx, &ti);
+                terms.push((bx.body.check_index(v, self.sizes[d], true), stride[d]));
+            }
+        }
+        (base, terms)
+    }
+}
