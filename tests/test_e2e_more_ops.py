@@ -185,3 +185,28 @@ def test_training_batch_norm_updates_running_stats():
         torch.testing.assert_close(a, c)
     assert ferrocore.metrics.last["fallbacks"] == 0
     check(lambda t, m, v: F.batch_norm(t, m, v, w, b, training=False), x, mean, var)
+
+
+def test_pooling_3d_adaptive_max_and_integers():
+    v = torch.randn(2, 3, 7, 6, 5)
+    check(lambda t: (F.avg_pool3d(t, 3, 2, 1), F.avg_pool3d(t, (2, 3, 2), ceil_mode=True, count_include_pad=False)), v)
+    check(lambda t: F.max_pool3d(t, 3, 2, 1, return_indices=True), v)
+    check(lambda t: F.max_pool3d(t[0], 2, dilation=2), v)
+    check(lambda t: (F.adaptive_avg_pool3d(t, (3, 2, 4)), F.adaptive_max_pool3d(t, 2, return_indices=True)), v)
+    x = torch.randn(2, 3, 9, 7)
+    check(lambda t: F.adaptive_max_pool2d(t, (4, 3), return_indices=True), x)
+    check(lambda t: F.adaptive_max_pool1d(t[0], 4), x)
+    xi = torch.randint(-50, 50, (2, 3, 9, 7))
+    check(lambda t: (F.max_pool2d(t, 3, 2, 1), F.avg_pool2d(t, 2), F.avg_pool2d(t, 3, 2, 1, count_include_pad=False)), xi)
+
+
+def test_avg_pool_backwards():
+    for fn in (lambda t: F.avg_pool2d(t, 3, 2, 1), lambda t: F.avg_pool2d(t, (2, 3), ceil_mode=True, count_include_pad=False),
+               lambda t: F.adaptive_avg_pool2d(t, (4, 3)), lambda t: F.avg_pool2d(t, 2, divisor_override=3)):
+        x = torch.randn(2, 3, 9, 7, requires_grad=True)
+        g = torch.randn_like(fn(x))
+        expected = torch.autograd.grad(fn(x), x, g)[0]
+        torch._dynamo.reset()
+        got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(x), x, g)[0]
+        torch.testing.assert_close(got, expected)
+        assert ferrocore.metrics.last["fallbacks"] == 0

@@ -165,6 +165,13 @@ aten_ops! {
     AvgPool2d => "aten.avg_pool2d.default", 2..=7;
     MaxPool2dWithIndices => "aten.max_pool2d_with_indices.default", 2..=6;
     AdaptiveAvgPool2d => "aten._adaptive_avg_pool2d.default", 2..=2;
+    AvgPool3d => "aten.avg_pool3d.default", 2..=7;
+    MaxPool3dWithIndices => "aten.max_pool3d_with_indices.default", 2..=6;
+    AdaptiveAvgPool3d => "aten._adaptive_avg_pool3d.default", 2..=2;
+    AdaptiveMaxPool2d => "aten.adaptive_max_pool2d.default", 2..=2;
+    AdaptiveMaxPool3d => "aten.adaptive_max_pool3d.default", 2..=2;
+    AvgPool2dBackward => "aten.avg_pool2d_backward.default", 8..=8;
+    AdaptiveAvgPool2dBackward => "aten._adaptive_avg_pool2d_backward.default", 2..=2;
     // views
     View => "aten.view.default", 2..=2;
     UnsafeView => "aten._unsafe_view.default", 2..=2;

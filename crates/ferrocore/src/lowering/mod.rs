@@ -312,7 +312,9 @@ impl<'g> Ctx<'g> {
             BatchNormNoTraining | BatchNormNoStats | BatchNormLegit | BatchNormFunctional => self.lower_batch_norm(op)?,
             NativeGroupNorm => self.lower_group_norm()?,
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
-            AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d => self.lower_pool2d(op)?,
+            AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d | AvgPool3d | MaxPool3dWithIndices | AdaptiveAvgPool3d
+            | AdaptiveMaxPool2d | AdaptiveMaxPool3d => self.lower_pool(op)?,
+            AvgPool2dBackward | AdaptiveAvgPool2dBackward => t(self.lower_avg_pool_backward(op)?),
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,

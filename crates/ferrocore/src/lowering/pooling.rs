@@ -1,19 +1,21 @@
-//! 2-D pooling as window reductions: each output element reduces over a (kh, kw) window read
+//! 2-D and 3-D pooling as window reductions: each output element reduces over its window read
 //! through clamped indirect loads, with out-of-window positions masked to the reduction's
-//! identity. avg_pool2d, max_pool2d_with_indices (values and argmax indices, fused in one
-//! kernel) and _adaptive_avg_pool2d (per-output window bounds).
+//! identity. avg_pool, max_pool_with_indices (values and argmax indices, fused in one kernel),
+//! adaptive avg/max pool (per-output window bounds). The backward ops of avg and adaptive-avg
+//! pooling are scatter-adds of each output gradient over its window.
 
 use super::indexing::{and_in_range, clamp_index, strided_base};
+use super::scatter::{constant_value, ScatterFn, ScatterPass};
 use super::*;
 
 #[derive(Clone, Copy, PartialEq)]
 enum PoolKind {
     Avg { count_include_pad: bool, divisor: Option<i64> },
     Max,
-    Adaptive,
+    Adaptive { max: bool },
 }
 
-/// Per spatial dim: window start of output index `o` and the valid range of the input.
+/// One spatial dim of a pooling window.
 #[derive(Clone)]
 struct Window {
     kernel: i64,
@@ -24,71 +26,121 @@ struct Window {
     output: i64,
 }
 
-impl Ctx<'_> {
-    pub(super) fn lower_pool2d(&mut self, op: AtenOp) -> LResult<Lowered> {
-        let x = self.tensor_arg(0, "self")?;
-        let rank = x.size.len();
-        if rank < 3 {
-            return malformed("2-D pooling needs an input of rank 3 or 4");
+/// The pooling geometry of a node: kind, spatial rank and one window per spatial dim.
+struct Pool {
+    kind: PoolKind,
+    nd: usize,
+    wins: Vec<Window>,
+}
+
+impl Pool {
+    /// For output spatial indices `o` and window offsets `k`: (in-window test, clamped input
+    /// positions per dim).
+    fn taps(&self, bx: &mut Bx, o: &[IndexExpr], k: &[IndexExpr]) -> (ValueId, Vec<ValueId>) {
+        let mut valid: Option<ValueId> = None;
+        let mut positions = Vec::new();
+        for (d, wn) in self.wins.iter().enumerate() {
+            let (start, end) = window_bounds(bx, self.kind, wn, &o[d]);
+            let i = bx.body.index(k[d].scale(wn.dilation), DType::I64);
+            let pos = bx.body.binary(BinaryOp::Add, start, i);
+            valid = Some(and_in_range(bx, valid, pos, end));
+            positions.push(clamp_index(bx, pos, wn.input - 1));
         }
+        let valid = valid.unwrap_or_else(|| bx.body.constant(Scalar::Bool(true), DType::Bool));
+        (valid, positions)
+    }
+
+    fn kernel(&self) -> Vec<i64> {
+        self.wins.iter().map(|w| w.kernel).collect()
+    }
+}
+
+impl Ctx<'_> {
+    /// Reads the pooling arguments of `op` for an input of `in_size` and output of `out_size`.
+    fn pool_geometry(&self, op: AtenOp, in_size: &[i64], out_size: &[i64], arg0: usize) -> LResult<Pool> {
+        use AtenOp as A;
+        let nd = match op {
+            A::AvgPool3d | A::MaxPool3dWithIndices | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d => 3,
+            _ => 2,
+        };
+        let rank = in_size.len();
+        if rank < nd + 1 || rank > nd + 2 || out_size.len() != rank {
+            return malformed(format!("{nd}-D pooling needs an input of rank {} or {}", nd + 1, nd + 2));
+        }
+        let spread = |v: Option<Vec<i64>>, d: i64| -> LResult<Vec<i64>> {
+            match v {
+                Some(v) if v.len() == nd => Ok(v),
+                Some(v) if v.len() == 1 => Ok(vec![v[0]; nd]),
+                Some(v) if v.is_empty() => Ok(vec![d; nd]),
+                None => Ok(vec![d; nd]),
+                Some(v) => malformed(format!("pooling parameter {v:?} for {nd} spatial dims")),
+            }
+        };
+        let adaptive = matches!(op, A::AdaptiveAvgPool2d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool2d | A::AdaptiveMaxPool3d
+            | A::AdaptiveAvgPool2dBackward);
+        let (kind, kernel, stride, pad, dil) = if adaptive {
+            let max = matches!(op, A::AdaptiveMaxPool2d | A::AdaptiveMaxPool3d);
+            (PoolKind::Adaptive { max }, vec![0; nd], vec![1; nd], vec![0; nd], vec![1; nd])
+        } else {
+            let k = spread(self.ints_arg(arg0, "kernel_size")?, 1)?;
+            let s = match self.ints_arg(arg0 + 1, "stride")? {
+                Some(s) if !s.is_empty() => spread(Some(s), 1)?,
+                _ => k.clone(),
+            };
+            let p = spread(self.ints_arg(arg0 + 2, "padding")?, 0)?;
+            if matches!(op, A::AvgPool2d | A::AvgPool3d | A::AvgPool2dBackward) {
+                let cip = self.bool_arg(arg0 + 4, "count_include_pad", true)?;
+                let div = self.int_arg(arg0 + 5, "divisor_override")?;
+                (PoolKind::Avg { count_include_pad: cip, divisor: div }, k, s, p, vec![1; nd])
+            } else {
+                (PoolKind::Max, k, s, p, spread(self.ints_arg(arg0 + 3, "dilation")?, 1)?)
+            }
+        };
+        let sp = rank - nd;
+        if in_size[sp..].iter().chain(&out_size[sp..]).any(|&s| s == 0) {
+            return unsupported("pooling over an empty plane");
+        }
+        let wins = (0..nd)
+            .map(|d| {
+                let (input, output) = (in_size[sp + d], out_size[sp + d]);
+                Window {
+                    kernel: if adaptive { adaptive_max_window(input, output) } else { kernel[d] },
+                    stride: stride[d],
+                    pad: pad[d],
+                    dilation: dil[d],
+                    input,
+                    output,
+                }
+            })
+            .collect();
+        Ok(Pool { kind, nd, wins })
+    }
+
+    /// avg_pool2d/3d, max_pool2d/3d_with_indices, _adaptive_avg_pool2d/3d, adaptive_max_pool2d/3d.
+    pub(super) fn lower_pool(&mut self, op: AtenOp) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "self")?;
         let metas: Vec<TensorMeta> = match self.meta() {
             Meta::Tensor(t) => vec![t.clone()],
             Meta::Tuple(items) => items.iter().filter_map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),
             _ => return malformed("pooling without tensor metadata"),
         };
         let Some(out) = metas.first().cloned() else { return malformed("pooling without output metadata") };
-        let pair = |v: Option<Vec<i64>>, d: i64| -> Vec<i64> {
-            match v {
-                Some(v) if v.len() == 2 => v,
-                Some(v) if v.len() == 1 => vec![v[0], v[0]],
-                _ => vec![d, d],
-            }
-        };
-        let (kind, kernel, stride, pad, dil) = match op {
-            AtenOp::AdaptiveAvgPool2d => (PoolKind::Adaptive, vec![0, 0], vec![1, 1], vec![0, 0], vec![1, 1]),
-            _ => {
-                let k = pair(self.ints_arg(1, "kernel_size")?, 1);
-                let s = match self.ints_arg(2, "stride")? {
-                    Some(s) if !s.is_empty() => pair(Some(s), 1),
-                    _ => k.clone(),
-                };
-                let p = pair(self.ints_arg(3, "padding")?, 0);
-                let (kind, d) = if op == AtenOp::AvgPool2d {
-                    let cip = self.bool_arg(5, "count_include_pad", true)?;
-                    let div = self.int_arg(6, "divisor_override")?;
-                    (PoolKind::Avg { count_include_pad: cip, divisor: div }, vec![1, 1])
-                } else {
-                    (PoolKind::Max, pair(self.ints_arg(4, "dilation")?, 1))
-                };
-                (kind, k, s, p, d)
-            }
-        };
-        if !x.dtype.is_float() {
-            return unsupported("pooling of a non-float tensor");
+        let pool = self.pool_geometry(op, &x.size, &out.shape, 1)?;
+        if x.dtype == DType::Bool {
+            return unsupported("pooling of a bool tensor");
         }
-        let (h, w) = (x.size[rank - 2], x.size[rank - 1]);
-        let (oh, ow) = (out.shape[rank - 2], out.shape[rank - 1]);
-        if h == 0 || w == 0 || oh == 0 || ow == 0 {
-            return unsupported("pooling over an empty plane");
-        }
-        let win = |d: usize, input: i64, output: i64| Window {
-            kernel: if kind == PoolKind::Adaptive { adaptive_max_window(input, output) } else { kernel[d] },
-            stride: stride[d],
-            pad: pad[d],
-            dilation: dil[d],
-            input,
-            output,
-        };
-        let wins = vec![win(0, h, oh), win(1, w, ow)];
+        let rank = x.size.len();
+        let sp = rank - pool.nd;
         let (buf, xs, xoff) = strided_base(self, &x)?;
         let acc = out.dtype.compute();
         let dims: Vec<i64> = out.shape.clone();
-        // reduce over the two window dims, appended after the output dims
-        let nb = rank - 2;
-        let build = |cx: &mut Self, rop: Option<ReduceOp>, arg: bool| -> TensorValue {
+        let in_size = x.size.clone();
+        let xdt = x.dtype;
+        // reduce over the window dims, appended after the output dims
+        let build = |cx: &mut Self, what: Reduce| -> TensorValue {
             let ranges = dims.clone();
-            let reduction_ranges = vec![wins[0].kernel, wins[1].kernel];
-            let dtype = if arg { DType::I64 } else { acc };
+            let reduction_ranges = pool.kernel();
+            let dtype = if what == Reduce::ArgMax { DType::I64 } else { acc };
             let layout = Layout::contiguous(&ranges, dtype, Device::Cpu);
             let obuf = cx.prog.add_buffer(layout.clone(), BufferSource::Computed);
             let mut body = LoopBody::default();
@@ -96,50 +148,44 @@ impl Ctx<'_> {
                 let all: Vec<i64> = ranges.iter().chain(&reduction_ranges).copied().collect();
                 let mut bx = Bx { body: &mut body, ranges: all };
                 let out_idx: Vec<IndexExpr> = (0..rank).map(|i| IndexExpr::var(Var(i as u32))).collect();
+                let kvars: Vec<IndexExpr> = (0..pool.nd).map(|k| IndexExpr::var(Var((rank + k) as u32))).collect();
                 let mut base = IndexExpr::constant(xoff);
-                for d in 0..nb {
+                for d in 0..sp {
                     base = base.add(&out_idx[d].scale(xs[d]));
                 }
-                let zero = bx.body.constant(Scalar::Int(0), DType::I64);
-                let mut valid: Option<ValueId> = None;
-                let mut terms = Vec::new();
-                let mut positions = Vec::new();
-                for k in 0..2 {
-                    let wn = &wins[k];
-                    let o = &out_idx[nb + k];
-                    let kv = IndexExpr::var(Var((rank + k) as u32));
-                    let (start, end) = window_bounds(&mut bx, kind, wn, o);
-                    let i = bx.body.index(kv.scale(wn.dilation), DType::I64);
-                    let pos = bx.body.binary(BinaryOp::Add, start, i);
-                    valid = Some(and_in_range(&mut bx, valid, pos, end));
-                    let c = clamp_index(&mut bx, pos, wn.input - 1);
-                    terms.push((c, xs[nb + k]));
-                    positions.push(c);
-                }
-                let valid = valid.unwrap_or(zero);
-                let v = bx.body.load_indirect(buf, base, terms, x.dtype);
+                let (valid, positions) = pool.taps(&mut bx, &out_idx[sp..], &kvars);
+                let terms = positions.iter().enumerate().map(|(k, p)| (*p, xs[sp + k])).collect();
+                let v = bx.body.load_indirect(buf, base, terms, xdt);
                 let v = bx.body.cast(v, acc);
-                let result = match (rop, arg) {
-                    (_, true) => {
-                        let ninf = bx.body.constant(Scalar::Float(f64::NEG_INFINITY), acc);
-                        let m = bx.body.where_(valid, v, ninf);
-                        let wc = bx.body.constant(Scalar::Int(w), DType::I64);
-                        let r = bx.body.binary(BinaryOp::Mul, positions[0], wc);
-                        let flat = bx.body.binary(BinaryOp::Add, r, positions[1]);
+                let lowest = if acc.is_float() { Scalar::Float(f64::NEG_INFINITY) } else { Scalar::Int(acc.int_range().0) };
+                let result = match what {
+                    Reduce::ArgMax => {
+                        let low = bx.body.constant(lowest, acc);
+                        let m = bx.body.where_(valid, v, low);
+                        // the index within the input plane (volume), row-major
+                        let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
+                        for (k, p) in positions.iter().enumerate() {
+                            let inner: i64 = in_size[sp + k + 1..].iter().product();
+                            let c = bx.body.constant(Scalar::Int(inner), DType::I64);
+                            let t = bx.body.binary(BinaryOp::Mul, *p, c);
+                            flat = bx.body.binary(BinaryOp::Add, flat, t);
+                        }
                         bx.body.arg_reduce(ReduceOp::ArgMax, m, flat)
                     }
-                    (Some(ReduceOp::Max), _) => {
-                        let ninf = bx.body.constant(Scalar::Float(f64::NEG_INFINITY), acc);
-                        let m = bx.body.where_(valid, v, ninf);
+                    Reduce::Max => {
+                        let low = bx.body.constant(lowest, acc);
+                        let m = bx.body.where_(valid, v, low);
                         bx.body.reduce(ReduceOp::Max, m)
                     }
-                    _ => {
-                        let z = bx.body.constant(Scalar::Float(0.0), acc);
+                    Reduce::Mean => {
+                        let z = bx.body.constant(Scalar::Int(0), acc);
                         let m = bx.body.where_(valid, v, z);
                         let s = bx.body.reduce(ReduceOp::Sum, m);
-                        let count = divisor(&mut bx, kind, &wins, &out_idx[nb..]);
-                        let cf = bx.body.cast(count, acc);
-                        bx.body.binary(BinaryOp::TrueDiv, s, cf)
+                        let count = divisor(&mut bx, pool.kind, &pool.wins, &out_idx[sp..]);
+                        let c = bx.body.cast(count, acc);
+                        // ATen divides integer sums with C++ integer division
+                        let div = if acc.is_float() { BinaryOp::TrueDiv } else { BinaryOp::TruncDiv };
+                        bx.body.binary(div, s, c)
                     }
                 };
                 let r = bx.body.cast(result, dtype);
@@ -148,10 +194,10 @@ impl Ctx<'_> {
             cx.push_node(LoopNode { output: obuf, ranges, reduction_ranges, body, origins: vec![cx.node_name()] });
             view_of_layout(obuf, &layout)
         };
-        match kind {
-            PoolKind::Max => {
-                let vals = build(self, Some(ReduceOp::Max), false);
-                let idx = build(self, None, true);
+        match pool.kind {
+            PoolKind::Max | PoolKind::Adaptive { max: true } => {
+                let vals = build(self, Reduce::Max);
+                let idx = build(self, Reduce::ArgMax);
                 let v = self.cast_to(vals, &out);
                 let i = match metas.get(1) {
                     Some(im) => self.cast_to(idx, im),
@@ -160,10 +206,45 @@ impl Ctx<'_> {
                 Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(v)), Some(Lowered::Tensor(i))]))
             }
             _ => {
-                let r = build(self, Some(ReduceOp::Sum), false);
+                let r = build(self, Reduce::Mean);
                 Ok(Lowered::Tensor(self.cast_to(r, &out)))
             }
         }
+    }
+
+    /// avg_pool2d_backward / _adaptive_avg_pool2d_backward: each output gradient, divided as the
+    /// forward divided its window, is added to every input position of the window.
+    pub(super) fn lower_avg_pool_backward(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let grad = self.tensor_arg(0, "grad_output")?;
+        let x = self.tensor_arg(1, "self")?;
+        let out = self.out_meta()?.clone();
+        let pool = self.pool_geometry(op, &x.size, &grad.size, 2)?;
+        let rank = x.size.len();
+        let sp = rank - pool.nd;
+        let dt = out.dtype;
+        let acc = dt.compute();
+        let dstride = contiguous_strides(&x.size);
+        let ranges: Vec<i64> = grad.size.iter().copied().chain(pool.kernel()).collect();
+        let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let (o, k) = idx.split_at(rank);
+            let (valid, positions) = pool.taps(bx, &o[sp..], k);
+            let mut base = IndexExpr::zero();
+            for d in 0..sp {
+                base = base.add(&o[d].scale(dstride[d]));
+            }
+            let terms = positions.iter().enumerate().map(|(j, p)| (*p, dstride[sp + j])).collect();
+            let g = grad.load(bx, o);
+            let g = bx.body.cast(g, acc);
+            let count = divisor(bx, pool.kind, &pool.wins, &o[sp..]);
+            let c = bx.body.cast(count, acc);
+            let share = bx.body.binary(BinaryOp::TrueDiv, g, c);
+            // taps outside the window add zero at a clamped (harmless) address
+            let zero = bx.body.constant(Scalar::Int(0), acc);
+            let v = bx.body.where_(valid, share, zero);
+            (base, terms, v)
+        });
+        let zeros = constant_value(&x.size, dt, Scalar::Int(0), &x.device);
+        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
     }
 
     fn cast_to(&mut self, tv: TensorValue, m: &TensorMeta) -> TensorValue {
@@ -177,6 +258,13 @@ impl Ctx<'_> {
     }
 }
 
+#[derive(Clone, Copy, PartialEq)]
+enum Reduce {
+    Mean,
+    Max,
+    ArgMax,
+}
+
 /// The longest adaptive window: max over outputs of ceil((o+1)·in/out) − floor(o·in/out).
 fn adaptive_max_window(input: i64, output: i64) -> i64 {
     (0..output).map(|o| ((o + 1) * input + output - 1) / output - (o * input) / output).max().unwrap_or(1).max(1)
@@ -186,7 +274,7 @@ fn adaptive_max_window(input: i64, output: i64) -> i64 {
 fn window_bounds(bx: &mut Bx, kind: PoolKind, wn: &Window, o: &IndexExpr) -> (ValueId, ValueId) {
     let r = bx.ranges.clone();
     match kind {
-        PoolKind::Adaptive => {
+        PoolKind::Adaptive { .. } => {
             let s = o.scale(wn.input).floordiv(wn.output, &r);
             let e = o.add_const(1).scale(wn.input).add_const(wn.output - 1).floordiv(wn.output, &r);
             (bx.body.index(s, DType::I64), bx.body.index(e, DType::I64))
@@ -198,7 +286,7 @@ fn window_bounds(bx: &mut Bx, kind: PoolKind, wn: &Window, o: &IndexExpr) -> (Va
     }
 }
 
-/// Number the window sum is divided by, as ATen's avg_pool2d / adaptive_avg_pool2d define it.
+/// Number the window sum is divided by, as ATen's avg_pool / adaptive_avg_pool define it.
 fn divisor(bx: &mut Bx, kind: PoolKind, wins: &[Window], out_idx: &[IndexExpr]) -> ValueId {
     let r = bx.ranges.clone();
     let mut count: Option<ValueId> = None;
@@ -206,7 +294,7 @@ fn divisor(bx: &mut Bx, kind: PoolKind, wins: &[Window], out_idx: &[IndexExpr]) 
         let o = &out_idx[k];
         let len = match kind {
             PoolKind::Avg { divisor: Some(d), .. } => return bx.body.constant(Scalar::Int(d), DType::I64),
-            PoolKind::Adaptive => {
+            PoolKind::Adaptive { .. } => {
                 let s = o.scale(wn.input).floordiv(wn.output, &r);
                 let e = o.add_const(1).scale(wn.input).add_const(wn.output - 1).floordiv(wn.output, &r);
                 bx.body.index(e.sub(&s), DType::I64)
