@@ -210,3 +210,28 @@ def test_avg_pool_backwards():
         got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(x), x, g)[0]
         torch.testing.assert_close(got, expected)
         assert ferrocore.metrics.last["fallbacks"] == 0
+
+
+def test_group_norm_backward():
+    x = torch.randn(3, 6, 5, 4)
+    dy = torch.randn(3, 6, 5, 4)
+    w, b = torch.randn(6), torch.randn(6)
+    _, mean, rstd = torch.ops.aten.native_group_norm(x, w, b, 3, 6, 20, 2, 1e-5)
+    for weight in (w, None):
+        check(
+            lambda g, t, m, r: torch.ops.aten.native_group_norm_backward(g, t, m, r, weight, 3, 6, 20, 2, [True, True, True]),
+            dy, x, mean, rstd,
+        )
+    xr = x.clone().requires_grad_()
+    fn = lambda t: (F.group_norm(t, 3, w, b) * dy).sum()
+    expected = torch.autograd.grad(fn(xr), xr)[0]
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(xr), xr)[0]
+    torch.testing.assert_close(got, expected)
+
+
+def test_unfold_view_and_stable_sort():
+    x = torch.randn(4, 9, 3)
+    check(lambda t: (t.unfold(1, 3, 2) * 2, t.unfold(0, 2, 1).sum(-1), t.unfold(2, 3, 3) + 1), x)
+    check(lambda t: torch.sort(t * 2, dim=1, stable=True, descending=True), x)
+    assert ferrocore.metrics.last["externs"] == 1

@@ -158,6 +158,7 @@ aten_ops! {
     NativeLayerNormBackward => "aten.native_layer_norm_backward.default", 8..=8;
     BatchNormNoTraining => "aten._native_batch_norm_legit_no_training.default", 7..=7;
     BatchNormNoStats => "aten._native_batch_norm_legit.no_stats", 6..=6;
+    NativeGroupNormBackward => "aten.native_group_norm_backward.default", 10..=10;
     BatchNormLegit => "aten._native_batch_norm_legit.default", 8..=8;
     BatchNormFunctional => "aten._native_batch_norm_legit_functional.default", 8..=8;
     NativeGroupNorm => "aten.native_group_norm.default", 8..=8;
@@ -188,6 +189,7 @@ aten_ops! {
     T => "aten.t.default", 1..=1;
     Alias => "aten.alias.default", 1..=1;
     Diagonal => "aten.diagonal.default", 1..=4;
+    Unfold => "aten.unfold.default", 4..=4;
     SplitWithSizes => "aten.split_with_sizes.default", 2..=3;
     SplitTensor => "aten.split.Tensor", 2..=3;
     Cat => "aten.cat.default", 1..=2;
@@ -198,6 +200,7 @@ aten_ops! {
     Convolution => "aten.convolution.default", 9..=9;
     ConvolutionBackward => "aten.convolution_backward.default", 11..=11;
     Sort => "aten.sort.default", 1..=3;
+    SortStable => "aten.sort.stable", 1..=4;
     Topk => "aten.topk.default", 2..=5;
     Randperm => "aten.randperm.default", 1..=1;
     FftR2c => "aten._fft_r2c.default", 4..=4;

@@ -311,15 +311,16 @@ impl<'g> Ctx<'g> {
             NativeLayerNormBackward => self.lower_layer_norm_backward()?,
             BatchNormNoTraining | BatchNormNoStats | BatchNormLegit | BatchNormFunctional => self.lower_batch_norm(op)?,
             NativeGroupNorm => self.lower_group_norm()?,
+            NativeGroupNormBackward => self.lower_group_norm_backward()?,
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d | AvgPool3d | MaxPool3dWithIndices | AdaptiveAvgPool3d
             | AdaptiveMaxPool2d | AdaptiveMaxPool3d => self.lower_pool(op)?,
             AvgPool2dBackward | AdaptiveAvgPool2dBackward => t(self.lower_avg_pool_backward(op)?),
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
-            | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal => t(self.lower_view(op)?),
+            | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,
             Cat => t(self.lower_cat()?),
-            Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | Topk | Randperm | FftR2c | FftC2r
+            Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r
             | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
@@ -525,7 +526,7 @@ pub fn is_library_call(op: AtenOp) -> bool {
     use AtenOp::*;
     matches!(
         op,
-        Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | Topk | Randperm | FftR2c | FftC2r | CdistForward
+        Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward
             | PdistForward | EmbeddingBag
     )
 }

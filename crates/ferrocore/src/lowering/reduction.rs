@@ -761,3 +761,126 @@ impl Ctx<'_> {
         Ok(Lowered::Tuple(items))
     }
 }
+
+impl Ctx<'_> {
+    /// native_group_norm_backward: with x viewed as [N, G, D, HxW], x̂ = (x − mean)·rstd and
+    /// g = dy·w, dx = rstd·(g − mean_group(g) − x̂·mean_group(g·x̂)); dw and db sum dy·x̂ and dy
+    /// over samples and space.
+    pub(super) fn lower_group_norm_backward(&mut self) -> LResult<Lowered> {
+        let dy = self.tensor_arg(0, "grad_out")?;
+        let x = self.tensor_arg(1, "input")?;
+        let mean = self.tensor_arg(2, "mean")?;
+        let rstd = self.tensor_arg(3, "rstd")?;
+        let w = self.opt_tensor(4, "weight")?;
+        let n = self.int_arg(5, "N")?.unwrap_or(0);
+        let c = self.int_arg(6, "C")?.unwrap_or(0);
+        let hw = self.int_arg(7, "HxW")?.unwrap_or(0);
+        let g = self.int_arg(8, "group")?.unwrap_or(1);
+        let metas: Vec<Option<TensorMeta>> = match self.meta() {
+            Meta::Tuple(items) => items.iter().map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),
+            _ => return malformed("native_group_norm_backward returns a tuple"),
+        };
+        if g <= 0 || c % g != 0 || n * c * hw != x.numel() || dy.size != x.size {
+            return malformed("group norm backward shapes do not match");
+        }
+        if n * c * hw == 0 {
+            return unsupported("group norm backward of an empty tensor");
+        }
+        let d = c / g;
+        let shape4 = vec![n, g, d, hw];
+        let x4 = reshape(&x, shape4.clone())?;
+        let dy4 = reshape(&dy, shape4.clone())?;
+        let acc = x.dtype.compute();
+        let stat = move |bx: &mut Bx, t: &TensorValue, idx: &[IndexExpr]| -> ValueId {
+            let v = t.load(bx, &idx[..2]);
+            bx.body.cast(v, acc)
+        };
+        let (xs, ms, rs) = (x4.clone(), mean.clone(), rstd.clone());
+        let xhat = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| -> ValueId {
+            let v = xs.load(bx, idx);
+            let v = bx.body.cast(v, acc);
+            let m = stat(bx, &ms, idx);
+            let r = stat(bx, &rs, idx);
+            let t = bx.body.binary(BinaryOp::Sub, v, m);
+            bx.body.binary(BinaryOp::Mul, t, r)
+        });
+        let (dys, ws) = (dy4.clone(), w.clone());
+        let gw = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| -> ValueId {
+            let v = dys.load(bx, idx);
+            let v = bx.body.cast(v, acc);
+            match &ws {
+                Some(w) => {
+                    let ch = idx[1].scale(d).add(&idx[2]);
+                    let wv = w.load(bx, &[ch]);
+                    let wv = bx.body.cast(wv, acc);
+                    bx.body.binary(BinaryOp::Mul, v, wv)
+                }
+                None => v,
+            }
+        });
+        let mut items: Vec<Option<Lowered>> = vec![None, None, None];
+        if let Some(Some(m0)) = metas.first() {
+            let g1 = gw.clone();
+            let s1 = self.reduce_node(&shape4, &[2, 3], acc, x.device.clone(), move |bx, full, _| {
+                let v = g1(bx, full);
+                bx.body.reduce(ReduceOp::Sum, v)
+            });
+            let (g2, xh2) = (gw.clone(), xhat.clone());
+            let s2 = self.reduce_node(&shape4, &[2, 3], acc, x.device.clone(), move |bx, full, _| {
+                let a = g2(bx, full);
+                let b = xh2(bx, full);
+                let p = bx.body.binary(BinaryOp::Mul, a, b);
+                bx.body.reduce(ReduceOp::Sum, p)
+            });
+            let (g3, xh3, rs3, dt) = (gw.clone(), xhat.clone(), rstd.clone(), m0.dtype);
+            let count = (d * hw) as f64;
+            let dx4 = TensorValue {
+                size: shape4.clone(),
+                dtype: dt,
+                device: x.device.clone(),
+                src: Src::Lazy {
+                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                        let gv = g3(bx, idx);
+                        let xh = xh3(bx, idx);
+                        let a = s1.load(bx, &idx[..2]);
+                        let b = s2.load(bx, &idx[..2]);
+                        let r = stat(bx, &rs3, idx);
+                        let nn = bx.body.constant(Scalar::Float(count), acc);
+                        let ma = bx.body.binary(BinaryOp::TrueDiv, a, nn);
+                        let mb = bx.body.binary(BinaryOp::TrueDiv, b, nn);
+                        let t = bx.body.binary(BinaryOp::Sub, gv, ma);
+                        let xb = bx.body.binary(BinaryOp::Mul, xh, mb);
+                        let t = bx.body.binary(BinaryOp::Sub, t, xb);
+                        let o = bx.body.binary(BinaryOp::Mul, t, r);
+                        bx.body.cast(o, dt)
+                    }),
+                    reads: 6,
+                    ops: 16,
+                },
+            };
+            items[0] = Some(Lowered::Tensor(reshape(&dx4, x.size.clone())?));
+        }
+        // per-channel sums over samples and space: reduce [N, G, D, HxW] over N and HxW
+        if let Some(Some(m1)) = metas.get(1) {
+            let (dys, xh) = (dy4.clone(), xhat.clone());
+            let dw = self.reduce_node(&shape4, &[0, 3], acc, x.device.clone(), move |bx, full, _| {
+                let v = dys.load(bx, full);
+                let v = bx.body.cast(v, acc);
+                let h = xh(bx, full);
+                let p = bx.body.binary(BinaryOp::Mul, v, h);
+                bx.body.reduce(ReduceOp::Sum, p)
+            });
+            items[1] = Some(Lowered::Tensor(self.finish_reduction(dw, m1)?));
+        }
+        if let Some(Some(m2)) = metas.get(2) {
+            let dys = dy4.clone();
+            let db = self.reduce_node(&shape4, &[0, 3], acc, x.device.clone(), move |bx, full, _| {
+                let v = dys.load(bx, full);
+                let v = bx.body.cast(v, acc);
+                bx.body.reduce(ReduceOp::Sum, v)
+            });
+            items[2] = Some(Lowered::Tensor(self.finish_reduction(db, m2)?));
+        }
+        Ok(Lowered::Tuple(items))
+    }
+}

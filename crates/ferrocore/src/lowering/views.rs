@@ -259,6 +259,34 @@ impl Ctx<'_> {
                     }),
                 )
             }
+            A::Unfold => {
+                // windows of `size` every `step` along `dim`, as a new last dim
+                let dim = if rank == 0 { 0 } else { norm_dim(self.int_arg(1, "dimension")?.unwrap_or(0), rank)? };
+                let size = self.int_arg(2, "size")?.unwrap_or(1);
+                let step = self.int_arg(3, "step")?.unwrap_or(1);
+                let n = if rank == 0 { 1 } else { x.size[dim] };
+                if step <= 0 || size < 0 || size > n {
+                    return malformed(format!("unfold of size {size} step {step} over a dim of {n}"));
+                }
+                let count = (n - size) / step + 1;
+                let mut shape = x.size.clone();
+                if rank > 0 {
+                    shape[dim] = count;
+                }
+                shape.push(size);
+                apply_view(
+                    &x,
+                    shape,
+                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                        let within = idx[idx.len() - 1].clone();
+                        let mut out = idx[..idx.len() - 1].to_vec();
+                        if rank > 0 {
+                            out[dim] = idx[dim].scale(step).add(&within);
+                        }
+                        out
+                    }),
+                )
+            }
             _ => return malformed("not a view op"),
         };
         if tv.size != out_shape {
