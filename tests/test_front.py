@@ -121,15 +121,14 @@ def test_training_compiles_forward_and_backward(fake):
     assert ferrocore.metrics.total["kernels"] == 4
 
 
-def test_symbolic_graph_runs_eagerly(fake, capfd):
+def test_symbolic_graph_is_specialized_to_the_call_shapes(fake):
     fn = torch.compile(lambda x: x.cos() + 1, backend=ferrocore_backend, dynamic=True)
     x = torch.randn(6)
     torch.testing.assert_close(fn(x), x.cos() + 1)
-    assert fake.graphs == []
-    assert ferrocore.metrics.last["graph_fallback"] is True
-    assert ferrocore.metrics.total["graph_fallbacks"] == 1
-    err = capfd.readouterr().err
-    assert "[ferrocore:fallback] graph graph_" in err and "runs eagerly: " in err
+    (graph, _options), = fake.graphs
+    inputs = [n for n in graph["nodes"] if n["kind"] == "placeholder"]
+    assert [n["meta"]["tensor"]["shape"] for n in inputs] == [[6]]  # the SymInt input is bound
+    assert ferrocore.metrics.last["graph_fallback"] is False
 
 
 def test_extension_errors_propagate(fake, monkeypatch):
@@ -213,3 +212,27 @@ def test_runtime_helpers():
     assert e.stride() == (1, 2)
     assert runtime.c_ptr(base).value == base.data_ptr()
     assert runtime.benchmark(lambda args: args[0] + 1, [base], reps=3) > 0
+
+
+def test_dynamic_shapes_compile_once_per_signature():
+    # symbolic graphs (sym_size & co.) are specialized per input signature, never run eagerly
+    import ferrocore
+
+    def f(x, y):
+        return (x * 2).sum(0) + y.shape[0], x.reshape(-1)[: x.shape[0]]
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend="ferrocore", dynamic=True)
+    graphs = ferrocore.metrics.total["graphs"]
+    for rows, n in ((3, 5), (6, 7), (6, 7), (2, 9)):
+        x, y = torch.randn(rows, 4), torch.randn(n)
+        for got, want in zip(cf(x, y), f(x, y)):
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride()
+        assert not ferrocore.metrics.last["graph_fallback"]
+    assert ferrocore.metrics.total["graphs"] - graphs == 3  # one per distinct signature
+
+    xr = torch.randn(5, 3, requires_grad=True)
+    g = torch.compile(lambda t: (t.sin() * t.shape[0]).sum(), backend="ferrocore", dynamic=True)
+    g(xr).backward()
+    torch.testing.assert_close(xr.grad, xr.detach().cos() * 5)

@@ -80,6 +80,8 @@ class _AotClock:
 
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callable:
+    if _is_symbolic(gm):
+        return _specializing(gm, timings, overrides)
     name = f"graph_{next(_graph_ids)}"
     start = time.perf_counter()
     try:
@@ -126,6 +128,80 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callab
 
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
+
+
+def _is_symbolic(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph has symbolic sizes (dynamic shapes): SymInt inputs or tensors whose
+    sizes or strides are symbols."""
+    sym = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta.get("val")
+        if isinstance(val, sym):
+            return True
+        if isinstance(val, torch.Tensor) and any(
+            isinstance(s, sym) for s in (*val.shape, *val.stride(), val.storage_offset())
+        ):
+            return True
+    return False
+
+
+def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callable:
+    """A graph with dynamic shapes runs as one static compilation per distinct input signature
+    (sizes, strides, dtypes and the values of integer inputs): at the first call with a new
+    signature the graph is re-traced with those inputs, so every sym_size / sym_stride /
+    sym_numel / sym_storage_offset becomes a constant, and compiled like any static graph."""
+    compiled: dict = {}
+
+    def call(args):
+        key = tuple(
+            (tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device.type)
+            if isinstance(a, torch.Tensor)
+            else (type(a).__name__, a)
+            for a in args
+        )
+        fn = compiled.get(key)
+        if fn is None:
+            fn = compiled[key] = _specialize(gm, list(args), dict(timings), overrides)
+        return fn(args)
+
+    call._boxed_call = True
+    return call
+
+
+def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: dict) -> Callable:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    scalars = {i: a for i, a in enumerate(args) if i not in tensor_pos}
+
+    def with_scalars(*tensors):
+        full = [scalars.get(i) for i in range(len(args))]
+        for i, t in zip(tensor_pos, tensors):
+            full[i] = t
+        return gm(*full)
+
+    start = time.perf_counter()
+    static = make_fx(with_scalars, tracing_mode="fake")(*[args[i] for i in tensor_pos])
+    timings["specialize"] = (time.perf_counter() - start) * 1e3
+    # non-tensor outputs (sizes saved for backward) are now constants: returned from Python
+    out_node = static.graph.output_node()
+    flat = list(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    tensor_out = [i for i, v in enumerate(flat) if isinstance(v, torch.fx.Node)]
+    if len(tensor_out) != len(flat):
+        out_node.args = ([flat[i] for i in tensor_out],)
+        static.recompile()
+    inner = _compile(static, timings, overrides)
+
+    def run(call_args):
+        results = inner([call_args[i] for i in tensor_pos])
+        out = list(flat)
+        for i, r in zip(tensor_out, results):
+            out[i] = r
+        return out
+
+    return run
 
 
 def _entry(name: str, timings: dict, **fields) -> dict:
