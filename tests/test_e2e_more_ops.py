@@ -235,3 +235,16 @@ def test_unfold_view_and_stable_sort():
     check(lambda t: (t.unfold(1, 3, 2) * 2, t.unfold(0, 2, 1).sum(-1), t.unfold(2, 3, 3) + 1), x)
     check(lambda t: torch.sort(t * 2, dim=1, stable=True, descending=True), x)
     assert ferrocore.metrics.last["externs"] == 1
+
+
+def test_erfcx_nonzero_static_and_library_calls():
+    x = torch.cat([torch.linspace(-9, 40, 97), torch.tensor([float("inf"), float("-inf"), float("nan"), 1e4])])
+    check(lambda t: torch.special.erfcx(t), x)
+    check(lambda t: torch.special.log_ndtr(t), torch.linspace(-30, 10, 50))
+    m = torch.tensor([[0.0, 1.5, 0.0], [2.0, 0.0, -1.0]])
+    check(lambda t: (torch.nonzero_static(t, size=6), torch.nonzero_static(t, size=2, fill_value=7)), m)
+    a = torch.randn(5, 5)
+    check(lambda t: (torch.linalg.svdvals(t), torch.linalg.slogdet(t)[1], torch.linalg.qr(t)[1].abs()), a, atol=1e-4)
+    s = torch.sort(torch.randn(10)).values
+    check(lambda q, v: torch.searchsorted(q, v) * 2, s, torch.randn(7))
+    assert ferrocore.metrics.last["fallbacks"] == 0

@@ -98,6 +98,17 @@ def _node(n: torch.fx.Node) -> dict:
         if val.dtype.is_complex:
             raise UnsupportedGraph(f"input {n.name} is complex ({_dtype_name(val.dtype)})")
         return {"kind": "placeholder", "name": n.name, "meta": _meta(val, n)}
+    if n.op == "call_function" and n.target is torch.ops.prims.convert_element_type.default:
+        # a dtype conversion some decompositions leave as a prim: the same as aten._to_copy
+        x, dtype = n.args
+        return {
+            "kind": "call_function",
+            "name": n.name,
+            "target": "aten._to_copy.default",
+            "args": [_arg(x, n)],
+            "kwargs": {"dtype": _arg(dtype, n)},
+            "meta": _meta(n.meta.get("val"), n),
+        }
     if n.op == "call_function":
         return {
             "kind": "call_function",

@@ -51,6 +51,7 @@ aten_ops! {
     Erf => "aten.erf.default", 1..=1;
     Erfc => "aten.erfc.default", 1..=1;
     Lgamma => "aten.lgamma.default", 1..=1;
+    SpecialErfcx => "aten.special_erfcx.default", 1..=1;
     Floor => "aten.floor.default", 1..=1;
     Ceil => "aten.ceil.default", 1..=1;
     Round => "aten.round.default", 1..=1;
@@ -208,6 +209,34 @@ aten_ops! {
     CdistForward => "aten._cdist_forward.default", 4..=4;
     PdistForward => "aten._pdist_forward.default", 2..=2;
     EmbeddingBag => "aten._embedding_bag.default", 2..=9;
+    // LAPACK-backed linear algebra, complex FFTs and binary search: library calls too
+    FftC2c => "aten._fft_c2c.default", 4..=4;
+    Searchsorted => "aten.searchsorted.Tensor", 2..=2;
+    SearchsortedScalar => "aten.searchsorted.Scalar", 2..=2;
+    LinalgSvd => "aten._linalg_svd.default", 1..=3;
+    LinalgQr => "aten.linalg_qr.default", 1..=2;
+    LinalgSlogdet => "aten._linalg_slogdet.default", 1..=1;
+    LinalgDet => "aten._linalg_det.default", 1..=1;
+    LinalgEigh => "aten._linalg_eigh.default", 1..=3;
+    LinalgEig => "aten.linalg_eig.default", 1..=1;
+    LinalgEigvals => "aten._linalg_eigvals.default", 1..=1;
+    LinalgCholeskyEx => "aten.linalg_cholesky_ex.default", 1..=1;
+    LinalgInvEx => "aten.linalg_inv_ex.default", 1..=1;
+    LinalgSolveEx => "aten._linalg_solve_ex.default", 2..=2;
+    LinalgLu => "aten.linalg_lu.default", 1..=1;
+    LinalgLuFactorEx => "aten.linalg_lu_factor_ex.default", 1..=1;
+    LinalgLuSolve => "aten.linalg_lu_solve.default", 3..=3;
+    TriangularSolve => "aten.triangular_solve.default", 2..=5;
+    LinalgSolveTriangular => "aten.linalg_solve_triangular.default", 2..=2;
+    LinalgHouseholderProduct => "aten.linalg_householder_product.default", 2..=2;
+    Geqrf => "aten.geqrf.default", 1..=1;
+    LinalgPinv => "aten.linalg_pinv.atol_rtol_tensor", 1..=1;
+    CholeskySolve => "aten.cholesky_solve.default", 2..=3;
+    CholeskyInverse => "aten.cholesky_inverse.default", 1..=2;
+    LinalgLdlFactorEx => "aten.linalg_ldl_factor_ex.default", 1..=1;
+    LinalgLdlSolve => "aten.linalg_ldl_solve.default", 3..=3;
+    Ormqr => "aten.ormqr.default", 3..=5;
+    LinalgMatrixExp => "aten.linalg_matrix_exp.default", 1..=1;
     // pointwise with parameters
     Elu => "aten.elu.default", 1..=4;
     LeakyRelu => "aten.leaky_relu.default", 1..=2;
@@ -247,6 +276,7 @@ aten_ops! {
     ScatterReduceTwo => "aten.scatter_reduce.two", 5..=6;
     IndexPut => "aten.index_put.default", 3..=4;
     MaskedScatter => "aten.masked_scatter.default", 3..=3;
+    NonzeroStatic => "aten.nonzero_static.default", 1..=1;
     MaxPool2dWithIndicesBackward => "aten.max_pool2d_with_indices_backward.default", 8..=8;
     EmbeddingDenseBackward => "aten.embedding_dense_backward.default", 5..=5;
     EmptyMemoryFormat => "aten.empty.memory_format", 1..=1;

@@ -57,6 +57,8 @@ pub enum UnaryOp {
     Erfc,
     /// log|Γ(x)|.
     Lgamma,
+    /// exp(x²)·erfc(x), the scaled complementary error function.
+    Erfcx,
     Floor,
     Ceil,
     /// Round half to even (torch.round).

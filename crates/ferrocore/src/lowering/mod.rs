@@ -285,7 +285,7 @@ impl<'g> Ctx<'g> {
         let t = Lowered::Tensor;
         Ok(match op {
             Abs | Neg | Exp | Exp2 | Expm1 | Log | Log2 | Log10 | Log1p | Sqrt | Rsqrt | Sin | Cos | Tan | Asin | Acos
-            | Atan | Sinh | Cosh | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Lgamma | Floor | Ceil | Round
+            | Atan | Sinh | Cosh | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Lgamma | SpecialErfcx | Floor | Ceil | Round
             | Trunc | Sign | Reciprocal | BitwiseNot | LogicalNot | IsNan | IsInf | Gelu | Silu => t(self.lower_unary(op)?),
             AddTensor | AddScalar | SubTensor | SubScalar | RsubScalar | MulTensor | MulScalar | DivTensor | DivScalar
             | DivTensorMode | DivScalarMode | PowTensorTensor | PowTensorScalar | PowScalar | Maximum | Minimum
@@ -322,6 +322,7 @@ impl<'g> Ctx<'g> {
             Cat => t(self.lower_cat()?),
             Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r
             | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
+            FftC2c | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
             Embedding | IndexSelect | Gather | IndexTensor => t(self.lower_gather(op)?),
@@ -335,6 +336,7 @@ impl<'g> Ctx<'g> {
             }
             IndexPut => t(self.lower_index_put()?),
             MaskedScatter => t(self.lower_masked_scatter()?),
+            NonzeroStatic => t(self.lower_nonzero_static()?),
             MaxPool2dWithIndicesBackward => t(self.lower_max_pool_backward()?),
             EmbeddingDenseBackward => t(self.lower_embedding_backward()?),
         })
@@ -527,7 +529,7 @@ pub fn is_library_call(op: AtenOp) -> bool {
     matches!(
         op,
         Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward
-            | PdistForward | EmbeddingBag
+            | PdistForward | EmbeddingBag | FftC2c | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp
     )
 }
 

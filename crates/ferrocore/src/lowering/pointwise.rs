@@ -166,6 +166,7 @@ impl Ctx<'_> {
             A::Erf => simple(UnaryOp::Erf),
             A::Erfc => simple(UnaryOp::Erfc),
             A::Lgamma => simple(UnaryOp::Lgamma),
+            A::SpecialErfcx => simple(UnaryOp::Erfcx),
             A::Floor => simple(UnaryOp::Floor),
             A::Ceil => simple(UnaryOp::Ceil),
             A::Round => {

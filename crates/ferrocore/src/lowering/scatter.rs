@@ -351,6 +351,60 @@ impl Ctx<'_> {
         Ok(TensorValue { size: shape, dtype: dt, device: out.device.clone(), src: Src::Lazy { f, reads: 3, ops: 10 } })
     }
 
+    /// nonzero_static(x, size, fill_value): the coordinates of the first `size` nonzero elements
+    /// (row-major), padded with `fill_value`. Element k of the running count writes row k; the
+    /// others write a spare row past the end, which the result does not show.
+    pub(super) fn lower_nonzero_static(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let size = self.int_arg(usize::MAX, "size")?.ok_or((LowerErrorKind::Malformed, "nonzero_static needs size".to_string()))?;
+        let fill = self.int_arg(usize::MAX, "fill_value")?.unwrap_or(-1);
+        let out = self.out_meta()?.clone();
+        let ndim = x.size.len() as i64;
+        if size < 0 || out.shape != [size, ndim] {
+            return malformed(format!("nonzero_static result {:?} for size {size}", out.shape));
+        }
+        let xs = x.clone();
+        let nonzero = TensorValue {
+            size: x.size.clone(),
+            dtype: DType::Bool,
+            device: x.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let v = xs.load(bx, idx);
+                    bx.body.cast(v, DType::Bool)
+                }),
+                reads: 1,
+                ops: 1,
+            },
+        };
+        let count = self.running_count(&nonzero);
+        let mstride = contiguous_strides(&x.size);
+        let passes = (0..ndim as usize)
+            .map(|d| {
+                let (nz, mstride) = (nonzero.clone(), mstride.clone());
+                ScatterPass {
+                    ranges: x.size.clone(),
+                    mode: StoreMode::Set,
+                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                        let k = selected_before(bx, count, idx, &mstride);
+                        let on = nz.load(bx, idx);
+                        let lim = bx.body.constant(Scalar::Int(size), DType::I64);
+                        let fits = bx.body.binary(BinaryOp::Lt, k, lim);
+                        let take = bx.body.binary(BinaryOp::LogicalAnd, on, fits);
+                        let row = bx.body.where_(take, k, lim);
+                        let v = bx.body.index(idx[d].clone(), DType::I64);
+                        (IndexExpr::constant(d as i64), vec![(row, ndim)], v)
+                    }) as ScatterFn,
+                }
+            })
+            .collect();
+        let init = constant_value(&[size + 1, ndim], DType::I64, Scalar::Int(fill), &x.device);
+        let full = self.scatter_into(&init, DType::I64, passes);
+        let Src::View { buf, .. } = full.src else { return malformed("scatter produced no buffer") };
+        let layout = Layout::contiguous(&[size, ndim], DType::I64, x.device.clone());
+        Ok(view_of_layout(buf, &layout))
+    }
+
     /// max_pool2d_with_indices_backward: gradients added at the recorded argmax of each window.
     pub(super) fn lower_max_pool_backward(&mut self) -> LResult<TensorValue> {
         let grad = self.tensor_arg(0, "grad_output")?;

@@ -299,6 +299,7 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Erf => format!("std::erf({x})"),
             UnaryOp::Erfc => format!("std::erfc({x})"),
             UnaryOp::Lgamma => format!("std::lgamma({x})"),
+            UnaryOp::Erfcx => format!("static_cast<{ty}>(ferro_erfcx(static_cast<double>({x})))"),
             UnaryOp::Floor => if fl { format!("std::floor({x})") } else { x.clone() },
             UnaryOp::Ceil => if fl { format!("std::ceil({x})") } else { x.clone() },
             UnaryOp::Round => if fl { format!("std::nearbyint({x})") } else { x.clone() },
