@@ -248,3 +248,15 @@ def test_erfcx_nonzero_static_and_library_calls():
     s = torch.sort(torch.randn(10)).values
     check(lambda q, v: torch.searchsorted(q, v) * 2, s, torch.randn(7))
     assert ferrocore.metrics.last["fallbacks"] == 0
+
+
+def test_complex_values_move_through_kernels():
+    # complex tensors are copied, viewed, padded, concatenated and conjugated by kernels;
+    # FFTs are library calls; arithmetic on complex values falls back to ATen
+    x = torch.randn(5, 6, 7)
+    check(lambda t: (t.cdouble(), t[:, 1:].cfloat()), x)
+    check(lambda t: (torch.fft.fft2(t, s=(3, 10), dim=(1, 2), norm="ortho"), torch.fft.ifft(t, n=10, dim=1)), x)
+    check(lambda t: (torch.fft.hfft(t, n=10, dim=1), torch.fft.ihfft2(t, s=(3, 10), dim=(1, 2))), x)
+    c = torch.randn(4, 3, dtype=torch.complex64)
+    check(lambda t: (t[1:].flip(0).conj_physical(), torch.cat([t, t.conj_physical()]), t.real * 2), c)
+    assert ferrocore.metrics.last["fallbacks"] == 0

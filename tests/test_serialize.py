@@ -232,12 +232,15 @@ def _graph_with(target, args, val, kwargs=None):
     return graph
 
 
-def test_complex_input_is_unsupported():
+def test_complex_input_is_encoded_and_complex32_is_not():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     x.meta["val"] = torch.empty(3, dtype=torch.complex64)
     graph.output((x,))
-    with pytest.raises(UnsupportedGraph, match="complex"):
+    doc = json.loads(serialize_graph(graph, "g"))
+    assert doc["nodes"][0]["meta"]["tensor"]["dtype"] == "complex64"
+    x.meta["val"] = torch.empty(3, dtype=torch.complex32)
+    with pytest.raises(UnsupportedGraph, match="complex32"):
         serialize_graph(graph, "g")
 
 
@@ -316,9 +319,15 @@ def test_getitem_and_all_arg_kinds_by_hand():
 
 
 def test_non_aten_operator_is_unsupported():
-    graph = _graph_with(torch.ops.prims.convert_element_type.default, (torch.float64,), torch.empty(3))
+    graph = _graph_with(torch.ops.prims.sin.default, (), torch.empty(3))
     with pytest.raises(UnsupportedGraph, match="not an ATen operator"):
         serialize_graph(graph, "g")
+
+
+def test_prims_convert_element_type_is_encoded_as_to_copy():
+    graph = _graph_with(torch.ops.prims.convert_element_type.default, (torch.float64,), torch.empty(3, dtype=torch.float64))
+    node = json.loads(serialize_graph(graph, "g"))["nodes"][1]
+    assert node["target"] == "aten._to_copy.default" and node["kwargs"] == {"dtype": {"dtype": "float64"}}
 
 
 def test_other_device_argument_is_unsupported():

@@ -2,7 +2,7 @@
 
 This module only encodes; it never decides what ferrocore can compile. It refuses, with
 `UnsupportedGraph`, exactly the graphs version 1 cannot express (symbolic sizes, targets other
-than ATen ops and getitem, non-tensor inputs or outputs, complex inputs, dtypes/devices/layouts the
+than ATen ops and getitem, non-tensor inputs or outputs, dtypes/devices/layouts the
 format does not name); the backend then runs that graph eagerly.
 """
 
@@ -83,8 +83,6 @@ def graph_to_dict(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> dict:
 
 
 def _constant_input(n: torch.fx.Node, t: torch.Tensor) -> dict:
-    if t.dtype.is_complex:
-        raise UnsupportedGraph(f"constant {n.name} is complex ({_dtype_name(t.dtype)})")
     return {"kind": "placeholder", "name": n.name, "meta": _meta(t, n)}
 
 
@@ -95,8 +93,6 @@ def _node(n: torch.fx.Node) -> dict:
             raise UnsupportedGraph(f"input {n.name} is a symbolic size ({val}): dynamic shapes")
         if not isinstance(val, torch.Tensor):
             raise UnsupportedGraph(f"input {n.name} is not a tensor ({_describe(val)})")
-        if val.dtype.is_complex:
-            raise UnsupportedGraph(f"input {n.name} is complex ({_dtype_name(val.dtype)})")
         return {"kind": "placeholder", "name": n.name, "meta": _meta(val, n)}
     if n.op == "call_function" and n.target is torch.ops.prims.convert_element_type.default:
         # a dtype conversion some decompositions leave as a prim: the same as aten._to_copy

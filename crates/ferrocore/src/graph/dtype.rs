@@ -82,6 +82,14 @@ impl DType {
     pub fn is_compilable(self) -> bool {
         !matches!(self, DType::C64 | DType::C128 | DType::Float8)
     }
+    /// Whether generated kernels can move this type (load, store, convert, conjugate) without
+    /// computing on it: complex values in copies, views, pads and concatenations.
+    pub fn is_movable(self) -> bool {
+        self.is_compilable() || self.is_complex()
+    }
+    pub fn is_complex(self) -> bool {
+        self.category() == Category::Complex
+    }
     pub fn itemsize(self) -> usize {
         match self {
             DType::Bool | DType::U8 | DType::I8 | DType::Float8 => 1,

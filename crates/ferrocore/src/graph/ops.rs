@@ -51,6 +51,9 @@ aten_ops! {
     Erf => "aten.erf.default", 1..=1;
     Erfc => "aten.erfc.default", 1..=1;
     Lgamma => "aten.lgamma.default", 1..=1;
+    Conj => "aten._conj.default", 1..=1;
+    ConjPhysical => "aten._conj_physical.default", 1..=1;
+    ViewAsReal => "aten.view_as_real.default", 1..=1;
     SpecialErfcx => "aten.special_erfcx.default", 1..=1;
     Floor => "aten.floor.default", 1..=1;
     Ceil => "aten.ceil.default", 1..=1;

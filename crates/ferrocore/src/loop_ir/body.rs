@@ -57,6 +57,11 @@ pub enum UnaryOp {
     Erfc,
     /// log|Γ(x)|.
     Lgamma,
+    /// Complex conjugate (complex operands only).
+    Conj,
+    /// Real / imaginary part of a complex value (the result is the matching real type).
+    Real,
+    Imag,
     /// exp(x²)·erfc(x), the scaled complementary error function.
     Erfcx,
     Floor,
@@ -249,6 +254,11 @@ impl LoopBody {
     pub fn unary(&mut self, op: UnaryOp, x: ValueId) -> ValueId {
         let dt = match op {
             UnaryOp::IsNan | UnaryOp::IsInf | UnaryOp::LogicalNot => DType::Bool,
+            UnaryOp::Real | UnaryOp::Imag => match self.dtype(x) {
+                DType::C64 => DType::F32,
+                DType::C128 => DType::F64,
+                d => d,
+            },
             _ => self.dtype(x),
         };
         self.push(Key::Unary(op, x), Expr::Unary(op, x), dt)

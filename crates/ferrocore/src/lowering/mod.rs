@@ -250,17 +250,20 @@ impl<'g> Ctx<'g> {
     fn lower_node(&mut self, id: NodeId, target: &Target) -> LResult<Lowered> {
         let node = self.graph.node(id);
         // Types we do not compile never reach a lowering.
-        let bad_meta = |m: &Meta| -> bool {
-            match m {
-                Meta::Tensor(t) => !t.dtype.is_compilable() || t.device != Device::Cpu,
-                Meta::Tuple(items) => items.iter().flatten().any(|m| matches!(m, Meta::Tensor(t) if !t.dtype.is_compilable() || t.device != Device::Cpu)),
-                _ => false,
-            }
-        };
         let op = match target {
             Target::GetItem => return self.lower_getitem(id),
             Target::Unknown(name) => return unsupported(format!("no lowering for {name}")),
             Target::Aten(op) => *op,
+        };
+        // complex values only move: copies, views, pads, concatenation, conjugation
+        let movable = moves_data(op);
+        let ok = |dt: DType| if movable { dt.is_movable() } else { dt.is_compilable() };
+        let bad_meta = |m: &Meta| -> bool {
+            match m {
+                Meta::Tensor(t) => !ok(t.dtype) || t.device != Device::Cpu,
+                Meta::Tuple(items) => items.iter().flatten().any(|m| matches!(m, Meta::Tensor(t) if !ok(t.dtype) || t.device != Device::Cpu)),
+                _ => false,
+            }
         };
         if bad_meta(&node.meta) && !is_library_call(op) {
             return unsupported("dtype or device not compiled by ferrocore");
@@ -295,6 +298,8 @@ impl<'g> Ctx<'g> {
             | BitwiseOrScalar | BitwiseXorTensor | BitwiseXorScalar | LshiftTensor | LshiftScalar | RshiftTensor
             | RshiftScalar | BitwiseLeftShift | BitwiseRightShift => t(self.lower_binary(op)?),
             WhereSelf => t(self.lower_where()?),
+            Conj | ConjPhysical => t(self.lower_conj()?),
+            ViewAsReal => t(self.lower_view_as_real()?),
             Clamp | ClampTensor | ClampMin | ClampMax | Hardtanh => t(self.lower_clamp(op)?),
             ToCopy | Clone | Copy | LiftFreshCopy => t(self.lower_copy(op)?),
             Full | FullLike | ScalarTensor | FillScalar | EmptyMemoryFormat | EmptyStrided | EmptyPermuted => t(self.lower_full(op)?),
@@ -520,6 +525,19 @@ impl<'g> Ctx<'g> {
             Src::Lazy { .. } => OutputValue::None,
         }
     }
+}
+
+/// Ops whose lowerings only load, store, convert or conjugate values (no arithmetic on them):
+/// the ones complex tensors may go through.
+fn moves_data(op: AtenOp) -> bool {
+    use AtenOp::*;
+    matches!(
+        op,
+        View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | SliceTensor
+            | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold | SplitWithSizes | SplitTensor | Clone | ToCopy
+            | Copy | LiftFreshCopy | ConstantPadNd | Cat | Flip | Repeat | AsStrided | Conj | ConjPhysical | ViewAsReal
+            | SelectScatter | SliceScatter
+    )
 }
 
 /// Ops that always run as ATen library calls (see docs/externs.md): they take and return any

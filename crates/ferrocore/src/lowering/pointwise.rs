@@ -388,6 +388,40 @@ impl Ctx<'_> {
         }
     }
 
+    /// _conj / _conj_physical: the complex conjugate (materialized: ferrocore has no conj bit);
+    /// real tensors are returned as they are.
+    pub(super) fn lower_conj(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        if !x.dtype.is_complex() {
+            return Ok(x);
+        }
+        let size = x.size.clone();
+        let dt = x.dtype;
+        Ok(pointwise(vec![PwIn::Tensor(x)], size, dt, Device::Cpu, dt, move |bx, v| bx.body.unary(UnaryOp::Conj, v[0])))
+    }
+
+    /// view_as_real: a trailing dim of 2 holding the real and imaginary parts. Computed, not
+    /// aliased (buffers have one dtype); graph outputs still get eager's strides.
+    pub(super) fn lower_view_as_real(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        if !x.dtype.is_complex() {
+            return malformed("view_as_real of a real tensor");
+        }
+        let rank = x.size.len();
+        let xs = x.clone();
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let v = xs.load(bx, &idx[..rank]);
+            let re = bx.body.unary(UnaryOp::Real, v);
+            let im = bx.body.unary(UnaryOp::Imag, v);
+            let part = bx.body.index(idx[rank].clone(), DType::I64);
+            let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+            let is_re = bx.body.binary(BinaryOp::Eq, part, zero);
+            bx.body.where_(is_re, re, im)
+        });
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 4 } })
+    }
+
     pub(super) fn lower_copy(&mut self, op: AtenOp) -> LResult<TensorValue> {
         let out = self.out_meta()?.clone();
         let src = match op {

@@ -26,8 +26,10 @@ pub fn c_type(dt: DType) -> &'static str {
         DType::I64 => "int64_t",
         DType::F16 | DType::BF16 | DType::F32 => "float",
         DType::F64 => "double",
+        DType::C64 => "std::complex<float>",
+        DType::C128 => "std::complex<double>",
         // never reaches codegen: lowering falls back first
-        DType::C64 | DType::C128 | DType::Float8 => "void",
+        DType::Float8 => "void",
     }
 }
 
@@ -44,6 +46,13 @@ pub fn storage_type(dt: DType) -> &'static str {
 pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
     if from == to {
         return v.to_string();
+    }
+    if from.is_complex() && !to.is_complex() {
+        // complex -> real keeps the real part, as ATen's copy does
+        if to == DType::Bool {
+            return format!("({v} != {}(0))", c_type(from));
+        }
+        return cast_expr(&format!("std::real({v})"), if from == DType::C64 { DType::F32 } else { DType::F64 }, to);
     }
     match to {
         DType::Bool => format!("({v} != 0)"),
@@ -299,6 +308,9 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Erf => format!("std::erf({x})"),
             UnaryOp::Erfc => format!("std::erfc({x})"),
             UnaryOp::Lgamma => format!("std::lgamma({x})"),
+            UnaryOp::Conj => format!("std::conj({x})"),
+            UnaryOp::Real => format!("std::real({x})"),
+            UnaryOp::Imag => format!("std::imag({x})"),
             UnaryOp::Erfcx => format!("static_cast<{ty}>(ferro_erfcx(static_cast<double>({x})))"),
             UnaryOp::Floor => if fl { format!("std::floor({x})") } else { x.clone() },
             UnaryOp::Ceil => if fl { format!("std::ceil({x})") } else { x.clone() },

@@ -1,4 +1,5 @@
 // ferrocore C++ kernel prelude: type conversions and NaN-aware helpers shared by all kernels.
+#include <complex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
