@@ -260,3 +260,19 @@ def test_complex_values_move_through_kernels():
     c = torch.randn(4, 3, dtype=torch.complex64)
     check(lambda t: (t[1:].flip(0).conj_physical(), torch.cat([t, t.conj_physical()]), t.real * 2), c)
     assert ferrocore.metrics.last["fallbacks"] == 0
+
+
+def test_3d_pool_backwards():
+    x = torch.randn(2, 2, 6, 5, 4)
+    for fn in (lambda t: F.max_pool3d(t, 2, 1, 1), lambda t: F.avg_pool3d(t, 3, 2, 1), lambda t: F.adaptive_avg_pool3d(t, (3, 2, 3))):
+        xr = x.clone().requires_grad_()
+        g = torch.randn_like(fn(xr))
+        expected = torch.autograd.grad(fn(xr), xr, g)[0]
+        torch._dynamo.reset()
+        got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(xr), xr, g)[0]
+        torch.testing.assert_close(got, expected)
+        assert ferrocore.metrics.last["fallbacks"] == 0
+    _, idx = F.max_pool3d(x, 2, return_indices=True)
+    gy = torch.randn(idx.shape)
+    check(lambda g, t, i: torch.ops.aten.max_pool3d_with_indices_backward(g, t, [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False, i), gy, x, idx)
+    check(lambda g, t: torch.ops.aten.avg_pool3d_backward(g, t, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None), gy, x)

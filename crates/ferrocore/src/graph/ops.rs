@@ -177,6 +177,8 @@ aten_ops! {
     AdaptiveMaxPool3d => "aten.adaptive_max_pool3d.default", 2..=2;
     AvgPool2dBackward => "aten.avg_pool2d_backward.default", 8..=8;
     AdaptiveAvgPool2dBackward => "aten._adaptive_avg_pool2d_backward.default", 2..=2;
+    AdaptiveAvgPool3dBackward => "aten._adaptive_avg_pool3d_backward.default", 2..=2;
+    AvgPool3dBackward => "aten.avg_pool3d_backward.default", 8..=8;
     // views
     View => "aten.view.default", 2..=2;
     UnsafeView => "aten._unsafe_view.default", 2..=2;
@@ -281,6 +283,7 @@ aten_ops! {
     MaskedScatter => "aten.masked_scatter.default", 3..=3;
     NonzeroStatic => "aten.nonzero_static.default", 1..=1;
     MaxPool2dWithIndicesBackward => "aten.max_pool2d_with_indices_backward.default", 8..=8;
+    MaxPool3dWithIndicesBackward => "aten.max_pool3d_with_indices_backward.default", 8..=8;
     EmbeddingDenseBackward => "aten.embedding_dense_backward.default", 5..=5;
     EmptyMemoryFormat => "aten.empty.memory_format", 1..=1;
     EmptyStrided => "aten.empty_strided.default", 2..=2;

@@ -320,7 +320,9 @@ impl<'g> Ctx<'g> {
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d | AvgPool3d | MaxPool3dWithIndices | AdaptiveAvgPool3d
             | AdaptiveMaxPool2d | AdaptiveMaxPool3d => self.lower_pool(op)?,
-            AvgPool2dBackward | AdaptiveAvgPool2dBackward => t(self.lower_avg_pool_backward(op)?),
+            AvgPool2dBackward | AdaptiveAvgPool2dBackward | AvgPool3dBackward | AdaptiveAvgPool3dBackward => {
+                t(self.lower_avg_pool_backward(op)?)
+            }
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,
@@ -342,7 +344,7 @@ impl<'g> Ctx<'g> {
             IndexPut => t(self.lower_index_put()?),
             MaskedScatter => t(self.lower_masked_scatter()?),
             NonzeroStatic => t(self.lower_nonzero_static()?),
-            MaxPool2dWithIndicesBackward => t(self.lower_max_pool_backward()?),
+            MaxPool2dWithIndicesBackward | MaxPool3dWithIndicesBackward => t(self.lower_max_pool_backward(op)?),
             EmbeddingDenseBackward => t(self.lower_embedding_backward()?),
         })
     }

@@ -60,7 +60,8 @@ impl Ctx<'_> {
     fn pool_geometry(&self, op: AtenOp, in_size: &[i64], out_size: &[i64], arg0: usize) -> LResult<Pool> {
         use AtenOp as A;
         let nd = match op {
-            A::AvgPool3d | A::MaxPool3dWithIndices | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d => 3,
+            A::AvgPool3d | A::MaxPool3dWithIndices | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d | A::AvgPool3dBackward
+            | A::AdaptiveAvgPool3dBackward => 3,
             _ => 2,
         };
         let rank = in_size.len();
@@ -77,7 +78,7 @@ impl Ctx<'_> {
             }
         };
         let adaptive = matches!(op, A::AdaptiveAvgPool2d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool2d | A::AdaptiveMaxPool3d
-            | A::AdaptiveAvgPool2dBackward);
+            | A::AdaptiveAvgPool2dBackward | A::AdaptiveAvgPool3dBackward);
         let (kind, kernel, stride, pad, dil) = if adaptive {
             let max = matches!(op, A::AdaptiveMaxPool2d | A::AdaptiveMaxPool3d);
             (PoolKind::Adaptive { max }, vec![0; nd], vec![1; nd], vec![0; nd], vec![1; nd])
@@ -88,7 +89,7 @@ impl Ctx<'_> {
                 _ => k.clone(),
             };
             let p = spread(self.ints_arg(arg0 + 2, "padding")?, 0)?;
-            if matches!(op, A::AvgPool2d | A::AvgPool3d | A::AvgPool2dBackward) {
+            if matches!(op, A::AvgPool2d | A::AvgPool3d | A::AvgPool2dBackward | A::AvgPool3dBackward) {
                 let cip = self.bool_arg(arg0 + 4, "count_include_pad", true)?;
                 let div = self.int_arg(arg0 + 5, "divisor_override")?;
                 (PoolKind::Avg { count_include_pad: cip, divisor: div }, k, s, p, vec![1; nd])

@@ -405,25 +405,27 @@ impl Ctx<'_> {
         Ok(view_of_layout(buf, &layout))
     }
 
-    /// max_pool2d_with_indices_backward: gradients added at the recorded argmax of each window.
-    pub(super) fn lower_max_pool_backward(&mut self) -> LResult<TensorValue> {
+    /// max_pool2d/3d_with_indices_backward: gradients added at the recorded argmax of each window.
+    pub(super) fn lower_max_pool_backward(&mut self, op: AtenOp) -> LResult<TensorValue> {
         let grad = self.tensor_arg(0, "grad_output")?;
         let x = self.tensor_arg(1, "self")?;
         let indices = self.tensor_arg(7, "indices")?;
         let out = self.out_meta()?.clone();
         let rank = x.size.len();
-        if !(3..=4).contains(&rank) || grad.size.len() != rank || indices.size != grad.size {
-            return malformed("max_pool2d backward takes 3-D or 4-D tensors of matching ranks");
+        let nd = if op == AtenOp::MaxPool3dWithIndicesBackward { 3 } else { 2 };
+        if !(nd + 1..=nd + 2).contains(&rank) || grad.size.len() != rank || indices.size != grad.size {
+            return malformed(format!("max_pool{nd}d backward takes tensors of rank {} or {} with matching shapes", nd + 1, nd + 2));
         }
         let dt = out.dtype;
-        let plane = x.size[rank - 2] * x.size[rank - 1];
+        // indices count positions within one plane (volume) of the input
+        let plane: i64 = x.size[rank - nd..].iter().product();
         let dstride = contiguous_strides(&x.size);
         let granges = grad.size.clone();
         let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let raw = indices.load(bx, idx);
             let i = bx.body.check_index(raw, plane, false);
             let mut base = IndexExpr::zero();
-            for d in 0..rank - 2 {
+            for d in 0..rank - nd {
                 base = base.add(&idx[d].scale(dstride[d]));
             }
             let g = grad.load(bx, idx);
