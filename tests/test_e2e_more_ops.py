@@ -276,3 +276,10 @@ def test_3d_pool_backwards():
     gy = torch.randn(idx.shape)
     check(lambda g, t, i: torch.ops.aten.max_pool3d_with_indices_backward(g, t, [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False, i), gy, x, idx)
     check(lambda g, t: torch.ops.aten.avg_pool3d_backward(g, t, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None), gy, x)
+
+
+def test_bilinear_through_trilinear():
+    a, b = torch.randn(6, 3), torch.randn(6, 4)
+    w, bias = torch.randn(5, 3, 4), torch.randn(5)
+    check(lambda x, y: F.bilinear(x, y, w, bias), a, b)
+    check(lambda x, y: F.bilinear(x[0], y[0], w), a, b)

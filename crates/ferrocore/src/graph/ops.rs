@@ -162,6 +162,7 @@ aten_ops! {
     NativeLayerNormBackward => "aten.native_layer_norm_backward.default", 8..=8;
     BatchNormNoTraining => "aten._native_batch_norm_legit_no_training.default", 7..=7;
     BatchNormNoStats => "aten._native_batch_norm_legit.no_stats", 6..=6;
+    Trilinear => "aten._trilinear.default", 7..=8;
     NativeGroupNormBackward => "aten.native_group_norm_backward.default", 10..=10;
     BatchNormLegit => "aten._native_batch_norm_legit.default", 8..=8;
     BatchNormFunctional => "aten._native_batch_norm_legit_functional.default", 8..=8;

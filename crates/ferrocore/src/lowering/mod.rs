@@ -317,6 +317,7 @@ impl<'g> Ctx<'g> {
             BatchNormNoTraining | BatchNormNoStats | BatchNormLegit | BatchNormFunctional => self.lower_batch_norm(op)?,
             NativeGroupNorm => self.lower_group_norm()?,
             NativeGroupNormBackward => self.lower_group_norm_backward()?,
+            Trilinear => t(self.lower_trilinear()?),
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d | AvgPool3d | MaxPool3dWithIndices | AdaptiveAvgPool3d
             | AdaptiveMaxPool2d | AdaptiveMaxPool3d => self.lower_pool(op)?,

@@ -884,3 +884,50 @@ impl Ctx<'_> {
         Ok(Lowered::Tuple(items))
     }
 }
+
+impl Ctx<'_> {
+    /// _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim): each input gets size-1 dims
+    /// inserted at its `expand` positions, the three are multiplied with broadcasting and the
+    /// product is summed over `sumdim` (those dims are dropped).
+    pub(super) fn lower_trilinear(&mut self) -> LResult<TensorValue> {
+        let ins = [self.tensor_arg(0, "i1")?, self.tensor_arg(1, "i2")?, self.tensor_arg(2, "i3")?];
+        let expands = [
+            self.ints_arg(3, "expand1")?.unwrap_or_default(),
+            self.ints_arg(4, "expand2")?.unwrap_or_default(),
+            self.ints_arg(5, "expand3")?.unwrap_or_default(),
+        ];
+        let sumdim = self.ints_arg(6, "sumdim")?.unwrap_or_default();
+        let out = self.out_meta()?.clone();
+        let total = ins[0].size.len() + expands[0].len();
+        let mut shaped = Vec::new();
+        for (t, ex) in ins.iter().zip(&expands) {
+            if t.size.len() + ex.len() != total {
+                return malformed("_trilinear inputs do not expand to one rank");
+            }
+            let mut size = Vec::with_capacity(total);
+            let mut it = t.size.iter();
+            for d in 0..total as i64 {
+                size.push(if ex.contains(&d) { 1 } else { *it.next().unwrap_or(&1) });
+            }
+            shaped.push(reshape(t, size)?);
+        }
+        let shapes: Vec<&[i64]> = shaped.iter().map(|t| t.size.as_slice()).collect();
+        let full = super::pointwise::broadcast_shapes(&shapes)?;
+        let dims: Vec<usize> = sumdim.iter().map(|&d| norm_dim(d, total)).collect::<LResult<_>>()?;
+        let acc = out.dtype.compute();
+        let prod = self.reduce_node(&full, &dims, acc, out.device.clone(), move |bx, idx, _| {
+            let mut p: Option<ValueId> = None;
+            for t in &shaped {
+                let v = t.load(bx, &super::pointwise::broadcast_index(&t.size, idx));
+                let v = bx.body.cast(v, acc);
+                p = Some(match p {
+                    Some(q) => bx.body.binary(BinaryOp::Mul, q, v),
+                    None => v,
+                });
+            }
+            let p = p.unwrap_or_else(|| bx.body.constant(Scalar::Int(1), acc));
+            bx.body.reduce(ReduceOp::Sum, p)
+        });
+        self.finish_reduction(prod, &out)
+    }
+}
