@@ -54,3 +54,19 @@ def test_rand_like_randn_like_and_bernoulli():
     torch.manual_seed(11)
     again = fn(x)
     assert all(torch.equal(a, c) for a, c in zip((u, n, b, d), again))
+
+
+def test_rrelu_training_and_eval():
+    x = torch.randn(300, 200)
+    fn = _compiled(lambda t: F.rrelu(t, 0.1, 0.3, training=True))
+    torch.manual_seed(5)
+    y = fn(x)
+    assert ferrocore.metrics.last["fallbacks"] == 0 and not ferrocore.metrics.last["graph_fallback"]
+    pos = x > 0
+    assert torch.equal(y[pos], x[pos])
+    slope = y[~pos] / x[~pos]
+    assert 0.1 <= slope.min() and slope.max() < 0.3 + 1e-6 and abs(slope.mean().item() - 0.2) < 0.01
+    torch.manual_seed(5)
+    assert torch.equal(fn(x), y)
+    ev = _compiled(lambda t: F.rrelu(t, 0.1, 0.3, training=False))
+    torch.testing.assert_close(ev(x), F.rrelu(x, 0.1, 0.3, training=False))

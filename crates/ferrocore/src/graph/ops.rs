@@ -258,6 +258,7 @@ aten_ops! {
     RandLike => "aten.rand_like.default", 1..=1;
     RandnLike => "aten.randn_like.default", 1..=1;
     BernoulliP => "aten.bernoulli.p", 1..=2;
+    RreluWithNoise => "aten.rrelu_with_noise_functional.default", 2..=6;
     NativeDropout => "aten.native_dropout.default", 3..=3;
     Cumprod => "aten.cumprod.default", 2..=2;
     // indexing: gathers through indices computed at run time

@@ -311,6 +311,7 @@ impl<'g> Ctx<'g> {
             Cumsum | Cumprod => t(self.lower_scan(op)?),
             Rand | Randn | RandLike | RandnLike | BernoulliP => t(self.lower_random(op)?),
             NativeDropout => self.lower_dropout()?,
+            RreluWithNoise => self.lower_rrelu()?,
             Softmax | LogSoftmax => t(self.lower_softmax(op)?),
             NativeLayerNorm => self.lower_layer_norm()?,
             NativeLayerNormBackward => self.lower_layer_norm_backward()?,

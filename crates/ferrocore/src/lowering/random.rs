@@ -137,3 +137,97 @@ impl Ctx<'_> {
         Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(out)), Some(Lowered::Tensor(keep))]))
     }
 }
+
+impl Ctx<'_> {
+    /// rrelu_with_noise_functional(x, noise, lower, upper, training) -> (out, noise'): in
+    /// training, each non-positive element is scaled by a uniform draw from [lower, upper),
+    /// which is also the new noise (1 elsewhere); in eval, by the mean slope.
+    pub(super) fn lower_rrelu(&mut self) -> LResult<Lowered> {
+        let x = self.tensor_arg(0, "self")?;
+        let noise = self.tensor_arg(1, "noise")?;
+        let lower = self.float_arg(2, "lower")?.unwrap_or(1.0 / 8.0);
+        let upper = self.float_arg(3, "upper")?.unwrap_or(1.0 / 3.0);
+        let training = self.bool_arg(4, "training", false)?;
+        if self.arg(usize::MAX, "generator").is_some_and(|g| *g != Arg::None) {
+            return unsupported("an explicit generator");
+        }
+        if !x.dtype.is_float() {
+            return unsupported("rrelu of a non-float tensor");
+        }
+        let cd = x.dtype.compute();
+        let dt = x.dtype;
+        if !training {
+            let slope = (lower + upper) / 2.0;
+            let xs = x.clone();
+            let out = TensorValue {
+                size: x.size.clone(),
+                dtype: dt,
+                device: x.device.clone(),
+                src: Src::Lazy {
+                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                        let v = xs.load(bx, idx);
+                        let v = bx.body.cast(v, cd);
+                        let z = bx.body.constant(Scalar::Float(0.0), cd);
+                        let s = bx.body.constant(Scalar::Float(slope), cd);
+                        let pos = bx.body.binary(BinaryOp::Gt, v, z);
+                        let neg = bx.body.binary(BinaryOp::Mul, v, s);
+                        let r = bx.body.where_(pos, v, neg);
+                        bx.body.cast(r, dt)
+                    }),
+                    reads: 1,
+                    ops: 4,
+                },
+            };
+            return Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(out)), Some(Lowered::Tensor(noise))]));
+        }
+        let u = self.random_values(&x.size, false);
+        let ndt = noise.dtype;
+        // the slope of each element: a draw where x <= 0, 1 elsewhere
+        let slope = {
+            let (u, xs) = (u.clone(), x.clone());
+            Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| -> (ValueId, ValueId) {
+                let r = u.load(bx, idx);
+                let r = bx.body.cast(r, cd);
+                let lo = bx.body.constant(Scalar::Float(lower), cd);
+                let span = bx.body.constant(Scalar::Float(upper - lower), cd);
+                let r = bx.body.binary(BinaryOp::Mul, r, span);
+                let r = bx.body.binary(BinaryOp::Add, r, lo);
+                let v = xs.load(bx, idx);
+                let v = bx.body.cast(v, cd);
+                let z = bx.body.constant(Scalar::Float(0.0), cd);
+                let one = bx.body.constant(Scalar::Float(1.0), cd);
+                let neg = bx.body.binary(BinaryOp::Le, v, z);
+                (v, bx.body.where_(neg, r, one))
+            })
+        };
+        let (s1, s2) = (slope.clone(), slope);
+        let out = TensorValue {
+            size: x.size.clone(),
+            dtype: dt,
+            device: x.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let (v, s) = s1(bx, idx);
+                    let r = bx.body.binary(BinaryOp::Mul, v, s);
+                    bx.body.cast(r, dt)
+                }),
+                reads: 2,
+                ops: 40,
+            },
+        };
+        let new_noise = TensorValue {
+            size: x.size.clone(),
+            dtype: ndt,
+            device: x.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let (_, s) = s2(bx, idx);
+                    bx.body.cast(s, ndt)
+                }),
+                reads: 2,
+                ops: 40,
+            },
+        };
+        Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(out)), Some(Lowered::Tensor(new_noise))]))
+    }
+}
