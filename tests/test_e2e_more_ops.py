@@ -283,3 +283,14 @@ def test_bilinear_through_trilinear():
     w, bias = torch.randn(5, 3, 4), torch.randn(5)
     check(lambda x, y: F.bilinear(x, y, w, bias), a, b)
     check(lambda x, y: F.bilinear(x[0], y[0], w), a, b)
+
+
+def test_fractional_max_pool_with_given_samples():
+    x = torch.randn(2, 3, 11, 9)
+    s2 = torch.rand(2, 3, 2)
+    check(lambda t, s: F.fractional_max_pool2d(t, 3, output_size=(5, 4), return_indices=True, _random_samples=s), x, s2)
+    check(lambda t, s: F.fractional_max_pool2d(t[0], (2, 3), output_size=(4, 1), _random_samples=s[:1]), x, s2)
+    check(lambda t, s: F.fractional_max_pool2d(t, 2, output_ratio=(0.5, 0.5), _random_samples=s), x.half(), s2.half())
+    v = torch.randn(2, 2, 7, 8, 6)
+    s3 = torch.rand(2, 2, 3)
+    check(lambda t, s: F.fractional_max_pool3d(t, 2, output_size=(3, 4, 2), return_indices=True, _random_samples=s), v, s3)

@@ -176,6 +176,8 @@ aten_ops! {
     AdaptiveAvgPool3d => "aten._adaptive_avg_pool3d.default", 2..=2;
     AdaptiveMaxPool2d => "aten.adaptive_max_pool2d.default", 2..=2;
     AdaptiveMaxPool3d => "aten.adaptive_max_pool3d.default", 2..=2;
+    FractionalMaxPool2d => "aten.fractional_max_pool2d.default", 4..=4;
+    FractionalMaxPool3d => "aten.fractional_max_pool3d.default", 4..=4;
     AvgPool2dBackward => "aten.avg_pool2d_backward.default", 8..=8;
     AdaptiveAvgPool2dBackward => "aten._adaptive_avg_pool2d_backward.default", 2..=2;
     AdaptiveAvgPool3dBackward => "aten._adaptive_avg_pool3d_backward.default", 2..=2;

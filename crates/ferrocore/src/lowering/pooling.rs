@@ -13,6 +13,8 @@ enum PoolKind {
     Avg { count_include_pad: bool, divisor: Option<i64> },
     Max,
     Adaptive { max: bool },
+    /// Windows start at pseudo-random offsets derived from per-plane samples (max pooling).
+    Fractional,
 }
 
 /// One spatial dim of a pooling window.
@@ -31,16 +33,21 @@ struct Pool {
     kind: PoolKind,
     nd: usize,
     wins: Vec<Window>,
+    /// fractional pooling: the [N, C, nd] samples and, per spatial dim, which sample it uses
+    samples: Option<(TensorValue, Vec<usize>)>,
 }
 
 impl Pool {
     /// For output spatial indices `o` and window offsets `k`: (in-window test, clamped input
     /// positions per dim).
-    fn taps(&self, bx: &mut Bx, o: &[IndexExpr], k: &[IndexExpr]) -> (ValueId, Vec<ValueId>) {
+    fn taps(&self, bx: &mut Bx, lead: &[IndexExpr], o: &[IndexExpr], k: &[IndexExpr]) -> (ValueId, Vec<ValueId>) {
         let mut valid: Option<ValueId> = None;
         let mut positions = Vec::new();
         for (d, wn) in self.wins.iter().enumerate() {
-            let (start, end) = window_bounds(bx, self.kind, wn, &o[d]);
+            let (start, end) = match &self.samples {
+                Some((samples, slots)) => fractional_start(bx, samples, slots[d], lead, wn, &o[d]),
+                None => window_bounds(bx, self.kind, wn, &o[d]),
+            };
             let i = bx.body.index(k[d].scale(wn.dilation), DType::I64);
             let pos = bx.body.binary(BinaryOp::Add, start, i);
             valid = Some(and_in_range(bx, valid, pos, end));
@@ -60,7 +67,7 @@ impl Ctx<'_> {
     fn pool_geometry(&self, op: AtenOp, in_size: &[i64], out_size: &[i64], arg0: usize) -> LResult<Pool> {
         use AtenOp as A;
         let nd = match op {
-            A::AvgPool3d | A::MaxPool3dWithIndices | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d | A::AvgPool3dBackward
+            A::AvgPool3d | A::MaxPool3dWithIndices | A::FractionalMaxPool3d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d | A::AvgPool3dBackward
             | A::AdaptiveAvgPool3dBackward => 3,
             _ => 2,
         };
@@ -79,7 +86,10 @@ impl Ctx<'_> {
         };
         let adaptive = matches!(op, A::AdaptiveAvgPool2d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool2d | A::AdaptiveMaxPool3d
             | A::AdaptiveAvgPool2dBackward | A::AdaptiveAvgPool3dBackward);
-        let (kind, kernel, stride, pad, dil) = if adaptive {
+        let fractional = matches!(op, A::FractionalMaxPool2d | A::FractionalMaxPool3d);
+        let (kind, kernel, stride, pad, dil) = if fractional {
+            (PoolKind::Fractional, spread(self.ints_arg(1, "kernel_size")?, 1)?, vec![1; nd], vec![0; nd], vec![1; nd])
+        } else if adaptive {
             let max = matches!(op, A::AdaptiveMaxPool2d | A::AdaptiveMaxPool3d);
             (PoolKind::Adaptive { max }, vec![0; nd], vec![1; nd], vec![0; nd], vec![1; nd])
         } else {
@@ -114,7 +124,18 @@ impl Ctx<'_> {
                 }
             })
             .collect();
-        Ok(Pool { kind, nd, wins })
+        let samples = if fractional {
+            let s = self.tensor_arg(3, "random_samples")?;
+            if s.size.len() != 3 || s.size[2] != nd as i64 {
+                return malformed(format!("random_samples of shape {:?}", s.size));
+            }
+            // ATen's sample order: 2-D (W, H), 3-D (T, H, W)
+            let slots = if nd == 2 { vec![1, 0] } else { vec![0, 1, 2] };
+            Some((s, slots))
+        } else {
+            None
+        };
+        Ok(Pool { kind, nd, wins, samples })
     }
 
     /// avg_pool2d/3d, max_pool2d/3d_with_indices, _adaptive_avg_pool2d/3d, adaptive_max_pool2d/3d.
@@ -154,7 +175,7 @@ impl Ctx<'_> {
                 for d in 0..sp {
                     base = base.add(&out_idx[d].scale(xs[d]));
                 }
-                let (valid, positions) = pool.taps(&mut bx, &out_idx[sp..], &kvars);
+                let (valid, positions) = pool.taps(&mut bx, &out_idx[..sp], &out_idx[sp..], &kvars);
                 let terms = positions.iter().enumerate().map(|(k, p)| (*p, xs[sp + k])).collect();
                 let v = bx.body.load_indirect(buf, base, terms, xdt);
                 let v = bx.body.cast(v, acc);
@@ -196,7 +217,7 @@ impl Ctx<'_> {
             view_of_layout(obuf, &layout)
         };
         match pool.kind {
-            PoolKind::Max | PoolKind::Adaptive { max: true } => {
+            PoolKind::Max | PoolKind::Adaptive { max: true } | PoolKind::Fractional => {
                 let vals = build(self, Reduce::Max);
                 let idx = build(self, Reduce::ArgMax);
                 let v = self.cast_to(vals, &out);
@@ -228,7 +249,7 @@ impl Ctx<'_> {
         let ranges: Vec<i64> = grad.size.iter().copied().chain(pool.kernel()).collect();
         let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let (o, k) = idx.split_at(rank);
-            let (valid, positions) = pool.taps(bx, &o[sp..], k);
+            let (valid, positions) = pool.taps(bx, &o[..sp], &o[sp..], k);
             let mut base = IndexExpr::zero();
             for d in 0..sp {
                 base = base.add(&o[d].scale(dstride[d]));
@@ -269,6 +290,44 @@ enum Reduce {
 /// The longest adaptive window: max over outputs of ceil((o+1)·in/out) − floor(o·in/out).
 fn adaptive_max_window(input: i64, output: i64) -> i64 {
     (0..output).map(|o| ((o + 1) * input + output - 1) / output - (o * input) / output).max().unwrap_or(1).max(1)
+}
+
+/// The window start of fractional max pooling for output index `o`, as ATen computes it in the
+/// samples' dtype (every step rounded to it): with alpha = (in - k) / (out - 1),
+/// start = trunc((o + u)·alpha) - trunc(u·alpha), and the last window ends at the input's end.
+fn fractional_start(bx: &mut Bx, samples: &TensorValue, slot: usize, lead: &[IndexExpr], wn: &Window, o: &IndexExpr) -> (ValueId, ValueId) {
+    let st = samples.dtype;
+    let (n, c) = match lead {
+        [c] => (IndexExpr::zero(), c.clone()),
+        [n, c] => (n.clone(), c.clone()),
+        _ => (IndexExpr::zero(), IndexExpr::zero()),
+    };
+    let u = samples.load(bx, &[n, c, IndexExpr::constant(slot as i64)]);
+    // half types compute in float: round explicitly after each step, as ATen's Half ops do
+    let r = |bx: &mut Bx, v: ValueId| {
+        let wide = bx.body.cast(v, st.compute());
+        bx.body.cast(wide, st)
+    };
+    let a = bx.body.constant(Scalar::Int(wn.input - wn.kernel), st);
+    let b = bx.body.constant(Scalar::Int((wn.output - 1).max(1)), st);
+    let alpha = bx.body.binary(BinaryOp::TrueDiv, a, b);
+    let alpha = r(bx, alpha);
+    let oi = bx.body.index(o.clone(), DType::I64);
+    let of = r(bx, oi);
+    let t = bx.body.binary(BinaryOp::Add, of, u);
+    let t = r(bx, t);
+    let t = bx.body.binary(BinaryOp::Mul, t, alpha);
+    let t = r(bx, t);
+    let first = bx.body.binary(BinaryOp::Mul, u, alpha);
+    let first = r(bx, first);
+    let ti = bx.body.cast(t, DType::I64);
+    let fi = bx.body.cast(first, DType::I64);
+    let start = bx.body.binary(BinaryOp::Sub, ti, fi);
+    let last = bx.body.constant(Scalar::Int(wn.input - wn.kernel), DType::I64);
+    let top = bx.body.constant(Scalar::Int(wn.output - 1), DType::I64);
+    let is_last = bx.body.binary(BinaryOp::Eq, oi, top);
+    let start = bx.body.where_(is_last, last, start);
+    (start, bx.body.constant(Scalar::Int(wn.input), DType::I64))
 }
 
 /// (first input position of the window, end of the valid positions) for output index `o`.
@@ -316,7 +375,7 @@ fn divisor(bx: &mut Bx, kind: PoolKind, wins: &[Window], out_idx: &[IndexExpr]) 
                     bx.body.binary(BinaryOp::Sub, e2, s2)
                 }
             }
-            PoolKind::Max => bx.body.constant(Scalar::Int(1), DType::I64),
+            PoolKind::Max | PoolKind::Fractional => bx.body.constant(Scalar::Int(1), DType::I64),
         };
         count = Some(match count {
             Some(c) => bx.body.binary(BinaryOp::Mul, c, len),
