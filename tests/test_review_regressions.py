@@ -72,3 +72,19 @@ def test_flipped_view_output_and_bool_padding():
     check(lambda t: (t.flip(0), t.flip(1)[1:]), x)
     b = torch.rand(3, 4) > 0.5
     check(lambda t: torch.constant_pad_nd(t, (1, 2), True), b)
+
+
+def test_half_type_scalars_round_like_eager():
+    # add/sub/pow/fmod convert a Python scalar to the tensor's half type first, mul/div do not;
+    # a filled (full_like) or padded tensor holds rounded values: bit-exact against eager
+    import torch.nn.functional as F
+
+    x = torch.randn(2000).bfloat16()
+    fns = [
+        lambda t: t * 0.1, lambda t: t + 0.3333, lambda t: t - 8.3961636, lambda t: 1.37 - t,
+        lambda t: t.abs() ** 1.37, lambda t: torch.fmod(t, 0.3333), lambda t: t.half() / 3.3,
+        lambda t: torch.full_like(t, 8.3961636) - t, lambda t: F.pad(t, (2, 2), value=0.3333) * 3,
+    ]
+    for fn in fns:
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="ferrocore")(x), fn(x))

@@ -28,7 +28,7 @@ impl Ctx<'_> {
             size: out.shape.clone(),
             dtype: dt,
             device: out.device.clone(),
-            src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| bx.body.constant(value, dt)), reads: 0, ops: 1 },
+            src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| stored_constant(bx, value, dt)), reads: 0, ops: 1 },
         })
     }
 
@@ -71,5 +71,17 @@ impl Ctx<'_> {
                 ops: 3,
             },
         })
+    }
+}
+
+/// `value` as an element of a `dt` tensor holds it: rounded to half types (a scalar operand of
+/// arithmetic is not rounded, as in ATen, but a filled tensor is).
+pub(super) fn stored_constant(bx: &mut Bx, value: Scalar, dt: DType) -> ValueId {
+    match dt {
+        DType::F16 | DType::BF16 => {
+            let wide = bx.body.constant(value, DType::F32);
+            bx.body.cast(wide, dt)
+        }
+        _ => bx.body.constant(value, dt),
     }
 }

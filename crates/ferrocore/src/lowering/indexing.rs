@@ -164,13 +164,13 @@ impl Ctx<'_> {
                 terms.push((clamp_index(bx, i, sizes[d] - 1), stride[d]));
             }
             let v = if sizes.iter().any(|&s| s == 0) {
-                bx.body.constant(value, dt) // nothing to read
+                super::creation::stored_constant(bx, value, dt) // nothing to read
             } else {
                 bx.body.load_indirect(buf, base, terms, dt)
             };
             match inside {
                 Some(ok) => {
-                    let pv = bx.body.constant(value, dt);
+                    let pv = super::creation::stored_constant(bx, value, dt);
                     bx.body.where_(ok, v, pv)
                 }
                 None => v,

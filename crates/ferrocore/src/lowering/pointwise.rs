@@ -313,10 +313,22 @@ impl Ctx<'_> {
             return unsupported("shift of bool values");
         }
         let rsub = matches!(op, A::RsubScalar);
+        // ATen's mul/div read a Python scalar as a float; its other binary kernels first convert
+        // it to the tensor's half type (measured against eager): round those scalars the same
+        let half = out.dtype.compute() != out.dtype && out.dtype.is_float();
+        let round = |p: &PwIn| half && matches!(p, PwIn::Scalar(_)) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
+        let (round_a, round_b, half_dt) = (round(&a), round(&b), out.dtype);
         // sub: self - alpha*other; rsub: other - alpha*self.
         let f = move |bx: &mut Bx, v: &[ValueId]| {
-            let x = bx.body.cast(v[0], compute);
-            let y = bx.body.cast(v[1], compute);
+            let (mut va, mut vb) = (v[0], v[1]);
+            if round_a {
+                va = bx.body.cast(va, half_dt);
+            }
+            if round_b {
+                vb = bx.body.cast(vb, half_dt);
+            }
+            let x = bx.body.cast(va, compute);
+            let y = bx.body.cast(vb, compute);
             let (l, r) = if rsub { (y, x) } else { (x, y) };
             let r = match alpha {
                 Some(al) => {
