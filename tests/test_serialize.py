@@ -318,10 +318,16 @@ def test_getitem_and_all_arg_kinds_by_hand():
     assert output["args"] == [{"node": empty_n["name"]}, {"node": "getitem"}]
 
 
-def test_non_aten_operator_is_unsupported():
+def test_non_aten_operator_becomes_a_node_fallback():
     graph = _graph_with(torch.ops.prims.sin.default, (), torch.empty(3))
-    with pytest.raises(UnsupportedGraph, match="not an ATen operator"):
-        serialize_graph(graph, "g")
+    node = json.loads(serialize_graph(graph, "g"))["nodes"][1]
+    assert node["target"] == "prims.sin.default"
+    gm = torch.fx.GraphModule({}, graph)
+    x = torch.randn(3)
+    torch.testing.assert_close(compile_graph(gm)(x)[0], torch.sin(x))
+    import ferrocore
+
+    assert ferrocore.metrics.last["fallback_ops"] == ["prims.sin.default"]
 
 
 def test_prims_convert_element_type_is_encoded_as_to_copy():

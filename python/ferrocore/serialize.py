@@ -125,10 +125,9 @@ def _target(n: torch.fx.Node) -> str:
     if t is operator.getitem:
         return "getitem"
     if isinstance(t, torch._ops.OpOverload):
-        if t.namespace == "aten":
-            return str(t)  # e.g. "aten.add.Tensor"
-        # Version 1 carries ATen only; other namespaces (prims, quantized...) run eagerly.
-        raise UnsupportedGraph(f"node {n.name} calls {t}, which is not an ATen operator")
+        # e.g. "aten.add.Tensor"; other namespaces (prims, custom ops) have no lowering and run
+        # as logged per-node fallbacks through `torch.ops.<name>`
+        return str(t)
     qualname = getattr(t, "__qualname__", None) or getattr(t, "__name__", repr(t))
     raise UnsupportedGraph(
         f"node {n.name} calls python:{getattr(t, '__module__', '?')}.{qualname}"

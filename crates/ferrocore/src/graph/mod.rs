@@ -4,7 +4,7 @@
 
 pub mod dtype;
 pub mod ops;
-mod parse;
+pub mod parse;
 
 pub use dtype::{promote_types, result_type, Category, DType, Device, Operand};
 pub use ops::AtenOp;

@@ -77,10 +77,10 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
                     return Err(err(here, format!("{tname} takes {lo}..={hi} positional arguments, got {}", args.len())));
                 }
                 Target::Aten(op)
-            } else if tname.starts_with("aten.") {
-                Target::Unknown(tname.to_string())
+            } else if is_op_name(tname) {
+                Target::Unknown(tname.to_string()) // no lowering: an ATen-call fallback
             } else {
-                return Err(err(here, format!("target '{tname}' is not an ATen operator")));
+                return Err(err(here, format!("target '{tname}' is not an operator name (namespace.op.overload)")));
             };
             NodeKind::Call { target, args, kwargs }
         };
@@ -186,4 +186,10 @@ fn parse_arg(v: &Value, by_name: &HashMap<String, NodeId>, node: &str) -> Result
         "memory_format" => Arg::MemoryFormat(s()?.to_string()),
         other => return Err(err(here, format!("unknown argument tag '{other}'"))),
     })
+}
+
+/// `namespace.op.overload`, each part an identifier: what `torch.ops.<name>` can resolve.
+pub fn is_op_name(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    parts.len() == 3 && parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
 }

@@ -83,7 +83,8 @@ impl Ctx<'_> {
         let node = self.graph.node(id);
         let NodeKind::Call { target, .. } = &node.kind else { return malformed("not a call") };
         let name = target.name().to_string();
-        if !name.starts_with("aten.") {
+        // the wrapper calls `torch.ops.<namespace>.<op>.<overload>`: only such names get there
+        if !crate::graph::parse::is_op_name(&name) {
             return malformed(format!("cannot fall back on '{name}': {reason}"));
         }
         self.current = id;
