@@ -11,6 +11,7 @@ mod pooling;
 mod random;
 mod pointwise;
 mod reduction;
+mod sampling;
 mod scatter;
 mod views;
 
@@ -312,6 +313,9 @@ impl<'g> Ctx<'g> {
             BatchNormNoTraining | BatchNormNoStats | BatchNormLegit | BatchNormFunctional => self.lower_batch_norm(op)?,
             NativeGroupNorm => self.lower_group_norm()?,
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
+            UpsampleBilinear2dVec | UpsampleBilinear2d => t(self.lower_upsample_bilinear(op)?),
+            GridSampler2d => t(self.lower_grid_sampler()?),
+            Col2im => t(self.lower_col2im()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d => self.lower_pool2d(op)?,
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal => t(self.lower_view(op)?),
