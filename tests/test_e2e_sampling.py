@@ -76,6 +76,23 @@ def test_grid_sample(mode):
               x, far, allow_constant=True)
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+def test_grid_sample_3d(mode):
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 4, 5, 6)
+    grid = torch.rand(2, 3, 4, 5, 3) * 2.4 - 1.2
+    far = torch.rand(2, 2, 3, 4, 3) * 8 - 4
+    for padding, ac in itertools.product(["zeros", "border", "reflection"], [False, True]):
+        check(lambda t, g: F.grid_sample(t, g, mode=mode, padding_mode=padding, align_corners=ac), x, grid)
+        if padding != "zeros":  # almost every tap of `far` is outside
+            check(lambda t, g: F.grid_sample(t, g, mode=mode, padding_mode=padding, align_corners=ac), x, far)
+    bad = grid.clone()
+    bad[0, 0, 0, 0] = torch.tensor([float("nan"), float("inf"), 1e30])
+    bad[1, 0, 0, 1] = torch.tensor([-float("inf"), float("nan"), -1e30])
+    for padding in ["zeros", "border", "reflection"]:
+        check(lambda t, g: F.grid_sample(t, g, mode=mode, padding_mode=padding, align_corners=False), x, bad)
+
+
 def test_grid_sample_views_and_computed_inputs():
     torch.manual_seed(1)
     x = torch.randn(2, 5, 7, 3).permute(0, 3, 1, 2)  # channels last

@@ -314,7 +314,7 @@ impl<'g> Ctx<'g> {
             NativeGroupNorm => self.lower_group_norm()?,
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             UpsampleBilinear2dVec | UpsampleBilinear2d => t(self.lower_upsample_bilinear(op)?),
-            GridSampler2d => t(self.lower_grid_sampler()?),
+            GridSampler2d | GridSampler3d => t(self.lower_grid_sampler(op)?),
             Col2im => t(self.lower_col2im()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d => self.lower_pool2d(op)?,
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze

@@ -1,8 +1,8 @@
-//! Resampling gathers: bilinear upsampling (upsample_bilinear2d), grid_sampler_2d (bilinear,
-//! nearest and bicubic taps with zeros / border / reflection padding) and col2im (F.fold). Every
-//! output element is computed from its index: source positions come from index arithmetic,
-//! values from `LoadIndirect` at positions clamped into the input, and taps outside the input
-//! are masked to zero. Arithmetic follows ATen's CPU kernels (float32 for half types).
+//! Resampling gathers: bilinear upsampling (upsample_bilinear2d), grid_sampler_2d / _3d
+//! (bilinear, nearest and bicubic taps with zeros / border / reflection padding) and col2im
+//! (F.fold). Every output element is computed from its index: source positions come from index
+//! arithmetic, values from `LoadIndirect` at positions clamped into the input, and taps outside
+//! the input are masked to zero. Arithmetic follows ATen's CPU kernels (float32 for half types).
 
 use super::indexing::{and_in_range, clamp_index, strided_base};
 use super::*;
@@ -74,6 +74,9 @@ fn linear_taps(bx: &mut Bx, o: &IndexExpr, input: i64, output: i64, scale: f64, 
     LinearTaps { index: [i0, i1], weight: [l0, l1] }
 }
 
+/// An integral position on one axis: (index clamped into the axis, whether it lies inside).
+type Tap = (ValueId, ValueId);
+
 #[derive(Clone, Copy, PartialEq)]
 enum Padding {
     Zeros,
@@ -81,13 +84,17 @@ enum Padding {
     Reflection,
 }
 
-/// One spatial axis of grid_sampler_2d: maps grid coordinates in [-1, 1] to input positions.
+/// One spatial axis of a grid sampler: maps grid coordinates in [-1, 1] to input positions.
+/// `scalar` follows ATen's scalar kernel (grid_sampler_3d) instead of its vectorized one
+/// (grid_sampler_2d): the same maths, evaluated in another order and with NaN clipped to the
+/// far border instead of 0.
 #[derive(Clone, Copy)]
 struct GridAxis {
     size: i64,
     align_corners: bool,
     padding: Padding,
     ct: DType,
+    scalar: bool,
 }
 
 impl GridAxis {
@@ -99,6 +106,20 @@ impl GridAxis {
     fn unnormalize(&self, bx: &mut Bx, g: ValueId) -> ValueId {
         let one = self.c(bx, 1.0);
         let shifted = bx.body.binary(BinaryOp::Add, g, one);
+        if self.scalar {
+            // ((g + 1) / 2) * (size - 1), or ((g + 1) * size - 1) / 2
+            let two = self.c(bx, 2.0);
+            return if self.align_corners {
+                let h = bx.body.binary(BinaryOp::TrueDiv, shifted, two);
+                let m = self.c(bx, (self.size - 1) as f64);
+                bx.body.binary(BinaryOp::Mul, h, m)
+            } else {
+                let n = self.c(bx, self.size as f64);
+                let p = bx.body.binary(BinaryOp::Mul, shifted, n);
+                let p = bx.body.binary(BinaryOp::Sub, p, one);
+                bx.body.binary(BinaryOp::TrueDiv, p, two)
+            };
+        }
         if self.align_corners {
             let f = self.c(bx, (self.size - 1) as f64 / 2.0);
             bx.body.binary(BinaryOp::Mul, shifted, f)
@@ -110,12 +131,17 @@ impl GridAxis {
         }
     }
 
-    /// Clamp into [0, size - 1]; NaN becomes 0, as in ATen's vectorized kernel.
+    /// Clamp into [0, size - 1]; NaN becomes 0 in the vectorized kernel, size - 1 in the scalar.
     fn clip(&self, bx: &mut Bx, x: ValueId) -> ValueId {
         let zero = self.c(bx, 0.0);
         let top = self.c(bx, (self.size - 1) as f64);
-        let pos = bx.body.binary(BinaryOp::Gt, x, zero);
-        let lo = bx.body.where_(pos, x, zero);
+        let lo = if self.scalar {
+            let neg = bx.body.binary(BinaryOp::Lt, x, zero);
+            bx.body.where_(neg, zero, x)
+        } else {
+            let pos = bx.body.binary(BinaryOp::Gt, x, zero);
+            bx.body.where_(pos, x, zero)
+        };
         let below = bx.body.binary(BinaryOp::Lt, lo, top);
         bx.body.where_(below, lo, top)
     }
@@ -128,9 +154,28 @@ impl GridAxis {
             return self.c(bx, 0.0);
         }
         let lowc = self.c(bx, low);
-        let span = self.c(bx, twice_span);
         let rel = if low == 0.0 { x } else { bx.body.binary(BinaryOp::Sub, x, lowc) };
         let a = bx.body.unary(UnaryOp::Abs, rel);
+        if self.scalar {
+            // fmod by the span, flipped back when the number of whole spans is odd
+            let span = self.c(bx, twice_span / 2.0);
+            let extra = bx.body.binary(BinaryOp::Fmod, a, span);
+            let q = bx.body.binary(BinaryOp::TrueDiv, a, span);
+            let flips = bx.body.unary(UnaryOp::Floor, q);
+            let two = self.c(bx, 2.0);
+            let parity = bx.body.binary(BinaryOp::Fmod, flips, two);
+            let one = self.c(bx, 1.0);
+            let odd = bx.body.binary(BinaryOp::Eq, parity, one);
+            // ATen counts flips in an int: past its range the count reads as even
+            let lim = self.c(bx, 2147483648.0);
+            let fits = bx.body.binary(BinaryOp::Lt, flips, lim);
+            let odd = bx.body.binary(BinaryOp::LogicalAnd, odd, fits);
+            let even_r = bx.body.binary(BinaryOp::Add, extra, lowc);
+            let back = bx.body.binary(BinaryOp::Sub, span, extra);
+            let odd_r = bx.body.binary(BinaryOp::Add, back, lowc);
+            return bx.body.where_(odd, odd_r, even_r);
+        }
+        let span = self.c(bx, twice_span);
         let q = bx.body.binary(BinaryOp::TrueDiv, a, span);
         let flips = bx.body.unary(UnaryOp::Trunc, q);
         let m = bx.body.binary(BinaryOp::Mul, flips, span);
@@ -158,7 +203,7 @@ impl GridAxis {
 
     /// An integral position as (index clamped into the axis, whether it lies inside). The
     /// float is selected to 0 before the cast, so no NaN or huge value is ever converted.
-    fn tap(&self, bx: &mut Bx, x: ValueId) -> (ValueId, ValueId) {
+    fn tap(&self, bx: &mut Bx, x: ValueId) -> Tap {
         let lo = self.c(bx, -1.0);
         let hi = self.c(bx, self.size as f64);
         let gt = bx.body.binary(BinaryOp::Gt, x, lo);
@@ -212,9 +257,28 @@ fn weighted_sum(bx: &mut Bx, values: &[ValueId], weights: &[ValueId]) -> ValueId
     acc
 }
 
+/// Σ over the 4 taps of the next axis of weight · (the same sum over the following axes),
+/// the innermost axis (x) summing masked input values: ATen's separable cubic order.
+fn cubic_sum(
+    bx: &mut Bx,
+    prefix: &mut Vec<Tap>,
+    taps: &[Vec<Tap>],
+    weights: &[[ValueId; 4]],
+    value: &dyn Fn(&mut Bx, &[Tap]) -> ValueId,
+) -> ValueId {
+    let j = prefix.len();
+    let mut parts = Vec::with_capacity(4);
+    for &t in &taps[j] {
+        prefix.push(t);
+        parts.push(if j + 1 == taps.len() { value(bx, prefix) } else { cubic_sum(bx, prefix, taps, weights, value) });
+        prefix.pop();
+    }
+    weighted_sum(bx, &parts, &weights[j])
+}
+
 /// col2im's block coordinate along one axis for output position `o` and kernel offset `k`:
 /// (block index clamped into [0, blocks), whether the kernel tap really lands on `o`).
-fn fold_block(bx: &mut Bx, o: &IndexExpr, k: i64, pad: i64, dil: i64, stride: i64, blocks: i64) -> (ValueId, ValueId) {
+fn fold_block(bx: &mut Bx, o: &IndexExpr, k: i64, pad: i64, dil: i64, stride: i64, blocks: i64) -> Tap {
     let num = bx.body.index(o.add_const(pad - k * dil), DType::I64);
     let end = bx.body.constant(Scalar::Int(blocks), DType::I64);
     if stride == 1 {
@@ -292,8 +356,10 @@ impl Ctx<'_> {
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 4, ops: 40 } })
     }
 
-    /// grid_sampler_2d: input [N, C, H, W] sampled at grid [N, Ho, Wo, 2] (x, y in [-1, 1]).
-    pub(super) fn lower_grid_sampler(&mut self) -> LResult<TensorValue> {
+    /// grid_sampler_2d / grid_sampler_3d: input [N, C, (D,) H, W] sampled at a grid
+    /// [N, (Do,) Ho, Wo, k] whose last dim holds (x, y(, z)) in [-1, 1].
+    pub(super) fn lower_grid_sampler(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let k = if op == AtenOp::GridSampler3d { 3 } else { 2 };
         let x = self.tensor_arg(0, "input")?;
         let grid = self.tensor_arg(1, "grid")?;
         let out = self.out_meta()?.clone();
@@ -308,44 +374,74 @@ impl Ctx<'_> {
             return malformed(format!("invalid grid_sampler interpolation mode {mode}"));
         }
         let align_corners = self.bool_arg(4, "align_corners", false)?;
-        if x.size.len() != 4 || grid.size.len() != 4 || grid.size[3] != 2 || grid.size[0] != x.size[0] {
-            return malformed(format!("grid_sampler_2d of {:?} at a grid of {:?}", x.size, grid.size));
+        if x.size.len() != k + 2 || grid.size.len() != k + 2 || grid.size[k + 1] != k as i64 || grid.size[0] != x.size[0] {
+            return malformed(format!("{} of {:?} at a grid of {:?}", op.name(), x.size, grid.size));
         }
-        if out.shape != [x.size[0], x.size[1], grid.size[1], grid.size[2]] {
-            return malformed(format!("grid_sampler_2d output {:?} for grid {:?}", out.shape, grid.size));
+        let mut expect = vec![x.size[0], x.size[1]];
+        expect.extend_from_slice(&grid.size[1..=k]);
+        if out.shape != expect {
+            return malformed(format!("{} output {:?} for grid {:?}", op.name(), out.shape, grid.size));
         }
         if !x.dtype.is_float() || grid.dtype != x.dtype {
-            return unsupported(format!("grid_sampler_2d of {} at a {} grid", x.dtype, grid.dtype));
+            return unsupported(format!("grid sampling of {} at a {} grid", x.dtype, grid.dtype));
         }
-        if x.size[2] == 0 || x.size[3] == 0 {
-            return unsupported("grid_sampler_2d of an empty plane (ATen raises)");
+        if x.size[2..].contains(&0) {
+            return unsupported("grid sampling of an empty input (ATen raises)");
         }
         let ct = x.dtype.compute();
-        let axis = |size: i64| GridAxis { size, align_corners, padding, ct };
-        let (ax, ay) = (axis(x.size[3]), axis(x.size[2]));
+        // input order (D,) H, W; the grid lists the same axes reversed (x first)
+        let axes: Vec<GridAxis> =
+            (0..k).map(|j| GridAxis { size: x.size[2 + j], align_corners, padding, ct, scalar: k == 3 }).collect();
         let (buf, stride, offset) = strided_base(self, &x)?;
         let dt = x.dtype;
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let base = IndexExpr::constant(offset).add(&idx[0].scale(stride[0])).add(&idx[1].scale(stride[1]));
-            let coord = |bx: &mut Bx, k: i64| {
-                let g = grid.load(bx, &[idx[0].clone(), idx[2].clone(), idx[3].clone(), IndexExpr::constant(k)]);
-                bx.body.cast(g, ct)
-            };
-            let (gx, gy) = (coord(bx, 0), coord(bx, 1));
-            // the input at (row, column) taps, zero where either lies outside
-            let sample = |bx: &mut Bx, (iy, oky): (ValueId, ValueId), (ix, okx): (ValueId, ValueId)| {
-                let v = bx.body.load_indirect(buf, base.clone(), vec![(iy, stride[2]), (ix, stride[3])], dt);
+            let coords: Vec<ValueId> = (0..k)
+                .map(|j| {
+                    let mut gi = vec![idx[0].clone()];
+                    gi.extend_from_slice(&idx[2..2 + k]);
+                    gi.push(IndexExpr::constant((k - 1 - j) as i64));
+                    let g = grid.load(bx, &gi);
+                    bx.body.cast(g, ct)
+                })
+                .collect();
+            // (the input at one tap per axis, whether every tap lies inside)
+            let sample = |bx: &mut Bx, taps: &[Tap]| -> (ValueId, ValueId) {
+                let terms = taps.iter().enumerate().map(|(j, t)| (t.0, stride[2 + j])).collect();
+                let v = bx.body.load_indirect(buf, base.clone(), terms, dt);
                 let v = bx.body.cast(v, ct);
-                let ok = bx.body.binary(BinaryOp::LogicalAnd, oky, okx);
+                let ok = taps.iter().skip(1).fold(taps[0].1, |a, t| bx.body.binary(BinaryOp::LogicalAnd, a, t.1));
+                (v, ok)
+            };
+            let masked = |bx: &mut Bx, taps: &[Tap]| {
+                let (v, ok) = sample(bx, taps);
                 let zero = fconst(bx, 0.0, ct);
                 bx.body.where_(ok, v, zero)
             };
-            let r = match mode {
-                0 => {
-                    let ux = ax.unnormalize(bx, gx);
-                    let px = ax.pad(bx, ux);
-                    let uy = ay.unnormalize(bx, gy);
-                    let py = ay.pad(bx, uy);
+            // the point after unnormalizing and padding, per axis
+            let points = |bx: &mut Bx| -> Vec<ValueId> {
+                (0..k)
+                    .map(|j| {
+                        let u = axes[j].unnormalize(bx, coords[j]);
+                        axes[j].pad(bx, u)
+                    })
+                    .collect()
+            };
+            let r = match (k, mode) {
+                (_, 1) => {
+                    // round half to even, like ATen's nearbyint
+                    let p = points(bx);
+                    let taps: Vec<_> = (0..k)
+                        .map(|j| {
+                            let r = bx.body.unary(UnaryOp::Round, p[j]);
+                            axes[j].tap(bx, r)
+                        })
+                        .collect();
+                    masked(bx, &taps)
+                }
+                (2, 0) => {
+                    let p = points(bx);
+                    let (py, px) = (p[0], p[1]);
                     let (west, north) = (bx.body.unary(UnaryOp::Floor, px), bx.body.unary(UnaryOp::Floor, py));
                     let one = fconst(bx, 1.0, ct);
                     let east = bx.body.binary(BinaryOp::Add, west, one);
@@ -361,55 +457,68 @@ impl Ctx<'_> {
                         bx.body.binary(BinaryOp::Mul, dn, de),
                         bx.body.binary(BinaryOp::Mul, dn, dw),
                     ];
-                    let (tw, te) = (ax.tap(bx, west), ax.tap(bx, east));
-                    let (tn, ts) = (ay.tap(bx, north), ay.tap(bx, south));
-                    let values = [sample(bx, tn, tw), sample(bx, tn, te), sample(bx, ts, tw), sample(bx, ts, te)];
+                    let (tw, te) = (axes[1].tap(bx, west), axes[1].tap(bx, east));
+                    let (tn, ts) = (axes[0].tap(bx, north), axes[0].tap(bx, south));
+                    let values =
+                        [masked(bx, &[tn, tw]), masked(bx, &[tn, te]), masked(bx, &[ts, tw]), masked(bx, &[ts, te])];
                     weighted_sum(bx, &values, &weights)
                 }
-                1 => {
-                    let ux = ax.unnormalize(bx, gx);
-                    let px = ax.pad(bx, ux);
-                    let uy = ay.unnormalize(bx, gy);
-                    let py = ay.pad(bx, uy);
-                    // round half to even, like ATen's nearbyint
-                    let rx = bx.body.unary(UnaryOp::Round, px);
-                    let ry = bx.body.unary(UnaryOp::Round, py);
-                    let (tx, ty) = (ax.tap(bx, rx), ay.tap(bx, ry));
-                    sample(bx, ty, tx)
-                }
-                _ => {
-                    // bicubic: padding applies to each of the 4x4 integral taps, not to the point
-                    let ux = ax.unnormalize(bx, gx);
-                    let uy = ay.unnormalize(bx, gy);
-                    let (fx, fy) = (bx.body.unary(UnaryOp::Floor, ux), bx.body.unary(UnaryOp::Floor, uy));
-                    let tx = bx.body.binary(BinaryOp::Sub, ux, fx);
-                    let ty = bx.body.binary(BinaryOp::Sub, uy, fy);
-                    let (wx, wy) = (cubic_weights(bx, tx, ct), cubic_weights(bx, ty, ct));
-                    let taps = |bx: &mut Bx, a: GridAxis, floor: ValueId| -> Vec<(ValueId, ValueId)> {
-                        (-1..3)
-                            .map(|k| {
-                                let d = fconst(bx, k as f64, ct);
-                                let p = if k == 0 { floor } else { bx.body.binary(BinaryOp::Add, floor, d) };
+                (_, 2) => {
+                    // bicubic: padding applies to each integral tap, not to the point; the
+                    // cubic runs along x first, then y (then z)
+                    let mut taps = Vec::with_capacity(k);
+                    let mut weights = Vec::with_capacity(k);
+                    for (j, a) in axes.iter().enumerate() {
+                        let u = a.unnormalize(bx, coords[j]);
+                        let fl = bx.body.unary(UnaryOp::Floor, u);
+                        let t = bx.body.binary(BinaryOp::Sub, u, fl);
+                        weights.push(cubic_weights(bx, t, ct));
+                        let axis_taps: Vec<Tap> = (-1..3)
+                            .map(|d| {
+                                let dc = fconst(bx, d as f64, ct);
+                                let p = if d == 0 { fl } else { bx.body.binary(BinaryOp::Add, fl, dc) };
                                 let p = a.pad(bx, p);
                                 a.tap(bx, p)
                             })
-                            .collect()
-                    };
-                    let (cols, rows) = (taps(bx, ax, fx), taps(bx, ay, fy));
-                    let mut across = Vec::with_capacity(4);
-                    for &r in &rows {
-                        let values: Vec<ValueId> = cols.iter().map(|&c| sample(bx, r, c)).collect();
-                        across.push(weighted_sum(bx, &values, &wx));
+                            .collect();
+                        taps.push(axis_taps);
                     }
-                    weighted_sum(bx, &across, &wy)
+                    cubic_sum(bx, &mut Vec::with_capacity(k), &taps, &weights, &masked)
+                }
+                _ => {
+                    // trilinear, as ATen's scalar kernel: in-bounds taps add value · weight
+                    let p = points(bx);
+                    let one = fconst(bx, 1.0, ct);
+                    let mut taps = Vec::with_capacity(k);
+                    let mut factors = Vec::with_capacity(k);
+                    for j in 0..k {
+                        let lo = bx.body.unary(UnaryOp::Floor, p[j]);
+                        let hi = bx.body.binary(BinaryOp::Add, lo, one);
+                        factors.push([bx.body.binary(BinaryOp::Sub, hi, p[j]), bx.body.binary(BinaryOp::Sub, p[j], lo)]);
+                        taps.push([axes[j].tap(bx, lo), axes[j].tap(bx, hi)]);
+                    }
+                    let zero = fconst(bx, 0.0, ct);
+                    let mut acc = zero;
+                    for corner in 0..8usize {
+                        let side = [(corner >> 2) & 1, (corner >> 1) & 1, corner & 1]; // (z, y, x)
+                        let w = bx.body.binary(BinaryOp::Mul, factors[2][side[2]], factors[1][side[1]]);
+                        let w = bx.body.binary(BinaryOp::Mul, w, factors[0][side[0]]);
+                        let (v, ok) = sample(bx, &[taps[0][side[0]], taps[1][side[1]], taps[2][side[2]]]);
+                        let t = bx.body.binary(BinaryOp::Mul, v, w);
+                        let t = bx.body.where_(ok, t, zero);
+                        acc = bx.body.binary(BinaryOp::Add, acc, t);
+                    }
+                    acc
                 }
             };
             bx.body.cast(r, dt)
         });
-        let (reads, ops) = match mode {
-            0 => (6, 60),
-            1 => (3, 30),
-            _ => (18, 300),
+        let (reads, ops) = match (k, mode) {
+            (_, 1) => (1 + k, 15 * k),
+            (2, 0) => (6, 60),
+            (2, 2) => (18, 300),
+            (_, 2) => (67, 1100),
+            _ => (11, 120),
         };
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } })
     }
