@@ -59,7 +59,10 @@ def compile_graph(
 def _decompositions() -> dict:
     from torch._decomp import core_aten_decompositions
 
-    return core_aten_decompositions()
+    table = dict(core_aten_decompositions().items())
+    # Lowered natively as a gather; torch's decomposition is a scatter-add (index_put).
+    table.pop(torch.ops.aten.col2im.default, None)
+    return table
 
 
 class _AotClock:

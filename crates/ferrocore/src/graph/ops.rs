@@ -168,6 +168,11 @@ aten_ops! {
     BatchNormFunctional => "aten._native_batch_norm_legit_functional.default", 8..=8;
     NativeGroupNorm => "aten.native_group_norm.default", 8..=8;
     UpsampleNearest2d => "aten.upsample_nearest2d.vec", 2..=3;
+    UpsampleBilinear2dVec => "aten.upsample_bilinear2d.vec", 4..=4;
+    UpsampleBilinear2d => "aten.upsample_bilinear2d.default", 3..=5;
+    GridSampler2d => "aten.grid_sampler_2d.default", 5..=5;
+    GridSampler3d => "aten.grid_sampler_3d.default", 5..=5;
+    Col2im => "aten.col2im.default", 6..=6;
     AvgPool2d => "aten.avg_pool2d.default", 2..=7;
     MaxPool2dWithIndices => "aten.max_pool2d_with_indices.default", 2..=6;
     AdaptiveAvgPool2d => "aten._adaptive_avg_pool2d.default", 2..=2;

@@ -11,6 +11,7 @@ mod pooling;
 mod random;
 mod pointwise;
 mod reduction;
+mod sampling;
 mod scatter;
 mod views;
 
@@ -325,6 +326,9 @@ impl<'g> Ctx<'g> {
             AvgPool2dBackward | AdaptiveAvgPool2dBackward | AvgPool3dBackward | AdaptiveAvgPool3dBackward => {
                 t(self.lower_avg_pool_backward(op)?)
             }
+            UpsampleBilinear2dVec | UpsampleBilinear2d => t(self.lower_upsample_bilinear(op)?),
+            GridSampler2d | GridSampler3d => t(self.lower_grid_sampler(op)?),
+            Col2im => t(self.lower_col2im()?),
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,
