@@ -68,16 +68,26 @@ FAST_OPS: dict[str, str | None] = {
     # indexing
     "gather": I64, "scatter": BF16, "scatter_add": F16, "index_select": I64,
     "index_add": BF16, "index_put": F16, "nn.functional.embedding": BF16,
-    "masked_fill": B8,
+    "masked_fill": B8, "scatter_reduce.amax": I64, "scatter_reduce.mean": BF16,
+    "masked_scatter": B8, "index_fill": F16, "combinations": I64,
+    "nn.functional.grid_sample": None, "nn.functional.interpolate.bilinear": F16,
     # matmul, convolution, pooling, attention
     "mm": BF16, "bmm": F16, "addmm": BF16, "matmul": I64, "nn.functional.linear": BF16,
     "nn.functional.conv2d": None, "nn.functional.max_pool2d": BF16,
     "nn.functional.avg_pool2d": F16, "nn.functional.scaled_dot_product_attention": BF16,
+    "nn.functional.max_pool3d": I64, "nn.functional.avg_pool3d": None,
+    "nn.functional.adaptive_max_pool2d": BF16, "nn.functional.fractional_max_pool2d": F16,
+    "nn.functional.bilinear": BF16, "svd": None, "searchsorted": I64,
+    # complex values inside real graphs (FFT library calls, complex copies)
+    "fft.fft2": I64, "fft.hfft": None, "cdouble": BF16,
     # sorting, creation
     "sort": I64, "topk": BF16, "full_like": I64, "zeros_like": B8, "arange": I64,
     "linspace": BF16,
     # random (compared by distribution when not bit-identical, and by reproducibility)
     "bernoulli": BF16, "nn.functional.dropout": F16, "rand_like": BF16,
+    "nn.functional.dropout3d": BF16, "nn.functional.rrelu": BF16,
+    # special functions
+    "mvlgamma.mvlgamma_p_1": F16, "special.log_ndtr": I64,
 }
 
 # Pairs that fail today, grouped by reason: (op, dtype or None for every dtype) -> reason.
