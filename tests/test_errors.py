@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import ferrocore
 from ferrocore import _ferrocore
@@ -54,3 +55,19 @@ def test_garbage_is_an_error_not_a_crash():
             _ferrocore.compile_graph(text, "{}")
     with pytest.raises(ferrocore.FerrocoreError, match="invalid options"):
         _ferrocore.compile_graph(_graph([]), "{not json")
+
+
+def test_float8_and_complex_arithmetic_fall_back_with_right_values():
+    import ferrocore.metrics
+
+    x = torch.randn(8, 8)
+    for f8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        fn = lambda t: (t.to(f8).float() * 2).sum(0)  # noqa: E731
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="ferrocore")(x), fn(x))
+        assert ferrocore.metrics.last["fallback_ops"] == ["aten._to_copy.default"] * 2
+    c = torch.randn(4, dtype=torch.complex64)
+    fn = lambda t: (t * 2 + 1).abs()  # noqa: E731
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fn, backend="ferrocore")(c), fn(c))
+    assert ferrocore.metrics.last["fallbacks"] == 3

@@ -233,8 +233,12 @@ def _strip_torch(x: Any) -> str:
     return s[len("torch."):] if s.startswith("torch.") else s
 
 
+# The float8 formats the importer knows (each falls back to ATen: kernels never touch them).
+_FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+
+
 def _is_float8(d: torch.dtype) -> bool:
-    return _strip_torch(d).startswith("float8")
+    return _strip_torch(d) in _FLOAT8
 
 
 def _describe(x: Any) -> str:

@@ -17,7 +17,27 @@ pub enum DType {
     /// Known to torch, not compiled by ferrocore: nodes touching these fall back to ATen.
     C64,
     C128,
-    Float8,
+    Float8(Float8Kind),
+}
+
+/// The float8 formats torch names (each is its own dtype: converting between them is not free).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub enum Float8Kind {
+    E4M3Fn,
+    E5M2,
+    E4M3FnUz,
+    E5M2FnUz,
+    E8M0Fnu,
+}
+
+impl Float8Kind {
+    const ALL: [(Float8Kind, &'static str); 5] = [
+        (Float8Kind::E4M3Fn, "float8_e4m3fn"),
+        (Float8Kind::E5M2, "float8_e5m2"),
+        (Float8Kind::E4M3FnUz, "float8_e4m3fnuz"),
+        (Float8Kind::E5M2FnUz, "float8_e5m2fnuz"),
+        (Float8Kind::E8M0Fnu, "float8_e8m0fnu"),
+    ];
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
@@ -43,8 +63,10 @@ impl DType {
             "float64" => DType::F64,
             "complex64" => DType::C64,
             "complex128" => DType::C128,
-            s if s.starts_with("float8") => DType::Float8,
-            _ => return None,
+            s => match Float8Kind::ALL.iter().find(|(_, n)| *n == s) {
+                Some((k, _)) => DType::Float8(*k),
+                None => return None,
+            },
         })
     }
     pub fn torch_name(self) -> &'static str {
@@ -61,14 +83,14 @@ impl DType {
             DType::F64 => "float64",
             DType::C64 => "complex64",
             DType::C128 => "complex128",
-            DType::Float8 => "float8_e4m3fn",
+            DType::Float8(k) => Float8Kind::ALL.iter().find(|(x, _)| *x == k).map_or("float8_e4m3fn", |(_, n)| n),
         }
     }
     pub fn category(self) -> Category {
         match self {
             DType::Bool => Category::Bool,
             DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64 => Category::Int,
-            DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::Float8 => Category::Float,
+            DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::Float8(_) => Category::Float,
             DType::C64 | DType::C128 => Category::Complex,
         }
     }
@@ -80,7 +102,7 @@ impl DType {
     }
     /// Whether generated kernels can load, compute and store this type.
     pub fn is_compilable(self) -> bool {
-        !matches!(self, DType::C64 | DType::C128 | DType::Float8)
+        !matches!(self, DType::C64 | DType::C128 | DType::Float8(_))
     }
     /// Whether generated kernels can move this type (load, store, convert, conjugate) without
     /// computing on it: complex values in copies, views, pads and concatenations.
@@ -92,7 +114,7 @@ impl DType {
     }
     pub fn itemsize(self) -> usize {
         match self {
-            DType::Bool | DType::U8 | DType::I8 | DType::Float8 => 1,
+            DType::Bool | DType::U8 | DType::I8 | DType::Float8(_) => 1,
             DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 | DType::C64 => 8,
@@ -157,7 +179,7 @@ pub fn promote_types(a: DType, b: DType) -> DType {
                 return F32;
             }
             let rank = |d: DType| match d {
-                Float8 => 0,
+                Float8(_) => 0,
                 F16 | BF16 => 1,
                 F32 => 2,
                 _ => 3,
