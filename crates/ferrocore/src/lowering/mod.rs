@@ -49,6 +49,10 @@ pub struct TensorValue {
 }
 
 impl TensorValue {
+    /// A lazily computed value; `reads`/`ops` estimate what recomputing one element costs.
+    pub fn lazy(size: Vec<i64>, dtype: DType, device: Device, reads: usize, ops: usize, f: impl Fn(&mut Bx, &[IndexExpr]) -> ValueId + 'static) -> TensorValue {
+        TensorValue { size, dtype, device, src: Src::Lazy { f: Rc::new(f), reads, ops } }
+    }
     pub fn load(&self, bx: &mut Bx, idx: &[IndexExpr]) -> ValueId {
         match &self.src {
             Src::View { buf, index } => {

@@ -159,25 +159,16 @@ impl Ctx<'_> {
         if !training {
             let slope = (lower + upper) / 2.0;
             let xs = x.clone();
-            let out = TensorValue {
-                size: x.size.clone(),
-                dtype: dt,
-                device: x.device.clone(),
-                src: Src::Lazy {
-                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                        let v = xs.load(bx, idx);
-                        let v = bx.body.cast(v, cd);
-                        let z = bx.body.constant(Scalar::Float(0.0), cd);
-                        let s = bx.body.constant(Scalar::Float(slope), cd);
-                        let pos = bx.body.binary(BinaryOp::Gt, v, z);
-                        let neg = bx.body.binary(BinaryOp::Mul, v, s);
-                        let r = bx.body.where_(pos, v, neg);
-                        bx.body.cast(r, dt)
-                    }),
-                    reads: 1,
-                    ops: 4,
-                },
-            };
+            let out = TensorValue::lazy(x.size.clone(), dt, x.device.clone(), 1, 4, move |bx, idx| {
+                let v = xs.load(bx, idx);
+                let v = bx.body.cast(v, cd);
+                let z = bx.body.constant(Scalar::Float(0.0), cd);
+                let s = bx.body.constant(Scalar::Float(slope), cd);
+                let pos = bx.body.binary(BinaryOp::Gt, v, z);
+                let neg = bx.body.binary(BinaryOp::Mul, v, s);
+                let r = bx.body.where_(pos, v, neg);
+                bx.body.cast(r, dt)
+            });
             return Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(out)), Some(Lowered::Tensor(noise))]));
         }
         let u = self.random_values(&x.size, false);
@@ -200,34 +191,16 @@ impl Ctx<'_> {
                 (v, bx.body.where_(neg, r, one))
             })
         };
-        let (s1, s2) = (slope.clone(), slope);
-        let out = TensorValue {
-            size: x.size.clone(),
-            dtype: dt,
-            device: x.device.clone(),
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let (v, s) = s1(bx, idx);
-                    let r = bx.body.binary(BinaryOp::Mul, v, s);
-                    bx.body.cast(r, dt)
-                }),
-                reads: 2,
-                ops: 40,
-            },
-        };
-        let new_noise = TensorValue {
-            size: x.size.clone(),
-            dtype: ndt,
-            device: x.device.clone(),
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let (_, s) = s2(bx, idx);
-                    bx.body.cast(s, ndt)
-                }),
-                reads: 2,
-                ops: 40,
-            },
-        };
+        let s1 = slope.clone();
+        let out = TensorValue::lazy(x.size.clone(), dt, x.device.clone(), 2, 40, move |bx, idx| {
+            let (v, s) = s1(bx, idx);
+            let r = bx.body.binary(BinaryOp::Mul, v, s);
+            bx.body.cast(r, dt)
+        });
+        let new_noise = TensorValue::lazy(x.size.clone(), ndt, x.device.clone(), 2, 40, move |bx, idx| {
+            let (_, s) = slope(bx, idx);
+            bx.body.cast(s, ndt)
+        });
         Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(out)), Some(Lowered::Tensor(new_noise))]))
     }
 }

@@ -364,19 +364,10 @@ impl Ctx<'_> {
             return malformed(format!("nonzero_static result {:?} for size {size}", out.shape));
         }
         let xs = x.clone();
-        let nonzero = TensorValue {
-            size: x.size.clone(),
-            dtype: DType::Bool,
-            device: x.device.clone(),
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let v = xs.load(bx, idx);
-                    bx.body.cast(v, DType::Bool)
-                }),
-                reads: 1,
-                ops: 1,
-            },
-        };
+        let nonzero = TensorValue::lazy(x.size.clone(), DType::Bool, x.device.clone(), 1, 1, move |bx, idx| {
+            let v = xs.load(bx, idx);
+            bx.body.cast(v, DType::Bool)
+        });
         let count = self.running_count(&nonzero);
         let mstride = contiguous_strides(&x.size);
         let passes = (0..ndim as usize)
@@ -525,35 +516,20 @@ pub(super) fn unravel(flat: &IndexExpr, shape: &[i64]) -> Vec<IndexExpr> {
 
 /// A tensor filled with `value`.
 pub(super) fn constant_value(size: &[i64], dt: DType, value: Scalar, device: &Device) -> TensorValue {
-    TensorValue {
-        size: size.to_vec(),
-        dtype: dt,
-        device: device.clone(),
-        src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| bx.body.constant(value, dt)), reads: 0, ops: 1 },
-    }
+    TensorValue::lazy(size.to_vec(), dt, device.clone(), 0, 1, move |bx, _idx| bx.body.constant(value, dt))
 }
 
 /// The same elements under another shape with equal numel (0-d <-> [1]).
 fn reshaped(t: &TensorValue, size: Vec<i64>) -> TensorValue {
     let inner = t.clone();
     let rank = t.size.len();
-    TensorValue {
-        size,
-        dtype: t.dtype,
-        device: t.device.clone(),
-        src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| inner.load(bx, &vec![IndexExpr::zero(); rank])), reads: 1, ops: 0 },
-    }
+    TensorValue::lazy(size, t.dtype, t.device.clone(), 1, 0, move |bx, _idx| inner.load(bx, &vec![IndexExpr::zero(); rank]))
 }
 
 /// `t` read at the trailing-aligned broadcast of an index of `shape`.
 fn broadcast_to(t: &TensorValue, shape: &[i64]) -> TensorValue {
     let inner = t.clone();
-    TensorValue {
-        size: shape.to_vec(),
-        dtype: t.dtype,
-        device: t.device.clone(),
-        src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| inner.load(bx, &broadcast_index(&inner.size, idx))), reads: 1, ops: 0 },
-    }
+    TensorValue::lazy(shape.to_vec(), t.dtype, t.device.clone(), 1, 0, move |bx, idx| inner.load(bx, &broadcast_index(&inner.size, idx)))
 }
 
 /// Advanced indexing with integer index tensors: the indexed dims are replaced by the broadcast
