@@ -294,3 +294,13 @@ def test_fractional_max_pool_with_given_samples():
     v = torch.randn(2, 2, 7, 8, 6)
     s3 = torch.rand(2, 2, 3)
     check(lambda t, s: F.fractional_max_pool3d(t, 2, output_size=(3, 4, 2), return_indices=True, _random_samples=s), v, s3)
+
+
+def test_nonzero_is_a_library_call_in_a_value_specialized_graph():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    gm = make_fx(lambda t: torch.nonzero(t * 2) + 1)(x)
+    (got,) = ferrocore.compile_graph(gm)(x)
+    assert torch.equal(got, torch.nonzero(x) + 1)
+    assert ferrocore.metrics.last["externs"] == 1 and ferrocore.metrics.last["fallbacks"] == 0

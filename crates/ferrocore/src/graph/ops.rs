@@ -224,6 +224,7 @@ aten_ops! {
     EmbeddingBag => "aten._embedding_bag.default", 2..=9;
     // LAPACK-backed linear algebra, complex FFTs and binary search: library calls too
     FftC2c => "aten._fft_c2c.default", 4..=4;
+    Nonzero => "aten.nonzero.default", 1..=1;
     Searchsorted => "aten.searchsorted.Tensor", 2..=2;
     SearchsortedScalar => "aten.searchsorted.Scalar", 2..=2;
     LinalgSvd => "aten._linalg_svd.default", 1..=3;
