@@ -304,3 +304,11 @@ def test_nonzero_is_a_library_call_in_a_value_specialized_graph():
     (got,) = ferrocore.compile_graph(gm)(x)
     assert torch.equal(got, torch.nonzero(x) + 1)
     assert ferrocore.metrics.last["externs"] == 1 and ferrocore.metrics.last["fallbacks"] == 0
+
+
+def test_attention_is_a_library_call_with_eager_strides():
+    q, k, v = torch.randn(4, 3, 8), torch.randn(4, 5, 8), torch.randn(4, 5, 8)
+    check(lambda a, b, c: F.scaled_dot_product_attention(a, b, c) * 2, q, k, v)
+    check(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k[:, :3], v[:, :3])
+    check(lambda a, b, c: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(a, b, c), q[None], k[None], v[None])
+    assert ferrocore.metrics.last["fallbacks"] == 0 and ferrocore.metrics.last["externs"] == 1

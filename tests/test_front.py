@@ -69,8 +69,8 @@ def fake(tmp_path, monkeypatch):
 
     serialize = backend.serialize_graph
 
-    def remembering(gm, name):
-        doc = serialize(gm, name)
+    def remembering(gm, name, output_strides=None):
+        doc = serialize(gm, name, output_strides)
         graphs[name] = lambda args: gm(*args)
         return doc
 

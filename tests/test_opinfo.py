@@ -113,10 +113,6 @@ _known("no graph: dynamo graph-breaks on narrow(x, dim, start: Tensor, length) (
        ("narrow", F32), ("narrow", B8))
 
 # -- wrong results -------------------------------------------------------------------------------
-_known("wrong stride: scaled_dot_product_attention output is (8, 32, 1), eager (24, 8, 1) for "
-       "shape (4, 3, 8): the graph output keeps the bmm/permute layout instead of eager's",
-       ("nn.functional.scaled_dot_product_attention", F32),
-       ("nn.functional.scaled_dot_product_attention", BF16))
 
 
 def _known_reason(op: str, dtype: str) -> str | None:

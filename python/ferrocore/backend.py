@@ -31,17 +31,75 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
     """Dynamo backend. `options=` (a dict) overrides env options; `mode` and the rest are ignored."""
     overrides = kwargs.get("options") or {}
     state = _AotClock()
+    user_strides = _user_output_strides(gm)
 
-    def compiler(graph, inputs):  # forward, inference and backward graphs alike
+    def forward(graph, inputs):
+        strides = _visible_output_strides(graph, user_strides, inference=False)
+        return _compile(graph, state.take(), overrides, strides)
+
+    def inference(graph, inputs):
+        strides = _visible_output_strides(graph, user_strides, inference=True)
+        return _compile(graph, state.take(), overrides, strides)
+
+    def backward(graph, inputs):
         return _compile(graph, state.take(), overrides)
 
     compiled = aot_autograd(
-        fw_compiler=compiler,
-        bw_compiler=compiler,
+        fw_compiler=forward,
+        inference_compiler=inference,
+        bw_compiler=backward,
         decompositions=_decompositions(),
     )(gm, example_inputs)
     state.stop()
     return compiled
+
+
+def _user_output_strides(gm: torch.fx.GraphModule) -> list:
+    """The strides of the program's outputs as eager produces them (dynamo's example values,
+    computed with the original operators' meta functions), None for non-tensors."""
+    out = []
+    for o in torch.utils._pytree.arg_tree_leaves(*gm.graph.output_node().args):
+        val = o.meta.get("example_value") if isinstance(o, torch.fx.Node) else None
+        out.append((tuple(val.shape), tuple(val.stride())) if isinstance(val, torch.Tensor) else None)
+    return out
+
+
+def _visible_output_strides(graph: torch.fx.GraphModule, user: list, *, inference: bool) -> dict:
+    """{AOT output node name: stride} for the user-visible outputs whose strides differ from what
+    the program produces eagerly. A decomposition (e.g. attention's math form) may lay an output
+    out differently than the fused operator eager runs; like Inductor's keep_output_stride,
+    ferrocore writes such outputs with eager's strides. AOT's forward returns mutated inputs
+    first, then the user outputs, then saved activations."""
+    start = 0
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is not None and not inference:
+        start = getattr(meta, "num_mutated_inp_runtime_indices", 0)
+    outs = torch.utils._pytree.arg_tree_leaves(*graph.graph.output_node().args)
+    result = {}
+    for k, want in enumerate(user):
+        i = start + k
+        if want is None or i >= len(outs) or not isinstance(outs[i], torch.fx.Node):
+            continue
+        node = outs[i]
+        val = node.meta.get("val")
+        shape, stride = want
+        if node.op != "call_function" or not isinstance(val, torch.Tensor) or tuple(val.shape) != shape:
+            continue
+        if tuple(val.stride()) != stride and _dense(shape, stride):
+            result[node.name] = list(stride)
+    return result
+
+
+def _dense(shape, stride) -> bool:
+    """Non-overlapping and dense: some permutation of the dims is contiguous."""
+    dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 def compile_graph(
@@ -62,6 +120,9 @@ def _decompositions() -> dict:
     table = dict(core_aten_decompositions().items())
     # Lowered natively as a gather; torch's decomposition is a scatter-add (index_put).
     table.pop(torch.ops.aten.col2im.default, None)
+    # A library call (fused CPU flash attention): its decomposition returns the attention
+    # weights where the op returns logsumexp, and lays the output out unlike the kernel.
+    table.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table
 
 
@@ -82,13 +143,13 @@ class _AotClock:
         self.mark = None
 
 
-def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callable:
+def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None) -> Callable:
     if _is_symbolic(gm):
         return _specializing(gm, timings, overrides)
     name = f"graph_{next(_graph_ids)}"
     start = time.perf_counter()
     try:
-        graph_json = serialize_graph(gm, name)
+        graph_json = serialize_graph(gm, name, output_strides)
         constants = lifted_constants(gm)
     except UnsupportedGraph as e:
         print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)

@@ -36,11 +36,19 @@ class UnsupportedGraph(Exception):
         self.reason = reason
 
 
-def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> str:
+def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output_strides: dict | None = None) -> str:
     """The JSON document for `gm`, named `name`. Lifted tensor constants (`get_attr` nodes)
-    become extra inputs after the graph's own: call with `args + lifted_constants(gm)`."""
+    become extra inputs after the graph's own: call with `args + lifted_constants(gm)`.
+    `output_strides` ({node name: stride}) replaces the metadata strides of output nodes that
+    must keep eager's layout (see `backend._visible_output_strides`)."""
+    doc = graph_to_dict(gm, name)
+    for node in doc["nodes"]:
+        stride = (output_strides or {}).get(node["name"])
+        tensor = (node.get("meta") or {}).get("tensor")
+        if stride is not None and tensor is not None and len(stride) == len(tensor["stride"]):
+            tensor["stride"] = list(stride)
     # allow_nan=False: a stray non-finite float must fail here, not as invalid JSON in Rust.
-    return json.dumps(graph_to_dict(gm, name), separators=(",", ":"), allow_nan=False)
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False)
 
 
 def lifted_constants(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[torch.Tensor]:

@@ -225,6 +225,8 @@ aten_ops! {
     // LAPACK-backed linear algebra, complex FFTs and binary search: library calls too
     FftC2c => "aten._fft_c2c.default", 4..=4;
     Nonzero => "aten.nonzero.default", 1..=1;
+    FlashAttentionCpu => "aten._scaled_dot_product_flash_attention_for_cpu.default", 3..=5;
+    FlashAttentionCpuBackward => "aten._scaled_dot_product_flash_attention_for_cpu_backward.default", 8..=8;
     Searchsorted => "aten.searchsorted.Tensor", 2..=2;
     SearchsortedScalar => "aten.searchsorted.Scalar", 2..=2;
     LinalgSvd => "aten._linalg_svd.default", 1..=3;
