@@ -312,3 +312,17 @@ def test_attention_is_a_library_call_with_eager_strides():
     check(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k[:, :3], v[:, :3])
     check(lambda a, b, c: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(a, b, c), q[None], k[None], v[None])
     assert ferrocore.metrics.last["fallbacks"] == 0 and ferrocore.metrics.last["externs"] == 1
+
+
+def test_attention_training_outputs_and_gradients():
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    for f in (lambda a, b, c: F.scaled_dot_product_attention(a, b, c), lambda a, b, c: F.scaled_dot_product_attention(a, b, c).transpose(1, 2) * 1):
+        qe, qc = q.clone().requires_grad_(), q.clone().requires_grad_()
+        want = f(qe, k, v)
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="ferrocore")(qc, k, v)
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want)
+        (want * want).sum().backward()
+        (got * got).sum().backward()
+        torch.testing.assert_close(qc.grad, qe.grad)

@@ -82,6 +82,8 @@ def _visible_output_strides(graph: torch.fx.GraphModule, user: list, *, inferenc
         if want is None or i >= len(outs) or not isinstance(outs[i], torch.fx.Node):
             continue
         node = outs[i]
+        if sum(1 for o in outs if o is node) > 1:
+            continue  # also saved for backward, which reads it with the graph's strides
         val = node.meta.get("val")
         shape, stride = want
         if node.op != "call_function" or not isinstance(val, torch.Tensor) or tuple(val.shape) != shape:
