@@ -196,3 +196,21 @@ fn wrapper_embeds_the_exact_kernel_source() {
     let module = ferrocore::wrapper::render_module(&s, &k, &plan, "g");
     assert!(module.contains(&format!("KERNEL_SOURCE = r'''{}'''", k.source)));
 }
+
+#[test]
+fn scatter_add_is_a_copy_then_an_atomic_scatter_kernel() {
+    // out = x.scatter_add(0, idx, src): the copy of x, then a scatter node that stores at an
+    // address computed from idx, in a kernel of its own, after the copy, with atomic adds
+    let doc = G::new()
+        .input("x", &[10, 4], "float32")
+        .input("idx", &[6, 4], "int64")
+        .input("src", &[6, 4], "float32")
+        .call("s", "aten.scatter_add.default", &format!(r#"{},{{"int":0}},{},{}"#, n("x"), n("idx"), n("src")), &meta(&[10, 4], "float32"))
+        .call("r", "aten.relu.default", &n("s"), &meta(&[10, 4], "float32"))
+        .output(&["r"]);
+    let (pre, post, src, k) = stages(&doc);
+    assert_eq!(k, 3, "copy, scatter, relu:\n{post}");
+    assert!(pre.contains(", sum)"), "the scatter combines with a sum:\n{pre}");
+    assert!(src.contains("#pragma omp atomic"), "{src}");
+    check("scatter_add.txt", &format!("{pre}\n{post}\n{src}"));
+}
