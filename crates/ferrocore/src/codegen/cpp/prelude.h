@@ -1,5 +1,4 @@
 // ferrocore C++ kernel prelude: type conversions and NaN-aware helpers shared by all kernels.
-#include <complex>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
