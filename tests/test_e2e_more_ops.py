@@ -326,3 +326,7 @@ def test_attention_training_outputs_and_gradients():
         (want * want).sum().backward()
         (got * got).sum().backward()
         torch.testing.assert_close(qc.grad, qe.grad)
+
+
+def test_arange_with_bool_bounds():
+    check(lambda t: t + torch.arange(False, True, True, dtype=torch.float32), torch.randn(1), allow_constant=True)

@@ -39,6 +39,7 @@ impl Ctx<'_> {
                 None | Some(Arg::None) => default,
                 Some(Arg::Int(v)) => Scalar::Int(*v),
                 Some(Arg::Float(v)) => Scalar::Float(*v),
+                Some(Arg::Bool(v)) => Scalar::Int(*v as i64), // Python bools are ints here
                 other => return malformed(format!("arange bound must be a number, got {other:?}")),
             })
         };
