@@ -173,13 +173,9 @@ def capture_inductor_kernels(stats: CompileStats):
 
 
 def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    from ferrocore.backend import is_dense
+
+    return is_dense(t.shape, t.stride())
 
 
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -200,16 +200,22 @@ def test_pooling_3d_adaptive_max_and_integers():
     check(lambda t: (F.max_pool2d(t, 3, 2, 1), F.avg_pool2d(t, 2), F.avg_pool2d(t, 3, 2, 1, count_include_pad=False)), xi)
 
 
+def _check_input_grad(fn, x):
+    """The gradient of `fn` at `x` through ferrocore equals eager's, with no ATen fallback."""
+    xr = x.clone().requires_grad_()
+    g = torch.randn_like(fn(xr))
+    expected = torch.autograd.grad(fn(xr), xr, g)[0]
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(xr), xr, g)[0]
+    torch.testing.assert_close(got, expected)
+    assert ferrocore.metrics.last["fallbacks"] == 0
+
+
 def test_avg_pool_backwards():
+    x = torch.randn(2, 3, 9, 7)
     for fn in (lambda t: F.avg_pool2d(t, 3, 2, 1), lambda t: F.avg_pool2d(t, (2, 3), ceil_mode=True, count_include_pad=False),
                lambda t: F.adaptive_avg_pool2d(t, (4, 3)), lambda t: F.avg_pool2d(t, 2, divisor_override=3)):
-        x = torch.randn(2, 3, 9, 7, requires_grad=True)
-        g = torch.randn_like(fn(x))
-        expected = torch.autograd.grad(fn(x), x, g)[0]
-        torch._dynamo.reset()
-        got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(x), x, g)[0]
-        torch.testing.assert_close(got, expected)
-        assert ferrocore.metrics.last["fallbacks"] == 0
+        _check_input_grad(fn, x)
 
 
 def test_group_norm_backward():
@@ -265,13 +271,7 @@ def test_complex_values_move_through_kernels():
 def test_3d_pool_backwards():
     x = torch.randn(2, 2, 6, 5, 4)
     for fn in (lambda t: F.max_pool3d(t, 2, 1, 1), lambda t: F.avg_pool3d(t, 3, 2, 1), lambda t: F.adaptive_avg_pool3d(t, (3, 2, 3))):
-        xr = x.clone().requires_grad_()
-        g = torch.randn_like(fn(xr))
-        expected = torch.autograd.grad(fn(xr), xr, g)[0]
-        torch._dynamo.reset()
-        got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(xr), xr, g)[0]
-        torch.testing.assert_close(got, expected)
-        assert ferrocore.metrics.last["fallbacks"] == 0
+        _check_input_grad(fn, x)
     _, idx = F.max_pool3d(x, 2, return_indices=True)
     gy = torch.randn(idx.shape)
     check(lambda g, t, i: torch.ops.aten.max_pool3d_with_indices_backward(g, t, [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False, i), gy, x, idx)

@@ -88,12 +88,12 @@ def _visible_output_strides(graph: torch.fx.GraphModule, user: list, *, inferenc
         shape, stride = want
         if node.op != "call_function" or not isinstance(val, torch.Tensor) or tuple(val.shape) != shape:
             continue
-        if tuple(val.stride()) != stride and _dense(shape, stride):
+        if tuple(val.stride()) != stride and is_dense(shape, stride):
             result[node.name] = list(stride)
     return result
 
 
-def _dense(shape, stride) -> bool:
+def is_dense(shape, stride) -> bool:
     """Non-overlapping and dense: some permutation of the dims is contiguous."""
     dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
     expected = 1

@@ -200,14 +200,12 @@ impl Ctx<'_> {
         if tensors.iter().flatten().any(|t| matches!(t.dtype, DType::Bool | DType::U8)) {
             return self.index_put_mask(&x, &tensors, &values, accumulate);
         }
-        let rank = x.size.len();
         let adv = AdvancedIndex::new(&x.size, &tensors)?;
         let shape = adv.result_shape(&x.size);
         if broadcast_shapes(&[&values.size, &shape])? != shape {
             return malformed(format!("values of shape {:?} do not broadcast to {shape:?}", values.size));
         }
         let dstride = contiguous_strides(&x.size);
-        let _ = rank;
         let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let (base, terms) = adv.address(bx, idx, &dstride, 0);
             let vi = broadcast_index(&values.size, idx);

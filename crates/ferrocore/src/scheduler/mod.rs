@@ -249,9 +249,11 @@ fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) ->
             }
         }
     }
+    // a scattered buffer is updated in place by a later kernel: it must exist in memory
+    let scattered: HashSet<BufferId> = p.nodes.iter().filter(|n| n.is_scatter()).map(|n| n.output).collect();
     for (i, b) in p.buffers.iter().enumerate() {
         let id = BufferId(i as u32);
-        let scattered = p.nodes.iter().any(|n| n.output == id && n.is_scatter());
+        let scattered = scattered.contains(&id);
         if b.source == BufferSource::Computed
             && !scattered
             && writer_kernel[i].is_some()
