@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -607,6 +608,17 @@ def _assert_same_distribution(expected, actual, op_name: str = "") -> None:
         )
 
 
+def _capture_data_dependent():
+    """Dynamo's settings that hand data-dependent ops (`item`, `nonzero`, `masked_select`, ...)
+    to the backend instead of running them eagerly behind a graph break, as a user who wants
+    them compiled sets them (`FERROCORE_OPINFO_GRAPH_BREAKS=1` keeps dynamo's defaults)."""
+    if os.environ.get("FERROCORE_OPINFO_GRAPH_BREAKS") == "1":
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(
+        capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True
+    )
+
+
 def _call(op, inp, args, kwargs):
     return op.op(inp, *args, **kwargs)
 
@@ -650,7 +662,7 @@ def run_sample(op, sample, dtype, index: int, *, timeout_s: int = SAMPLE_TIMEOUT
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend="ferrocore", dynamic=False, fullgraph=False)
         try:
-            with observe_ferrocore() as seen, _time_limit(timeout_s):
+            with observe_ferrocore() as seen, _time_limit(timeout_s), _capture_data_dependent():
                 torch.manual_seed(0)
                 actual = compiled(inp, args, kwargs)
                 again = None

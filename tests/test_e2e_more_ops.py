@@ -268,6 +268,16 @@ def test_complex_values_move_through_kernels():
     assert ferrocore.metrics.last["fallbacks"] == 0
 
 
+def test_complex32_is_stored_as_two_halves():
+    # chalf: rounded per component on store, widened to complex64 on load
+    x = torch.randn(4, 5) * 1000
+    check(lambda t: (t.chalf(), t.t().chalf().cfloat()), x)
+    check(lambda t: t.to(torch.complex32)[1:].conj_physical().t(), torch.randn(4, 5, dtype=torch.complex64))
+    h = torch.randn(3, 4, dtype=torch.complex32)
+    check(lambda t: (torch.cat([t, t[:, 1:3]], 1), t.t().cfloat(), torch.view_as_real(t)), h)
+    assert ferrocore.metrics.last["fallbacks"] == 0
+
+
 def test_3d_pool_backwards():
     x = torch.randn(2, 2, 6, 5, 4)
     for fn in (lambda t: F.max_pool3d(t, 2, 1, 1), lambda t: F.avg_pool3d(t, 3, 2, 1), lambda t: F.adaptive_avg_pool3d(t, (3, 2, 3))):
@@ -330,3 +340,18 @@ def test_attention_training_outputs_and_gradients():
 
 def test_arange_with_bool_bounds():
     check(lambda t: t + torch.arange(False, True, True, dtype=torch.float32), torch.randn(1), allow_constant=True)
+
+
+def test_effectful_error_check_runs_and_raises_like_eager():
+    # linalg.inv's decomposition checks LAPACK's info through an effect token
+    # (with_effects(_linalg_check_errors)): the check is a library call kept in order
+    a = torch.randn(4, 6, 8, 3)
+    stats = check(lambda t: torch.linalg.tensorinv(t, ind=2) * 2, a, atol=1e-3, rtol=1e-3)
+    assert stats.externs == 2 and stats.fallbacks == 0
+    torch._dynamo.reset()
+    inv = torch.compile(lambda t: torch.linalg.inv(t) + 1, backend="ferrocore")
+    torch.testing.assert_close(inv(torch.eye(3) * 2), torch.eye(3) * 0.5 + 1)
+    import pytest
+
+    with pytest.raises(torch.linalg.LinAlgError):
+        inv(torch.zeros(3, 3))

@@ -70,6 +70,8 @@ FAST_OPS: dict[str, str | None] = {
     "index_add": BF16, "index_put": F16, "nn.functional.embedding": BF16,
     "masked_fill": B8, "scatter_reduce.amax": I64, "scatter_reduce.mean": BF16,
     "masked_scatter": B8, "index_fill": F16, "combinations": I64,
+    # data-dependent sizes and values (dynamo's capture settings; python/ferrocore/partition.py)
+    "nonzero": B8, "masked_select": F16, "item": BF16, "argwhere": I64,
     "nn.functional.grid_sample": None, "nn.functional.interpolate.bilinear": F16,
     # matmul, convolution, pooling, attention
     "mm": BF16, "bmm": F16, "addmm": BF16, "matmul": I64, "nn.functional.linear": BF16,
@@ -77,9 +79,9 @@ FAST_OPS: dict[str, str | None] = {
     "nn.functional.avg_pool2d": F16, "nn.functional.scaled_dot_product_attention": BF16,
     "nn.functional.max_pool3d": I64, "nn.functional.avg_pool3d": None,
     "nn.functional.adaptive_max_pool2d": BF16, "nn.functional.fractional_max_pool2d": F16,
-    "nn.functional.bilinear": BF16, "svd": None, "searchsorted": I64,
+    "nn.functional.bilinear": BF16, "svd": None, "searchsorted": I64, "linalg.tensorinv": None,
     # complex values inside real graphs (FFT library calls, complex copies)
-    "fft.fft2": I64, "fft.hfft": None, "cdouble": BF16,
+    "fft.fft2": I64, "fft.hfft": None, "cdouble": BF16, "chalf": I64,
     # sorting, creation
     "sort": I64, "topk": BF16, "full_like": I64, "zeros_like": B8, "arange": I64,
     "linspace": BF16,
@@ -108,9 +110,6 @@ def _known(reason: str, *pairs) -> None:
 # -- missing lowerings (values right, some node runs through ATen) ------------------------------
 
 # -- whole graph or whole function not compiled --------------------------------------------------
-_known("no graph: dynamo graph-breaks on narrow(x, dim, start: Tensor, length) (data-dependent "
-       "start) and runs it eagerly; not ferrocore's to fix, kept visible",
-       ("narrow", F32), ("narrow", B8))
 
 # -- wrong results -------------------------------------------------------------------------------
 

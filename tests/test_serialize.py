@@ -232,15 +232,16 @@ def _graph_with(target, args, val, kwargs=None):
     return graph
 
 
-def test_complex_input_is_encoded_and_complex32_is_not():
+def test_complex_inputs_are_encoded_and_uint16_is_not():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
-    x.meta["val"] = torch.empty(3, dtype=torch.complex64)
     graph.output((x,))
-    doc = json.loads(serialize_graph(graph, "g"))
-    assert doc["nodes"][0]["meta"]["tensor"]["dtype"] == "complex64"
-    x.meta["val"] = torch.empty(3, dtype=torch.complex32)
-    with pytest.raises(UnsupportedGraph, match="complex32"):
+    for dtype in (torch.complex32, torch.complex64):
+        x.meta["val"] = torch.empty(3, dtype=dtype)
+        doc = json.loads(serialize_graph(graph, "g"))
+        assert doc["nodes"][0]["meta"]["tensor"]["dtype"] == str(dtype).removeprefix("torch.")
+    x.meta["val"] = torch.empty(3, dtype=torch.uint16)
+    with pytest.raises(UnsupportedGraph, match="uint16"):
         serialize_graph(graph, "g")
 
 

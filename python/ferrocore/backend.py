@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import operator
 import sys
 import time
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 from . import options as _options
-from . import runtime
+from . import partition, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -146,10 +147,13 @@ class _AotClock:
 
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None) -> Callable:
+    if partition.has_data_dependent_nodes(gm):
+        return _partitioned(gm, timings, overrides, output_strides)
     if _is_symbolic(gm):
         return _specializing(gm, timings, overrides)
     name = f"graph_{next(_graph_ids)}"
     start = time.perf_counter()
+    _unwrap_effects(gm)
     try:
         graph_json = serialize_graph(gm, name, output_strides)
         constants = lifted_constants(gm)
@@ -196,6 +200,32 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     return call
 
 
+def _partitioned(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None) -> Callable:
+    """A graph with data-dependent sizes or values, cut at each node that binds one
+    (`partition.split`): those nodes run as ATen calls, every other segment is compiled (and
+    specialized to the concrete values when it reads them)."""
+    segments = partition.split(gm)
+    name = f"graph_{next(_graph_ids)}"
+    for seg in segments:
+        if seg.call is not None:
+            target = str(seg.call.target)
+            if target in partition.DATA_DEPENDENT_CALLS:
+                metrics.record(_entry(f"{name}_{seg.call.name}", {}, externs=1))
+            else:
+                print(f"[ferrocore:fallback] node {seg.call.name} ({target}) runs through ATen: "
+                      "it binds a data-dependent symbol", file=sys.stderr)
+                metrics.record(_entry(f"{name}_{seg.call.name}", {}, fallbacks=1, fallback_ops=[target]))
+            continue
+        module = partition.segment_module(gm, seg)
+        if not partition.produces_tensors(seg):
+            # host-side scalar arithmetic and runtime asserts on data-dependent sizes
+            seg.run = lambda inputs, m=module: list(m(*inputs))
+            continue
+        seg.run = _compile(module, timings, overrides, output_strides)
+        timings = {}
+    return partition.runner(gm, segments)
+
+
 def _is_symbolic(gm: torch.fx.GraphModule) -> bool:
     """Whether the graph has symbolic sizes (dynamic shapes): SymInt inputs or tensors whose
     sizes or strides are symbols."""
@@ -229,11 +259,31 @@ def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> C
         )
         fn = compiled.get(key)
         if fn is None:
-            fn = compiled[key] = _specialize(gm, list(args), dict(timings), overrides)
+            if len(compiled) >= SPECIALIZATION_LIMIT:
+                fn = compiled[key] = _eager_beyond_limit(gm, timings)
+            else:
+                fn = compiled[key] = _specialize(gm, list(args), dict(timings), overrides)
         return fn(args)
 
     call._boxed_call = True
     return call
+
+
+# Static compilations kept per symbolic graph. Data-dependent sizes (`partition`) can make every
+# call a new signature; past this many, new signatures run eagerly instead of recompiling.
+SPECIALIZATION_LIMIT = 32
+
+
+def _eager_beyond_limit(gm: torch.fx.GraphModule, timings: dict) -> Callable:
+    name = f"graph_{next(_graph_ids)}"
+    print(f"[ferrocore:fallback] graph {name} runs eagerly: more than {SPECIALIZATION_LIMIT} "
+          "input signatures of one symbolic graph", file=sys.stderr)
+    metrics.record(_entry(name, dict(timings), graph_fallback=True))
+
+    def run(args):
+        return list(gm(*args))
+
+    return run
 
 
 def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: dict) -> Callable:
@@ -251,6 +301,7 @@ def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: 
     start = time.perf_counter()
     static = make_fx(with_scalars, tracing_mode="fake")(*[args[i] for i in tensor_pos])
     timings["specialize"] = (time.perf_counter() - start) * 1e3
+    _fold_constant_asserts(static)
     # non-tensor outputs (sizes saved for backward) are now constants: returned from Python
     out_node = static.graph.output_node()
     flat = list(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
@@ -268,6 +319,57 @@ def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: 
         return out
 
     return run
+
+
+def _unwrap_effects(gm: torch.fx.GraphModule) -> None:
+    """AOT autograd threads a token through ops with side effects (`with_effects(token, op,
+    *args)`, e.g. `_linalg_check_errors`) so that they stay ordered and alive. The wrapper runs
+    steps in graph order and keeps calls without results, so the op becomes a plain call and the
+    returned token is the token that came in."""
+    effects = getattr(torch.ops.higher_order, "with_effects", None)
+    changed = False
+    for n in list(gm.graph.nodes):
+        if effects is None or n.op != "call_function" or n.target is not effects:
+            continue
+        token, op, *args = n.args
+        results = list(n.meta.get("val") or ())[1:]
+        with gm.graph.inserting_before(n):
+            call = gm.graph.call_function(op, tuple(args), dict(n.kwargs))
+        call.meta["val"] = None if not results else results[0] if len(results) == 1 else tuple(results)
+        for user in list(n.users):
+            if user.target is not operator.getitem:
+                return  # an unexpected use: leave the graph as it is (it runs eagerly)
+            index = user.args[1]
+            if index == 0:
+                user.replace_all_uses_with(token)
+            elif len(results) == 1:
+                user.replace_all_uses_with(call)
+            else:
+                with gm.graph.inserting_before(user):
+                    item = gm.graph.call_function(operator.getitem, (call, index - 1))
+                item.meta = dict(user.meta)
+                user.replace_all_uses_with(item)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(n)
+        changed = True
+    if changed:
+        gm.recompile()
+
+
+_ASSERTS = {
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+def _fold_constant_asserts(gm: torch.fx.GraphModule) -> None:
+    """Runtime asserts on sizes that specialization made constant: checked now, then removed."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _ASSERTS and not n.users and not n.all_input_nodes:
+            n.target(*n.args, **n.kwargs)  # raises if the specialized values break the assert
+            gm.graph.erase_node(n)
+    gm.recompile()
 
 
 def _entry(name: str, timings: dict, **fields) -> dict:

@@ -19,11 +19,11 @@ import torch.fx
 FORMAT = "ferrocore.graph"
 VERSION = 1
 
-# Dtypes the format names. Anything else (uint16, complex32, float4...) has no spelling.
+# Dtypes the format names. Anything else (uint16, float4...) has no spelling.
 _DTYPES = {
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex64, torch.complex128,
+    torch.complex32, torch.complex64, torch.complex128,
 }
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 

@@ -15,6 +15,8 @@ pub enum DType {
     F32,
     F64,
     /// Known to torch, not compiled by ferrocore: nodes touching these fall back to ATen.
+    /// complex32 (chalf): two float16 halves; moved as complex64 values, rounded on store.
+    C32,
     C64,
     C128,
     Float8(Float8Kind),
@@ -61,6 +63,7 @@ impl DType {
             "bfloat16" => DType::BF16,
             "float32" => DType::F32,
             "float64" => DType::F64,
+            "complex32" => DType::C32,
             "complex64" => DType::C64,
             "complex128" => DType::C128,
             s => match Float8Kind::ALL.iter().find(|(_, n)| *n == s) {
@@ -81,6 +84,7 @@ impl DType {
             DType::BF16 => "bfloat16",
             DType::F32 => "float32",
             DType::F64 => "float64",
+            DType::C32 => "complex32",
             DType::C64 => "complex64",
             DType::C128 => "complex128",
             DType::Float8(k) => Float8Kind::ALL.iter().find(|(x, _)| *x == k).map_or("float8_e4m3fn", |(_, n)| n),
@@ -91,7 +95,7 @@ impl DType {
             DType::Bool => Category::Bool,
             DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64 => Category::Int,
             DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::Float8(_) => Category::Float,
-            DType::C64 | DType::C128 => Category::Complex,
+            DType::C32 | DType::C64 | DType::C128 => Category::Complex,
         }
     }
     pub fn is_float(self) -> bool {
@@ -102,7 +106,7 @@ impl DType {
     }
     /// Whether generated kernels can load, compute and store this type.
     pub fn is_compilable(self) -> bool {
-        !matches!(self, DType::C64 | DType::C128 | DType::Float8(_))
+        !matches!(self, DType::C32 | DType::C64 | DType::C128 | DType::Float8(_))
     }
     /// Whether generated kernels can move this type (load, store, convert, conjugate) without
     /// computing on it: complex values in copies, views, pads and concatenations.
@@ -116,7 +120,7 @@ impl DType {
         match self {
             DType::Bool | DType::U8 | DType::I8 | DType::Float8(_) => 1,
             DType::I16 | DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::F32 => 4,
+            DType::I32 | DType::F32 | DType::C32 => 4,
             DType::I64 | DType::F64 | DType::C64 => 8,
             DType::C128 => 16,
         }
@@ -136,6 +140,7 @@ impl DType {
     pub fn compute(self) -> DType {
         match self {
             DType::F16 | DType::BF16 => DType::F32,
+            DType::C32 => DType::C64,
             d => d,
         }
     }
@@ -187,7 +192,13 @@ pub fn promote_types(a: DType, b: DType) -> DType {
             if rank(a) >= rank(b) { a } else { b }
         }
         Category::Complex => {
-            if a == C128 || b == C128 { C128 } else { C64 }
+            if a == C128 || b == C128 {
+                C128
+            } else if a == C32 && b == C32 {
+                C32
+            } else {
+                C64
+            }
         }
     }
 }

@@ -253,6 +253,7 @@ aten_ops! {
     LinalgLdlSolve => "aten.linalg_ldl_solve.default", 3..=3;
     Ormqr => "aten.ormqr.default", 3..=5;
     LinalgMatrixExp => "aten.linalg_matrix_exp.default", 1..=1;
+    LinalgCheckErrors => "aten._linalg_check_errors.default", 2..=2;
     // pointwise with parameters
     Elu => "aten.elu.default", 1..=4;
     LeakyRelu => "aten.leaky_relu.default", 1..=2;

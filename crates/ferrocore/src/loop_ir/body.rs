@@ -255,6 +255,7 @@ impl LoopBody {
         let dt = match op {
             UnaryOp::IsNan | UnaryOp::IsInf | UnaryOp::LogicalNot => DType::Bool,
             UnaryOp::Real | UnaryOp::Imag => match self.dtype(x) {
+                DType::C32 => DType::F16,
                 DType::C64 => DType::F32,
                 DType::C128 => DType::F64,
                 d => d,

@@ -193,8 +193,9 @@ pub fn lower_graph(graph: &Graph) -> Result<LoweringResult, LowerError> {
     for id in graph.ids() {
         let node = graph.node(id);
         let NodeKind::Call { target, .. } = &node.kind else { continue };
-        if cx.uses[id.0 as usize] == 0 {
-            continue; // dead code
+        // dead code; a call without a result (an error check) is there for its effect
+        if cx.uses[id.0 as usize] == 0 && !matches!(node.meta, Meta::None) {
+            continue;
         }
         cx.current = id;
         let lowered = match cx.lower_node(id, target) {
@@ -339,7 +340,7 @@ impl<'g> Ctx<'g> {
             Cat => t(self.lower_cat()?),
             Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r
             | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
-            FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp => self.lower_extern(op)?,
+            FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
             Embedding | IndexSelect | Gather | IndexTensor => t(self.lower_gather(op)?),
@@ -559,7 +560,7 @@ pub fn is_library_call(op: AtenOp) -> bool {
     matches!(
         op,
         Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward
-            | PdistForward | EmbeddingBag | FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp
+            | PdistForward | EmbeddingBag | FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors
     )
 }
 

@@ -101,7 +101,8 @@ pub fn eliminate_dead_nodes(p: &mut LoopProgram) -> Vec<String> {
         for s in &p.steps {
             let live = match s {
                 Step::Node(i) => used[p.nodes[*i].output.0 as usize],
-                Step::Extern(i) => p.externs[*i].outputs.iter().any(|b| used[b.0 as usize]),
+                // a call without results (an error check) is there for its effect
+                Step::Extern(i) => p.externs[*i].outputs.is_empty() || p.externs[*i].outputs.iter().any(|b| used[b.0 as usize]),
             };
             if live {
                 kept.push(*s);

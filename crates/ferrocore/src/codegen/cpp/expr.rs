@@ -26,7 +26,7 @@ pub fn c_type(dt: DType) -> &'static str {
         DType::I64 => "int64_t",
         DType::F16 | DType::BF16 | DType::F32 => "float",
         DType::F64 => "double",
-        DType::C64 => "std::complex<float>",
+        DType::C32 | DType::C64 => "std::complex<float>",
         DType::C128 => "std::complex<double>",
         // never reaches codegen: lowering falls back first
         DType::Float8(_) => "void",
@@ -37,6 +37,7 @@ pub fn c_type(dt: DType) -> &'static str {
 pub fn storage_type(dt: DType) -> &'static str {
     match dt {
         DType::F16 | DType::BF16 => "uint16_t",
+        DType::C32 => "ferro_chalf",
         // bytes, not `bool`: GCC does not vectorize loops that load `bool` values
         DType::Bool => "uint8_t",
         d => c_type(d),
@@ -52,7 +53,10 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
         if to == DType::Bool {
             return format!("({v} != {}(0))", c_type(from));
         }
-        return cast_expr(&format!("std::real({v})"), if from == DType::C64 { DType::F32 } else { DType::F64 }, to);
+        return cast_expr(&format!("std::real({v})"), if from == DType::C128 { DType::F64 } else { DType::F32 }, to);
+    }
+    if to == DType::C32 {
+        return format!("ferro_round_chalf(static_cast<std::complex<float>>({v}))");
     }
     match to {
         DType::Bool => format!("({v} != 0)"),
@@ -67,6 +71,7 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
 pub fn load_conv(raw: &str, dt: DType) -> String {
     match dt {
         DType::F16 => format!("ferro_h2f({raw})"),
+        DType::C32 => format!("ferro_chalf2c({raw})"),
         DType::BF16 => format!("ferro_bf2f({raw})"),
         DType::Bool => format!("({raw} != 0)"),
         _ => raw.to_string(),
@@ -78,6 +83,7 @@ pub fn store_conv(v: &str, dt: DType) -> String {
         DType::Bool => format!("static_cast<uint8_t>({v})"),
         DType::F16 => format!("ferro_f2h({v})"),
         DType::BF16 => format!("ferro_f2bf({v})"),
+        DType::C32 => format!("ferro_c2chalf({v})"),
         _ => v.to_string(),
     }
 }
@@ -413,6 +419,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let at = Self::index_section(index);
         let e = match dtype {
             DType::F16 => format!("ferro_h2f({raw})"),
+        DType::C32 => format!("ferro_chalf2c({raw})"),
             DType::BF16 => format!("ferro_bf2f({raw})"),
             DType::Bool => format!("({raw} != 0)"),
             _ => raw,

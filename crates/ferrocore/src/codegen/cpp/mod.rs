@@ -13,6 +13,7 @@ use std::collections::HashMap;
 use std::fmt::Write;
 
 pub const PRELUDE: &str = include_str!("prelude.h");
+const COMPLEX_PRELUDE: &str = include_str!("complex.h");
 
 /// Kernels smaller than this many elements run on one thread (OpenMP start-up costs more).
 const PARALLEL_THRESHOLD: i64 = 32768;
@@ -29,6 +30,9 @@ impl KernelBackend for CppBackend {
         let complex = s.program.buffers.iter().any(|b| b.layout.dtype.is_complex());
         let mut source = String::from(if complex { "#include <complex>\n" } else { "" });
         source.push_str(PRELUDE);
+        if complex {
+            source.push_str(COMPLEX_PRELUDE);
+        }
         let mut launches = Vec::new();
         for it in &s.items {
             if let Item::Kernel(k) = it {

@@ -1,0 +1,158 @@
+"""Graphs with data-dependent sizes and values (dynamo's capture_scalar_outputs /
+capture_dynamic_output_shape_ops): cut at the ops that read data, the rest compiled per concrete
+size (python/ferrocore/partition.py). Values, shapes, strides and dtypes against eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from helpers import is_ferrocore
+
+pytestmark = pytest.mark.ferrocore_only
+
+CAPTURE = dict(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True)
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="ferrocore", dynamic=False, fullgraph=True)
+
+
+def _same(got, want):
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert all(n <= 1 or a == b for n, a, b in zip(want.shape, got.stride(), want.stride()))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    elif isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            _same(g, w)
+    else:
+        assert type(got) is type(want) and got == want
+
+
+@pytest.fixture
+def observed(monkeypatch):
+    """Every metrics entry recorded while the test runs."""
+    from ferrocore.metrics import metrics
+
+    entries = []
+    original = type(metrics).record
+
+    def record(self, entry):
+        entries.append(entry)
+        original(self, entry)
+
+    monkeypatch.setattr(type(metrics), "record", record)
+    return entries
+
+
+def _compiled_entries(entries):
+    return [e for e in entries if e.get("kernels", 0) > 0]
+
+
+@torch._dynamo.config.patch(**CAPTURE)
+def test_nonzero_then_pointwise_is_compiled_per_count(observed):
+    def f(x):
+        idx = torch.nonzero(x > 0)
+        return idx * 3 + 1, (x * 2).sum()
+
+    cf = _compiled(f)
+    for x in (torch.tensor([1.0, -1.0, 2.0, 0.5]), torch.tensor([-1.0, -2.0, 3.0, -4.0]),
+              torch.tensor([1.0, -1.0, 2.0, 0.5])):
+        _same(cf(x), f(x))
+    assert not any(e["graph_fallback"] for e in observed)
+    assert sum(e["fallbacks"] for e in observed) == 0
+    assert any(e["externs"] == 1 and e["kernels"] == 0 for e in observed)  # the nonzero call
+    # the segment after nonzero is compiled once per distinct count (3 and 1), not per call
+    after = [e for e in _compiled_entries(observed) if "specialize" in e["timings_ms"]]
+    assert len(after) == 2
+
+
+@torch._dynamo.config.patch(**CAPTURE)
+def test_item_value_feeds_later_ops(observed):
+    def f(x, n):
+        k = n.item()
+        return x * k + 1, torch.full((3,), k, dtype=torch.float32)
+
+    cf = _compiled(f)
+    x = torch.randn(4, 5)
+    for n in (torch.tensor(2), torch.tensor(7)):
+        _same(cf(x, n), f(x, n))
+    assert not any(e["graph_fallback"] for e in observed)
+    assert sum(e["fallbacks"] for e in observed) == 0
+    assert _compiled_entries(observed)
+
+
+@torch._dynamo.config.patch(**CAPTURE)
+def test_item_returned_as_a_number():
+    def f(x):
+        return (x * 2).sum().item()
+
+    x = torch.randn(8)
+    got = _compiled(f)(x)
+    assert isinstance(got, float)
+    assert got == pytest.approx(f(x), rel=1e-5)
+
+
+@torch._dynamo.config.patch(**CAPTURE)
+def test_masked_select_and_narrow_at_a_tensor_start(observed):
+    def f(x, m, s):
+        picked = torch.masked_select(x, m) * 2
+        return picked, torch.narrow(x, 0, s, 2).exp()
+
+    cf = _compiled(f)
+    x = torch.randn(6, 3)
+    for seed, s in ((0, torch.tensor(1)), (1, torch.tensor(3))):
+        torch.manual_seed(seed)
+        m = torch.rand(6, 3) > 0.5
+        _same(cf(x, m, s), f(x, m, s))
+    assert sum(e["fallbacks"] for e in observed) == 0
+    assert not any(e["graph_fallback"] for e in observed)
+
+
+@torch._dynamo.config.patch(**CAPTURE)
+def test_runtime_assert_on_a_data_dependent_size_still_raises():
+    def f(x):
+        n = x.sum().item()
+        torch._check(n < 10)
+        return x * n
+
+    cf = _compiled(f)
+    _same(cf(torch.ones(3, dtype=torch.int64)), f(torch.ones(3, dtype=torch.int64)))
+    with pytest.raises(RuntimeError):
+        cf(torch.full((3,), 5, dtype=torch.int64))
+
+
+@torch._dynamo.config.patch(**CAPTURE)
+def test_signatures_beyond_the_limit_run_eagerly(monkeypatch, observed):
+    import ferrocore.backend as backend
+
+    monkeypatch.setattr(backend, "SPECIALIZATION_LIMIT", 2)
+
+    def f(x):
+        return torch.nonzero(x).float() + 0.5
+
+    cf = _compiled(f)
+    for n in (1, 2, 3, 4):
+        x = torch.zeros(6)
+        x[:n] = 1
+        _same(cf(x), f(x))
+    assert sum(e["graph_fallback"] for e in observed) == 2  # counts 3 and 4
+
+
+def test_without_capture_dynamo_keeps_its_graph_break():
+    # the default config: dynamo runs item() eagerly behind a graph break; still right
+    if not is_ferrocore():
+        pytest.skip("ferrocore only")
+
+    def f(x):
+        return x * x.sum().item()
+
+    torch._dynamo.reset()
+    x = torch.randn(5)
+    got = torch.compile(f, backend="ferrocore")(x)
+    torch.testing.assert_close(got, f(x))
