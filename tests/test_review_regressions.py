@@ -88,3 +88,18 @@ def test_half_type_scalars_round_like_eager():
     for fn in fns:
         torch._dynamo.reset()
         assert torch.equal(torch.compile(fn, backend="ferrocore")(x), fn(x))
+
+
+def test_half_intermediates_stay_in_float_inside_a_kernel():
+    # addcdiv decomposes into div, mul, add; ATen's fused kernel rounds once at the end, and so
+    # must a fused kernel (rounding after each op was off by 0.037 on this bfloat16 sample)
+    torch.manual_seed(5)
+    a, b, c = (torch.randn(125) * 4).bfloat16(), torch.randn(125).bfloat16(), torch.randn(125).bfloat16()
+    torch._dynamo.reset()
+    got = torch.compile(lambda x, y, z: torch.addcdiv(x, y, z, value=0.7), backend="ferrocore")(a, b, c)
+    reference = torch.addcdiv(a.float(), b.float(), c.float(), value=0.7).bfloat16()
+    assert torch.equal(got, reference)
+    # an explicit conversion still rounds
+    x = torch.randn(64) * 3
+    f = torch.compile(lambda t: t.bfloat16().float() * 3, backend="ferrocore")
+    assert torch.equal(f(x), x.bfloat16().float() * 3)

@@ -85,6 +85,11 @@ pub fn pointwise(
                     })
                     .collect();
                 let r = f(bx, &vals);
+                // a half-type result stays in float inside the kernel: only stores and explicit
+                // conversions round it (ATen's fused kernels and Inductor do the same)
+                if out_dtype.compute() != out_dtype && bx.body.dtype(r) == out_dtype.compute() {
+                    return r;
+                }
                 bx.body.cast(r, out_dtype)
             }),
             reads,
