@@ -495,3 +495,8 @@ def test_bool_chain():
         torch.rand(16, 48) > 0.5,
         torch.rand(16, 48) > 0.3,
     )
+
+
+def test_add_of_bool_tensors_with_a_bool_alpha():
+    a, b = torch.rand(4, 5) > 0.5, torch.rand(4, 5) > 0.5
+    check(lambda x, y: (torch.add(x, y, alpha=True), torch.add(x, y, alpha=False)), a, b, allow_constant=True)

@@ -262,8 +262,9 @@ impl Ctx<'_> {
         let alpha = match op {
             A::AddTensor | A::AddScalar | A::SubTensor | A::SubScalar | A::RsubScalar => match self.arg(2, "alpha") {
                 None | Some(Arg::None) => None,
-                Some(Arg::Int(1)) => None,
+                Some(Arg::Int(1)) | Some(Arg::Bool(true)) => None,
                 Some(Arg::Int(v)) => Some(Scalar::Int(*v)),
+                Some(Arg::Bool(false)) => Some(Scalar::Bool(false)),
                 Some(Arg::Float(v)) => Some(Scalar::Float(*v)),
                 other => return malformed(format!("alpha must be a number, got {other:?}")),
             },
