@@ -355,3 +355,22 @@ def test_effectful_error_check_runs_and_raises_like_eager():
 
     with pytest.raises(torch.linalg.LinAlgError):
         inv(torch.zeros(3, 3))
+
+
+def test_linspace_matches_aten_kernel_bit_for_bit():
+    # torch's decomposition computes in float32 and is off by one for int64 results
+    # (linspace(0, 7, 50)[28] is 4 in eager, 3 through the decomposition); ferrocore lowers
+    # linspace itself: bounds converted to the result type, a double step for integers
+    import pytest
+
+    cases = [(0, 7, 50, torch.int64), (4.3, -3, 50, torch.int64), (10, -5.5, 33, torch.float32),
+             (1, 9, 7, torch.bfloat16), (-2, 2, 1, torch.float16), (0, 255, 40, torch.uint8)]
+    for start, end, steps, dtype in cases:
+        torch._dynamo.reset()
+        f = torch.compile(lambda: torch.linspace(start, end, steps, dtype=dtype), backend="ferrocore")
+        assert torch.equal(f(), torch.linspace(start, end, steps, dtype=dtype)), (start, end, steps, dtype)
+        assert ferrocore.metrics.last["kernels"] == 1 and ferrocore.metrics.last["fallbacks"] == 0
+    a, b = torch.tensor(4.3), torch.tensor(-3.0)
+    check(lambda s, e: torch.linspace(s, e, 50, dtype=torch.int64) * 2, a, b)
+    with pytest.raises(Exception):
+        torch.compile(lambda s: torch.linspace(s, 1.0, 5), backend="ferrocore")(torch.ones(2))

@@ -126,6 +126,10 @@ def _decompositions() -> dict:
     # A library call (fused CPU flash attention): its decomposition returns the attention
     # weights where the op returns logsumexp, and lays the output out unlike the kernel.
     table.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    # Lowered natively as ATen's kernel computes it; the decomposition works in the default float
+    # type and disagrees with eager (e.g. an int64 linspace off by one at half the points).
+    for overload in ("default", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
+        table.pop(getattr(torch.ops.aten.linspace, overload), None)
     return table
 
 

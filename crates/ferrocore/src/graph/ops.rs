@@ -135,6 +135,10 @@ aten_ops! {
     ArangeStartStep => "aten.arange.start_step", 2..=3;
     ArangeStart => "aten.arange.start", 2..=2;
     Arange => "aten.arange.default", 1..=1;
+    Linspace => "aten.linspace.default", 3..=3;
+    LinspaceTensorTensor => "aten.linspace.Tensor_Tensor", 3..=3;
+    LinspaceTensorScalar => "aten.linspace.Tensor_Scalar", 3..=3;
+    LinspaceScalarTensor => "aten.linspace.Scalar_Tensor", 3..=3;
     FillScalar => "aten.fill.Scalar", 2..=2;
     // reductions
     SumDimIntList => "aten.sum.dim_IntList", 1..=3;

@@ -1,5 +1,7 @@
-//! Tensor creation: full, full_like, scalar_tensor, fill, arange — lazy values with no reads.
+//! Tensor creation: full, full_like, scalar_tensor, fill, arange, linspace — lazy values with no
+//! reads (linspace may read 0-d bound tensors).
 
+use super::pointwise::PwIn;
 use super::*;
 
 impl Ctx<'_> {
@@ -84,5 +86,81 @@ pub(super) fn stored_constant(bx: &mut Bx, value: Scalar, dt: DType) -> ValueId 
             bx.body.cast(wide, dt)
         }
         _ => bx.body.constant(value, dt),
+    }
+}
+
+impl Ctx<'_> {
+    /// linspace as ATen's CPU kernel computes it: the bounds are first converted to the result
+    /// type (an int64 result truncates 4.3 to 4), the step is `(end - start) / (steps - 1)` in
+    /// double for integer results and in the result type otherwise, the first half of the points
+    /// counts up from `start`, the second down from `end`. Half types compute in float32 and
+    /// round once (ATen's vectorized half kernel rounds per operation, differently per vector
+    /// lane: the results agree within an ulp).
+    /// Bounds may be 0-d tensors (`Tensor_Tensor` & co.), read as `.item()` reads them.
+    pub(super) fn lower_linspace(&mut self) -> LResult<TensorValue> {
+        let out = self.out_meta()?.clone();
+        if out.shape.len() != 1 {
+            return malformed("linspace result must be 1-D");
+        }
+        let dt = out.dtype;
+        if !dt.is_compilable() || dt == DType::Bool {
+            return unsupported(format!("linspace of {dt}"));
+        }
+        let (start, end) = (self.pw_arg(0, "start")?, self.pw_arg(1, "end")?);
+        for b in [&start, &end] {
+            if let PwIn::Tensor(t) = b {
+                if !t.size.is_empty() {
+                    return malformed("linspace bounds must be numbers or 0-d tensors");
+                }
+            }
+        }
+        let steps = out.shape[0];
+        let step_t = if dt.is_integral() { DType::F64 } else { dt.compute() };
+        let halfway = steps / 2;
+        Ok(TensorValue {
+            size: out.shape.clone(),
+            dtype: dt,
+            device: out.device.clone(),
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    // a bound as a value of the result type
+                    let bound = |bx: &mut Bx, b: &PwIn| match b {
+                        PwIn::Scalar(s) => stored_constant(bx, *s, dt),
+                        PwIn::Tensor(t) => {
+                            let v = t.load(bx, &[]);
+                            let wide = bx.body.cast(v, DType::F64);
+                            bx.body.cast(wide, dt)
+                        }
+                    };
+                    let arith = |bx: &mut Bx, op: BinaryOp, a: ValueId, b: ValueId| {
+                        let (a, b) = (bx.body.cast(a, step_t), bx.body.cast(b, step_t));
+                        bx.body.binary(op, a, b)
+                    };
+                    let s = bound(bx, &start);
+                    if steps == 1 {
+                        return s;
+                    }
+                    let e = bound(bx, &end);
+                    let (sw, ew) = (bx.body.cast(s, step_t), bx.body.cast(e, step_t));
+                    let span = arith(bx, BinaryOp::Sub, ew, sw);
+                    let n = bx.body.constant(Scalar::Int(steps - 1), step_t);
+                    let step = arith(bx, BinaryOp::TrueDiv, span, n);
+                    let i = bx.body.index(idx[0].clone(), DType::I64);
+                    let up = bx.body.cast(i, step_t);
+                    let up = arith(bx, BinaryOp::Mul, step, up);
+                    let lo = arith(bx, BinaryOp::Add, sw, up);
+                    let rest = bx.body.index(IndexExpr::constant(steps - 1).sub(&idx[0]), DType::I64);
+                    let down = bx.body.cast(rest, step_t);
+                    let down = arith(bx, BinaryOp::Mul, step, down);
+                    let hi = arith(bx, BinaryOp::Sub, ew, down);
+                    let h = bx.body.constant(Scalar::Int(halfway), DType::I64);
+                    let first = bx.body.binary(BinaryOp::Lt, i, h);
+                    let v = bx.body.where_(first, lo, hi);
+                    bx.body.cast(v, dt)
+                }),
+                reads: 0,
+                ops: 12,
+            },
+        })
     }
 }
