@@ -36,6 +36,12 @@ else:
 torch._dynamo.config.accumulated_cache_size_limit = 4096
 torch._dynamo.config.suppress_errors = False
 
+# FERROCORE_TEST_DEVICE=cuda runs the suite on a GPU: factory calls (torch.randn in the tests and
+# in the compiled functions) make CUDA tensors, so graphs go to ferrocore's Triton backend.
+TEST_DEVICE = os.environ.get("FERROCORE_TEST_DEVICE", "cpu")
+if TEST_DEVICE != "cpu":
+    torch.set_default_device(TEST_DEVICE)
+
 if BACKEND == "inductor":
     import torch._inductor.config
 
@@ -62,7 +68,7 @@ def pytest_addoption(parser):
 
 def pytest_report_header(config):
     return [
-        f"ferrocore e2e: backend={BACKEND} torch={torch.__version__} "
+        f"ferrocore e2e: backend={BACKEND} device={TEST_DEVICE} torch={torch.__version__} "
         f"FERROCORE_CACHE_DIR={os.environ['FERROCORE_CACHE_DIR']}"
     ]
 

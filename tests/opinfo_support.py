@@ -102,9 +102,14 @@ def op_db_by_id() -> dict:
     return {op_id(op): op for op in op_db}
 
 
+# The device samples are made on: FERROCORE_TEST_DEVICE=cuda runs the harness on a GPU (ferrocore's
+# Triton backend); the default is the CPU (the C++ backend).
+DEVICE = os.environ.get("FERROCORE_TEST_DEVICE", "cpu")
+
+
 def cpu_dtypes(op) -> list[torch.dtype]:
-    """The harness dtypes the OpInfo supports on CPU, in `DTYPES` order."""
-    supported = op.supported_dtypes("cpu")
+    """The harness dtypes the OpInfo supports on the harness device, in `DTYPES` order."""
+    supported = op.supported_dtypes(torch.device(DEVICE).type)
     return [d for d in DTYPES if d in supported]
 
 
@@ -117,7 +122,7 @@ def _traced_overloads(op, dtype) -> tuple[set[str], set[str]]:
     first four for random ops, whose first samples are often no-ops: dropout with p=0)."""
     core: set[str] = set()
     noncore: set[str] = set()
-    samples = op.sample_inputs("cpu", dtype, requires_grad=False)
+    samples = op.sample_inputs(DEVICE, dtype, requires_grad=False)
     for i, sample in enumerate(samples):
         c, n = _sample_overloads(op, sample)
         core |= c
@@ -281,8 +286,9 @@ def opinfo_tolerance(op, dtype) -> tuple[float, float] | None:
         if getattr(info, "cls_name", "unset") not in _TOLERANCE_CLASSES:
             continue
         device = info.device_type
-        if device is not None and device != "cpu" and (
-            not isinstance(device, (list, tuple)) or "cpu" not in device
+        here = torch.device(DEVICE).type
+        if device is not None and device != here and (
+            not isinstance(device, (list, tuple)) or here not in device
         ):
             continue
         if info.dtypes is not None and dtype not in info.dtypes:
@@ -765,7 +771,7 @@ def samples_for(op, dtype, limit: int | None) -> Iterable[tuple[int, Any]]:
     """The first `limit` samples (all when None), plus for random ops one enlarged sample."""
     count = 0
     first = None
-    for sample in op.sample_inputs("cpu", dtype, requires_grad=False):
+    for sample in op.sample_inputs(DEVICE, dtype, requires_grad=False):
         if limit is not None and count >= limit:
             break
         if first is None:
@@ -783,7 +789,7 @@ def _random_sample(op, dtype, candidates: int = 20):
     first samples of dropout have p=0 or training=False."""
     with warnings.catch_warnings(), _plain_random_ops():
         warnings.simplefilter("ignore")
-        for i, sample in enumerate(op.sample_inputs("cpu", dtype, requires_grad=False)):
+        for i, sample in enumerate(op.sample_inputs(DEVICE, dtype, requires_grad=False)):
             if i >= candidates:
                 break
             try:

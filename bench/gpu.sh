@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU check in one command, for a CUDA machine that has torch and Triton but no network and
+# no Rust toolchain: installs the ferrocore wheel built elsewhere (`maturin build --release -o
+# .wheels`) and any carried test wheels (.whl: pytest, expecttest) into a private directory, runs
+# the test suite on CUDA tensors (FERROCORE_TEST_DEVICE=cuda: ferrocore's Triton backend), then
+# the GPU benchmark, and ends with the benchmark's table.
+#
+#   bash bench/gpu.sh                     # tests, then the full benchmark
+#   GPU_TESTS="tests/test_e2e_models.py" GPU_BENCH_ARGS="--quick" bash bench/gpu.sh
+#
+# Environment: WHEELS (default .wheels), TEST_WHEELS (default .whl), GPU_TESTS (pytest targets;
+# default: the whole suite), GPU_TEST_JOBS (pytest processes over the test files, default 4),
+# GPU_TEST_TIMEOUT (seconds, default 420), GPU_BENCH_ARGS, OUT (logs; default /tmp/ferrocore-gpu).
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+OUT="${OUT:-/tmp/ferrocore-gpu}"
+mkdir -p "$OUT"
+SITE=/tmp/ferrocore-site
+PY="${PYTHON:-python3}"
+
+wheels=("${WHEELS:-.wheels}"/ferrocore-*.whl)
+[ -e "${wheels[0]}" ] || { echo "no ferrocore wheel in ${WHEELS:-.wheels}" >&2; exit 2; }
+extra=()
+for w in "${TEST_WHEELS:-.whl}"/*.whl; do [ -e "$w" ] && extra+=("$w"); done
+"$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "${wheels[@]}" "${extra[@]}" || exit 2
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export FERROCORE_CACHE_DIR=/tmp/ferrocore-cache-gpu-tests
+"$PY" - <<'EOF' || exit 2
+import torch, triton, ferrocore
+print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, ferrocore {ferrocore.__file__}")
+EOF
+
+# Tests: the files spread over GPU_TEST_JOBS pytest processes (one GPU is plenty for them).
+if [ "${GPU_TESTS-unset}" = "unset" ]; then
+    mapfile -t files < <(ls tests/test_*.py)
+else
+    read -r -a files <<< "$GPU_TESTS"
+fi
+jobs="${GPU_TEST_JOBS:-4}"
+status=0
+if [ "${#files[@]}" -gt 0 ]; then
+    for ((j = 0; j < jobs; j++)); do
+        part=()
+        for ((i = j; i < ${#files[@]}; i += jobs)); do part+=("${files[$i]}"); done
+        [ "${#part[@]}" -eq 0 ] && continue
+        FERROCORE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider \
+            -p no:logging "${part[@]}" > "$OUT/tests_$j.log" 2>&1 &
+    done
+    for job in $(jobs -p); do wait "$job" || status=1; done
+    echo "## CUDA tests"
+    for f in "$OUT"/tests_*.log; do
+        grep -E "^(FAILED|ERROR) " "$f" | cut -c1-220
+        tail -n 1 "$f"
+    done
+fi
+
+echo "## GPU benchmark"
+# shellcheck disable=SC2086
+"$PY" bench/gpu_benchmark.py ${GPU_BENCH_ARGS:-} 2>&1 | grep -v '^\[ferrocore' | tee "$OUT/bench.log" | tail -n 40
+exit "$status"
