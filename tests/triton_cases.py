@@ -175,6 +175,29 @@ def _():
     return f, (randn(5, 8),)
 
 
+@case("index_add_atomic", atol=1e-5)
+def _():
+    return (lambda a, i, s: a.index_add(0, i, s) * 2), (randn(6, 5), torch.tensor([0, 3, 3, 5, 0, 0]), randn(6, 5, seed=1))
+
+
+@case("embedding_backward", atol=1e-5)
+def _():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4)
+
+    def f(i):
+        emb.zero_grad()
+        emb(i).pow(2).sum().backward()
+        return emb.weight.grad.clone()
+
+    return f, (torch.tensor([[1, 2, 2], [9, 1, 0]]),)
+
+
+@case("scatter_amax_falls_back_to_eager", fallback=True)
+def _():
+    return (lambda a, i, s: a.scatter_reduce(0, i, s, "amax")), (randn(4, 3), torch.tensor([[0, 1, 2], [3, 0, 1]]), randn(2, 3, seed=1))
+
+
 @case("scan_falls_back_to_eager", fallback=True)
 def _():
     return (lambda a: torch.cumsum(a, -1) * 2), (randn(4, 8),)

@@ -285,3 +285,16 @@ fn what_triton_cannot_render_is_a_graph_fallback() {
     // the C++ backend renders it
     assert!(compile_graph(&doc, &Options { skip_native_compile: true, ..Options::default() }).unwrap().graph_fallback.is_none());
 }
+
+#[test]
+fn triton_softmax_loads_its_row_once() {
+    // persistent groups over the same row share their loads: one read of x per program
+    let doc = G::new()
+        .input("x", &[16, 64], "bfloat16")
+        .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, n("x")), &meta(&[16, 64], "bfloat16"))
+        .output(&["sm"]);
+    let (src, launches) = triton_kernels(&doc);
+    assert_eq!(launches.len(), 1, "{src}");
+    assert_eq!(src.matches("tl.load(").count(), 1, "{src}");
+    check("triton_softmax.txt", &src);
+}

@@ -62,7 +62,7 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
     match to {
         DType::Bool => format!("({v} != 0)"),
         DType::F16 => format!("{v}.to(tl.float16).to(tl.float32)"),
-        DType::BF16 => format!("{v}.to(tl.bfloat16).to(tl.float32)"),
+        DType::BF16 => format!("ferro_round_bf16({v})"),
         DType::F32 if matches!(from, DType::F16 | DType::BF16) => v.to_string(),
         _ => format!("{v}.to({})", ty(to)),
     }
@@ -72,7 +72,7 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
 pub fn store_conv(v: &str, dt: DType) -> String {
     match dt {
         DType::F16 => format!("{v}.to(tl.float16)"),
-        DType::BF16 => format!("{v}.to(tl.bfloat16)"),
+        DType::BF16 => format!("ferro_store_bf16({v})"),
         _ => v.to_string(),
     }
 }
@@ -416,9 +416,8 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Sign => {
                 if xd == DType::Bool {
                     x.clone()
-                } else if fl {
-                    format!("tl.where({x} != {x}, {x}, ({x} > 0).to({t}) - ({x} < 0).to({t}))")
                 } else {
+                    // NaN -> 0, as eager's CPU kernels and the C++ backend
                     format!("(({x} > 0).to({t}) - ({x} < 0).to({t}))")
                 }
             }
@@ -450,13 +449,7 @@ impl OpsHandler for BodyEmitter<'_> {
             BinaryOp::TruncDiv => if fl { format!("ferro_trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
             BinaryOp::Remainder => if fl { format!("ferro_remainder_f({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
             BinaryOp::Fmod => if fl { format!("{a} % {b}") } else { format!("ferro_fmod_i({a}, {b})") },
-            BinaryOp::Pow => {
-                if fl {
-                    format!("ferro_pow({a}, {b})")
-                } else {
-                    return self.unsupported("integer pow".into());
-                }
-            }
+            BinaryOp::Pow => if fl { format!("ferro_pow({a}, {b})") } else { format!("ferro_ipow({a}, {b})") },
             BinaryOp::Maximum => if boolean { format!("{a} | {b}") } else { format!("ferro_max({a}, {b})") },
             BinaryOp::Minimum => if boolean { format!("{a} & {b}") } else { format!("ferro_min({a}, {b})") },
             BinaryOp::Atan2 => format!("ferro_atan2({a}, {b})"),

@@ -12,6 +12,7 @@
 mod expr;
 
 use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
+use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
 use crate::symbolic::Var;
@@ -25,6 +26,10 @@ pub const PRELUDE: &str = include_str!("prelude.py");
 const PERSISTENT_RBLOCK_MAX: i64 = 2048;
 /// The step of looped groups.
 const LOOPED_RBLOCK: i64 = 1024;
+/// The same for kernels whose memory is contiguous along `x0` rather than the inner loops (a
+/// reduction over an outer dim): narrow steps, so that a program covers more `x0` rows and its
+/// loads are coalesced along them.
+const X_CONTIGUOUS_RBLOCK: i64 = 64;
 /// Elements of one program's `[XBLOCK, RBLOCK]` block, at most.
 const MAX_BLOCK_ELEMENTS: i64 = 4096;
 const MAX_XBLOCK: i64 = 1024;
@@ -64,8 +69,10 @@ fn check_supported(s: &Schedule, k: &FusedKernel) -> Result<(), CodegenError> {
     for kn in &k.plan.nodes {
         let node = &p.nodes[kn.node];
         let out = p.buffer(node.output);
-        if node.is_scatter() {
-            return unsupported(format!("{} is a scatter store (data-dependent addresses)", out.name));
+        if let Some(st) = node.body.store.as_ref().filter(|st| st.is_scatter()) {
+            if !atomic_scatter(st.mode, out.layout.dtype) {
+                return unsupported(format!("{} is a {:?} scatter of {} values (only stores and atomic adds)", out.name, st.mode, out.layout.dtype.torch_name()));
+            }
         }
         let mut bufs = vec![node.output];
         bufs.extend(node.reads().into_iter().map(|(b, _)| b));
@@ -102,6 +109,16 @@ fn check_supported(s: &Schedule, k: &FusedKernel) -> Result<(), CodegenError> {
     Ok(())
 }
 
+/// Scatter stores rendered: plain stores (duplicate indices: one of the writes wins, as with
+/// CUDA's eager kernels), and accumulating adds of the types `tl.atomic_add` supports.
+fn atomic_scatter(mode: StoreMode, dt: DType) -> bool {
+    match mode {
+        StoreMode::Set => true,
+        StoreMode::Combine(ReduceOp::Sum) => matches!(dt, DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::I32 | DType::I64),
+        StoreMode::Combine(ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min | ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
+    }
+}
+
 /// How one loop group covers its inner loops in a two-dimensional kernel.
 struct GroupShape {
     /// Elements of the group's inner loops.
@@ -110,13 +127,37 @@ struct GroupShape {
     looped: bool,
 }
 
-fn group_shape(inner: &[i64]) -> GroupShape {
+fn group_shape(inner: &[i64], x_contiguous: bool) -> GroupShape {
     let numel: i64 = inner.iter().product();
-    if numel <= PERSISTENT_RBLOCK_MAX {
+    let (persistent_max, step) = if x_contiguous { (X_CONTIGUOUS_RBLOCK, X_CONTIGUOUS_RBLOCK) } else { (PERSISTENT_RBLOCK_MAX, LOOPED_RBLOCK) };
+    if numel <= persistent_max {
         GroupShape { numel, rblock: next_power_of_two(numel), looped: false }
     } else {
-        GroupShape { numel, rblock: LOOPED_RBLOCK, looped: true }
+        GroupShape { numel, rblock: step, looped: true }
     }
+}
+
+/// Whether the kernel's loads that vary over inner loops are contiguous along `x0` (stride 1)
+/// and none along its innermost inner variable.
+fn x_contiguous(k: &FusedKernel) -> bool {
+    let mut along_x = false;
+    for kn in &k.plan.nodes {
+        let innermost = Var(kn.ranges.len().saturating_sub(1) as u32);
+        for e in &kn.body.exprs {
+            if let Expr::Load { index, .. } | Expr::LoadIndirect { index, .. } = e {
+                let mut vs = Vec::new();
+                index.vars(&mut vs);
+                if !vs.iter().any(|v| v.0 != 0) {
+                    continue;
+                }
+                if index.affine_coeff(innermost) == Some(1) {
+                    return false;
+                }
+                along_x |= index.affine_coeff(Var(0)) == Some(1);
+            }
+        }
+    }
+    along_x
 }
 
 fn num_warps(elements: i64) -> u32 {
@@ -171,7 +212,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
 
     let flat = plan.groups.len() == 1 && !plan.groups[0].reduction;
     let outer = plan.outer;
-    let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner)).collect();
+    let x_contiguous = !flat && x_contiguous(k);
+    let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner, x_contiguous)).collect();
     let (xnumel, xblock, warps) = if flat {
         let total = outer * shapes[0].numel;
         let xblock = next_power_of_two(total).min(MAX_XBLOCK);
@@ -219,19 +261,31 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
     // in-kernel values: buffer -> (variable, section within its group)
     let mut locals: HashMap<BufferId, (String, Section)> = HashMap::new();
     let mut tmp = 0usize;
+    // values computed at the kernel's top level by earlier groups (persistent groups, and what
+    // looped groups compute outside their loop): later groups reuse them, loads included (their
+    // buffers are read-only in the kernel), except loads of buffers the kernel writes
+    let mut shared: HashMap<String, (String, Section)> = HashMap::new();
     for (gi, g) in plan.groups.iter().enumerate() {
         let shape = &shapes[gi];
+        // persistent groups over the same inner loops share their inner variables' names (so
+        // that their loads are the same expressions); looped ones bind theirs inside the loop
+        let rp = if flat || shape.looped {
+            gi
+        } else {
+            (0..gi).find(|&h| !shapes[h].looped && plan.groups[h].inner == g.inner).unwrap_or(gi)
+        };
         let var_name = move |v: Var| -> String {
             match (v.0, flat) {
                 (0, _) => "x0".to_string(),
                 (i, true) => format!("x{i}"),
-                (i, false) => format!("r{gi}_{i}"),
+                (i, false) => format!("r{rp}_{i}"),
             }
         };
         // a group without inner loops needs no second axis
         let no_inner = g.inner.is_empty();
-        let full_mask = if flat || no_inner { "xmask".to_string() } else { format!("xmask & r{gi}mask") };
-        let mut cse: HashMap<String, (String, Section)> = HashMap::new();
+        let full_mask = if flat || no_inner { "xmask".to_string() } else { format!("xmask & r{rp}mask") };
+        // computed before this group: available from its start, like a per-row scalar
+        let mut cse: HashMap<String, (String, Section)> = shared.iter().map(|(k, (v, _))| (k.clone(), (v.clone(), Section::Pre))).collect();
         let mut pre = String::new();
         let mut inner = String::new();
         let mut post = String::new();
@@ -281,14 +335,38 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             let section = if node.kind() == NodeKind::Reduction {
                 Section::Post
             } else {
-                em.section_of(&value).max(BodyEmitter::index_section(&store.index))
+                let terms = store.terms.iter().map(|(v, _)| em.section_of(&vals[v.0 as usize]));
+                terms.fold(em.section_of(&value).max(BodyEmitter::index_section(&store.index)), Section::max)
             };
             // the value as a reader of the buffer sees it: rounded to the buffer's type
             let local = format!("loc_{}_{pos}", p.buffer(out_buf).name);
             let mut lines = format!("{local} = {}\n", cast_expr(&value, vdt, out_layout.dtype));
             if s.storage[out_buf.0 as usize] == Storage::Allocated {
                 let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
-                let _ = writeln!(lines, "tl.store({}, {}, {})", em.address(dst, &store.index), store_conv(&local, out_layout.dtype), em.mask(section));
+                // a float32 value stored to a half buffer is rounded once, by the store (rounding
+                // to the half type first, in the body or for the local, gives the same bits)
+                let odt = out_layout.dtype;
+                let half = matches!(odt, DType::F16 | DType::BF16);
+                let unrounded = match kn.body.expr(store.value) {
+                    Expr::Cast(x) if half && vdt == odt && kn.body.dtype(*x) == DType::F32 => Some(vals[x.0 as usize].clone()),
+                    _ if half && matches!(vdt, DType::F32 | DType::F16 | DType::BF16) => Some(value.clone()),
+                    _ => None,
+                };
+                let stored = store_conv(unrounded.as_ref().unwrap_or(&local), odt);
+                let mut address = em.address(dst, &store.index);
+                for (v, c) in &store.terms {
+                    let _ = write!(address, " + {c}*{}", vals[v.0 as usize]);
+                }
+                let mask = em.mask(section);
+                match store.mode {
+                    StoreMode::Set => {
+                        let _ = writeln!(lines, "tl.store({address}, {stored}, {mask})");
+                    }
+                    StoreMode::Combine(_) => {
+                        // `check_supported` admits only sums of atomic types
+                        let _ = writeln!(lines, "tl.atomic_add({address}, {stored}, {mask})");
+                    }
+                }
             }
             pre.push_str(&em.pre);
             inner.push_str(&em.inner);
@@ -301,6 +379,12 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             }
             locals.insert(out_buf, (local, section));
         }
+        for (text, (name, section)) in cse {
+            let visible = !shape.looped || section != Section::Inner;
+            if visible && !text.starts_with("tl.load(out_ptr") {
+                shared.insert(text, (name, section));
+            }
+        }
         let kind = if g.reduction { "reduction" } else { "loop" };
         let how = if flat { "flat" } else if shape.looped { "looped" } else { "persistent" };
         let _ = writeln!(out, "    # group {gi}: {kind} over {:?} ({how})", g.inner);
@@ -309,17 +393,17 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             out.push_str("    tl.debug_barrier()\n");
         }
         let rbase = format!("tl.arange(0, {})[None, :]{}", shape.rblock, if idx32 { "" } else { ".to(tl.int64)" });
-        let rvar = |k: usize| format!("r{gi}_{k}");
+        let rvar = |k: usize| format!("r{rp}_{k}");
         if flat {
             out.push_str(&indent(&pre, 4));
             out.push_str(&indent(&inner, 4));
             out.push_str(&indent(&post, 4));
         } else if !shape.looped {
-            if !no_inner {
-                let _ = writeln!(out, "    r{gi}index = {rbase}");
-                let _ = writeln!(out, "    r{gi}mask = r{gi}index < {}", shape.numel);
+            if !no_inner && rp == gi {
+                let _ = writeln!(out, "    r{rp}index = {rbase}");
+                let _ = writeln!(out, "    r{rp}mask = r{rp}index < {}", shape.numel);
+                decompose(&mut out, "    ", &format!("r{rp}index"), &g.inner, &rvar);
             }
-            decompose(&mut out, "    ", &format!("r{gi}index"), &g.inner, &rvar);
             out.push_str(&indent(&pre, 4));
             out.push_str(&indent(&inner, 4));
             out.push_str(&indent(&post, 4));

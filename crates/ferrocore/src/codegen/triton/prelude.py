@@ -103,6 +103,23 @@ def ferro_floordiv_f(a, b):
 
 
 @triton.jit
+def ferro_ipow(base, exp):
+    # integer power by squaring; negative exponents as torch: 1 for base 1, +-1 for base -1, else 0
+    base, exp = tl.broadcast(base, exp)
+    zero = tl.zeros_like(base)
+    result = zero + 1
+    b = base
+    e = exp
+    for _ in range(64):
+        result = tl.where((e & 1) != 0, result * b, result)
+        e = e >> 1
+        b = b * b
+    odd = (exp & 1) != 0
+    negative = tl.where(base == 1, zero + 1, tl.where(base == -1, tl.where(odd, zero - 1, zero + 1), zero))
+    return tl.where(exp < 0, negative, result)
+
+
+@triton.jit
 def ferro_floordiv_pos(a, d: tl.constexpr):
     # index math: floor(a / d) for a constant d > 1 and an `a` that may be negative
     q = a // d
@@ -146,12 +163,30 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     ferro_asinh = _numpy(_np.arcsinh)
     ferro_acosh = _numpy(_np.arccosh)
     ferro_atanh = _numpy(_np.arctanh)
+    def _lgamma(v):
+        try:
+            return _math.lgamma(v)
+        except (ValueError, OverflowError):  # poles at 0, -1, ...
+            return _math.inf
+
     ferro_erfc = _numpy(_np.vectorize(_math.erfc, otypes=[_np.float64]))
-    ferro_lgamma = _numpy(_np.vectorize(_math.lgamma, otypes=[_np.float64]))
+    ferro_lgamma = _numpy(_np.vectorize(_lgamma, otypes=[_np.float64]))
     ferro_nearbyint = _numpy(_np.rint)
     ferro_trunc = _numpy(_np.trunc)
     ferro_atan2 = _numpy(_np.arctan2)
     ferro_pow = _numpy(_np.power)
+
+    # the interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest even
+    @triton.jit
+    def ferro_round_bf16(x):
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def ferro_store_bf16(x):
+        return ferro_round_bf16(x).to(tl.bfloat16)
 else:
     from triton.language.extra import libdevice
 
@@ -230,3 +265,11 @@ else:
     @triton.jit
     def ferro_pow(a, b):
         return libdevice.pow(a, b)
+
+    @triton.jit
+    def ferro_round_bf16(x):
+        return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def ferro_store_bf16(x):
+        return x.to(tl.bfloat16)
