@@ -63,6 +63,11 @@ def _():
     return (lambda a: a.sum(0)), (randn(32, 8),)
 
 
+@case("sum_outer_looped", atol=1e-4)
+def _():
+    return (lambda a: (a.sum(0), a.amax(0))), (randn(300, 6),)
+
+
 @case("sum_all")
 def _():
     return (lambda a: a.sum()), (randn(7, 9),)
@@ -137,7 +142,11 @@ def _():
 def _():
     a = torch.tensor([-7, -3, 0, 5, 9, 12], dtype=torch.int32)
     b = torch.tensor([2, -4, 3, 3, -5, 7], dtype=torch.int32)
-    return (lambda a, b: (a // b, a % b, a * b - (a >> 1), torch.sign(a), torch.maximum(a, b))), (a, b)
+    return (
+        lambda a, b: (a // b, a % b, a * b - (a >> 1), torch.sign(a), torch.maximum(a, b), a.view(2, 3).argmax(-1),
+                      (a * 3).view(3, 2).amin(0), torch.pow(a, b.abs() % 4)),
+        (a, b),
+    )
 
 
 @case("math_functions", atol=1e-4, rtol=1e-4)

@@ -259,6 +259,7 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
     let cuda = compile_graph(&cuda_doc, &opts).unwrap();
     assert_eq!(cuda.backend, "triton");
     assert!(cuda.module_source.contains("device='cuda:0'"), "{}", cuda.module_source);
+    assert!(cuda.module_source.contains("with torch.cuda.device(0):"), "{}", cuda.module_source);
     assert!(cuda.module_source.contains("triton_poi_fused_e_0[(1,)](x, buf1, XBLOCK=64, num_warps=1, num_stages=1)"), "{}", cuda.module_source);
     // forced: Triton kernels for CPU tensors (run under TRITON_INTERPRET=1)
     let forced = compile_graph(&doc, &Options { backend: BackendChoice::Triton, ..opts.clone() }).unwrap();

@@ -182,7 +182,9 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         KernelLanguage::Triton => {
             // the kernels are defined here: Triton compiles them at their first launch
             m.push_str("import torch\nfrom ferrocore.runtime import restride\n\n");
-            m.push_str(&kernels.source);
+            if !kernels.launches.is_empty() {
+                m.push_str(&kernels.source);
+            }
             // each kernel with its signature and launch configuration (ahead-of-time compiles)
             m.push_str("\n\nTRITON_KERNELS = [\n");
             for l in &kernels.launches {
@@ -202,7 +204,17 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             m.push_str("]\n");
         }
     }
-    m.push_str("\n\ndef call(args):\n");
+    // Triton launches on the current device: run CUDA graphs under their device
+    let cuda = p.buffers.iter().find_map(|b| match b.layout.device {
+        crate::graph::Device::Cuda(i) => Some(i),
+        crate::graph::Device::Cpu => None,
+    });
+    match (kernels.language, cuda) {
+        (KernelLanguage::Triton, Some(i)) if !kernels.launches.is_empty() => {
+            let _ = write!(m, "\n\ndef call(args):\n    with torch.cuda.device({i}):\n        return _call(args)\n\n\ndef _call(args):\n");
+        }
+        _ => m.push_str("\n\ndef call(args):\n"),
+    }
     let names: Vec<String> = p.inputs.iter().map(|b| p.buffer(*b).name.clone()).collect();
     match names.len() {
         0 => {}
