@@ -299,3 +299,27 @@ fn triton_softmax_loads_its_row_once() {
     assert_eq!(src.matches("tl.load(").count(), 1, "{src}");
     check("triton_softmax.txt", &src);
 }
+
+#[test]
+fn triton_index_math_is_int64_only_past_int32() {
+    let small = G::new()
+        .input("x", &[4, 1024], "float32")
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1024], "float32"))
+        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[1024], "float32"))
+        .output(&["m", "s"]);
+    let (src, _) = triton_kernels(&small);
+    assert!(!src.contains("tl.int64"), "{src}");
+    // 2**32 elements: the flat index and the row offsets pass int32
+    let big = G::new()
+        .input("x", &[4, 1 << 30], "float32")
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1 << 30], "float32"))
+        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[1 << 30], "float32"))
+        .output(&["m", "s"]);
+    let (src, launches) = triton_kernels(&big);
+    for l in &launches {
+        let body = src.split(&format!("def {}(", l.name)).nth(1).unwrap_or("");
+        let body = body.split("@triton.jit").next().unwrap_or("");
+        assert!(body.contains("xoffset = tl.program_id(0).to(tl.int64) * XBLOCK"), "{}: {body}", l.name);
+    }
+    assert!(src.contains("[None, :].to(tl.int64)"), "reduction indices must be int64 too:\n{src}");
+}

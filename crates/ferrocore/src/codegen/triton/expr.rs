@@ -408,7 +408,7 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Erfc => format!("ferro_erfc({x})"),
             UnaryOp::Lgamma => format!("ferro_lgamma({x})"),
             UnaryOp::Conj | UnaryOp::Real | UnaryOp::Imag => return self.unsupported(format!("{op:?} of complex values")),
-            UnaryOp::Erfcx => return self.unsupported("erfcx (no libdevice function under the interpreter)".into()),
+            UnaryOp::Erfcx => format!("ferro_erfcx({x})"),
             UnaryOp::Floor => if fl { format!("tl.math.floor({x})") } else { x.clone() },
             UnaryOp::Ceil => if fl { format!("tl.math.ceil({x})") } else { x.clone() },
             UnaryOp::Round => if fl { format!("ferro_nearbyint({x})") } else { x.clone() },

@@ -114,7 +114,8 @@ fn check_supported(s: &Schedule, k: &FusedKernel) -> Result<(), CodegenError> {
 fn atomic_scatter(mode: StoreMode, dt: DType) -> bool {
     match mode {
         StoreMode::Set => true,
-        StoreMode::Combine(ReduceOp::Sum) => matches!(dt, DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::I32 | DType::I64),
+        // (bfloat16 atomics: not in Triton's interpreter, nor on every GPU)
+        StoreMode::Combine(ReduceOp::Sum) => matches!(dt, DType::F16 | DType::F32 | DType::F64 | DType::I32 | DType::I64),
         StoreMode::Combine(ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min | ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
     }
 }
@@ -171,6 +172,13 @@ fn num_warps(elements: i64) -> u32 {
 
 /// Lines defining the inner variables `names[k]` from a flattened index over `inner`.
 fn decompose(out: &mut String, pad: &str, flat: &str, inner: &[i64], name: &dyn Fn(usize) -> String) {
+    if inner.contains(&0) {
+        // no iterations (every lane is masked): the variables only need a value
+        for k in 0..inner.len() {
+            let _ = writeln!(out, "{pad}{} = {flat} * 0", name(k + 1));
+        }
+        return;
+    }
     for k in 0..inner.len() {
         let stride: i64 = inner[k + 1..].iter().product();
         let mut e = if stride == 1 { flat.to_string() } else { format!("({flat} // {stride})") };
@@ -238,7 +246,9 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
     }
 
     let mut out = String::new();
-    let _ = writeln!(out, "@triton.jit\ndef {}({}, XBLOCK: tl.constexpr):", k.name, params.join(", "));
+    let mut all_params = params.clone();
+    all_params.push("XBLOCK: tl.constexpr".into());
+    let _ = writeln!(out, "@triton.jit\ndef {}({}):", k.name, all_params.join(", "));
     let pid = if idx32 { "tl.program_id(0)" } else { "tl.program_id(0).to(tl.int64)" };
     let _ = writeln!(out, "    xoffset = {pid} * XBLOCK");
     if flat {

@@ -169,7 +169,17 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
         except (ValueError, OverflowError):  # poles at 0, -1, ...
             return _math.inf
 
+    def _erfcx(v):
+        if v < 25.0:
+            try:
+                return _math.exp(v * v) * _math.erfc(v)
+            except OverflowError:
+                return _math.inf
+        r = 1.0 / (v * v)  # asymptotic series, as the C++ backend's ferro_erfcx
+        return 0.5641895835477563 / v * (1.0 - 0.5 * r + 0.75 * r * r - 1.875 * r * r * r)
+
     ferro_erfc = _numpy(_np.vectorize(_math.erfc, otypes=[_np.float64]))
+    ferro_erfcx = _numpy(_np.vectorize(_erfcx, otypes=[_np.float64]))
     ferro_lgamma = _numpy(_np.vectorize(_lgamma, otypes=[_np.float64]))
     ferro_nearbyint = _numpy(_np.rint)
     ferro_trunc = _numpy(_np.trunc)
@@ -245,6 +255,10 @@ else:
     @triton.jit
     def ferro_erfc(x):
         return libdevice.erfc(x)
+
+    @triton.jit
+    def ferro_erfcx(x):
+        return libdevice.erfcx(x)
 
     @triton.jit
     def ferro_lgamma(x):
