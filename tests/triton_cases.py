@@ -78,6 +78,16 @@ def _():
     return (lambda a: a.sum(-1) + a.amax(-1)), (randn(3, 5000),)
 
 
+@case("looped_reductions_of_each_dtype", atol=1e-3)
+def _():
+    def f(a):
+        i = (a * 10).to(torch.int32)
+        return ((a > 2.5).any(-1), (a * 10).long().sum(-1), a.argmax(-1), a.argmin(-1), i.amax(-1), i.amin(-1),
+                (a.abs() < 4).all(-1), a.double().sum(-1), a.half().amax(-1))
+
+    return f, (randn(3, 2500),)
+
+
 @case("softmax")
 def _():
     return (lambda a: torch.softmax(a, -1)), (randn(8, 33),)
@@ -205,6 +215,18 @@ def _():
         return emb.weight.grad.clone()
 
     return f, (torch.tensor([[1, 2, 2], [9, 1, 0]]),)
+
+
+@case("dropout_and_randn_statistics", atol=0, rtol=0)
+def _():
+    # different generators than eager: compare properties of the samples, not the samples
+    def f(a):
+        d = torch.dropout(a, 0.5, True)
+        n = torch.randn(64, 64)
+        kept = (d != 0).float().mean()
+        return (kept - 0.5).abs() < 0.05, ((d == 0) | (d == 2 * a)).all(), n.mean().abs() < 0.1, (n.std() - 1).abs() < 0.1
+
+    return f, (randn(64, 64) + 10,)
 
 
 @case("scatter_amax_falls_back_to_eager", fallback=True)

@@ -333,8 +333,10 @@ impl<'a> BodyEmitter<'a> {
     }
 
     /// A value broadcast to the full `[XBLOCK, RBLOCK]` block and masked with `init`.
-    fn masked_full(&self, v: &str, init: &str) -> String {
-        format!("tl.where({}, {v}, {init})", self.full_mask)
+    /// The identity is a typed constant: a bare literal would promote bool and narrow integer
+    /// values to int32 (and a looped accumulator must keep its type).
+    fn masked_full(&self, v: &str, init: &str, dtype: DType) -> String {
+        format!("tl.where({}, {v}, tl.full({}, {init}, {}))", self.full_mask, self.shape1(), ty(dtype))
     }
 }
 
@@ -496,12 +498,12 @@ impl OpsHandler for BodyEmitter<'_> {
         let name = self.fresh("red");
         if self.looped {
             let acc = format!("{name}_acc");
-            let v = self.masked_full(x, &init);
+            let v = self.masked_full(x, &init, dtype);
             self.inner.push_str(&format!("{acc} = tl.where({}, {f}({acc}, {v}), {acc})\n", self.full_mask));
             self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None });
             self.post.push_str(&format!("{name} = tl.reduce({acc}, 1, {f})[:, None].to({t})\n"));
         } else {
-            let v = self.masked_full(x, &init);
+            let v = self.masked_full(x, &init, dtype);
             // the operand's section: it is inside the (persistent) group, after its operands
             let line = format!("{name} = tl.reduce({v}, 1, {f})[:, None].to({t})");
             let section = self.section_of(x).max(Section::Inner);
@@ -516,8 +518,8 @@ impl OpsHandler for BodyEmitter<'_> {
         let f = combine_fn(op);
         let name = self.fresh("red");
         let shape = format!("[XBLOCK, {}]", self.rblock);
-        let v = format!("tl.broadcast_to({}, {shape})", self.masked_full(value, &init));
-        let i = format!("tl.broadcast_to({}, {shape})", self.masked_full(index, &i64::MAX.to_string()));
+        let v = format!("tl.broadcast_to({}, {shape})", self.masked_full(value, &init, vd));
+        let i = format!("tl.broadcast_to({}, {shape})", self.masked_full(index, &i64::MAX.to_string(), DType::I64));
         if self.looped {
             let acc = format!("{name}_acc");
             self.inner.push_str(&format!(
@@ -539,8 +541,9 @@ impl OpsHandler for BodyEmitter<'_> {
         self.unsupported("scans (cumsum/cumprod) are not rendered by the Triton backend yet".into())
     }
 
-    fn random(&mut self, _normal: bool, _seed: &String, _offset: &String) -> String {
-        self.unsupported("random numbers are not rendered by the Triton backend yet".into())
+    fn random(&mut self, normal: bool, seed: &String, offset: &String) -> String {
+        let f = if normal { "ferro_randn" } else { "ferro_rand" };
+        self.emit(format!("{f}({seed}, {offset})"), &[seed, offset])
     }
 
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {

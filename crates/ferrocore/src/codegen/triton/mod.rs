@@ -91,8 +91,8 @@ fn check_supported(s: &Schedule, k: &FusedKernel) -> Result<(), CodegenError> {
             }
             match e {
                 Expr::Scan(..) => return unsupported(format!("{} is a scan", out.name)),
-                Expr::Random { .. } => return unsupported(format!("{} draws random numbers", out.name)),
                 Expr::Load { .. }
+                | Expr::Random { .. }
                 | Expr::Constant(_)
                 | Expr::Index(_)
                 | Expr::Unary(..)

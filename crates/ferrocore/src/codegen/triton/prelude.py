@@ -120,6 +120,32 @@ def ferro_ipow(base, exp):
 
 
 @triton.jit
+def ferro_philox(seed, offset):
+    # Philox 4x32-10 keyed by the int64 seed, counter (offset low, offset high, 0, 0): the same
+    # stream as the C++ backend's ferro_philox (Triton's philox is the same generator)
+    offset = offset.to(tl.uint64, bitcast=True)
+    lo = (offset & 0xFFFFFFFF).to(tl.uint32)
+    hi = (offset >> 32).to(tl.uint32)
+    zero = tl.zeros_like(lo)
+    return tl.philox(seed, lo, hi, zero, zero)
+
+
+@triton.jit
+def ferro_rand(seed, offset):
+    r0, r1, r2, r3 = ferro_philox(seed, offset)
+    return (r0 >> 8).to(tl.float32) * (1.0 / 16777216.0)  # 24 random bits: [0, 1)
+
+
+@triton.jit
+def ferro_randn(seed, offset):
+    r0, r1, r2, r3 = ferro_philox(seed, offset)
+    # Box-Muller on two 32-bit draws; u1 in (0, 1] keeps the log finite
+    u1 = (r0.to(tl.float64) + 1.0) * (1.0 / 4294967296.0)
+    u2 = r1.to(tl.float64) * (1.0 / 4294967296.0)
+    return (tl.math.sqrt(-2.0 * tl.math.log(u1)) * tl.math.cos(6.283185307179586 * u2)).to(tl.float32)
+
+
+@triton.jit
 def ferro_floordiv_pos(a, d: tl.constexpr):
     # index math: floor(a / d) for a constant d > 1 and an `a` that may be negative
     q = a // d
