@@ -171,6 +171,12 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     options = _options.options_json(overrides)
     result = json.loads(_ferrocore.compile_graph(graph_json, options))
     _print_logs(result.get("logs", ()))
+    if result.get("graph_fallback"):
+        # the kernel backend cannot render this graph yet (e.g. a scan for Triton)
+        timings.update(result.get("timings_ms", {}))
+        print(f"[ferrocore:fallback] graph {name} runs eagerly: {result['graph_fallback']}", file=sys.stderr)
+        metrics.record(_entry(name, timings, graph_fallback=True, backend=result.get("backend")))
+        return make_boxed_func(gm.forward)
 
     start = time.perf_counter()
     with runtime.compile_options(options):
@@ -189,6 +195,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             fallback_ops=[f["target"] for f in fallbacks],
             cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
             module_path=result["module_path"],
+            backend=result.get("backend"),
         )
     )
     call = module.call

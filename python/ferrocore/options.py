@@ -18,7 +18,10 @@ LOG_CHANNELS = (
     "output_code",
     "fallback",
 )
-_KEYS = ("cache_dir", "logs", "debug_dir", "cxx")
+_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend")
+# Kernel backends: "auto" picks by the graph's device (CUDA -> Triton, CPU -> C++); "triton" on
+# CPU tensors runs the Triton kernels under Triton's interpreter (set TRITON_INTERPRET=1).
+BACKENDS = ("auto", "cpp", "triton")
 
 
 def build_options(overrides: dict | None = None) -> dict:
@@ -28,10 +31,13 @@ def build_options(overrides: dict | None = None) -> dict:
         "logs": parse_logs(os.environ.get("FERROCORE_LOGS", "")),
         "debug_dir": _abspath(debug_dir) if debug_dir else None,
         "cxx": os.environ.get("CXX") or "g++",
+        "backend": (os.environ.get("FERROCORE_BACKEND") or "auto").strip().lower(),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:
             opts[key] = parse_logs(value) if key == "logs" and isinstance(value, str) else value
+    if opts["backend"] not in BACKENDS:
+        raise ValueError(f"ferrocore backend {opts['backend']!r}: expected one of {BACKENDS}")
     return opts
 
 

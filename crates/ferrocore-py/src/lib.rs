@@ -53,6 +53,8 @@ fn compile_graph(graph_json: &str, options_json: &str) -> PyResult<String> {
             "timings_ms": Value::Object(timings),
             "cpp_cache_hit": r.cpp_cache_hit,
             "logs": r.logs,
+            "backend": r.backend,
+            "graph_fallback": r.graph_fallback,
         });
         Ok(out.to_string())
     })

@@ -2,11 +2,12 @@
 //! under tests/golden (re-approve with UPDATE_EXPECT=1). Kernel-count tests pin fusion rules.
 
 use ferrocore::codegen::cpp::CppBackend;
-use ferrocore::codegen::KernelBackend;
-use ferrocore::driver::{compile_graph, Options};
+use ferrocore::codegen::triton::TritonBackend;
+use ferrocore::codegen::{CodegenErrorKind, KernelBackend};
+use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::parse_graph;
 use ferrocore::lowering::lower_graph;
-use ferrocore::scheduler::schedule;
+use ferrocore::scheduler::{schedule, schedule_for};
 use std::path::PathBuf;
 
 fn meta(shape: &[i64], dtype: &str) -> String {
@@ -213,4 +214,112 @@ fn scatter_add_is_a_copy_then_an_atomic_scatter_kernel() {
     assert!(pre.contains(", sum)"), "the scatter combines with a sum:\n{pre}");
     assert!(src.contains("#pragma omp atomic"), "{src}");
     check("scatter_add.txt", &format!("{pre}\n{post}\n{src}"));
+}
+
+/// Lowered, scheduled for Triton and rendered by the Triton backend: the kernels without the prelude.
+fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) {
+    let g = parse_graph(doc).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, "triton").unwrap();
+    let k = TritonBackend.render(&s).unwrap();
+    let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    (src, k.launches)
+}
+
+#[test]
+fn triton_source_of_fused_pointwise_and_reduction_kernels() {
+    // relu + add + sum over rows (persistent), then a looped reduction over 5000 columns
+    let doc = G::new()
+        .input("x", &[8, 32], "float32")
+        .input("y", &[4, 5000], "float16")
+        .call("relu", "aten.relu.default", &n("x"), &meta(&[8, 32], "float32"))
+        .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("relu")), &meta(&[8, 32], "float32"))
+        .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":-1}}]}}"#, n("add")), &meta(&[8], "float32"))
+        .call("amax", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("y")), &meta(&[4], "float16"))
+        .call("mul", "aten.mul.Tensor", &format!("{},{}", n("add"), n("add")), &meta(&[8, 32], "float32"))
+        .output(&["sum_1", "amax", "mul"]);
+    let (src, launches) = triton_kernels(&doc);
+    let names: Vec<&str> = launches.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["triton_red_fused_sum_mul_0", "triton_red_fused_amax_1"], "{src}");
+    assert!(src.contains("for r0offset in range(0, 5000, 1024):"), "{src}");
+    check("triton_kernels.txt", &src);
+}
+
+#[test]
+fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
+    let doc = G::new()
+        .input("x", &[8, 8], "float32")
+        .call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32"))
+        .output(&["e"]);
+    let dir = std::env::temp_dir().join(format!("ferrocore-stage-backend-{}", std::process::id()));
+    let opts = Options { cache_dir: dir.clone(), skip_native_compile: true, ..Options::default() };
+    let cpu = compile_graph(&doc, &opts).unwrap();
+    assert_eq!(cpu.backend, "cpp");
+    assert!(cpu.module_source.contains("cpp_poi_fused_e_0(c_ptr(x), c_ptr(buf1))"), "{}", cpu.module_source);
+    let cuda_doc = doc.replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
+    let cuda = compile_graph(&cuda_doc, &opts).unwrap();
+    assert_eq!(cuda.backend, "triton");
+    assert!(cuda.module_source.contains("device='cuda:0'"), "{}", cuda.module_source);
+    assert!(cuda.module_source.contains("with torch.cuda.device(0):"), "{}", cuda.module_source);
+    assert!(cuda.module_source.contains("triton_poi_fused_e_0[(1,)](x, buf1, XBLOCK=64, num_warps=1, num_stages=1)"), "{}", cuda.module_source);
+    // forced: Triton kernels for CPU tensors (run under TRITON_INTERPRET=1)
+    let forced = compile_graph(&doc, &Options { backend: BackendChoice::Triton, ..opts.clone() }).unwrap();
+    assert_eq!(forced.backend, "triton");
+    assert!(forced.module_source.contains("@triton.jit"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn what_triton_cannot_render_is_a_graph_fallback() {
+    let doc = G::new()
+        .input("x", &[4, 8], "float32")
+        .call("c", "aten.cumsum.default", &format!(r#"{},{{"int":1}}"#, n("x")), &meta(&[4, 8], "float32"))
+        .output(&["c"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, "triton").unwrap();
+    let e = TritonBackend.render(&s).unwrap_err();
+    assert_eq!(e.kind, CodegenErrorKind::Unsupported, "{e}");
+    assert!(e.to_string().contains("scan"), "{e}");
+    let opts = Options { backend: BackendChoice::Triton, skip_native_compile: true, ..Options::default() };
+    let r = compile_graph(&doc, &opts).unwrap();
+    assert!(r.graph_fallback.as_deref().is_some_and(|m| m.contains("scan")), "{:?}", r.graph_fallback);
+    assert!(r.module_path.is_empty());
+    // the C++ backend renders it
+    assert!(compile_graph(&doc, &Options { skip_native_compile: true, ..Options::default() }).unwrap().graph_fallback.is_none());
+}
+
+#[test]
+fn triton_softmax_loads_its_row_once() {
+    // persistent groups over the same row share their loads: one read of x per program
+    let doc = G::new()
+        .input("x", &[16, 64], "bfloat16")
+        .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, n("x")), &meta(&[16, 64], "bfloat16"))
+        .output(&["sm"]);
+    let (src, launches) = triton_kernels(&doc);
+    assert_eq!(launches.len(), 1, "{src}");
+    assert_eq!(src.matches("tl.load(").count(), 1, "{src}");
+    check("triton_softmax.txt", &src);
+}
+
+#[test]
+fn triton_index_math_is_int64_only_past_int32() {
+    let small = G::new()
+        .input("x", &[4, 1024], "float32")
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1024], "float32"))
+        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[1024], "float32"))
+        .output(&["m", "s"]);
+    let (src, _) = triton_kernels(&small);
+    assert!(!src.contains("tl.int64"), "{src}");
+    // 2**32 elements: the flat index and the row offsets pass int32
+    let big = G::new()
+        .input("x", &[4, 1 << 30], "float32")
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1 << 30], "float32"))
+        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[1 << 30], "float32"))
+        .output(&["m", "s"]);
+    let (src, launches) = triton_kernels(&big);
+    for l in &launches {
+        let body = src.split(&format!("def {}(", l.name)).nth(1).unwrap_or("");
+        let body = body.split("@triton.jit").next().unwrap_or("");
+        assert!(body.contains("xoffset = tl.program_id(0).to(tl.int64) * XBLOCK"), "{}: {body}", l.name);
+    }
+    assert!(src.contains("[None, :].to(tl.int64)"), "reduction indices must be int64 too:\n{src}");
 }

@@ -1,46 +1,152 @@
 //! Code generation: the backend interface and what every backend shares. A backend turns the
-//! schedule's fused kernels into one source unit plus, per kernel, the buffers it takes in order;
-//! the wrapper then launches them. Backends never import each other.
+//! schedule's fused kernels into one source unit plus, per kernel, a launch description (entry
+//! point, buffer arguments in order, and how it is launched: a host call for C++, a grid with a
+//! block configuration for Triton); the wrapper then launches them. Backends never import each
+//! other: what they share lives here.
 
 pub mod cpp;
+pub mod triton;
 
-use crate::loop_ir::BufferId;
-use crate::scheduler::Schedule;
+use crate::loop_ir::{BufferId, Expr};
+use crate::scheduler::{FusedKernel, LocalRead, Schedule, Storage};
 use std::fmt;
 
-/// A kernel's entry point and the buffers it takes, in parameter order.
+/// The language of a rendered source unit; the wrapper loads each differently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelLanguage {
+    /// One C++ translation unit of `extern "C"` functions, compiled to a shared library.
+    Cpp,
+    /// Python source of `@triton.jit` functions, defined inside the wrapper module.
+    Triton,
+}
+
+impl KernelLanguage {
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelLanguage::Cpp => "cpp",
+            KernelLanguage::Triton => "triton",
+        }
+    }
+}
+
+/// How a kernel is started.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LaunchShape {
+    /// A host function over all `numel` iterations (C++: OpenMP threads inside).
+    Host,
+    /// A 1-D grid of `grid` programs, each covering `xblock` rows of the flattened outer loop;
+    /// `xblock` is the kernel's `XBLOCK` constexpr.
+    Grid { grid: i64, xblock: i64, num_warps: u32, num_stages: u32 },
+}
+
+/// A kernel's entry point, the buffers it takes (in parameter order) and how it is launched.
 #[derive(Clone, Debug)]
 pub struct KernelLaunch {
     pub name: String,
     pub args: Vec<BufferId>,
-    /// The kernel reports out-of-range gather indices through its return value.
+    /// The kernel reports out-of-range gather indices: C++ through its return value, Triton
+    /// through an int32 flag buffer passed after `args`.
     pub checks_indices: bool,
+    /// Iterations of the kernel's work (flattened outer loop times the largest inner space).
+    pub numel: i64,
+    pub shape: LaunchShape,
+    /// Per parameter (buffers, then the error flag if any), its Triton signature type
+    /// (`*fp32`, `*i1`, ...); empty for C++.
+    pub signature: Vec<(String, String)>,
 }
 
 #[derive(Clone, Debug)]
 pub struct RenderedKernels {
-    /// Language of the source, e.g. "cpp".
-    pub language: &'static str,
+    pub language: KernelLanguage,
     pub source: String,
     /// One entry per `Item::Kernel` of the schedule, in order.
     pub launches: Vec<KernelLaunch>,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CodegenErrorKind {
+    /// The backend cannot render this yet: the driver runs the whole graph eagerly (a logged,
+    /// counted graph fallback), never a wrong answer.
+    Unsupported,
+    /// A bug: an inconsistency between the schedule and the backend.
+    Internal,
+}
+
 #[derive(Debug, Clone)]
 pub struct CodegenError {
+    pub kind: CodegenErrorKind,
     pub kernel: String,
     pub message: String,
 }
 
+impl CodegenError {
+    pub fn internal(kernel: &str, message: impl Into<String>) -> CodegenError {
+        CodegenError { kind: CodegenErrorKind::Internal, kernel: kernel.to_string(), message: message.into() }
+    }
+    pub fn unsupported(kernel: &str, message: impl Into<String>) -> CodegenError {
+        CodegenError { kind: CodegenErrorKind::Unsupported, kernel: kernel.to_string(), message: message.into() }
+    }
+}
+
 impl fmt::Display for CodegenError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "codegen: kernel '{}': {}", self.kernel, self.message)
+        match self.kind {
+            CodegenErrorKind::Unsupported => write!(f, "codegen: kernel '{}' is not supported by this backend: {}", self.kernel, self.message),
+            CodegenErrorKind::Internal => write!(f, "codegen: kernel '{}': {}", self.kernel, self.message),
+        }
     }
 }
 impl std::error::Error for CodegenError {}
 
-/// One interface for kernel backends; C++ today, Triton next.
+/// One interface for kernel backends: C++ and Triton today.
 pub trait KernelBackend {
     fn name(&self) -> &'static str;
     fn render(&self, schedule: &Schedule) -> Result<RenderedKernels, CodegenError>;
+}
+
+/// A kernel's buffer parameters: buffers read from memory first (in first-read order), then
+/// buffers written (allocated outputs, in node order). A buffer both written and read by the
+/// kernel is passed once, as written. Reads served from registers (per-row scalars, forwarded
+/// values) take no parameter.
+pub fn kernel_buffers(s: &Schedule, k: &FusedKernel) -> (Vec<BufferId>, Vec<BufferId>) {
+    let p = &s.program;
+    let plan = &k.plan;
+    let mut written: Vec<BufferId> = Vec::new();
+    for kn in &plan.nodes {
+        let b = p.nodes[kn.node].output;
+        if s.storage[b.0 as usize] == Storage::Allocated && !written.contains(&b) {
+            written.push(b);
+        }
+    }
+    let local_kind = |pos: usize, b: BufferId| -> Option<LocalRead> {
+        plan.local_reads.iter().find(|(r, bb, _)| *r == pos && *bb == b).map(|(_, _, k)| *k)
+    };
+    let mut read: Vec<BufferId> = Vec::new();
+    for (pos, kn) in plan.nodes.iter().enumerate() {
+        for e in &kn.body.exprs {
+            if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
+                let direct = matches!(e, Expr::Load { .. });
+                let from_memory = !direct || !matches!(local_kind(pos, *buf), Some(LocalRead::Scalar | LocalRead::Forwarded));
+                if from_memory && !written.contains(buf) && !read.contains(buf) {
+                    read.push(*buf);
+                }
+            }
+        }
+    }
+    (read, written)
+}
+
+/// Iterations of a kernel's work: the outer loop times its largest inner loop space.
+pub fn kernel_numel(k: &FusedKernel) -> i64 {
+    let n = k.plan.outer;
+    k.plan.groups.iter().map(|g| n * g.inner.iter().product::<i64>()).max().unwrap_or(n)
+}
+
+/// The smallest power of two >= n (1 for n <= 1).
+pub fn next_power_of_two(n: i64) -> i64 {
+    let mut p = 1i64;
+    while p < n {
+        p *= 2;
+    }
+    p
 }

@@ -1,13 +1,16 @@
 //! The pipeline in order, in one place: import -> lowering -> scheduling -> codegen -> wrapper ->
-//! native compile. Each pass has a name used for timings, `FERROCORE_LOGS` channels and debug
-//! dumps. Options arrive as one explicit value; there is no global state.
+//! native compile (C++ only; Triton compiles at first launch). The kernel backend is chosen here,
+//! by device or by `Options::backend`. Each pass has a name used for timings, `FERROCORE_LOGS`
+//! channels and debug dumps. Options arrive as one explicit value; there is no global state.
 
 use crate::codegen::cpp::CppBackend;
-use crate::codegen::KernelBackend;
+use crate::codegen::triton::TritonBackend;
+use crate::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage};
+use crate::graph::Device;
 use crate::graph::parse_graph;
 use crate::lowering::lower_graph;
 use crate::runtime;
-use crate::scheduler::schedule;
+use crate::scheduler::schedule_for;
 use crate::wrapper::{plan_host, render_module};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -24,6 +27,37 @@ pub struct Options {
     pub cxx: String,
     /// Skip the native compile (for tests of the earlier stages).
     pub skip_native_compile: bool,
+    /// Which kernel backend renders the fused kernels.
+    pub backend: BackendChoice,
+}
+
+/// The kernel backend: by the graph's device (CUDA tensors -> Triton, CPU -> C++), or forced.
+/// Forcing Triton on CPU tensors is for Triton's interpreter (`TRITON_INTERPRET=1`), how tests
+/// without a GPU run Triton kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    #[default]
+    Auto,
+    Cpp,
+    Triton,
+}
+
+impl BackendChoice {
+    /// The kernel language for a program whose buffers live on `devices`.
+    pub fn resolve<'d>(self, mut devices: impl Iterator<Item = &'d Device>) -> KernelLanguage {
+        match self {
+            BackendChoice::Cpp => KernelLanguage::Cpp,
+            BackendChoice::Triton => KernelLanguage::Triton,
+            BackendChoice::Auto => {
+                if devices.any(|d| matches!(d, Device::Cuda(_))) {
+                    KernelLanguage::Triton
+                } else {
+                    KernelLanguage::Cpp
+                }
+            }
+        }
+    }
 }
 
 impl Default for Options {
@@ -34,6 +68,7 @@ impl Default for Options {
             debug_dir: None,
             cxx: "g++".into(),
             skip_native_compile: false,
+            backend: BackendChoice::Auto,
         }
     }
 }
@@ -62,6 +97,11 @@ pub struct CompileResult {
     pub timings_ms: Vec<(String, f64)>,
     pub cpp_cache_hit: bool,
     pub logs: Vec<LogRecord>,
+    /// The kernel backend used ("cpp" or "triton").
+    pub backend: String,
+    /// Set when the backend cannot render the graph yet: no module was written and the caller
+    /// runs the graph eagerly (a logged, counted graph fallback).
+    pub graph_fallback: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -127,18 +167,43 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     st.emit("fallback", || {
         fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect()
     });
-    let sched = st.time("scheduling", || schedule(lowered.program)).map_err(|e| CompileError { stage: "scheduling", message: e.to_string() })?;
+    let language = options.backend.resolve(lowered.program.buffers.iter().map(|b| &b.layout.device));
+    let backend: &dyn KernelBackend = match language {
+        KernelLanguage::Cpp => &CppBackend,
+        KernelLanguage::Triton => &TritonBackend,
+    };
+    let sched = st
+        .time("scheduling", || schedule_for(lowered.program, backend.name()))
+        .map_err(|e| CompileError { stage: "scheduling", message: e.to_string() })?;
     st.emit("fusion", || sched.decisions.join("\n") + "\n");
     st.emit("ir_post_fusion", || sched.text());
-    let backend = CppBackend;
-    let kernels = st.time("codegen", || backend.render(&sched)).map_err(|e| CompileError { stage: "codegen", message: e.to_string() })?;
+    let kernels = match st.time("codegen", || backend.render(&sched)) {
+        Ok(k) => k,
+        Err(e) if e.kind == CodegenErrorKind::Unsupported => {
+            let reason = e.to_string();
+            st.emit("fallback", || format!("graph {} runs eagerly: {reason}\n", graph.name));
+            return Ok(CompileResult {
+                module_path: String::new(),
+                module_source: String::new(),
+                kernels: 0,
+                externs: 0,
+                fallbacks,
+                timings_ms: st.timings,
+                cpp_cache_hit: false,
+                logs: st.logs,
+                backend: backend.name().to_string(),
+                graph_fallback: Some(reason),
+            });
+        }
+        Err(e) => return Err(CompileError { stage: "codegen", message: e.to_string() }),
+    };
     let module = st.time("wrapper", || {
         let plan = plan_host(&sched, &kernels);
         render_module(&sched, &kernels, &plan, &graph.name)
     });
     st.emit("output_code", || module.clone());
     let mut cache_hit = false;
-    if !options.skip_native_compile && !kernels.launches.is_empty() {
+    if !options.skip_native_compile && !kernels.launches.is_empty() && language == KernelLanguage::Cpp {
         let lib = st
             .time("cpp_compile", || runtime::compile_cpp(&kernels.source, &options.cache_dir, &options.cxx))
             .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
@@ -151,7 +216,11 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     }
     if let Some(d) = &st.dump_dir {
         let _ = runtime::write_atomic(&d.join("output_code.py"), module.as_bytes());
-        let _ = runtime::write_atomic(&d.join("kernels.cpp"), kernels.source.as_bytes());
+        let file = match language {
+            KernelLanguage::Cpp => "kernels.cpp",
+            KernelLanguage::Triton => "kernels_triton.py",
+        };
+        let _ = runtime::write_atomic(&d.join(file), kernels.source.as_bytes());
     }
     let externs = sched.program.externs.iter().filter(|e| !e.fallback).count();
     Ok(CompileResult {
@@ -163,6 +232,8 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         timings_ms: st.timings,
         cpp_cache_hit: cache_hit,
         logs: st.logs,
+        backend: backend.name().to_string(),
+        graph_fallback: None,
     })
 }
 

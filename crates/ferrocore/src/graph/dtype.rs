@@ -254,7 +254,7 @@ fn promote_types_cat(_dim: DType, zero: DType) -> DType {
     zero
 }
 
-#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum Device {
     Cpu,
     Cuda(u32),

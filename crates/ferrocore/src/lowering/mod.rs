@@ -264,10 +264,18 @@ impl<'g> Ctx<'g> {
         // complex values only move: copies, views, pads, concatenation, conjugation
         let movable = moves_data(op);
         let ok = |dt: DType| if movable { dt.is_movable() } else { dt.is_compilable() };
+        // a node's tensors all live on one device (any: CPU tensors get C++ kernels, CUDA tensors
+        // Triton kernels); a node mixing devices (e.g. a CPU scalar tensor in a CUDA op) runs in ATen
+        let device = match &node.meta {
+            Meta::Tensor(t) => Some(t.device),
+            Meta::Tuple(items) => items.iter().flatten().find_map(|m| if let Meta::Tensor(t) = m { Some(t.device) } else { None }),
+            _ => None,
+        };
         let bad_meta = |m: &Meta| -> bool {
+            let bad = |t: &TensorMeta| !ok(t.dtype) || device.is_some_and(|d| t.device != d);
             match m {
-                Meta::Tensor(t) => !ok(t.dtype) || t.device != Device::Cpu,
-                Meta::Tuple(items) => items.iter().flatten().any(|m| matches!(m, Meta::Tensor(t) if !ok(t.dtype) || t.device != Device::Cpu)),
+                Meta::Tensor(t) => bad(t),
+                Meta::Tuple(items) => items.iter().flatten().any(|m| matches!(m, Meta::Tensor(t) if bad(t))),
                 _ => false,
             }
         };

@@ -43,7 +43,14 @@ pub struct Schedule {
 /// How far back a node looks for a kernel to join (bounds compile time on big graphs).
 const FUSION_WINDOW: usize = 32;
 
-pub fn schedule(mut program: LoopProgram) -> Result<Schedule, SchedulerError> {
+/// Schedules for the C++ backend (kernel names `cpp_*`).
+pub fn schedule(program: LoopProgram) -> Result<Schedule, SchedulerError> {
+    schedule_for(program, "cpp")
+}
+
+/// Schedules `program`; kernels are named `{prefix}_{poi|red}_fused_{origins}_{index}` after the
+/// backend that will render them (the schedule itself does not depend on the backend).
+pub fn schedule_for(mut program: LoopProgram, prefix: &str) -> Result<Schedule, SchedulerError> {
     let mut decisions = Vec::new();
     for name in simplify::eliminate_dead_nodes(&mut program) {
         decisions.push(format!("dead: {name} is never read; removed"));
@@ -150,7 +157,7 @@ pub fn schedule(mut program: LoopProgram) -> Result<Schedule, SchedulerError> {
         match slot {
             Slot::Extern(e) => items.push(Item::Extern(e)),
             Slot::Kernel(members, plan) => {
-                let name = kernel_name(&program, &members, &plan, kernel_index);
+                let name = kernel_name(&program, &members, &plan, prefix, kernel_index);
                 kernel_index += 1;
                 items.push(Item::Kernel(FusedKernel { name, plan }));
             }
@@ -192,7 +199,7 @@ fn shared_bytes(p: &LoopProgram, members: &[usize], reads: &[BufferId]) -> i64 {
         .sum()
 }
 
-fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, index: usize) -> String {
+fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &str, index: usize) -> String {
     let mut words: Vec<String> = Vec::new();
     for &m in members {
         for o in &p.nodes[m].origins {
@@ -206,7 +213,7 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, index: usi
     }
     words.truncate(6);
     let kind = if plan.groups.iter().any(|g| g.reduction) { "red" } else { "poi" };
-    format!("cpp_{kind}_fused_{}_{index}", words.join("_"))
+    format!("{prefix}_{kind}_fused_{}_{index}", words.join("_"))
 }
 
 fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) -> Vec<Storage> {

@@ -300,7 +300,7 @@ impl IndexExpr {
 }
 
 impl Atom {
-    fn bounds(&self, ranges: &VarRanges) -> (i128, i128) {
+    pub fn bounds(&self, ranges: &VarRanges) -> (i128, i128) {
         match self {
             Atom::Var(v) => {
                 let n = ranges.get(v.0 as usize).copied().unwrap_or(i64::MAX) as i128;

@@ -2,7 +2,7 @@
 //! and its rendering as a readable Python module (`call(args)` plus a `__main__` that times
 //! itself), like Inductor's output code. It does not generate kernels; it launches them.
 
-use crate::codegen::RenderedKernels;
+use crate::codegen::{KernelLanguage, LaunchShape, RenderedKernels};
 use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{Item, Schedule, Storage};
@@ -166,17 +166,55 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     let _ = writeln!(m, "# ferrocore output code for graph '{graph_name}'");
     let _ = writeln!(m, "# kernels: {}, extern calls: {}, ATen fallbacks: {fallbacks}", kernels.launches.len(), p.externs.len() - fallbacks);
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
-    m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, restride\n\n");
-    if !kernels.launches.is_empty() {
-        // the string must equal the compiled source byte for byte: it is the cache key
-        m.push_str("KERNEL_SOURCE = r'''");
-        m.push_str(&kernels.source);
-        m.push_str("'''\n\n_lib = load_kernels(KERNEL_SOURCE)\n");
-        for l in &kernels.launches {
-            let _ = writeln!(m, "{0} = _lib.{0}", l.name);
+    match kernels.language {
+        KernelLanguage::Cpp => {
+            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, restride\n\n");
+            if !kernels.launches.is_empty() {
+                // the string must equal the compiled source byte for byte: it is the cache key
+                m.push_str("KERNEL_SOURCE = r'''");
+                m.push_str(&kernels.source);
+                m.push_str("'''\n\n_lib = load_kernels(KERNEL_SOURCE)\n");
+                for l in &kernels.launches {
+                    let _ = writeln!(m, "{0} = _lib.{0}", l.name);
+                }
+            }
+        }
+        KernelLanguage::Triton => {
+            // the kernels are defined here: Triton compiles them at their first launch
+            m.push_str("import torch\nfrom ferrocore.runtime import restride\n\n");
+            if !kernels.launches.is_empty() {
+                m.push_str(&kernels.source);
+            }
+            // each kernel with its signature and launch configuration (ahead-of-time compiles)
+            m.push_str("\n\nTRITON_KERNELS = [\n");
+            for l in &kernels.launches {
+                let sig: Vec<String> = l.signature.iter().map(|(n, t)| format!("'{n}': '{t}'")).collect();
+                match &l.shape {
+                    LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {
+                        let _ = writeln!(
+                            m,
+                            "    ({}, {{{}}}, {{'XBLOCK': {xblock}}}, {{'grid': {grid}, 'num_warps': {num_warps}, 'num_stages': {num_stages}}}),",
+                            l.name,
+                            sig.join(", ")
+                        );
+                    }
+                    LaunchShape::Host => {}
+                }
+            }
+            m.push_str("]\n");
         }
     }
-    m.push_str("\n\ndef call(args):\n");
+    // Triton launches on the current device: run CUDA graphs under their device
+    let cuda = p.buffers.iter().find_map(|b| match b.layout.device {
+        crate::graph::Device::Cuda(i) => Some(i),
+        crate::graph::Device::Cpu => None,
+    });
+    match (kernels.language, cuda) {
+        (KernelLanguage::Triton, Some(i)) if !kernels.launches.is_empty() => {
+            let _ = write!(m, "\n\ndef call(args):\n    with torch.cuda.device({i}):\n        return _call(args)\n\n\ndef _call(args):\n");
+        }
+        _ => m.push_str("\n\ndef call(args):\n"),
+    }
     let names: Vec<String> = p.inputs.iter().map(|b| p.buffer(*b).name.clone()).collect();
     match names.len() {
         0 => {}
@@ -186,6 +224,16 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         _ => {
             let _ = writeln!(m, "    {} = args", names.join(", "));
         }
+    }
+    // Triton kernels raise a shared int32 flag on an out-of-range gather index; checked once,
+    // after every launch (reading it synchronizes with the device)
+    let flag_device = kernels
+        .launches
+        .iter()
+        .filter(|l| l.checks_indices && matches!(l.shape, LaunchShape::Grid { .. }))
+        .find_map(|l| l.args.first().map(|b| p.buffer(*b).layout.device));
+    if let Some(d) = flag_device {
+        let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}')");
     }
     // extern results read by kernels or returned must have the layout we compiled against
     for step in &plan.steps {
@@ -208,12 +256,28 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             }
             HostStep::Launch(l) => {
                 let k = &kernels.launches[*l];
-                let args: Vec<String> = k.args.iter().map(|b| format!("c_ptr({})", p.buffer(*b).name)).collect();
-                if k.checks_indices {
-                    let _ = writeln!(m, "    if {}({}):", k.name, args.join(", "));
-                    let _ = writeln!(m, "        raise IndexError('index out of range in {}')", k.name);
-                } else {
-                    let _ = writeln!(m, "    {}({})", k.name, args.join(", "));
+                match &k.shape {
+                    LaunchShape::Host => {
+                        let args: Vec<String> = k.args.iter().map(|b| format!("c_ptr({})", p.buffer(*b).name)).collect();
+                        if k.checks_indices {
+                            let _ = writeln!(m, "    if {}({}):", k.name, args.join(", "));
+                            let _ = writeln!(m, "        raise IndexError('index out of range in {}')", k.name);
+                        } else {
+                            let _ = writeln!(m, "    {}({})", k.name, args.join(", "));
+                        }
+                    }
+                    LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {
+                        let mut args: Vec<String> = k.args.iter().map(|b| p.buffer(*b).name.clone()).collect();
+                        if k.checks_indices {
+                            args.push("_index_error".into());
+                        }
+                        let _ = writeln!(
+                            m,
+                            "    {}[({grid},)]({}, XBLOCK={xblock}, num_warps={num_warps}, num_stages={num_stages})",
+                            k.name,
+                            args.join(", ")
+                        );
+                    }
                 }
             }
             HostStep::Extern(e) => {
@@ -259,6 +323,9 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             OutputValue::None => "None".into(),
         })
         .collect();
+    if flag_device.is_some() {
+        m.push_str("    if _index_error.item():\n        raise IndexError('index out of range in a gather of this graph')\n");
+    }
     let _ = writeln!(m, "    return ({}{})", outs.join(", "), if outs.len() == 1 { "," } else { "" });
     // self-timing entry point
     m.push_str("\n\ndef make_inputs():\n    return [\n");
@@ -270,6 +337,10 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             format!("torch.randint(0, 2, {}).bool()", py_tuple(&[l.storage_numel().max(1)]))
         } else {
             format!("torch.randint(0, 8, {}, dtype={})", py_tuple(&[l.storage_numel().max(1)]), dtype_py(l.dtype))
+        };
+        let gen = match l.device {
+            crate::graph::Device::Cpu => gen,
+            d => format!("{gen}.to('{d}')"),
         };
         let _ = writeln!(m, "        {gen}.as_strided({}, {}),", py_tuple(&l.size), py_tuple(&l.stride));
     }

@@ -4,7 +4,7 @@
 
 mod expr;
 
-use super::{CodegenError, KernelBackend, KernelLaunch, RenderedKernels};
+use super::{kernel_buffers, kernel_numel, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
 use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
@@ -40,41 +40,27 @@ impl KernelBackend for CppBackend {
                 source.push('\n');
                 source.push_str(&text);
                 let checks_indices = k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].checks_indices());
-                launches.push(KernelLaunch { name: k.name.clone(), args, checks_indices });
+                launches.push(KernelLaunch {
+                    name: k.name.clone(),
+                    args,
+                    checks_indices,
+                    numel: kernel_numel(k),
+                    shape: LaunchShape::Host,
+                    signature: Vec::new(),
+                });
             }
         }
-        Ok(RenderedKernels { language: "cpp", source, launches })
+        Ok(RenderedKernels { language: KernelLanguage::Cpp, source, launches })
     }
 }
 
 fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>), CodegenError> {
     let p = &s.program;
     let plan = &k.plan;
-    let err = |m: String| CodegenError { kernel: k.name.clone(), message: m };
+    let err = |m: String| CodegenError::internal(&k.name, m);
 
     // Parameters: buffers read from memory first, then buffers written.
-    let mut written: Vec<BufferId> = Vec::new();
-    for kn in &plan.nodes {
-        let b = p.nodes[kn.node].output;
-        if s.storage[b.0 as usize] == Storage::Allocated && !written.contains(&b) {
-            written.push(b);
-        }
-    }
-    let local_kind = |pos: usize, b: BufferId| -> Option<LocalRead> {
-        plan.local_reads.iter().find(|(r, bb, _)| *r == pos && *bb == b).map(|(_, _, k)| *k)
-    };
-    let mut read: Vec<BufferId> = Vec::new();
-    for (pos, kn) in plan.nodes.iter().enumerate() {
-        for e in &kn.body.exprs {
-            if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
-                let direct = matches!(e, Expr::Load { .. });
-                let from_memory = !direct || !matches!(local_kind(pos, *buf), Some(LocalRead::Scalar | LocalRead::Forwarded));
-                if from_memory && !written.contains(buf) && !read.contains(buf) {
-                    read.push(*buf);
-                }
-            }
-        }
-    }
+    let (read, written) = kernel_buffers(s, k);
     let mut ptr: HashMap<BufferId, String> = HashMap::new();
     let mut params = Vec::new();
     for (i, b) in read.iter().enumerate() {
@@ -89,7 +75,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     }
 
     let n = plan.outer;
-    let work: i64 = plan.groups.iter().map(|g| n * g.inner.iter().product::<i64>()).max().unwrap_or(n);
+    let work: i64 = kernel_numel(k);
     // a scatter kernel holds one node (the scheduler never fuses one): its stores may collide
     let scatter = plan.nodes.iter().find_map(|kn| kn.body.store.as_ref().filter(|st| st.is_scatter()));
     let scatter_dtype = plan.nodes.first().map(|kn| p.buffer(p.nodes[kn.node].output).layout.dtype);

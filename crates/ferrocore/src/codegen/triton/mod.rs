@@ -1,0 +1,455 @@
+//! The Triton backend: one `@triton.jit` function per fused kernel, all in one Python source
+//! unit (a prelude of helpers, then the kernels) that the wrapper module defines and launches.
+//!
+//! A program covers `XBLOCK` iterations of the kernel's flattened outer loop `x0`. A kernel with
+//! one pointwise group is flat: its whole iteration space is one 1-D range of blocks. Otherwise
+//! values are `[XBLOCK, RBLOCK]` blocks and each loop group covers its inner loops along the
+//! second axis: in one step when they fit a block (a persistent group), else in a loop of
+//! `RBLOCK`-wide steps whose reductions accumulate elementwise and combine after the loop.
+//! Index math is int32 only where every index of the kernel provably fits, int64 otherwise.
+//! What this backend cannot render yet is a typed `Unsupported` error, never a wrong kernel.
+
+mod expr;
+
+use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
+use crate::graph::DType;
+use crate::loop_ir::*;
+use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
+use crate::symbolic::Var;
+use expr::{cast_expr, compute_type, fits_i32, reduction_init, signature_type, store_conv, BodyEmitter, Section};
+use std::collections::HashMap;
+use std::fmt::Write;
+
+pub const PRELUDE: &str = include_str!("prelude.py");
+
+/// Groups whose inner iteration space fits this many elements are persistent (one step).
+const PERSISTENT_RBLOCK_MAX: i64 = 2048;
+/// The step of looped groups.
+const LOOPED_RBLOCK: i64 = 1024;
+/// The same for kernels whose memory is contiguous along `x0` rather than the inner loops (a
+/// reduction over an outer dim): narrow steps, so that a program covers more `x0` rows and its
+/// loads are coalesced along them.
+const X_CONTIGUOUS_RBLOCK: i64 = 64;
+/// Elements of one program's `[XBLOCK, RBLOCK]` block, at most.
+const MAX_BLOCK_ELEMENTS: i64 = 4096;
+const MAX_XBLOCK: i64 = 1024;
+
+pub struct TritonBackend;
+
+impl KernelBackend for TritonBackend {
+    fn name(&self) -> &'static str {
+        "triton"
+    }
+
+    fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
+        let mut source = String::from(PRELUDE);
+        let mut launches = Vec::new();
+        for it in &s.items {
+            if let Item::Kernel(k) = it {
+                check_supported(s, k)?;
+                let (text, launch) = render_kernel(s, k)?;
+                source.push_str("\n\n");
+                source.push_str(&text);
+                launches.push(launch);
+            }
+        }
+        Ok(RenderedKernels { language: KernelLanguage::Triton, source, launches })
+    }
+}
+
+/// What the Triton backend does not render yet: scatter stores, scans, random numbers, complex
+/// and float8 values, kernels touching buffers of another device.
+fn check_supported(s: &Schedule, k: &FusedKernel) -> Result<(), CodegenError> {
+    let p = &s.program;
+    let unsupported = |m: String| Err(CodegenError::unsupported(&k.name, m));
+    let Some(first) = k.plan.nodes.first() else {
+        return Err(CodegenError::internal(&k.name, "kernel without nodes"));
+    };
+    let device = p.buffer(p.nodes[first.node].output).layout.device;
+    for kn in &k.plan.nodes {
+        let node = &p.nodes[kn.node];
+        let out = p.buffer(node.output);
+        if let Some(st) = node.body.store.as_ref().filter(|st| st.is_scatter()) {
+            if !atomic_scatter(st.mode, out.layout.dtype) {
+                return unsupported(format!("{} is a {:?} scatter of {} values (only stores and atomic adds)", out.name, st.mode, out.layout.dtype.torch_name()));
+            }
+        }
+        let mut bufs = vec![node.output];
+        bufs.extend(node.reads().into_iter().map(|(b, _)| b));
+        for b in bufs {
+            let l = &p.buffer(b).layout;
+            if l.device != device {
+                return unsupported(format!("{} is on {}, the kernel on {device}", p.buffer(b).name, l.device));
+            }
+            if compute_type(l.dtype).is_none() {
+                return unsupported(format!("{} holds {} values", p.buffer(b).name, l.dtype.torch_name()));
+            }
+        }
+        for (i, e) in kn.body.exprs.iter().enumerate() {
+            if compute_type(kn.body.dtypes[i]).is_none() {
+                return unsupported(format!("{} computes {} values", out.name, kn.body.dtypes[i].torch_name()));
+            }
+            match e {
+                Expr::Scan(..) => return unsupported(format!("{} is a scan", out.name)),
+                Expr::Load { .. }
+                | Expr::Random { .. }
+                | Expr::Constant(_)
+                | Expr::Index(_)
+                | Expr::Unary(..)
+                | Expr::Binary(..)
+                | Expr::Where(..)
+                | Expr::Cast(_)
+                | Expr::Reduce(..)
+                | Expr::ArgReduce(..)
+                | Expr::LoadIndirect { .. }
+                | Expr::CheckIndex { .. } => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Scatter stores rendered: plain stores (duplicate indices: one of the writes wins, as with
+/// CUDA's eager kernels), and accumulating adds of the types `tl.atomic_add` supports.
+fn atomic_scatter(mode: StoreMode, dt: DType) -> bool {
+    match mode {
+        StoreMode::Set => true,
+        // (bfloat16 atomics: not in Triton's interpreter, nor on every GPU)
+        StoreMode::Combine(ReduceOp::Sum) => matches!(dt, DType::F16 | DType::F32 | DType::F64 | DType::I32 | DType::I64),
+        StoreMode::Combine(ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min | ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
+    }
+}
+
+/// How one loop group covers its inner loops in a two-dimensional kernel.
+struct GroupShape {
+    /// Elements of the group's inner loops.
+    numel: i64,
+    rblock: i64,
+    looped: bool,
+}
+
+fn group_shape(inner: &[i64], x_contiguous: bool) -> GroupShape {
+    let numel: i64 = inner.iter().product();
+    let (persistent_max, step) = if x_contiguous { (X_CONTIGUOUS_RBLOCK, X_CONTIGUOUS_RBLOCK) } else { (PERSISTENT_RBLOCK_MAX, LOOPED_RBLOCK) };
+    if numel <= persistent_max {
+        GroupShape { numel, rblock: next_power_of_two(numel), looped: false }
+    } else {
+        GroupShape { numel, rblock: step, looped: true }
+    }
+}
+
+/// Whether the kernel's loads that vary over inner loops are contiguous along `x0` (stride 1)
+/// and none along its innermost inner variable.
+fn x_contiguous(k: &FusedKernel) -> bool {
+    let mut along_x = false;
+    for kn in &k.plan.nodes {
+        let innermost = Var(kn.ranges.len().saturating_sub(1) as u32);
+        for e in &kn.body.exprs {
+            if let Expr::Load { index, .. } | Expr::LoadIndirect { index, .. } = e {
+                let mut vs = Vec::new();
+                index.vars(&mut vs);
+                if !vs.iter().any(|v| v.0 != 0) {
+                    continue;
+                }
+                if index.affine_coeff(innermost) == Some(1) {
+                    return false;
+                }
+                along_x |= index.affine_coeff(Var(0)) == Some(1);
+            }
+        }
+    }
+    along_x
+}
+
+fn num_warps(elements: i64) -> u32 {
+    match elements {
+        e if e >= 2048 => 8,
+        e if e >= 512 => 4,
+        e if e >= 256 => 2,
+        _ => 1,
+    }
+}
+
+/// Lines defining the inner variables `names[k]` from a flattened index over `inner`.
+fn decompose(out: &mut String, pad: &str, flat: &str, inner: &[i64], name: &dyn Fn(usize) -> String) {
+    if inner.contains(&0) {
+        // no iterations (every lane is masked): the variables only need a value
+        for k in 0..inner.len() {
+            let _ = writeln!(out, "{pad}{} = {flat} * 0", name(k + 1));
+        }
+        return;
+    }
+    for k in 0..inner.len() {
+        let stride: i64 = inner[k + 1..].iter().product();
+        let mut e = if stride == 1 { flat.to_string() } else { format!("({flat} // {stride})") };
+        if k > 0 {
+            e = format!("{e} % {}", inner[k]);
+        }
+        let _ = writeln!(out, "{pad}{} = {e}", name(k + 1));
+    }
+}
+
+fn indent(text: &str, n: usize) -> String {
+    let pad = " ".repeat(n);
+    text.lines().map(|l| format!("{pad}{l}\n")).collect()
+}
+
+fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch), CodegenError> {
+    let p = &s.program;
+    let plan = &k.plan;
+    let err = |m: String| CodegenError::internal(&k.name, m);
+    let (read, written) = kernel_buffers(s, k);
+    let mut ptr: HashMap<BufferId, String> = HashMap::new();
+    let mut params = Vec::new();
+    let mut signature = Vec::new();
+    for (prefix, bufs) in [("in_ptr", &read), ("out_ptr", &written)] {
+        for (i, b) in bufs.iter().enumerate() {
+            let name = format!("{prefix}{i}");
+            let dt = p.buffer(*b).layout.dtype;
+            let sig = signature_type(dt).ok_or_else(|| CodegenError::unsupported(&k.name, format!("{} values", dt.torch_name())))?;
+            params.push(name.clone());
+            signature.push((name.clone(), sig.to_string()));
+            ptr.insert(*b, name);
+        }
+    }
+    let checks_indices = plan.nodes.iter().any(|kn| p.nodes[kn.node].checks_indices());
+    if checks_indices {
+        params.push("err_ptr".into());
+        signature.push(("err_ptr".into(), "*i32".into()));
+    }
+
+    let flat = plan.groups.len() == 1 && !plan.groups[0].reduction;
+    let outer = plan.outer;
+    let x_contiguous = !flat && x_contiguous(k);
+    let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner, x_contiguous)).collect();
+    let (xnumel, xblock, warps) = if flat {
+        let total = outer * shapes[0].numel;
+        let xblock = next_power_of_two(total).min(MAX_XBLOCK);
+        (total, xblock, num_warps(xblock))
+    } else {
+        let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
+        let xblock = next_power_of_two(outer).min((MAX_BLOCK_ELEMENTS / rmax).max(1)).min(MAX_XBLOCK);
+        (outer, xblock, num_warps(xblock * rmax))
+    };
+    let grid = (xnumel + xblock - 1) / xblock;
+
+    // int32 index math only where every index and every buffer provably fits
+    let limit = (i32::MAX / 2) as i64;
+    let mut idx32 = xnumel + xblock < limit && kernel_numel(k) < limit;
+    for b in read.iter().chain(&written) {
+        idx32 &= p.buffer(*b).layout.storage_numel() < limit;
+    }
+    for kn in &plan.nodes {
+        for e in kn.body.indices() {
+            idx32 &= fits_i32(e, &kn.ranges);
+        }
+    }
+
+    let mut out = String::new();
+    let mut all_params = params.clone();
+    all_params.push("XBLOCK: tl.constexpr".into());
+    let _ = writeln!(out, "@triton.jit\ndef {}({}):", k.name, all_params.join(", "));
+    let pid = if idx32 { "tl.program_id(0)" } else { "tl.program_id(0).to(tl.int64)" };
+    let _ = writeln!(out, "    xoffset = {pid} * XBLOCK");
+    if flat {
+        let _ = writeln!(out, "    xindex = xoffset + tl.arange(0, XBLOCK)");
+        let _ = writeln!(out, "    xmask = xindex < {xnumel}");
+        let inner = &plan.groups[0].inner;
+        let r = shapes[0].numel;
+        let _ = writeln!(out, "    x0 = {}", if r > 1 { format!("xindex // {r}") } else { "xindex".into() });
+        if !inner.is_empty() {
+            let _ = writeln!(out, "    xinner = xindex % {r}");
+            decompose(&mut out, "    ", "xinner", inner, &|k| format!("x{k}"));
+        }
+    } else {
+        let _ = writeln!(out, "    xindex = xoffset + tl.arange(0, XBLOCK)[:, None]");
+        let _ = writeln!(out, "    xmask = xindex < {xnumel}");
+        out.push_str("    x0 = xindex\n");
+    }
+    out.push_str("    xzero = xindex * 0\n");
+
+    // in-kernel values: buffer -> (variable, section within its group)
+    let mut locals: HashMap<BufferId, (String, Section)> = HashMap::new();
+    let mut tmp = 0usize;
+    // values computed at the kernel's top level by earlier groups (persistent groups, and what
+    // looped groups compute outside their loop): later groups reuse them, loads included (their
+    // buffers are read-only in the kernel), except loads of buffers the kernel writes
+    let mut shared: HashMap<String, (String, Section)> = HashMap::new();
+    for (gi, g) in plan.groups.iter().enumerate() {
+        let shape = &shapes[gi];
+        // persistent groups over the same inner loops share their inner variables' names (so
+        // that their loads are the same expressions); looped ones bind theirs inside the loop
+        let rp = if flat || shape.looped {
+            gi
+        } else {
+            (0..gi).find(|&h| !shapes[h].looped && plan.groups[h].inner == g.inner).unwrap_or(gi)
+        };
+        let var_name = move |v: Var| -> String {
+            match (v.0, flat) {
+                (0, _) => "x0".to_string(),
+                (i, true) => format!("x{i}"),
+                (i, false) => format!("r{rp}_{i}"),
+            }
+        };
+        // a group without inner loops needs no second axis
+        let no_inner = g.inner.is_empty();
+        let full_mask = if flat || no_inner { "xmask".to_string() } else { format!("xmask & r{rp}mask") };
+        // computed before this group: available from its start, like a per-row scalar
+        let mut cse: HashMap<String, (String, Section)> = shared.iter().map(|(k, (v, _))| (k.clone(), (v.clone(), Section::Pre))).collect();
+        let mut pre = String::new();
+        let mut inner = String::new();
+        let mut post = String::new();
+        let mut accs = Vec::new();
+        let stored_read = g.nodes.iter().any(|&pos| plan.local_reads.iter().any(|(r, _, kind)| *r == pos && *kind == LocalRead::Stored));
+        for &pos in &g.nodes {
+            let kn = &plan.nodes[pos];
+            let node = &p.nodes[kn.node];
+            let out_buf = node.output;
+            let mut replace: HashMap<BufferId, (String, Section)> = HashMap::new();
+            for (r, b, kind) in &plan.local_reads {
+                if *r != pos {
+                    continue;
+                }
+                let (name, section) = match kind {
+                    LocalRead::Scalar => {
+                        let (name, _) = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
+                        (name, Section::Pre)
+                    }
+                    LocalRead::Forwarded => locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?,
+                    LocalRead::Stored => continue,
+                };
+                replace.insert(*b, (name, section));
+            }
+            let err_ptr = if checks_indices { Some("err_ptr") } else { None };
+            let mut em = BodyEmitter::new(
+                &ptr,
+                &replace,
+                &kn.ranges,
+                &var_name,
+                &mut tmp,
+                !flat,
+                shape.looped,
+                shape.rblock,
+                full_mask.clone(),
+                err_ptr,
+                &mut cse,
+            );
+            let vals = kn.body.visit(&mut em);
+            if let Some(why) = em.unsupported.take() {
+                return Err(CodegenError::unsupported(&k.name, why));
+            }
+            let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
+            let value = vals[store.value.0 as usize].clone();
+            let vdt = kn.body.dtype(store.value);
+            let out_layout = &p.buffer(out_buf).layout;
+            let section = if node.kind() == NodeKind::Reduction {
+                Section::Post
+            } else {
+                let terms = store.terms.iter().map(|(v, _)| em.section_of(&vals[v.0 as usize]));
+                terms.fold(em.section_of(&value).max(BodyEmitter::index_section(&store.index)), Section::max)
+            };
+            // the value as a reader of the buffer sees it: rounded to the buffer's type
+            let local = format!("loc_{}_{pos}", p.buffer(out_buf).name);
+            let mut lines = format!("{local} = {}\n", cast_expr(&value, vdt, out_layout.dtype));
+            if s.storage[out_buf.0 as usize] == Storage::Allocated {
+                let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
+                // a float32 value stored to a half buffer is rounded once, by the store (rounding
+                // to the half type first, in the body or for the local, gives the same bits)
+                let odt = out_layout.dtype;
+                let half = matches!(odt, DType::F16 | DType::BF16);
+                let unrounded = match kn.body.expr(store.value) {
+                    Expr::Cast(x) if half && vdt == odt && kn.body.dtype(*x) == DType::F32 => Some(vals[x.0 as usize].clone()),
+                    _ if half && matches!(vdt, DType::F32 | DType::F16 | DType::BF16) => Some(value.clone()),
+                    _ => None,
+                };
+                let stored = store_conv(unrounded.as_ref().unwrap_or(&local), odt);
+                let mut address = em.address(dst, &store.index);
+                for (v, c) in &store.terms {
+                    let _ = write!(address, " + {c}*{}", vals[v.0 as usize]);
+                }
+                let mask = em.mask(section);
+                match store.mode {
+                    StoreMode::Set => {
+                        let _ = writeln!(lines, "tl.store({address}, {stored}, {mask})");
+                    }
+                    StoreMode::Combine(_) => {
+                        // `check_supported` admits only sums of atomic types
+                        let _ = writeln!(lines, "tl.atomic_add({address}, {stored}, {mask})");
+                    }
+                }
+            }
+            pre.push_str(&em.pre);
+            inner.push_str(&em.inner);
+            post.push_str(&em.post);
+            accs.append(&mut em.accs);
+            match section {
+                Section::Pre => pre.push_str(&lines),
+                Section::Inner => inner.push_str(&lines),
+                Section::Post => post.push_str(&lines),
+            }
+            locals.insert(out_buf, (local, section));
+        }
+        for (text, (name, section)) in cse {
+            let visible = !shape.looped || section != Section::Inner;
+            if visible && !text.starts_with("tl.load(out_ptr") {
+                shared.insert(text, (name, section));
+            }
+        }
+        let kind = if g.reduction { "reduction" } else { "loop" };
+        let how = if flat { "flat" } else if shape.looped { "looped" } else { "persistent" };
+        let _ = writeln!(out, "    # group {gi}: {kind} over {:?} ({how})", g.inner);
+        if stored_read {
+            // reads what an earlier group of this program stored: other threads wrote it
+            out.push_str("    tl.debug_barrier()\n");
+        }
+        let rbase = format!("tl.arange(0, {})[None, :]{}", shape.rblock, if idx32 { "" } else { ".to(tl.int64)" });
+        let rvar = |k: usize| format!("r{rp}_{k}");
+        if flat {
+            out.push_str(&indent(&pre, 4));
+            out.push_str(&indent(&inner, 4));
+            out.push_str(&indent(&post, 4));
+        } else if !shape.looped {
+            if !no_inner && rp == gi {
+                let _ = writeln!(out, "    r{rp}index = {rbase}");
+                let _ = writeln!(out, "    r{rp}mask = r{rp}index < {}", shape.numel);
+                decompose(&mut out, "    ", &format!("r{rp}index"), &g.inner, &rvar);
+            }
+            out.push_str(&indent(&pre, 4));
+            out.push_str(&indent(&inner, 4));
+            out.push_str(&indent(&post, 4));
+        } else {
+            out.push_str(&indent(&pre, 4));
+            let rb = shape.rblock;
+            for a in &accs {
+                let t = compute_type(a.dtype).unwrap_or("tl.float32");
+                match a.value_dtype {
+                    Some(vd) => {
+                        let vt = compute_type(vd).unwrap_or("tl.float32");
+                        let _ = writeln!(out, "    {}_val = tl.full([XBLOCK, {rb}], {}, {vt})", a.name, reduction_init(a.op, vd));
+                        let _ = writeln!(out, "    {} = tl.full([XBLOCK, {rb}], {}, tl.int64)", a.name, i64::MAX);
+                    }
+                    None => {
+                        let _ = writeln!(out, "    {} = tl.full([XBLOCK, {rb}], {}, {t})", a.name, reduction_init(a.op, a.dtype));
+                    }
+                }
+            }
+            let _ = writeln!(out, "    r{gi}base = {rbase}");
+            let _ = writeln!(out, "    for r{gi}offset in range(0, {}, {rb}):", shape.numel);
+            let _ = writeln!(out, "        r{gi}index = r{gi}offset + r{gi}base");
+            let _ = writeln!(out, "        r{gi}mask = r{gi}index < {}", shape.numel);
+            decompose(&mut out, "        ", &format!("r{gi}index"), &g.inner, &rvar);
+            out.push_str(&indent(&inner, 8));
+            out.push_str(&indent(&post, 4));
+        }
+    }
+    let numel = kernel_numel(k);
+    let launch = KernelLaunch {
+        name: k.name.clone(),
+        args: read.into_iter().chain(written).collect(),
+        checks_indices,
+        numel,
+        shape: LaunchShape::Grid { grid, xblock, num_warps: warps, num_stages: 1 },
+        signature,
+    };
+    Ok((out, launch))
+}

@@ -1,0 +1,315 @@
+import os
+import torch
+import triton
+import triton.language as tl
+
+# Combine functions of reductions and helpers with torch's semantics (NaN-propagating max/min,
+# Python floor division and modulo, no trap on a zero integer divisor: 0, as in the C++ kernels).
+
+
+@triton.jit
+def ferro_max(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def ferro_min(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+
+
+@triton.jit
+def ferro_sum(a, b):
+    return a + b
+
+
+@triton.jit
+def ferro_prod(a, b):
+    return a * b
+
+
+@triton.jit
+def ferro_any(a, b):
+    return a | b
+
+
+@triton.jit
+def ferro_argmax(va, ia, vb, ib):
+    # the first maximum wins; NaN beats every number
+    a_nan = va != va
+    b_nan = vb != vb
+    better = (va > vb) | (a_nan & (b_nan == 0))
+    same = (va == vb) | (a_nan & b_nan)
+    take_a = better | (same & (ia < ib))
+    return tl.where(take_a, va, vb), tl.where(take_a, ia, ib)
+
+
+@triton.jit
+def ferro_argmin(va, ia, vb, ib):
+    a_nan = va != va
+    b_nan = vb != vb
+    better = (va < vb) | (a_nan & (b_nan == 0))
+    same = (va == vb) | (a_nan & b_nan)
+    take_a = better | (same & (ia < ib))
+    return tl.where(take_a, va, vb), tl.where(take_a, ia, ib)
+
+
+@triton.jit
+def ferro_floordiv_i(a, b):
+    safe = tl.where(b == 0, 1, b)
+    q = a // safe
+    r = a % safe
+    q = tl.where((r != 0) & ((r < 0) != (safe < 0)), q - 1, q)
+    return tl.where(b == 0, 0, q)
+
+
+@triton.jit
+def ferro_mod_i(a, b):
+    safe = tl.where(b == 0, 1, b)
+    r = a % safe
+    r = tl.where((r != 0) & ((r < 0) != (safe < 0)), r + safe, r)
+    return tl.where(b == 0, 0, r)
+
+
+@triton.jit
+def ferro_truncdiv_i(a, b):
+    safe = tl.where(b == 0, 1, b)
+    return tl.where(b == 0, 0, a // safe)
+
+
+@triton.jit
+def ferro_fmod_i(a, b):
+    safe = tl.where(b == 0, 1, b)
+    return tl.where(b == 0, 0, a % safe)
+
+
+@triton.jit
+def ferro_remainder_f(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def ferro_floordiv_f(a, b):
+    # exact where floor(a / b) is not: the quotient of a - fmod(a, b), corrected by one when the
+    # remainder's sign differs from the divisor's, rounded to the integer it should be
+    rem = a % b
+    q = (a - rem) / b
+    q = tl.where((rem != 0) & ((b < 0) != (rem < 0)), q - 1, q)
+    fq = tl.math.floor(q)
+    q = tl.where(q - fq > 0.5, fq + 1, fq)
+    zero = tl.where(a / b < 0, -0.0, 0.0)
+    q = tl.where(q == 0, zero, q)
+    return tl.where(b == 0, a / b, q)
+
+
+@triton.jit
+def ferro_ipow(base, exp):
+    # integer power by squaring; negative exponents as torch: 1 for base 1, +-1 for base -1, else 0
+    base, exp = tl.broadcast(base, exp)
+    zero = tl.zeros_like(base)
+    result = zero + 1
+    b = base
+    e = exp
+    for _ in range(64):
+        result = tl.where((e & 1) != 0, result * b, result)
+        e = e >> 1
+        b = b * b
+    odd = (exp & 1) != 0
+    negative = tl.where(base == 1, zero + 1, tl.where(base == -1, tl.where(odd, zero - 1, zero + 1), zero))
+    return tl.where(exp < 0, negative, result)
+
+
+@triton.jit
+def ferro_philox(seed, offset):
+    # Philox 4x32-10 keyed by the int64 seed, counter (offset low, offset high, 0, 0): the same
+    # stream as the C++ backend's ferro_philox (Triton's philox is the same generator)
+    offset = offset.to(tl.uint64, bitcast=True)
+    lo = (offset & 0xFFFFFFFF).to(tl.uint32)
+    hi = (offset >> 32).to(tl.uint32)
+    zero = tl.zeros_like(lo)
+    return tl.philox(seed, lo, hi, zero, zero)
+
+
+@triton.jit
+def ferro_rand(seed, offset):
+    r0, r1, r2, r3 = ferro_philox(seed, offset)
+    return (r0 >> 8).to(tl.float32) * (1.0 / 16777216.0)  # 24 random bits: [0, 1)
+
+
+@triton.jit
+def ferro_randn(seed, offset):
+    r0, r1, r2, r3 = ferro_philox(seed, offset)
+    # Box-Muller on two 32-bit draws; u1 in (0, 1] keeps the log finite
+    u1 = (r0.to(tl.float64) + 1.0) * (1.0 / 4294967296.0)
+    u2 = r1.to(tl.float64) * (1.0 / 4294967296.0)
+    return (tl.math.sqrt(-2.0 * tl.math.log(u1)) * tl.math.cos(6.283185307179586 * u2)).to(tl.float32)
+
+
+@triton.jit
+def ferro_floordiv_pos(a, d: tl.constexpr):
+    # index math: floor(a / d) for a constant d > 1 and an `a` that may be negative
+    q = a // d
+    return tl.where((a % d != 0) & (a < 0), q - 1, q)
+
+
+@triton.jit
+def ferro_mod_pos(a, d: tl.constexpr):
+    r = a % d
+    return tl.where(r < 0, r + d, r)
+
+
+# Transcendental functions: libdevice on the GPU. Triton's interpreter (TRITON_INTERPRET=1, how
+# CI runs these kernels on CPU tensors) has no libdevice: there they are numpy functions over the
+# interpreter's tensors.
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    import math as _math
+
+    import numpy as _np
+    from triton.runtime.interpreter import TensorHandle as _Handle
+
+    def _numpy(f):
+        def apply(*xs):
+            data = _np.asarray(f(*[x.handle.data for x in xs]))
+            dt = xs[0].dtype
+            data = data.astype(xs[0].handle.data.dtype)
+            return tl.core.tensor(_Handle(data, dt), tl.block_type(dt, list(data.shape)) if data.shape else dt)
+
+        return apply
+
+    ferro_expm1 = _numpy(_np.expm1)
+    ferro_log1p = _numpy(_np.log1p)
+    ferro_log10 = _numpy(_np.log10)
+    ferro_tan = _numpy(_np.tan)
+    ferro_asin = _numpy(_np.arcsin)
+    ferro_acos = _numpy(_np.arccos)
+    ferro_atan = _numpy(_np.arctan)
+    ferro_sinh = _numpy(_np.sinh)
+    ferro_cosh = _numpy(_np.cosh)
+    ferro_tanh = _numpy(_np.tanh)
+    ferro_asinh = _numpy(_np.arcsinh)
+    ferro_acosh = _numpy(_np.arccosh)
+    ferro_atanh = _numpy(_np.arctanh)
+    def _lgamma(v):
+        try:
+            return _math.lgamma(v)
+        except (ValueError, OverflowError):  # poles at 0, -1, ...
+            return _math.inf
+
+    def _erfcx(v):
+        if v < 25.0:
+            try:
+                return _math.exp(v * v) * _math.erfc(v)
+            except OverflowError:
+                return _math.inf
+        r = 1.0 / (v * v)  # asymptotic series, as the C++ backend's ferro_erfcx
+        return 0.5641895835477563 / v * (1.0 - 0.5 * r + 0.75 * r * r - 1.875 * r * r * r)
+
+    ferro_erfc = _numpy(_np.vectorize(_math.erfc, otypes=[_np.float64]))
+    ferro_erfcx = _numpy(_np.vectorize(_erfcx, otypes=[_np.float64]))
+    ferro_lgamma = _numpy(_np.vectorize(_lgamma, otypes=[_np.float64]))
+    ferro_nearbyint = _numpy(_np.rint)
+    ferro_trunc = _numpy(_np.trunc)
+    ferro_atan2 = _numpy(_np.arctan2)
+    ferro_pow = _numpy(_np.power)
+
+    # the interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest even
+    @triton.jit
+    def ferro_round_bf16(x):
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def ferro_store_bf16(x):
+        return ferro_round_bf16(x).to(tl.bfloat16)
+else:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def ferro_expm1(x):
+        return libdevice.expm1(x)
+
+    @triton.jit
+    def ferro_log1p(x):
+        return libdevice.log1p(x)
+
+    @triton.jit
+    def ferro_log10(x):
+        return libdevice.log10(x)
+
+    @triton.jit
+    def ferro_tan(x):
+        return libdevice.tan(x)
+
+    @triton.jit
+    def ferro_asin(x):
+        return libdevice.asin(x)
+
+    @triton.jit
+    def ferro_acos(x):
+        return libdevice.acos(x)
+
+    @triton.jit
+    def ferro_atan(x):
+        return libdevice.atan(x)
+
+    @triton.jit
+    def ferro_sinh(x):
+        return libdevice.sinh(x)
+
+    @triton.jit
+    def ferro_cosh(x):
+        return libdevice.cosh(x)
+
+    @triton.jit
+    def ferro_tanh(x):
+        return libdevice.tanh(x)
+
+    @triton.jit
+    def ferro_asinh(x):
+        return libdevice.asinh(x)
+
+    @triton.jit
+    def ferro_acosh(x):
+        return libdevice.acosh(x)
+
+    @triton.jit
+    def ferro_atanh(x):
+        return libdevice.atanh(x)
+
+    @triton.jit
+    def ferro_erfc(x):
+        return libdevice.erfc(x)
+
+    @triton.jit
+    def ferro_erfcx(x):
+        return libdevice.erfcx(x)
+
+    @triton.jit
+    def ferro_lgamma(x):
+        return libdevice.lgamma(x)
+
+    @triton.jit
+    def ferro_nearbyint(x):
+        return libdevice.nearbyint(x)
+
+    @triton.jit
+    def ferro_trunc(x):
+        return libdevice.trunc(x)
+
+    @triton.jit
+    def ferro_atan2(a, b):
+        return libdevice.atan2(a, b)
+
+    @triton.jit
+    def ferro_pow(a, b):
+        return libdevice.pow(a, b)
+
+    @triton.jit
+    def ferro_round_bf16(x):
+        return x.to(tl.bfloat16).to(tl.float32)
+
+    @triton.jit
+    def ferro_store_bf16(x):
+        return x.to(tl.bfloat16)
