@@ -142,3 +142,21 @@ def test_fold_after_unfold_round_trip():
 def test_col2im_with_int_arguments():
     cols = torch.randn(2, 2 * 4, 12)
     check_traced(lambda t: torch.ops.aten.col2im(t, [4, 5], 2, 1, 0, 1), cols, op=torch.ops.aten.col2im.default)
+
+
+def test_cudnn_grid_sampler_is_the_bilinear_zero_padded_align_corners_case():
+    # on CUDA, F.grid_sample reaches the graph as cudnn_grid_sampler; eager has no CPU kernel
+    # for it, so the graph is built by hand and compared with grid_sampler_2d
+    import ferrocore
+
+    x, g = torch.randn(2, 3, 5, 6), torch.rand(2, 4, 7, 2) * 2.2 - 1.1
+    want = torch.ops.aten.grid_sampler_2d(x, g, 0, 0, True)
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    a.meta["val"], b.meta["val"] = x, g
+    y = graph.call_function(torch.ops.aten.cudnn_grid_sampler.default, (a, b))
+    y.meta["val"] = torch.empty_like(want)
+    graph.output((y,))
+    got = ferrocore.compile_graph(torch.fx.GraphModule({}, graph))(x, g)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert ferrocore.metrics.last["fallbacks"] == 0 and ferrocore.metrics.last["kernels"] == 1

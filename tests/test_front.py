@@ -236,3 +236,22 @@ def test_dynamic_shapes_compile_once_per_signature():
     g = torch.compile(lambda t: (t.sin() * t.shape[0]).sum(), backend="ferrocore", dynamic=True)
     g(xr).backward()
     torch.testing.assert_close(xr.grad, xr.detach().cos() * 5)
+
+
+def test_cpu_scalars_of_a_gpu_graph_are_found():
+    # a 0-d CPU tensor may join a CUDA op in ATen; the front moves it to the GPU for the kernels
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ferrocore.backend import _host_scalars
+
+    with FakeTensorMode():
+        vals = {"a": torch.empty(3, device="cuda"), "s": torch.empty(()), "c": torch.empty(2)}
+    graph = torch.fx.Graph()
+    for name, val in vals.items():
+        graph.placeholder(name).meta["val"] = val
+    graph.output(())
+    assert _host_scalars(torch.fx.GraphModule({}, graph)) == (torch.device("cuda", 0), [1])
+    cpu_only = torch.fx.Graph()
+    cpu_only.placeholder("s").meta["val"] = vals["s"]
+    cpu_only.output(())
+    assert _host_scalars(torch.fx.GraphModule({}, cpu_only)) == (None, [])

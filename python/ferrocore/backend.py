@@ -199,6 +199,18 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         )
     )
     call = module.call
+    device, host_scalars = _host_scalars(gm)
+    if device is not None:
+        constants = [c.to(device) if c.device.type == "cpu" and c.dim() == 0 else c for c in constants]
+    if host_scalars:
+        # ATen lets a 0-d CPU tensor join a CUDA op; a GPU kernel cannot read host memory
+        inner_call = call
+
+        def call(args):
+            for i in host_scalars:
+                args[i] = args[i].to(device, non_blocking=True)
+            return inner_call(args)
+
     if constants:
         # lifted constants are the graph's last inputs (see serialize.lifted_constants)
         inner = call
@@ -209,6 +221,29 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
 
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
+
+
+def _host_scalars(gm: torch.fx.GraphModule) -> tuple:
+    """(the graph's GPU device, positions of its 0-d CPU tensor inputs), or (None, []) for a
+    graph that touches no GPU."""
+    device = None
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        for v in val if isinstance(val, (tuple, list)) else (val,):
+            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                device = v.device
+                break
+        if device is not None:
+            break
+    if device is None:
+        return None, []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    host = [
+        i for i, n in enumerate(placeholders)
+        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cpu"
+        and n.meta["val"].dim() == 0
+    ]
+    return device, host
 
 
 def _partitioned(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None) -> Callable:

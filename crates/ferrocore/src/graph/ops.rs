@@ -175,6 +175,7 @@ aten_ops! {
     UpsampleBilinear2dVec => "aten.upsample_bilinear2d.vec", 4..=4;
     UpsampleBilinear2d => "aten.upsample_bilinear2d.default", 3..=5;
     GridSampler2d => "aten.grid_sampler_2d.default", 5..=5;
+    CudnnGridSampler => "aten.cudnn_grid_sampler.default", 2..=2;
     GridSampler3d => "aten.grid_sampler_3d.default", 5..=5;
     Col2im => "aten.col2im.default", 6..=6;
     AvgPool2d => "aten.avg_pool2d.default", 2..=7;

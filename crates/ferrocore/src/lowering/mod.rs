@@ -341,7 +341,7 @@ impl<'g> Ctx<'g> {
                 t(self.lower_avg_pool_backward(op)?)
             }
             UpsampleBilinear2dVec | UpsampleBilinear2d => t(self.lower_upsample_bilinear(op)?),
-            GridSampler2d | GridSampler3d => t(self.lower_grid_sampler(op)?),
+            GridSampler2d | GridSampler3d | CudnnGridSampler => t(self.lower_grid_sampler(op)?),
             Col2im => t(self.lower_col2im()?),
             View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold => t(self.lower_view(op)?),

@@ -446,10 +446,17 @@ impl Ctx<'_> {
             AtenOp::Copy => self.pw_arg(1, "src")?,
             _ => self.pw_arg(0, "self")?,
         };
-        if let Some(Arg::Device(d)) = self.arg(usize::MAX, "device") {
-            if *d != Device::Cpu {
-                return unsupported("copy to another device");
-            }
+        // a kernel copies within one device; a transfer is ATen's
+        let from = match &src {
+            PwIn::Tensor(t) => Some(t.device.clone()),
+            PwIn::Scalar(_) => None,
+        };
+        let to = match self.arg(usize::MAX, "device") {
+            Some(Arg::Device(d)) => d.clone(),
+            _ => out.device.clone(),
+        };
+        if to != out.device || from.is_some_and(|f| f != to) {
+            return unsupported("copy to another device");
         }
         if let Some(Arg::Layout(l)) = self.arg(usize::MAX, "layout") {
             if l != "strided" {

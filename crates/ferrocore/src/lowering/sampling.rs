@@ -363,8 +363,11 @@ impl Ctx<'_> {
         let x = self.tensor_arg(0, "input")?;
         let grid = self.tensor_arg(1, "grid")?;
         let out = self.out_meta()?.clone();
-        let mode = self.int_arg(2, "interpolation_mode")?.unwrap_or(0);
-        let padding = match self.int_arg(3, "padding_mode")?.unwrap_or(0) {
+        // cudnn_grid_sampler (what F.grid_sample becomes on CUDA when cuDNN takes it) is the
+        // bilinear, zero-padded, align_corners=True case
+        let cudnn = op == AtenOp::CudnnGridSampler;
+        let mode = if cudnn { 0 } else { self.int_arg(2, "interpolation_mode")?.unwrap_or(0) };
+        let padding = match if cudnn { 0 } else { self.int_arg(3, "padding_mode")?.unwrap_or(0) } {
             0 => Padding::Zeros,
             1 => Padding::Border,
             2 => Padding::Reflection,
@@ -373,7 +376,7 @@ impl Ctx<'_> {
         if !(0..=2).contains(&mode) {
             return malformed(format!("invalid grid_sampler interpolation mode {mode}"));
         }
-        let align_corners = self.bool_arg(4, "align_corners", false)?;
+        let align_corners = cudnn || self.bool_arg(4, "align_corners", false)?;
         if x.size.len() != k + 2 || grid.size.len() != k + 2 || grid.size[k + 1] != k as i64 || grid.size[0] != x.size[0] {
             return malformed(format!("{} of {:?} at a grid of {:?}", op.name(), x.size, grid.size));
         }
