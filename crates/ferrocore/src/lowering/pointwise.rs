@@ -319,9 +319,10 @@ impl Ctx<'_> {
             return unsupported("shift of bool values");
         }
         let rsub = matches!(op, A::RsubScalar);
-        // ATen's mul/div read a Python scalar as a float; its other binary kernels first convert
-        // it to the tensor's half type (measured against eager): round those scalars the same
-        let half = out.dtype.compute() != out.dtype && out.dtype.is_float();
+        // ATen's CPU mul/div read a Python scalar as a float; its other CPU binary kernels first
+        // convert it to the tensor's half type (measured against eager): round those scalars the
+        // same. Its CUDA kernels keep every scalar in float (opmath).
+        let half = out.dtype.compute() != out.dtype && out.dtype.is_float() && out.device == Device::Cpu;
         let round = |p: &PwIn| half && matches!(p, PwIn::Scalar(_)) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
         let (round_a, round_b, half_dt) = (round(&a), round(&b), out.dtype);
         // sub: self - alpha*other; rsub: other - alpha*self.
