@@ -75,17 +75,17 @@ def make_block(cfg: BlockConfig = BlockConfig(), seed: int = 0) -> TransformerBl
     with torch.no_grad():
         for name, p in block.named_parameters():
             if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                p.copy_(_randn(p.shape, gen) * 0.02)
             elif p.dim() == 1:  # LayerNorm weight
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+                p.copy_(1.0 + _randn(p.shape, gen) * 0.1)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+                p.copy_(_randn(p.shape, gen) / math.sqrt(p.shape[1]))
     return block.eval()
 
 
 def make_block_input(cfg: BlockConfig = BlockConfig(), seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(cfg.batch, cfg.seq_len, cfg.d_model, generator=gen)
+    return _randn((cfg.batch, cfg.seq_len, cfg.d_model), gen)
 
 
 def elementwise_reduction(x: torch.Tensor, y: torch.Tensor):
@@ -98,4 +98,9 @@ def elementwise_reduction(x: torch.Tensor, y: torch.Tensor):
 
 def make_elementwise_inputs(rows: int = 1024, cols: int = 1024, seed: int = 2):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, cols, generator=gen), torch.randn(rows, cols, generator=gen)
+    return _randn((rows, cols), gen), _randn((rows, cols), gen)
+
+
+def _randn(shape, gen: torch.Generator) -> torch.Tensor:
+    """Seeded values drawn on the CPU (the same on every machine), placed on the default device."""
+    return torch.randn(shape, generator=gen, device="cpu").to(torch.get_default_device())

@@ -76,6 +76,7 @@ def pytest_report_header(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "kernel_count: asserts the number of generated kernels")
     config.addinivalue_line("markers", "ferrocore_only: needs the ferrocore backend's metrics")
+    config.addinivalue_line("markers", "cpu_only(reason): meaningful on the CPU test device only")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -84,6 +85,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"backend {BACKEND} does not count kernels"))
         if item.get_closest_marker("ferrocore_only") and not is_ferrocore():
             item.add_marker(pytest.mark.skip(reason=f"needs ferrocore, backend is {BACKEND}"))
+        cpu_only = item.get_closest_marker("cpu_only")
+        if cpu_only and TEST_DEVICE != "cpu":
+            why = cpu_only.args[0] if cpu_only.args else "CPU-specific"
+            item.add_marker(pytest.mark.skip(reason=f"on {TEST_DEVICE}: {why}"))
 
 
 @pytest.fixture(autouse=True)

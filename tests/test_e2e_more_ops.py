@@ -164,6 +164,7 @@ def test_layer_norm_backward_lowering():
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.cpu_only("a factory call inside the compiled function: dynamo does not apply torch.set_default_device to it, so eager and compiled results land on different devices")
 def test_lgamma_and_empty_permuted_free_losses():
     x = torch.rand(6, 7) * 5 + 0.05
     check(lambda t: torch.lgamma(t) + torch.lgamma(-t), x)
@@ -357,6 +358,7 @@ def test_effectful_error_check_runs_and_raises_like_eager():
         inv(torch.zeros(3, 3))
 
 
+@pytest.mark.cpu_only("a factory call inside the compiled function: dynamo does not apply torch.set_default_device to it, so eager and compiled results land on different devices")
 def test_linspace_matches_aten_kernel_bit_for_bit():
     # torch's decomposition computes in float32 and is off by one for int64 results
     # (linspace(0, 7, 50)[28] is 4 in eager, 3 through the decomposition); ferrocore lowers

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 import ferrocore
@@ -13,6 +14,7 @@ def _compile_and_run(fn, *args):
     torch.testing.assert_close(out, fn(*args))
 
 
+@pytest.mark.cpu_only("asserts on the C++ backend's output")
 def test_logs_print_every_requested_stage(monkeypatch, capfd):
     monkeypatch.setenv("FERROCORE_LOGS", "graph,ir_pre_fusion,ir_post_fusion,fusion,output_code")
     _compile_and_run(lambda x: torch.softmax(x * 2, -1), torch.randn(8, 32))
@@ -34,6 +36,7 @@ def test_fallback_channel_names_the_op(monkeypatch, capfd):
     assert ferrocore.metrics.last["kernels"] == 1  # the add still compiles
 
 
+@pytest.mark.cpu_only("asserts on the C++ backend's output")
 def test_debug_dir_has_one_folder_per_graph(monkeypatch, tmp_path):
     monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(tmp_path))
     _compile_and_run(lambda x: (x.relu() + 1).sum(-1), torch.randn(4, 16))

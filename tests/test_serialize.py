@@ -24,6 +24,9 @@ if importlib.util.find_spec("ferrocore") is None:  # not installed: use the sour
 from ferrocore.backend import compile_graph  # noqa: E402
 from ferrocore.serialize import UnsupportedGraph, graph_to_dict, lifted_constants, serialize_graph  # noqa: E402
 
+# The expected documents spell the CPU device; the encoder itself is the same on every device.
+pytestmark = pytest.mark.cpu_only("expected documents name the CPU device")
+
 
 def capture(fn, *inputs, dynamic=False):
     """The ATen graphs (forward, then backward if any) AOT autograd hands to a compiler."""
