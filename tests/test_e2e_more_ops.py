@@ -1,5 +1,6 @@
 """Activations, data movement and library calls beyond the first set of lowerings."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -352,8 +353,6 @@ def test_effectful_error_check_runs_and_raises_like_eager():
     torch._dynamo.reset()
     inv = torch.compile(lambda t: torch.linalg.inv(t) + 1, backend="ferrocore")
     torch.testing.assert_close(inv(torch.eye(3) * 2), torch.eye(3) * 0.5 + 1)
-    import pytest
-
     with pytest.raises(torch.linalg.LinAlgError):
         inv(torch.zeros(3, 3))
 
@@ -363,8 +362,6 @@ def test_linspace_matches_aten_kernel_bit_for_bit():
     # torch's decomposition computes in float32 and is off by one for int64 results
     # (linspace(0, 7, 50)[28] is 4 in eager, 3 through the decomposition); ferrocore lowers
     # linspace itself: bounds converted to the result type, a double step for integers
-    import pytest
-
     cases = [(0, 7, 50, torch.int64), (4.3, -3, 50, torch.int64), (10, -5.5, 33, torch.float32),
              (1, 9, 7, torch.bfloat16), (-2, 2, 1, torch.float16), (0, 255, 40, torch.uint8)]
     for start, end, steps, dtype in cases:
