@@ -373,3 +373,16 @@ def test_linspace_matches_aten_kernel_bit_for_bit():
     check(lambda s, e: torch.linspace(s, e, 50, dtype=torch.int64) * 2, a, b)
     with pytest.raises(Exception):
         torch.compile(lambda s: torch.linspace(s, 1.0, 5), backend="ferrocore")(torch.ones(2))
+
+
+@pytest.mark.cpu_only("a factory call inside the compiled function: dynamo does not apply torch.set_default_device to it, so eager and compiled results land on different devices")
+def test_logspace_matches_aten_loop():
+    # bounds rounded to the result type, points and power in double; one point is base**start
+    cases = [(4.3, -3, 2, 10.0, torch.bfloat16), (0, -3, 4, 1.1, torch.int64), (4.3, 0, 1, 10.0, torch.bfloat16),
+             (1, 5, 9, 2.0, torch.float32), (-1.5, 2, 7, 3.0, torch.float16)]
+    for start, end, steps, base, dtype in cases:
+        torch._dynamo.reset()
+        f = torch.compile(lambda: torch.logspace(start, end, steps, base=base, dtype=dtype), backend="ferrocore")
+        assert torch.equal(f(), torch.logspace(start, end, steps, base=base, dtype=dtype)), (start, end, steps, base, dtype)
+        assert ferrocore.metrics.last["kernels"] == 1 and ferrocore.metrics.last["fallbacks"] == 0
+    check(lambda s, e: torch.logspace(s, e, 3, base=1.1, dtype=torch.int64) + 1, torch.tensor(0), torch.tensor(-3))

@@ -128,8 +128,11 @@ def _decompositions() -> dict:
     table.pop(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     # Lowered natively as ATen's kernel computes it; the decomposition works in the default float
     # type and disagrees with eager (e.g. an int64 linspace off by one at half the points).
-    for overload in ("default", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
-        table.pop(getattr(torch.ops.aten.linspace, overload), None)
+    # logspace likewise (its decomposition takes the power of unrounded float64 points where a
+    # half-type eager result rounds the bounds first).
+    for op in (torch.ops.aten.linspace, torch.ops.aten.logspace):
+        for overload in ("default", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
+            table.pop(getattr(op, overload), None)
     return table
 
 

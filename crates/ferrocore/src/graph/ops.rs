@@ -139,6 +139,10 @@ aten_ops! {
     LinspaceTensorTensor => "aten.linspace.Tensor_Tensor", 3..=3;
     LinspaceTensorScalar => "aten.linspace.Tensor_Scalar", 3..=3;
     LinspaceScalarTensor => "aten.linspace.Scalar_Tensor", 3..=3;
+    Logspace => "aten.logspace.default", 3..=4;
+    LogspaceTensorTensor => "aten.logspace.Tensor_Tensor", 3..=4;
+    LogspaceTensorScalar => "aten.logspace.Tensor_Scalar", 3..=4;
+    LogspaceScalarTensor => "aten.logspace.Scalar_Tensor", 3..=4;
     FillScalar => "aten.fill.Scalar", 2..=2;
     // reductions
     SumDimIntList => "aten.sum.dim_IntList", 1..=3;

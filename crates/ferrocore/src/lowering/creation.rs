@@ -1,5 +1,5 @@
-//! Tensor creation: full, full_like, scalar_tensor, fill, arange, linspace — lazy values with no
-//! reads (linspace may read 0-d bound tensors).
+//! Tensor creation: full, full_like, scalar_tensor, fill, arange, linspace, logspace — lazy
+//! values with no reads (linspace and logspace may read 0-d bound tensors).
 
 use super::pointwise::PwIn;
 use super::*;
@@ -97,11 +97,22 @@ impl Ctx<'_> {
     /// round once (ATen's vectorized half kernel rounds per operation, differently per vector
     /// lane: the results agree within an ulp).
     /// Bounds may be 0-d tensors (`Tensor_Tensor` & co.), read as `.item()` reads them.
-    pub(super) fn lower_linspace(&mut self) -> LResult<TensorValue> {
+    ///
+    /// logspace (`log`) raises `base` to those points as ATen's CPU loop does: the bounds in the
+    /// result type, `end - start` subtracted there, then the step, the points and the power in
+    /// double.
+    pub(super) fn lower_linspace(&mut self, log: bool) -> LResult<TensorValue> {
         let out = self.out_meta()?.clone();
         if out.shape.len() != 1 {
             return malformed("linspace result must be 1-D");
         }
+        let base = match self.arg(3, "base") {
+            _ if !log => None,
+            None | Some(Arg::None) => Some(10.0),
+            Some(Arg::Int(v)) => Some(*v as f64),
+            Some(Arg::Float(v)) => Some(*v),
+            other => return malformed(format!("logspace base must be a number, got {other:?}")),
+        };
         let dt = out.dtype;
         if !dt.is_compilable() || dt == DType::Bool {
             return unsupported(format!("linspace of {dt}"));
@@ -115,7 +126,7 @@ impl Ctx<'_> {
             }
         }
         let steps = out.shape[0];
-        let step_t = if dt.is_integral() { DType::F64 } else { dt.compute() };
+        let step_t = if dt.is_integral() || log { DType::F64 } else { dt.compute() };
         let halfway = steps / 2;
         Ok(TensorValue {
             size: out.shape.clone(),
@@ -136,13 +147,43 @@ impl Ctx<'_> {
                         let (a, b) = (bx.body.cast(a, step_t), bx.body.cast(b, step_t));
                         bx.body.binary(op, a, b)
                     };
+                    // logspace: base ** point in double, then stored as the result type
+                    let power = |bx: &mut Bx, point: ValueId| match base {
+                        None => point,
+                        Some(b) => {
+                            let b = bx.body.constant(Scalar::Float(b), step_t);
+                            let p = bx.body.cast(point, step_t);
+                            let v = bx.body.binary(BinaryOp::Pow, b, p);
+                            bx.body.cast(v, dt)
+                        }
+                    };
+                    if steps == 1 && base.is_some() {
+                        // one point: ATen fills base ** start, start as given (not converted)
+                        let s = match &start {
+                            PwIn::Scalar(v) => bx.body.constant(*v, DType::F64),
+                            PwIn::Tensor(t) => {
+                                let v = t.load(bx, &[]);
+                                bx.body.cast(v, DType::F64)
+                            }
+                        };
+                        return power(bx, s);
+                    }
                     let s = bound(bx, &start);
                     if steps == 1 {
                         return s;
                     }
                     let e = bound(bx, &end);
                     let (sw, ew) = (bx.body.cast(s, step_t), bx.body.cast(e, step_t));
-                    let span = arith(bx, BinaryOp::Sub, ew, sw);
+                    let span = if log {
+                        // subtracted in the result type (rounded to it), then widened
+                        let ct = dt.compute();
+                        let (a, b) = (bx.body.cast(e, ct), bx.body.cast(s, ct));
+                        let d = bx.body.binary(BinaryOp::Sub, a, b);
+                        let d = bx.body.cast(d, dt);
+                        bx.body.cast(d, step_t)
+                    } else {
+                        arith(bx, BinaryOp::Sub, ew, sw)
+                    };
                     let n = bx.body.constant(Scalar::Int(steps - 1), step_t);
                     let step = arith(bx, BinaryOp::TrueDiv, span, n);
                     let i = bx.body.index(idx[0].clone(), DType::I64);
@@ -156,6 +197,9 @@ impl Ctx<'_> {
                     let h = bx.body.constant(Scalar::Int(halfway), DType::I64);
                     let first = bx.body.binary(BinaryOp::Lt, i, h);
                     let v = bx.body.where_(first, lo, hi);
+                    if base.is_some() {
+                        return power(bx, v);
+                    }
                     bx.body.cast(v, dt)
                 }),
                 reads: 0,

@@ -318,7 +318,8 @@ impl<'g> Ctx<'g> {
             ToCopy | Clone | Copy | LiftFreshCopy => t(self.lower_copy(op)?),
             Full | FullLike | ScalarTensor | FillScalar | EmptyMemoryFormat | EmptyStrided | EmptyPermuted => t(self.lower_full(op)?),
             ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
-            Linspace | LinspaceTensorTensor | LinspaceTensorScalar | LinspaceScalarTensor => t(self.lower_linspace()?),
+            Linspace | LinspaceTensorTensor | LinspaceTensorScalar | LinspaceScalarTensor => t(self.lower_linspace(false)?),
+            Logspace | LogspaceTensorTensor | LogspaceTensorScalar | LogspaceScalarTensor => t(self.lower_linspace(true)?),
             SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault
             | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
             VarCorrection | VarMeanCorrection | VarDim => self.lower_var(op)?,
