@@ -22,8 +22,9 @@ use std::fmt::Write;
 
 pub const PRELUDE: &str = include_str!("prelude.py");
 
-/// Groups whose inner iteration space fits this many elements are persistent (one step).
-const PERSISTENT_RBLOCK_MAX: i64 = 2048;
+/// Groups whose inner iteration space fits this many elements are persistent (one step): a
+/// row is read once however many groups use it (softmax, layer_norm).
+const PERSISTENT_RBLOCK_MAX: i64 = 4096;
 /// The step of looped groups.
 const LOOPED_RBLOCK: i64 = 1024;
 /// The same for kernels whose memory is contiguous along `x0` rather than the inner loops (a
