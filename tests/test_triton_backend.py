@@ -82,3 +82,37 @@ def test_kernel_names_and_configs(interpreted):
     # indices provably below 2**31: int32 index math; the values themselves are int64
     src = "".join(Path(p).read_text() for p in interpreted["int64_arange_exact"]["modules"])
     assert "xoffset = tl.program_id(0) * XBLOCK" in src and "tl.full([1], 1000000000, tl.int64)" in src
+
+
+def test_backend_option_and_env(monkeypatch):
+    from ferrocore import options
+
+    monkeypatch.delenv("FERROCORE_BACKEND", raising=False)
+    assert options.build_options()["backend"] == "auto"
+    assert options.build_options({"backend": "triton"})["backend"] == "triton"
+    monkeypatch.setenv("FERROCORE_BACKEND", "Triton")
+    assert options.build_options()["backend"] == "triton"
+    monkeypatch.setenv("FERROCORE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="backend"):
+        options.build_options()
+
+
+def test_cpu_graphs_get_cpp_kernels_unless_triton_is_forced(monkeypatch):
+    """In this process (no interpreter): the forced Triton module is generated and imported
+    (defining its kernels needs no GPU) but not run; the default stays C++."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import ferrocore
+
+    monkeypatch.delenv("FERROCORE_BACKEND", raising=False)
+    gm = make_fx(lambda a: (a.relu() + 1).sum(-1))(torch.randn(4, 8))
+    x = torch.randn(4, 8)
+    out = ferrocore.compile_graph(gm)(x)
+    assert ferrocore.metrics.last["backend"] == "cpp"
+    torch.testing.assert_close(out[0], (x.relu() + 1).sum(-1))
+    ferrocore.compile_graph(gm, options={"backend": "triton"})
+    last = ferrocore.metrics.last
+    assert last["backend"] == "triton" and last["kernels"] == 1 and not last["graph_fallback"]
+    source = Path(last["module_path"]).read_text()
+    assert "@triton.jit\ndef triton_red_fused_" in source and "TRITON_KERNELS" in source

@@ -85,7 +85,7 @@ def _():
         return ((a > 2.5).any(-1), (a * 10).long().sum(-1), a.argmax(-1), a.argmin(-1), i.amax(-1), i.amin(-1),
                 (a.abs() < 4).all(-1), a.double().sum(-1), a.half().amax(-1))
 
-    return f, (randn(3, 2500),)
+    return f, (randn(3, 4500),)
 
 
 @case("softmax")
@@ -95,7 +95,12 @@ def _():
 
 @case("softmax_looped")
 def _():
-    return (lambda a: torch.softmax(a, -1)), (randn(4, 3000),)
+    return (lambda a: torch.softmax(a, -1)), (randn(2, 5000),)
+
+
+@case("softmax_persistent_wide")
+def _():
+    return (lambda a: torch.softmax(a, -1)), (randn(3, 3000),)
 
 
 @case("layer_norm", atol=1e-4)

@@ -220,7 +220,7 @@ fn scatter_add_is_a_copy_then_an_atomic_scatter_kernel() {
 fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) {
     let g = parse_graph(doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, "triton").unwrap();
-    let k = TritonBackend.render(&s).unwrap();
+    let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     (src, k.launches)
 }
@@ -265,6 +265,17 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
     let forced = compile_graph(&doc, &Options { backend: BackendChoice::Triton, ..opts.clone() }).unwrap();
     assert_eq!(forced.backend, "triton");
     assert!(forced.module_source.contains("@triton.jit"));
+    // a graph with kernels on both devices cannot launch its CPU kernels through Triton
+    let cuda = |shape: &[i64]| meta(shape, "float32").replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
+    let mixed = G::new()
+        .input("x", &[8], "float32")
+        .call("e", "aten.exp.default", &n("x"), &meta(&[8], "float32"))
+        .output(&["e"])
+        .replace(r#""nodes":["#, &format!(r#""nodes":[{{"name":"y","kind":"placeholder","meta":{}}},{{"name":"ey","kind":"call_function","target":"aten.exp.default","args":[{}],"kwargs":{{}},"meta":{}}},"#, cuda(&[8]), n("y"), cuda(&[8])))
+        .replace(r#"{"node":"e"}"#, r#"{"node":"e"},{"node":"ey"}"#);
+    let r = compile_graph(&mixed, &opts).unwrap();
+    assert_eq!(r.backend, "triton");
+    assert!(r.graph_fallback.as_deref().is_some_and(|m| m.contains("mixing devices")), "{:?}\n{}", r.graph_fallback, r.module_source);
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -276,7 +287,7 @@ fn what_triton_cannot_render_is_a_graph_fallback() {
         .output(&["c"]);
     let g = parse_graph(&doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, "triton").unwrap();
-    let e = TritonBackend.render(&s).unwrap_err();
+    let e = TritonBackend { cpu_tensors: true }.render(&s).unwrap_err();
     assert_eq!(e.kind, CodegenErrorKind::Unsupported, "{e}");
     assert!(e.to_string().contains("scan"), "{e}");
     let opts = Options { backend: BackendChoice::Triton, skip_native_compile: true, ..Options::default() };

@@ -168,9 +168,10 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect()
     });
     let language = options.backend.resolve(lowered.program.buffers.iter().map(|b| &b.layout.device));
+    let triton = TritonBackend { cpu_tensors: options.backend == BackendChoice::Triton };
     let backend: &dyn KernelBackend = match language {
         KernelLanguage::Cpp => &CppBackend,
-        KernelLanguage::Triton => &TritonBackend,
+        KernelLanguage::Triton => &triton,
     };
     let sched = st
         .time("scheduling", || schedule_for(lowered.program, backend.name()))

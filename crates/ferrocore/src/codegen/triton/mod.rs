@@ -12,7 +12,7 @@
 mod expr;
 
 use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
-use crate::graph::DType;
+use crate::graph::{DType, Device};
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
 use crate::symbolic::Var;
@@ -22,8 +22,9 @@ use std::fmt::Write;
 
 pub const PRELUDE: &str = include_str!("prelude.py");
 
-/// Groups whose inner iteration space fits this many elements are persistent (one step).
-const PERSISTENT_RBLOCK_MAX: i64 = 2048;
+/// Groups whose inner iteration space fits this many elements are persistent (one step): a
+/// row is read once however many groups use it (softmax, layer_norm).
+const PERSISTENT_RBLOCK_MAX: i64 = 4096;
 /// The step of looped groups.
 const LOOPED_RBLOCK: i64 = 1024;
 /// The same for kernels whose memory is contiguous along `x0` rather than the inner loops (a
@@ -34,7 +35,11 @@ const X_CONTIGUOUS_RBLOCK: i64 = 64;
 const MAX_BLOCK_ELEMENTS: i64 = 4096;
 const MAX_XBLOCK: i64 = 1024;
 
-pub struct TritonBackend;
+pub struct TritonBackend {
+    /// Render kernels over CPU tensors too (they run under Triton's interpreter): only when the
+    /// Triton backend is forced. Otherwise a CPU kernel in a CUDA graph is unsupported.
+    pub cpu_tensors: bool,
+}
 
 impl KernelBackend for TritonBackend {
     fn name(&self) -> &'static str {
@@ -46,7 +51,7 @@ impl KernelBackend for TritonBackend {
         let mut launches = Vec::new();
         for it in &s.items {
             if let Item::Kernel(k) = it {
-                check_supported(s, k)?;
+                check_supported(s, k, self.cpu_tensors)?;
                 let (text, launch) = render_kernel(s, k)?;
                 source.push_str("\n\n");
                 source.push_str(&text);
@@ -57,15 +62,19 @@ impl KernelBackend for TritonBackend {
     }
 }
 
-/// What the Triton backend does not render yet: scatter stores, scans, random numbers, complex
-/// and float8 values, kernels touching buffers of another device.
-fn check_supported(s: &Schedule, k: &FusedKernel) -> Result<(), CodegenError> {
+/// What the Triton backend does not render yet: scans, accumulating scatters other than atomic
+/// adds, complex and float8 values, kernels touching buffers of another device (or of the CPU,
+/// unless asked to).
+fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(), CodegenError> {
     let p = &s.program;
     let unsupported = |m: String| Err(CodegenError::unsupported(&k.name, m));
     let Some(first) = k.plan.nodes.first() else {
         return Err(CodegenError::internal(&k.name, "kernel without nodes"));
     };
     let device = p.buffer(p.nodes[first.node].output).layout.device;
+    if device == Device::Cpu && !cpu_tensors {
+        return unsupported("its tensors are on the CPU, the graph's kernels on CUDA (a graph mixing devices)".into());
+    }
     for kn in &k.plan.nodes {
         let node = &p.nodes[kn.node];
         let out = p.buffer(node.output);
