@@ -242,7 +242,7 @@ def test_cpu_scalars_of_a_gpu_graph_are_found():
     # a 0-d CPU tensor may join a CUDA op in ATen; the front moves it to the GPU for the kernels
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ferrocore.backend import _host_scalars
+    from ferrocore.backend import _host_scalars, _move_host_scalars
 
     with FakeTensorMode():
         vals = {"a": torch.empty(3, device="cuda"), "s": torch.empty(()), "c": torch.empty(2)}
@@ -250,7 +250,10 @@ def test_cpu_scalars_of_a_gpu_graph_are_found():
     for name, val in vals.items():
         graph.placeholder(name).meta["val"] = val
     graph.output(())
-    assert _host_scalars(torch.fx.GraphModule({}, graph)) == (torch.device("cuda", 0), [1])
+    gm = torch.fx.GraphModule({}, graph)
+    assert _host_scalars(gm) == (torch.device("cuda", 0), [1])
+    _move_host_scalars(gm, torch.device("cuda", 0), [1])  # declared on the GPU for the kernels
+    assert [n.meta["val"].device.type for n in gm.graph.nodes if n.op == "placeholder"] == ["cuda", "cuda", "cpu"]
     cpu_only = torch.fx.Graph()
     cpu_only.placeholder("s").meta["val"] = vals["s"]
     cpu_only.output(())

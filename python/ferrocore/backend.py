@@ -7,6 +7,7 @@ logged, counted graph fallback); an error raised by Rust is a bug and propagates
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import itertools
@@ -161,6 +162,9 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     name = f"graph_{next(_graph_ids)}"
     start = time.perf_counter()
     _unwrap_effects(gm)
+    device, host_scalars = _host_scalars(gm)
+    if device is not None:
+        _move_host_scalars(gm, device, host_scalars)
     try:
         graph_json = serialize_graph(gm, name, output_strides)
         constants = lifted_constants(gm)
@@ -202,9 +206,6 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         )
     )
     call = module.call
-    device, host_scalars = _host_scalars(gm)
-    if device is not None:
-        constants = [c.to(device) if c.device.type == "cpu" and c.dim() == 0 else c for c in constants]
     if host_scalars:
         # ATen lets a 0-d CPU tensor join a CUDA op; a GPU kernel cannot read host memory
         inner_call = call
@@ -247,6 +248,27 @@ def _host_scalars(gm: torch.fx.GraphModule) -> tuple:
         and n.meta["val"].dim() == 0
     ]
     return device, host
+
+
+def _move_host_scalars(gm: torch.fx.GraphModule, device: torch.device, host: list) -> None:
+    """Declares the 0-d CPU inputs of a GPU graph as GPU tensors (the call moves them there) and
+    moves its 0-d CPU constants, so that every kernel reads device memory."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i in host:
+        val = placeholders[i].meta["val"]
+        mode = getattr(val, "fake_mode", None)
+        with mode if mode is not None else contextlib.nullcontext():
+            placeholders[i].meta["val"] = torch.empty((), dtype=val.dtype, device=device)
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        *path, leaf = n.target.split(".")
+        owner = gm
+        for part in path:
+            owner = getattr(owner, part)
+        t = getattr(owner, leaf)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 0:
+            setattr(owner, leaf, t.to(device))
 
 
 def _partitioned(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None) -> Callable:
