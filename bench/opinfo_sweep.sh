@@ -9,7 +9,9 @@
 #   OPINFO_OPS='nn.functional.*,sum' bash bench/opinfo_sweep.sh
 #
 # Environment: OPINFO_REPORT (path without suffix, default ./opinfo_report), OPINFO_MAX_SAMPLES,
-# OPINFO_OPS (comma list; a trailing * matches a prefix), OPINFO_MIN_PASS (fraction, default 0),
+# OPINFO_OPS (comma list; a trailing * matches a prefix), OPINFO_RANGE (A:B, pairs A..B-1 of the
+# sweep's order: run ranges in parallel, then concatenate their REPORT.progress.jsonl files into
+# one and run again with --opinfo-resume to write the merged report), OPINFO_MIN_PASS (fraction, default 0),
 # FERROCORE_CACHE_DIR (default .ferrocore-cache-test, shared with scripts/test.sh).
 # A sweep that dies (a crashing kernel) is resumed from REPORT.progress.jsonl: the pair it died
 # in is recorded as errored ("crashed") and the sweep goes on, up to 20 times.
@@ -21,6 +23,7 @@ REPORT="${OPINFO_REPORT:-$PWD/opinfo_report}"
 ARGS=(--opinfo-full --opinfo-report "$REPORT" --opinfo-min-pass "${OPINFO_MIN_PASS:-0}")
 [ -n "${OPINFO_MAX_SAMPLES:-}" ] && ARGS+=(--opinfo-max-samples "$OPINFO_MAX_SAMPLES")
 [ -n "${OPINFO_OPS:-}" ] && ARGS+=(--opinfo-ops "$OPINFO_OPS")
+[ -n "${OPINFO_RANGE:-}" ] && ARGS+=(--opinfo-range "$OPINFO_RANGE")
 
 rc=1
 resume=()

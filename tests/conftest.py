@@ -62,6 +62,9 @@ def pytest_addoption(parser):
                     help="samples per op and dtype in the sweep (default: all)")
     group.addoption("--opinfo-ops", default=None,
                     help="comma list of OpInfo names (or name prefixes ending in *) to sweep")
+    group.addoption("--opinfo-range", default=None,
+                    help="A:B: only op/dtype pairs A..B-1 of the sweep's order (split a sweep "
+                         "over processes; merge their progress files and --opinfo-resume)")
     group.addoption("--opinfo-resume", action="store_true",
                     help="continue an interrupted sweep from PATH.progress.jsonl")
 

@@ -233,11 +233,17 @@ def test_opinfo_full_sweep(request):
     elif report.progress_file.exists():
         report.progress_file.unlink()
 
+    span = config.getoption("--opinfo-range")
+    lo, hi = (int(x) if x else None for x in span.split(":")) if span else (None, None)
     start = time.perf_counter()
+    position = -1
     for name, info in selected.items():
         if not _wanted(name, patterns):
             continue
         for dtype_name in info["dtypes"]:
+            position += 1
+            if (lo is not None and position < lo) or (hi is not None and position >= hi):
+                continue
             if (name, dtype_name) in report.finished:
                 continue
             report.start(name, dtype_name)
