@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import re
+
 import pytest
 
 HERE = Path(__file__).resolve().parent
@@ -82,6 +84,14 @@ def test_kernel_names_and_configs(interpreted):
     # indices provably below 2**31: int32 index math; the values themselves are int64
     src = "".join(Path(p).read_text() for p in interpreted["int64_arange_exact"]["modules"])
     assert "xoffset = tl.program_id(0) * XBLOCK" in src and "tl.full([1], 1000000000, tl.int64)" in src
+
+
+def test_identical_kernels_are_defined_once(interpreted):
+    src = "".join(Path(p).read_text() for p in interpreted["repeated_layer"]["modules"])
+    defined = re.findall(r"^def (triton_\w+)\(", src, re.M)
+    launched = re.findall(r"^\s+(triton_\w+)\[", src, re.M)
+    assert len(launched) == 3 and len(set(launched)) == 1, launched
+    assert defined.count(launched[0]) == 1
 
 
 def test_backend_option_and_env(monkeypatch):

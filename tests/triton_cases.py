@@ -43,6 +43,19 @@ def _():
     return (lambda a, b: torch.sigmoid(torch.relu(a + 1) * b) - a.abs()), (randn(8, 33), randn(8, 33, seed=1))
 
 
+@case("repeated_layer")
+def _():
+    # the same bias+gelu kernel between matmuls, three times: defined once, launched thrice
+    w = randn(16, 16, seed=3) * 0.3
+
+    def f(x, b):
+        for _ in range(3):
+            x = F.gelu(x @ w + b)
+        return x
+
+    return f, (randn(8, 16), randn(16, seed=1))
+
+
 @case("broadcasting")
 def _():
     return (lambda a, b, c: a + b * c), (randn(8, 1), randn(1, 16, seed=1), randn(16, seed=2))

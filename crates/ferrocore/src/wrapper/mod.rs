@@ -187,7 +187,8 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             }
             // each kernel with its signature and launch configuration (ahead-of-time compiles)
             m.push_str("\n\nTRITON_KERNELS = [\n");
-            for l in &kernels.launches {
+            let mut listed = std::collections::HashSet::new();
+            for l in kernels.launches.iter().filter(|l| listed.insert(l.name.clone())) {
                 let sig: Vec<String> = l.signature.iter().map(|(n, t)| format!("'{n}': '{t}'")).collect();
                 match &l.shape {
                     LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {

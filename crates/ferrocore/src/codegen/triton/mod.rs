@@ -49,12 +49,21 @@ impl KernelBackend for TritonBackend {
     fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
         let mut source = String::from(PRELUDE);
         let mut launches = Vec::new();
+        // Kernels that differ only in name (the same layer repeated through a model) are defined
+        // once and launched under the first one's name: Triton compiles each definition.
+        let mut defined: HashMap<String, String> = HashMap::new();
         for it in &s.items {
             if let Item::Kernel(k) = it {
                 check_supported(s, k, self.cpu_tensors)?;
-                let (text, launch) = render_kernel(s, k)?;
-                source.push_str("\n\n");
-                source.push_str(&text);
+                let (text, mut launch) = render_kernel(s, k)?;
+                let unnamed = text.replacen(&format!("def {}(", k.name), "def (", 1);
+                if let Some(first) = defined.get(&unnamed) {
+                    launch.name = first.clone();
+                } else {
+                    defined.insert(unnamed, k.name.clone());
+                    source.push_str("\n\n");
+                    source.push_str(&text);
+                }
                 launches.push(launch);
             }
         }
@@ -358,7 +367,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                 terms.fold(em.section_of(&value).max(BodyEmitter::index_section(&store.index)), Section::max)
             };
             // the value as a reader of the buffer sees it: rounded to the buffer's type
-            let local = format!("loc_{}_{pos}", p.buffer(out_buf).name);
+            // named by position only: kernels that differ only in buffers stay identical text
+            let local = format!("loc{pos}");
             let mut lines = format!("{local} = {}\n", cast_expr(&value, vdt, out_layout.dtype));
             if s.storage[out_buf.0 as usize] == Storage::Allocated {
                 let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
