@@ -190,6 +190,10 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         module = _import_module(result["module_path"], name)
     timings.update(result.get("timings_ms", {}))
     timings["load"] = (time.perf_counter() - start) * 1e3
+    if device is not None and getattr(module, "TRITON_KERNELS", None):
+        start = time.perf_counter()
+        runtime.precompile_triton(module.TRITON_KERNELS, device)
+        timings["triton_compile"] = (time.perf_counter() - start) * 1e3
 
     fallbacks = result.get("fallbacks", [])
     metrics.record(

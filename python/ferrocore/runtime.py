@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -78,3 +80,33 @@ def restride(t: torch.Tensor, size, stride, dtype) -> torch.Tensor:
     if t.numel() <= 1 or all(n <= 1 or a == b for n, a, b in zip(size, t.stride(), stride)):
         return t
     return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+# Triton signature types of buffer parameters -> the dtype a placeholder argument stands for.
+_TRITON_POINTEE = {
+    "*i1": torch.bool, "*u8": torch.uint8, "*i8": torch.int8, "*i16": torch.int16,
+    "*i32": torch.int32, "*i64": torch.int64, "*fp16": torch.float16, "*bf16": torch.bfloat16,
+    "*fp32": torch.float32, "*fp64": torch.float64,
+}
+
+
+def precompile_triton(kernels, device) -> None:
+    """Compiles a wrapper module's Triton kernels now, several at a time, instead of one by one
+    at their first launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config). A
+    kernel that cannot be warmed up here is simply compiled at its first launch."""
+
+    def compile_one(entry) -> None:
+        fn, signature, constexprs, launch = entry
+        try:
+            args = [_TRITON_POINTEE[t] for t in signature.values()]
+            with torch.cuda.device(device):
+                fn.warmup(*args, grid=launch["grid"], num_warps=launch["num_warps"],
+                          num_stages=launch["num_stages"], **constexprs)
+        except Exception:  # noqa: BLE001  (an older Triton without warmup, an unknown type)
+            pass
+
+    if len(kernels) == 1:
+        compile_one(kernels[0])
+        return
+    with ThreadPoolExecutor(max_workers=min(len(kernels), os.cpu_count() or 4)) as pool:
+        list(pool.map(compile_one, kernels))
