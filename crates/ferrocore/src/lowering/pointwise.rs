@@ -415,8 +415,8 @@ impl Ctx<'_> {
             return Ok(x);
         }
         let size = x.size.clone();
-        let dt = x.dtype;
-        Ok(pointwise(vec![PwIn::Tensor(x)], size, dt, Device::Cpu, dt, move |bx, v| bx.body.unary(UnaryOp::Conj, v[0])))
+        let (dt, device) = (x.dtype, x.device.clone());
+        Ok(pointwise(vec![PwIn::Tensor(x)], size, dt, device, dt, move |bx, v| bx.body.unary(UnaryOp::Conj, v[0])))
     }
 
     /// view_as_real: a trailing dim of 2 holding the real and imaginary parts. Computed, not

@@ -163,7 +163,7 @@ impl Ctx<'_> {
             let ranges = dims.clone();
             let reduction_ranges = pool.kernel();
             let dtype = if what == Reduce::ArgMax { DType::I64 } else { acc };
-            let layout = Layout::contiguous(&ranges, dtype, Device::Cpu);
+            let layout = Layout::contiguous(&ranges, dtype, x.device.clone());
             let obuf = cx.prog.add_buffer(layout.clone(), BufferSource::Computed);
             let mut body = LoopBody::default();
             {

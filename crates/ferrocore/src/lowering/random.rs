@@ -5,16 +5,17 @@
 use super::*;
 
 impl Ctx<'_> {
-    /// A 0-d int64 buffer holding a fresh seed, drawn when the wrapper runs.
-    fn seed_buffer(&mut self) -> BufferId {
+    /// A 0-d int64 buffer holding a fresh seed, drawn on `device` (from its default generator)
+    /// when the wrapper runs.
+    fn seed_buffer(&mut self, device: &Device) -> BufferId {
         let call = self.prog.externs.len();
-        let layout = Layout { size: vec![], stride: vec![], offset: 0, dtype: DType::I64, device: Device::Cpu };
+        let layout = Layout { size: vec![], stride: vec![], offset: 0, dtype: DType::I64, device: device.clone() };
         let buf = self.prog.add_buffer(layout, BufferSource::Extern { call, item: None });
         let lit = |s: &str| ExternArg::Literal(s.to_string());
         self.prog.externs.push(ExternCall {
             callee: "torch.randint".into(),
             args: vec![lit("-9223372036854775808"), lit("9223372036854775807"), lit("()")],
-            kwargs: vec![("dtype".into(), lit("torch.int64"))],
+            kwargs: vec![("dtype".into(), lit("torch.int64")), ("device".into(), lit(&format!("'{device}'")))],
             outputs: vec![buf],
             fallback: false,
             origin: self.node_name(),
@@ -25,13 +26,13 @@ impl Ctx<'_> {
     }
 
     /// Uniform [0, 1) or standard-normal values over `size`, one stream element per element.
-    fn random_values(&mut self, size: &[i64], normal: bool) -> TensorValue {
-        let seed = self.seed_buffer();
+    fn random_values(&mut self, size: &[i64], normal: bool, device: &Device) -> TensorValue {
+        let seed = self.seed_buffer(device);
         let strides = contiguous_strides(size);
         TensorValue {
             size: size.to_vec(),
             dtype: DType::F32,
-            device: Device::Cpu,
+            device: device.clone(),
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let s = bx.body.load(seed, IndexExpr::zero(), DType::I64);
@@ -57,7 +58,7 @@ impl Ctx<'_> {
             return unsupported("an explicit generator");
         }
         let normal = matches!(op, AtenOp::Randn | AtenOp::RandnLike);
-        let r = self.random_values(&out.shape, normal);
+        let r = self.random_values(&out.shape, normal, &out.device);
         let dt = out.dtype;
         // bernoulli(x, p): 1 with probability p
         let p = if op == AtenOp::BernoulliP { Some(self.float_arg(1, "p")?.unwrap_or(0.5)) } else { None };
@@ -94,7 +95,7 @@ impl Ctx<'_> {
         if !x.dtype.is_float() {
             return unsupported("dropout of a non-float tensor");
         }
-        let r = self.random_values(&x.size, false);
+        let r = self.random_values(&x.size, false, &x.device);
         let cd = x.dtype.compute();
         let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
         let keep = {
@@ -171,7 +172,7 @@ impl Ctx<'_> {
             });
             return Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(out)), Some(Lowered::Tensor(noise))]));
         }
-        let u = self.random_values(&x.size, false);
+        let u = self.random_values(&x.size, false, &x.device);
         let ndt = noise.dtype;
         // the slope of each element: a draw where x <= 0, 1 elsewhere
         let slope = {

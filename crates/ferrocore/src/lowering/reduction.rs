@@ -590,7 +590,7 @@ impl Ctx<'_> {
         let rstd = TensorValue {
             size: vec![n, g],
             dtype: acc,
-            device: Device::Cpu,
+            device: x.device.clone(),
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let v = vm.load(bx, idx);
