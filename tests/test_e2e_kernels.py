@@ -48,6 +48,7 @@ def test_kernel_count_multiple_outputs_share_one_kernel():
 
 
 @pytest.mark.ferrocore_only
+@pytest.mark.cpu_only("asserts the C++ compile cache")
 def test_warm_cache_hit(tmp_path, monkeypatch):
     metrics = ferrocore_metrics()
     cache_dir = tmp_path / "ferrocore-cache"

@@ -1,5 +1,6 @@
 """Random ops: checked by distribution and by reproducibility under torch.manual_seed."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +12,7 @@ def _compiled(fn):
     return torch.compile(fn, backend="ferrocore", dynamic=False)
 
 
+@pytest.mark.cpu_only("a factory call inside the compiled function: dynamo does not apply torch.set_default_device to it, so eager and compiled results land on different devices")
 def test_rand_and_randn_distributions_and_seeding():
     fn = _compiled(lambda x: (torch.rand(256, 512) + x, torch.randn(300, 300, dtype=torch.float64) * 2))
     x = torch.zeros(256, 512)

@@ -245,7 +245,8 @@ def test_cpu_scalars_of_a_gpu_graph_are_found():
     from ferrocore.backend import _host_scalars, _move_host_scalars
 
     with FakeTensorMode():
-        vals = {"a": torch.empty(3, device="cuda"), "s": torch.empty(()), "c": torch.empty(2)}
+        vals = {"a": torch.empty(3, device="cuda"), "s": torch.empty((), device="cpu"),
+                "c": torch.empty(2, device="cpu")}
     graph = torch.fx.Graph()
     for name, val in vals.items():
         graph.placeholder(name).meta["val"] = val
