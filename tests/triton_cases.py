@@ -88,7 +88,7 @@ def _():
 
 @case("sum_looped", atol=1e-3)
 def _():
-    return (lambda a: a.sum(-1) + a.amax(-1)), (randn(3, 5000),)
+    return (lambda a: a.sum(-1) + a.amax(-1)), (randn(3, 10000),)
 
 
 @case("looped_reductions_of_each_dtype", atol=1e-3)
@@ -108,7 +108,7 @@ def _():
 
 @case("softmax_looped")
 def _():
-    return (lambda a: torch.softmax(a, -1)), (randn(2, 5000),)
+    return (lambda a: torch.softmax(a, -1)), (randn(2, 10000),)
 
 
 @case("softmax_persistent_wide")

@@ -227,10 +227,10 @@ fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) 
 
 #[test]
 fn triton_source_of_fused_pointwise_and_reduction_kernels() {
-    // relu + add + sum over rows (persistent), then a looped reduction over 5000 columns
+    // relu + add + sum over rows (persistent), then a looped reduction over 10000 columns
     let doc = G::new()
         .input("x", &[8, 32], "float32")
-        .input("y", &[4, 5000], "float16")
+        .input("y", &[4, 10000], "float16")
         .call("relu", "aten.relu.default", &n("x"), &meta(&[8, 32], "float32"))
         .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("relu")), &meta(&[8, 32], "float32"))
         .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":-1}}]}}"#, n("add")), &meta(&[8], "float32"))
@@ -240,7 +240,7 @@ fn triton_source_of_fused_pointwise_and_reduction_kernels() {
     let (src, launches) = triton_kernels(&doc);
     let names: Vec<&str> = launches.iter().map(|l| l.name.as_str()).collect();
     assert_eq!(names, ["triton_red_fused_sum_mul_0", "triton_red_fused_amax_1"], "{src}");
-    assert!(src.contains("for r0offset in range(0, 5000, 1024):"), "{src}");
+    assert!(src.contains("for r0offset in range(0, 10000, 1024):"), "{src}");
     check("triton_kernels.txt", &src);
 }
 
