@@ -59,28 +59,18 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 
-from examples.models import BlockConfig, TransformerBlock, make_block  # noqa: E402
+from examples.models import BlockConfig, make_block  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+# the CPU benchmark's graphs, shared (its caches and arguments are set up only when it is run)
+from benchmark import chain10 as chain, layer_norm, softmax_last  # noqa: E402
 
 COMPILERS = ("inductor", "ferrocore")
 
 # ------------------------------------------------------------------------------------------------
 # Graphs.
-
-
-def chain(x):
-    """A pointwise chain: mul add sin sub abs sqrt mul tanh add exp."""
-    return ((((x * 2 + 1).sin() - 0.5).abs().sqrt() * x).tanh() + 1).exp()
-
-
-def softmax_last(x):
-    return torch.softmax(x, dim=-1)
-
-
-def layer_norm(x, w, b):
-    return F.layer_norm(x, (x.shape[-1],), w, b)
 
 
 def rms_norm(x, w):
