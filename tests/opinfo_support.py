@@ -614,11 +614,17 @@ def _assert_same_distribution(expected, actual, op_name: str = "") -> None:
         )
 
 
-def _capture_data_dependent():
+def _capture_allowed() -> bool:
+    return os.environ.get("FERROCORE_OPINFO_GRAPH_BREAKS") != "1"
+
+
+def _capture_data_dependent(capture: bool):
     """Dynamo's settings that hand data-dependent ops (`item`, `nonzero`, `masked_select`, ...)
     to the backend instead of running them eagerly behind a graph break, as a user who wants
-    them compiled sets them (`FERROCORE_OPINFO_GRAPH_BREAKS=1` keeps dynamo's defaults)."""
-    if os.environ.get("FERROCORE_OPINFO_GRAPH_BREAKS") == "1":
+    them compiled sets them. They are used only for samples that dynamo's defaults run without
+    any graph (with them, a data-dependent branch such as gaussian_nll_loss's check can make
+    dynamo give up on the whole function); `FERROCORE_OPINFO_GRAPH_BREAKS=1` never uses them."""
+    if not capture:
         return contextlib.nullcontext()
     return torch._dynamo.config.patch(
         capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True
@@ -665,31 +671,38 @@ def run_sample(op, sample, dtype, index: int, *, timeout_s: int = SAMPLE_TIMEOUT
         def fn(inp, args, kwargs):
             return op.op(inp, *args, **kwargs)
 
-        torch._dynamo.reset()
-        compiled = torch.compile(fn, backend="ferrocore", dynamic=False, fullgraph=False)
-        try:
-            with observe_ferrocore() as seen, _time_limit(timeout_s), _capture_data_dependent():
-                torch.manual_seed(0)
-                actual = compiled(inp, args, kwargs)
-                again = None
-                if random_op:
-                    actual_inputs = _snapshot(inputs) if mutates else None
-                    if mutates:
-                        actual = _freeze(actual)
-                        _restore(before, inputs)
+        # dynamo's default settings first; where they hand ferrocore no graph (item, nonzero ...
+        # graph-break), again with its data-dependent capture settings
+        for capture in (False, True):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend="ferrocore", dynamic=False, fullgraph=False)
+            try:
+                with observe_ferrocore() as seen, _time_limit(timeout_s), _capture_data_dependent(capture):
                     torch.manual_seed(0)
-                    again = compiled(inp, args, kwargs)
-        except Exception as e:
-            result.status, result.error = "errored", error_line(e)
-            result.overloads = sorted(seen.overloads)
-            result.fallback_ops = list(seen.fallback_ops)
-            result.fallback_reasons = dict(seen.fallback_reasons)
-            result.seconds = time.perf_counter() - start
+                    actual = compiled(inp, args, kwargs)
+                    again = None
+                    if random_op:
+                        actual_inputs = _snapshot(inputs) if mutates else None
+                        if mutates:
+                            actual = _freeze(actual)
+                            _restore(before, inputs)
+                        torch.manual_seed(0)
+                        again = compiled(inp, args, kwargs)
+            except Exception as e:
+                result.status, result.error = "errored", error_line(e)
+                result.overloads = sorted(seen.overloads)
+                result.fallback_ops = list(seen.fallback_ops)
+                result.fallback_reasons = dict(seen.fallback_reasons)
+                result.seconds = time.perf_counter() - start
+                if mutates:
+                    _restore(before, inputs)
+                return result
+            finally:
+                torch._dynamo.reset()
+            if seen.graphs > 0 or capture or not _capture_allowed():
+                break
             if mutates:
                 _restore(before, inputs)
-            return result
-        finally:
-            torch._dynamo.reset()
         if not random_op:
             actual_inputs = _snapshot(inputs) if mutates else None
         result.overloads = sorted(seen.overloads)
@@ -827,7 +840,21 @@ def run_op_dtype(op, dtype, limit: int | None, *, timeout_s: int = SAMPLE_TIMEOU
         # One wrapper module per compiled graph; do not keep thousands alive.
         for mod in [m for m in sys.modules if m.startswith("ferrocore_output_code_")]:
             del sys.modules[mod]
+        _unload_kernel_libraries()
     return results
+
+
+def _unload_kernel_libraries() -> None:
+    """Unloads the kernel libraries of the graphs just dropped: a sweep compiles tens of
+    thousands of graphs, and each loaded library holds a few memory mappings (the kernel's
+    limit, vm.max_map_count, is 65530 by default)."""
+    import _ctypes
+
+    from ferrocore import runtime
+
+    for path, lib in list(runtime._libraries.items()):
+        del runtime._libraries[path]
+        _ctypes.dlclose(lib._handle)
 
 
 def summarize(results: list[SampleResult]) -> dict:
