@@ -388,3 +388,15 @@ def test_logspace_matches_aten_loop():
         assert torch.equal(f(), torch.logspace(start, end, steps, base=base, dtype=dtype)), (start, end, steps, base, dtype)
         assert ferrocore.metrics.last["kernels"] == 1 and ferrocore.metrics.last["fallbacks"] == 0
     check(lambda s, e: torch.logspace(s, e, 3, base=1.1, dtype=torch.int64) + 1, torch.tensor(0), torch.tensor(-3))
+
+
+def test_empty_batch_group_norm_and_narrow_integer_gather_indices():
+    # core overloads on edge cases the OpInfo sweep found falling back
+    x = torch.randn(0, 4, 3)
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: torch.ops.aten.native_group_norm(t, None, None, 0, 4, 3, 2, 1e-5), backend="ferrocore")
+    for got, want in zip(f(x), torch.ops.aten.native_group_norm(x, None, None, 0, 4, 3, 2, 1e-5)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+    assert ferrocore.metrics.last["fallbacks"] == 0 and not ferrocore.metrics.last["graph_fallback"]
+    src = torch.randn(5, 4)
+    check(lambda s, i: torch.gather(s, 1, i.long()) + torch.gather(s, 0, i[:0]).sum(), src, torch.tensor([[1, 0], [3, 3], [2, 1], [0, 0], [1, 2]], dtype=torch.uint8))

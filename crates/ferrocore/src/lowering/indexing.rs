@@ -55,8 +55,12 @@ impl Ctx<'_> {
             _ => (self.tensor_arg(0, "self")?, vec![Some(self.tensor_arg(2, "index")?)]),
         };
         for t in idx_tensors.iter().flatten() {
-            if !matches!(t.dtype, DType::I64 | DType::I32) {
-                return unsupported(format!("{} indices", t.dtype)); // bool masks have data-dependent shapes
+            // index.Tensor reads bool and uint8 indices as masks (data-dependent shapes); the
+            // other gathers take indices of any integer type (an empty uint8 index, say)
+            let integer = matches!(t.dtype, DType::I64 | DType::I32)
+                || (op != AtenOp::IndexTensor && matches!(t.dtype, DType::U8 | DType::I8 | DType::I16));
+            if !integer {
+                return unsupported(format!("{} indices", t.dtype));
             }
         }
         let (buf, stride, offset) = strided_base(self, &src)?;

@@ -580,8 +580,13 @@ impl Ctx<'_> {
         let (Some(out), Some(m1), Some(m2)) = (metas.first().cloned(), metas.get(1).cloned(), metas.get(2).cloned()) else {
             return malformed("group norm returns three tensors");
         };
-        if g <= 0 || c % g != 0 || n * c * hw != x.numel() || n * c * hw == 0 {
+        if g <= 0 || c % g != 0 || n * c * hw != x.numel() || (x.numel() == 0 && n != 0) {
             return unsupported("group norm with these sizes");
+        }
+        if n == 0 {
+            // an empty batch: three empty results (a statistic of an empty group has no element)
+            let items = [&out, &m1, &m2].map(|m| Some(Lowered::Tensor(self.empty_like_meta(m))));
+            return Ok(Lowered::Tuple(items.into()));
         }
         let acc = out.dtype.compute();
         let grouped = super::views::reshape(&x, vec![n, g, (c / g) * hw])?;
