@@ -156,3 +156,17 @@ def test_without_capture_dynamo_keeps_its_graph_break():
     x = torch.randn(5)
     got = torch.compile(f, backend="ferrocore")(x)
     torch.testing.assert_close(got, f(x))
+
+
+def test_boolean_mask_indexing_is_a_call_between_segments(observed):
+    # x[mask] reaches the backend with an unbacked size even under dynamo's defaults
+    def f(x, m):
+        return x[m] * 2 + 1
+
+    cf = _compiled(f)
+    x = torch.randn(5, 3)
+    for m in (torch.tensor([True, False, True, True, False]), torch.tensor([False] * 4 + [True])):
+        _same(cf(x, m), f(x, m))
+    assert sum(e["fallbacks"] for e in observed) == 0
+    assert not any(e["graph_fallback"] for e in observed)
+    assert _compiled_entries(observed)

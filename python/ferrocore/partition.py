@@ -34,6 +34,7 @@ DATA_DEPENDENT_CALLS = {
     "aten.unique_dim.default",
     "aten.unique_consecutive.default",
     "aten.repeat_interleave.Tensor",
+    "aten.index.Tensor",  # only ever cut here with a boolean mask index: x[mask]
 }
 
 
