@@ -35,6 +35,10 @@ const X_CONTIGUOUS_RBLOCK: i64 = 64;
 /// Elements of one program's `[XBLOCK, RBLOCK]` block, at most.
 const MAX_BLOCK_ELEMENTS: i64 = 4096;
 const MAX_XBLOCK: i64 = 1024;
+/// Programs an outer-dim reduction aims for (about two per multiprocessor of an H100/H200), and
+/// the narrowest column tile it takes for them.
+const TARGET_PROGRAMS: i64 = 256;
+const MIN_X_CONTIGUOUS_XBLOCK: i64 = 16;
 
 pub struct TritonBackend {
     /// Render kernels over CPU tensors too (they run under Triton's interpreter): only when the
@@ -247,7 +251,14 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
         (total, xblock, num_warps(xblock))
     } else {
         let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
-        let xblock = next_power_of_two(outer).min((MAX_BLOCK_ELEMENTS / rmax).max(1)).min(MAX_XBLOCK);
+        let mut xblock = next_power_of_two(outer).min((MAX_BLOCK_ELEMENTS / rmax).max(1)).min(MAX_XBLOCK);
+        if x_contiguous {
+            // a reduction over an outer dim loops over its rows in every program: narrower
+            // column tiles give more programs to fill the GPU (16 floats still fill a sector)
+            while xblock > MIN_X_CONTIGUOUS_XBLOCK && outer / xblock < TARGET_PROGRAMS {
+                xblock /= 2;
+            }
+        }
         (outer, xblock, num_warps(xblock * rmax))
     };
     let grid = (xnumel + xblock - 1) / xblock;
