@@ -107,6 +107,7 @@ def test_backend_option_and_env(monkeypatch):
         options.build_options()
 
 
+@pytest.mark.cpu_only("its CPU graphs become CUDA graphs when the suite runs on the GPU")
 def test_cpu_graphs_get_cpp_kernels_unless_triton_is_forced(monkeypatch):
     """In this process (no interpreter): the forced Triton module is generated and imported
     (defining its kernels needs no GPU) but not run; the default stays C++."""
