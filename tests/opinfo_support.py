@@ -823,7 +823,10 @@ def _random_sample(op, dtype, candidates: int = 20):
 
 def run_op_dtype(op, dtype, limit: int | None, *, timeout_s: int = SAMPLE_TIMEOUT_S
                  ) -> list[SampleResult]:
+    from ferrocore import runtime
+
     results = []
+    loaded_before = set(runtime._libraries)
     try:
         for index, sample in samples_for(op, dtype, limit):
             result = run_sample(op, sample, dtype, index, timeout_s=timeout_s)
@@ -840,21 +843,20 @@ def run_op_dtype(op, dtype, limit: int | None, *, timeout_s: int = SAMPLE_TIMEOU
         # One wrapper module per compiled graph; do not keep thousands alive.
         for mod in [m for m in sys.modules if m.startswith("ferrocore_output_code_")]:
             del sys.modules[mod]
-        _unload_kernel_libraries()
+        _unload_kernel_libraries(loaded_before)
     return results
 
 
-def _unload_kernel_libraries() -> None:
-    """Unloads the kernel libraries of the graphs just dropped: a sweep compiles tens of
-    thousands of graphs, and each loaded library holds a few memory mappings (the kernel's
-    limit, vm.max_map_count, is 65530 by default)."""
+def _unload_kernel_libraries(keep: set) -> None:
+    """Unloads the kernel libraries loaded since `keep` was taken (the graphs just dropped): a
+    sweep compiles tens of thousands of graphs, and each loaded library holds a few memory
+    mappings (the kernel's limit, vm.max_map_count, is 65530 by default)."""
     import _ctypes
 
     from ferrocore import runtime
 
-    for path, lib in list(runtime._libraries.items()):
-        del runtime._libraries[path]
-        _ctypes.dlclose(lib._handle)
+    for path in [p for p in runtime._libraries if p not in keep]:
+        _ctypes.dlclose(runtime._libraries.pop(path)._handle)
 
 
 def summarize(results: list[SampleResult]) -> dict:

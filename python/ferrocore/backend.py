@@ -406,14 +406,14 @@ def _unwrap_effects(gm: torch.fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if effects is None or n.op != "call_function" or n.target is not effects:
             continue
+        if any(u.target is not operator.getitem for u in n.users):
+            continue  # an unexpected use: leave this node as it is (the graph then runs eagerly)
         token, op, *args = n.args
         results = list(n.meta.get("val") or ())[1:]
         with gm.graph.inserting_before(n):
             call = gm.graph.call_function(op, tuple(args), dict(n.kwargs))
         call.meta["val"] = None if not results else results[0] if len(results) == 1 else tuple(results)
         for user in list(n.users):
-            if user.target is not operator.getitem:
-                return  # an unexpected use: leave the graph as it is (it runs eagerly)
             index = user.args[1]
             if index == 0:
                 user.replace_all_uses_with(token)
@@ -440,11 +440,14 @@ _ASSERTS = {
 
 def _fold_constant_asserts(gm: torch.fx.GraphModule) -> None:
     """Runtime asserts on sizes that specialization made constant: checked now, then removed."""
+    folded = False
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target in _ASSERTS and not n.users and not n.all_input_nodes:
             n.target(*n.args, **n.kwargs)  # raises if the specialized values break the assert
             gm.graph.erase_node(n)
-    gm.recompile()
+            folded = True
+    if folded:
+        gm.recompile()
 
 
 def _entry(name: str, timings: dict, **fields) -> dict:
