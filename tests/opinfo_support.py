@@ -419,6 +419,7 @@ class SampleResult:
     fallback_reasons: dict = field(default_factory=dict)  # fallback target -> ferrocore's reason
     seconds: float = 0.0
     description: str = ""  # shapes of the sample, for reproducing it
+    dynamo: str = "default"  # the DYNAMO_MODES entry whose graphs ferrocore compiled
 
 
 class SampleTimeout(Exception):
@@ -618,17 +619,32 @@ def _capture_allowed() -> bool:
     return os.environ.get("FERROCORE_OPINFO_GRAPH_BREAKS") != "1"
 
 
-def _capture_data_dependent(capture: bool):
-    """Dynamo's settings that hand data-dependent ops (`item`, `nonzero`, `masked_select`, ...)
-    to the backend instead of running them eagerly behind a graph break, as a user who wants
-    them compiled sets them. They are used only for samples that dynamo's defaults run without
-    any graph (with them, a data-dependent branch such as gaussian_nll_loss's check can make
-    dynamo give up on the whole function); `FERROCORE_OPINFO_GRAPH_BREAKS=1` never uses them."""
-    if not capture:
+# Dynamo settings tried in turn, each only when the previous handed ferrocore no graph at all;
+# SampleResult.dynamo names the one used and the report counts them.
+DYNAMO_MODES = ("default", "capture", "torch_frames")
+
+
+def _dynamo_settings(mode: str):
+    """default: dynamo as shipped.
+    capture: `capture_scalar_outputs` / `capture_dynamic_output_shape_ops` hand data-dependent
+      ops (`item`, `nonzero`, `masked_select`, ...) to the backend instead of running them
+      eagerly behind a graph break, as a user who wants them compiled sets them.
+    torch_frames: after a graph break inside a torch function (gaussian_nll_loss's data-dependent
+      check, a `warnings.warn`), dynamo skips the rest of that torch frame by default and runs it
+      eagerly; `dont_skip_tracing` compiles it, and `warnings.warn` is moved after the graph
+      (`reorderable_logging_functions`) because dynamo cannot trace through that builtin.
+    `FERROCORE_OPINFO_GRAPH_BREAKS=1` uses only the default."""
+    if mode == "default":
         return contextlib.nullcontext()
-    return torch._dynamo.config.patch(
-        capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True
-    )
+    if mode == "capture":
+        return torch._dynamo.config.patch(
+            capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True
+        )
+    if mode == "torch_frames":
+        return torch._dynamo.config.patch(
+            dont_skip_tracing=True, reorderable_logging_functions={warnings.warn}
+        )
+    raise ValueError(f"unknown dynamo mode {mode!r}")
 
 
 def _call(op, inp, args, kwargs):
@@ -671,13 +687,14 @@ def run_sample(op, sample, dtype, index: int, *, timeout_s: int = SAMPLE_TIMEOUT
         def fn(inp, args, kwargs):
             return op.op(inp, *args, **kwargs)
 
-        # dynamo's default settings first; where they hand ferrocore no graph (item, nonzero ...
-        # graph-break), again with its data-dependent capture settings
-        for capture in (False, True):
+        modes = DYNAMO_MODES if _capture_allowed() else DYNAMO_MODES[:1]
+        kept = None  # (mode, seen, actual, again, actual_inputs) of the last attempt that ran
+        actual_inputs = None
+        for mode in modes:
             torch._dynamo.reset()
             compiled = torch.compile(fn, backend="ferrocore", dynamic=False, fullgraph=False)
             try:
-                with observe_ferrocore() as seen, _time_limit(timeout_s), _capture_data_dependent(capture):
+                with observe_ferrocore() as seen, _time_limit(timeout_s), _dynamo_settings(mode):
                     torch.manual_seed(0)
                     actual = compiled(inp, args, kwargs)
                     again = None
@@ -689,22 +706,29 @@ def run_sample(op, sample, dtype, index: int, *, timeout_s: int = SAMPLE_TIMEOUT
                         torch.manual_seed(0)
                         again = compiled(inp, args, kwargs)
             except Exception as e:
+                if mutates:
+                    _restore(before, inputs)
+                if kept is not None and seen.graphs == 0:
+                    # dynamo itself cannot trace under this setting: the earlier run stands
+                    continue
+                result.dynamo = mode
                 result.status, result.error = "errored", error_line(e)
                 result.overloads = sorted(seen.overloads)
                 result.fallback_ops = list(seen.fallback_ops)
                 result.fallback_reasons = dict(seen.fallback_reasons)
                 result.seconds = time.perf_counter() - start
-                if mutates:
-                    _restore(before, inputs)
                 return result
             finally:
                 torch._dynamo.reset()
-            if seen.graphs > 0 or capture or not _capture_allowed():
-                break
+            if not random_op:
+                actual_inputs = _snapshot(inputs) if mutates else None
+            kept = (mode, seen, actual, again, actual_inputs)
             if mutates:
                 _restore(before, inputs)
-        if not random_op:
-            actual_inputs = _snapshot(inputs) if mutates else None
+            if seen.graphs > 0:
+                break
+        mode, seen, actual, again, actual_inputs = kept
+        result.dynamo = mode
         result.overloads = sorted(seen.overloads)
         result.fallback_ops = list(seen.fallback_ops)
         result.fallback_reasons = dict(seen.fallback_reasons)
@@ -950,6 +974,7 @@ class Report:
         # item, nonzero, ...): counted as fallbacks, and also reported on their own
         no_graph = sum(1 for r in self.results if r.status == "fallback" and r.fallback_ops == [NO_GRAPH])
         compiled = ran - no_graph
+        by_mode = Counter((r.dynamo, r.status) for r in self.results if r.status != "skipped")
         return {
             "samples": len(self.results),
             **{s: counts.get(s, 0) for s in STATUSES},
@@ -960,6 +985,11 @@ class Report:
             "op_dtype_pairs": len({(r.op, r.dtype) for r in self.results}),
             "ops": len({r.op for r in self.results}),
             "seconds": round(sum(r.seconds for r in self.results), 1),
+            # which dynamo settings produced the compiled run (see DYNAMO_MODES)
+            "dynamo_modes": {
+                mode: {s: n for (m, s), n in sorted(by_mode.items()) if m == mode}
+                for mode in DYNAMO_MODES
+            },
         }
 
     def per_op(self) -> dict:
@@ -1071,7 +1101,15 @@ def render_markdown(data: dict) -> str:
         "|---|---|---|---|---|",
         f"| {t['passed']} | {t['fallback']} | {t['failed']} | {t['errored']} | {t['skipped']} |",
         "",
+        "Dynamo settings each sample ran under (the first that handed ferrocore a graph; "
+        "`opinfo_support.DYNAMO_MODES`):",
+        "",
+        "| dynamo | " + " | ".join(STATUSES[:4]) + " |",
+        "|---|" + "---|" * 4,
     ]
+    for mode, by_status in t.get("dynamo_modes", {}).items():
+        out.append(f"| {mode} | " + " | ".join(str(by_status.get(s, 0)) for s in STATUSES[:4]) + " |")
+    out += [""]
     groups = data["failure_groups"]
     titles = {
         "fallback_overloads": "Fallback overloads (correct, but ran through ATen)",

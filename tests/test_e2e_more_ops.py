@@ -400,3 +400,22 @@ def test_empty_batch_group_norm_and_narrow_integer_gather_indices():
     assert ferrocore.metrics.last["fallbacks"] == 0 and not ferrocore.metrics.last["graph_fallback"]
     src = torch.randn(5, 4)
     check(lambda s, i: torch.gather(s, 1, i.long()) + torch.gather(s, 0, i[:0]).sum(), src, torch.tensor([[1, 0], [3, 3], [2, 1], [0, 0], [1, 2]], dtype=torch.uint8))
+
+
+@torch.library.custom_op("ferrocore_test::scaled_cumsum", mutates_args=())
+def _scaled_cumsum(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.cumsum(x, 0) * scale
+
+
+@_scaled_cumsum.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def test_custom_ops_are_library_calls_between_fused_kernels():
+    # torch.library ops are opaque by contract: called (an extern), never a fallback
+    x = torch.randn(6, 5)
+    check(lambda t: _scaled_cumsum(t.exp() + 1, 0.5).relu() * 2, x)
+    last = ferrocore.metrics.last
+    assert last["externs"] == 1 and last["fallbacks"] == 0 and last["fallback_ops"] == []
+    assert last["kernels"] >= 2

@@ -78,6 +78,12 @@ impl Ctx<'_> {
         self.extern_call(format!("torch.ops.{}", op.name()), false, None)
     }
 
+    /// A torch.library custom op: opaque to compilers by its contract (its kernel is the
+    /// definition), so it is a library call like `mm`, not a fallback.
+    pub(super) fn lower_custom_op(&mut self, name: &str) -> LResult<Lowered> {
+        self.extern_call(format!("torch.ops.{name}"), false, Some("custom operator (torch.library)".to_string()))
+    }
+
     /// Runs the node's own ATen overload inside the wrapper; logged and counted.
     pub(super) fn fallback(&mut self, id: NodeId, reason: String) -> LResult<Lowered> {
         let node = self.graph.node(id);
@@ -153,4 +159,11 @@ pub fn py_literal(a: &Arg) -> String {
         Arg::MemoryFormat(m) => format!("torch.{m}"),
         Arg::Node(_) => "None".into(),
     }
+}
+
+/// Ops outside torch's own namespaces (`aten`, `prims`, `prim`) are custom ops registered
+/// through torch.library: user or library kernels that compilers call, never trace into.
+pub(super) fn is_custom_op(name: &str) -> bool {
+    let namespace = name.split('.').next().unwrap_or("");
+    !matches!(namespace, "aten" | "prims" | "prim")
 }

@@ -15,6 +15,7 @@ mod sampling;
 mod scatter;
 mod views;
 
+use externs::is_custom_op;
 use crate::graph::{Arg, AtenOp, DType, Device, Graph, Meta, NodeId, NodeKind, Target, TensorMeta};
 use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Var};
@@ -258,6 +259,7 @@ impl<'g> Ctx<'g> {
         // Types we do not compile never reach a lowering.
         let op = match target {
             Target::GetItem => return self.lower_getitem(id),
+            Target::Unknown(name) if is_custom_op(name) => return self.lower_custom_op(name),
             Target::Unknown(name) => return unsupported(format!("no lowering for {name}")),
             Target::Aten(op) => *op,
         };

@@ -325,8 +325,21 @@ impl Ctx<'_> {
         let half = out.dtype.compute() != out.dtype && out.dtype.is_float() && out.device == Device::Cpu;
         let round = |p: &PwIn| half && matches!(p, PwIn::Scalar(_)) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
         let (round_a, round_b, half_dt) = (round(&a), round(&b), out.dtype);
+        // ATen's pow(tensor, scalar) computes a square as a product and -1 as a reciprocal, in
+        // every float dtype (its other special exponents round differently per dtype); also far
+        // cheaper than a general pow
+        let special_pow = match (&b, op) {
+            (PwIn::Scalar(Scalar::Float(e)), A::PowTensorScalar) if compute.is_float() => Some(*e),
+            (PwIn::Scalar(Scalar::Int(e)), A::PowTensorScalar) if compute.is_float() => Some(*e as f64),
+            _ => None,
+        }
+        .filter(|e| [2.0, -1.0].contains(e));
         // sub: self - alpha*other; rsub: other - alpha*self.
         let f = move |bx: &mut Bx, v: &[ValueId]| {
+            if let Some(e) = special_pow {
+                let x = bx.body.cast(v[0], compute);
+                return if e == 2.0 { bx.body.binary(BinaryOp::Mul, x, x) } else { bx.body.unary(UnaryOp::Reciprocal, x) };
+            }
             let (mut va, mut vb) = (v[0], v[1]);
             if round_a {
                 va = bx.body.cast(va, half_dt);
