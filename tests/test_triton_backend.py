@@ -86,6 +86,16 @@ def test_kernel_names_and_configs(interpreted):
     assert "xoffset = tl.program_id(0) * XBLOCK" in src and "tl.full([1], 1000000000, tl.int64)" in src
 
 
+def test_transposes_take_2d_tiles(interpreted):
+    # a read contiguous along rows and one along columns: 64 x 64 tiles, each access coalesced
+    src = "".join(Path(p).read_text() for p in interpreted["transpose_tiled"]["modules"])
+    assert "x0 = yoffset + tl.arange(0, 64)[:, None]" in src
+    assert "x1 = xoffset + tl.arange(0, XBLOCK)[None, :]" in src
+    assert "xmask = (x0 < 100) & (x1 < 70)" in src
+    src = "".join(Path(p).read_text() for p in interpreted["pointwise_chain"]["modules"])
+    assert "yoffset" not in src
+
+
 def test_identical_kernels_are_defined_once(interpreted):
     src = "".join(Path(p).read_text() for p in interpreted["repeated_layer"]["modules"])
     defined = re.findall(r"^def (triton_\w+)\(", src, re.M)

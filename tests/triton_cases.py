@@ -66,6 +66,14 @@ def _():
     return (lambda a, b: (a.t() * 2 + b).exp()), (randn(16, 12), randn(12, 16, seed=1))
 
 
+@case("transpose_tiled")
+def _():
+    # ragged 2-D tiles (100 x 70 is no multiple of 64) over a transposed read and a bf16 one
+    return (
+        lambda a, b, c: (a.t() + b, (c.t().float() * 2).to(torch.bfloat16) + 1)
+    ), (randn(70, 100), randn(100, 70, seed=1), randn(70, 100, dtype=torch.bfloat16, seed=2))
+
+
 @case("sum_inner")
 def _():
     return (lambda a: (a.relu() + 1).sum(-1)), (randn(8, 32),)
