@@ -199,6 +199,8 @@ def test_pooling_3d_adaptive_max_and_integers():
     check(lambda t: F.adaptive_max_pool2d(t, (4, 3), return_indices=True), x)
     check(lambda t: F.adaptive_max_pool1d(t[0], 4), x)
     xi = torch.randint(-50, 50, (2, 3, 9, 7))
+    if xi.device.type != "cpu":
+        return  # CUDA's max_pool2d has no integer kernel
     check(lambda t: (F.max_pool2d(t, 3, 2, 1), F.avg_pool2d(t, 2), F.avg_pool2d(t, 3, 2, 1, count_include_pad=False)), xi)
 
 
@@ -225,7 +227,8 @@ def test_group_norm_backward():
     dy = torch.randn(3, 6, 5, 4)
     w, b = torch.randn(6), torch.randn(6)
     _, mean, rstd = torch.ops.aten.native_group_norm(x, w, b, 3, 6, 20, 2, 1e-5)
-    for weight in (w, None):
+    # CUDA's kernel rejects weight=None ("tensor does not have a device", torch 2.11)
+    for weight in (w, None) if x.device.type == "cpu" else (w,):
         check(
             lambda g, t, m, r: torch.ops.aten.native_group_norm_backward(g, t, m, r, weight, 3, 6, 20, 2, [True, True, True]),
             dy, x, mean, rstd,
@@ -351,7 +354,8 @@ def test_effectful_error_check_runs_and_raises_like_eager():
     # (with_effects(_linalg_check_errors)): the check is a library call kept in order
     a = torch.randn(4, 6, 8, 3)
     stats = check(lambda t: torch.linalg.tensorinv(t, ind=2) * 2, a, atol=1e-3, rtol=1e-3)
-    assert stats.externs == 2 and stats.fallbacks == 0
+    # the LAPACK inverse and its error check; CUDA's decomposition checks inside the inverse
+    assert stats.externs == (2 if a.device.type == "cpu" else 1) and stats.fallbacks == 0
     torch._dynamo.reset()
     inv = torch.compile(lambda t: torch.linalg.inv(t) + 1, backend="ferrocore")
     torch.testing.assert_close(inv(torch.eye(3) * 2), torch.eye(3) * 0.5 + 1)

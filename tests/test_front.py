@@ -259,3 +259,42 @@ def test_cpu_scalars_of_a_gpu_graph_are_found():
     cpu_only.placeholder("s").meta["val"] = vals["s"]
     cpu_only.output(())
     assert _host_scalars(torch.fx.GraphModule({}, cpu_only)) == (None, [])
+
+
+def test_cpu_scalars_made_inside_a_gpu_graph_move_to_the_gpu():
+    # `y[idx] = 7.0` makes a 0-d CPU tensor (a constant and its copy, or scalar_tensor) that only
+    # feeds a CUDA op: it is made on the GPU so the op compiles; a CPU output stays on the CPU
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ferrocore.backend import _move_host_scalars
+
+    aten = torch.ops.aten
+    gpu = torch.device("meta")  # stands in for CUDA on a machine without one
+    mode = FakeTensorMode()
+    with mode:
+        x, i = torch.empty(4, 3, device=gpu), torch.zeros(2, dtype=torch.long, device=gpu)
+        cpu0 = torch.empty((), device="cpu")
+    root = torch.nn.Module()
+    root.c = torch.tensor(7.0)
+    g = torch.fx.Graph()
+    px, pi = g.placeholder("x"), g.placeholder("i")
+    px.meta["val"], pi.meta["val"] = x, i
+    const = g.get_attr("c")
+    const.meta["val"] = cpu0
+    copy = g.call_function(aten.lift_fresh_copy.default, (const,))
+    copy.meta["val"] = cpu0
+    made = g.call_function(aten.scalar_tensor.default, (2.0,), {"dtype": torch.float32, "device": torch.device("cpu")})
+    made.meta["val"] = cpu0
+    kept = g.call_function(aten.scalar_tensor.default, (3.0,), {"dtype": torch.float32, "device": torch.device("cpu")})
+    kept.meta["val"] = cpu0
+    with mode:
+        put = g.call_function(aten.index_put.default, (px, [pi], copy))
+        put.meta["val"] = torch.empty(4, 3, device=gpu)
+        out = g.call_function(aten.mul.Tensor, (put, made))
+        out.meta["val"] = torch.empty(4, 3, device=gpu)
+    g.output((out, kept))
+    gm = torch.fx.GraphModule(root, g)
+    _move_host_scalars(gm, gpu, [])
+    assert gm.c.device.type == "meta"
+    assert [n.meta["val"].device.type for n in (const, copy, made, kept)] == ["meta", "meta", "meta", "cpu"]
+    assert made.kwargs["device"] == gpu and kept.kwargs["device"] == torch.device("cpu")

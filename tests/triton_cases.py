@@ -255,14 +255,33 @@ def _():
     return f, (randn(64, 64) + 10,)
 
 
-@case("scatter_amax_falls_back_to_eager", fallback=True)
+@case("scatter_amax_amin_atomics")
 def _():
-    return (lambda a, i, s: a.scatter_reduce(0, i, s, "amax")), (randn(4, 3), torch.tensor([[0, 1, 2], [3, 0, 1]]), randn(2, 3, seed=1))
+    idx = torch.tensor([[0, 1, 2], [3, 0, 1], [0, 0, 2]])
+    return (
+        lambda a, i, s, ai: (a.scatter_reduce(0, i, s, "amax"), a.scatter_reduce(0, i, s, "amin", include_self=False),
+                             ai.scatter_reduce(0, i, ai[:3] * 3, "amax"))
+    ), (randn(4, 3), idx, randn(3, 3, seed=1), torch.arange(12).reshape(4, 3) - 5)
 
 
-@case("scan_falls_back_to_eager", fallback=True)
+@case("scatter_prod_falls_back_to_eager", fallback=True)
 def _():
-    return (lambda a: torch.cumsum(a, -1) * 2), (randn(4, 8),)
+    return (lambda a, i, s: a.scatter_reduce(0, i, s, "prod")), (randn(4, 3), torch.tensor([[0, 1, 2], [3, 0, 1]]), randn(2, 3, seed=1))
+
+
+@case("scans")
+def _():
+    # along the last dim, along dim 0 (strided lines), integer and product scans, fused epilogues
+    return (
+        lambda a, b, i: (torch.cumsum(a, -1) * 2, torch.cumsum(b.exp(), 0), torch.cumsum(i, 1),
+                         torch.cumprod(a * 0.5 + 1, -1), torch.cumsum(a.bfloat16(), 1))
+    ), (randn(5, 37), randn(300, 6, seed=1), torch.arange(-20, 22).reshape(6, 7) ** 3)
+
+
+@case("long_scan_falls_back_to_eager", fallback=True)
+def _():
+    # longer than one block: the carry between loop steps is not rendered yet
+    return (lambda a: torch.cumsum(a, -1) * 2), (randn(2, 9000),)
 
 
 def _flat(out):

@@ -273,6 +273,44 @@ def _move_host_scalars(gm: torch.fx.GraphModule, device: torch.device, host: lis
         t = getattr(owner, leaf)
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 0:
             setattr(owner, leaf, t.to(device))
+            _declare_on(n, device)
+    _move_host_scalar_nodes(gm, device)
+
+
+def _declare_on(n: torch.fx.Node, device: torch.device) -> None:
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        mode = getattr(val, "fake_mode", None)
+        with mode if mode is not None else contextlib.nullcontext():
+            n.meta["val"] = torch.empty((), dtype=val.dtype, device=device)
+
+
+def _on_cpu_0d(n) -> bool:
+    val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dim() == 0
+
+
+def _move_host_scalar_nodes(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """0-d CPU tensors made inside a GPU graph only to feed GPU ops (`scalar_tensor`/`full` on
+    the CPU, a copy of a moved constant) are made on the GPU instead, so that their consumers
+    compile rather than fall back on mixed devices. A graph output stays where eager puts it."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not _on_cpu_0d(n):
+            continue
+        if not n.users or any(u.op == "output" for u in n.users):
+            continue
+        inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        asked = n.kwargs.get("device")
+        if inputs:
+            # derived from tensors that now all live on the GPU, with no device of its own
+            movable = asked is None and all(a.meta["val"].device.type == device.type for a in inputs)
+        else:
+            movable = asked is not None and torch.device(asked).type == "cpu"
+        if not movable:
+            continue
+        if asked is not None:
+            n.kwargs = {**n.kwargs, "device": device}
+        _declare_on(n, device)
 
 
 def _partitioned(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None) -> Callable:

@@ -383,7 +383,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let e = match op {
             UnaryOp::Abs => if fl { format!("tl.math.abs({x})") } else if xd == DType::Bool { x.clone() } else { format!("tl.where({x} < 0, -{x}, {x})") },
             UnaryOp::Neg => format!("-{x}"),
-            UnaryOp::Exp => format!("tl.math.exp({x})"),
+            UnaryOp::Exp => format!("ferro_exp({x})"),
             UnaryOp::Exp2 => format!("tl.math.exp2({x})"),
             UnaryOp::Expm1 => format!("ferro_expm1({x})"),
             UnaryOp::Log => format!("tl.math.log({x})"),
@@ -404,7 +404,7 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Asinh => format!("ferro_asinh({x})"),
             UnaryOp::Acosh => format!("ferro_acosh({x})"),
             UnaryOp::Atanh => format!("ferro_atanh({x})"),
-            UnaryOp::Sigmoid => format!("1.0 / (1.0 + tl.math.exp(-{x}))"),
+            UnaryOp::Sigmoid => format!("1.0 / (1.0 + ferro_exp(-{x}))"),
             UnaryOp::Relu => format!("tl.where({x} < 0, tl.zeros_like({x}), {x})"),
             UnaryOp::Erf => format!("tl.math.erf({x})"),
             UnaryOp::Erfc => format!("ferro_erfc({x})"),
@@ -537,8 +537,19 @@ impl OpsHandler for BodyEmitter<'_> {
         name
     }
 
-    fn scan(&mut self, _op: ReduceOp, _x: &String, _dtype: DType) -> String {
-        self.unsupported("scans (cumsum/cumprod) are not rendered by the Triton backend yet".into())
+    fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
+        if self.looped || !self.two_d {
+            // a carry between loop steps is not rendered yet: such graphs run eagerly
+            return self.unsupported(format!("a scan over more than one block ({} elements)", self.rblock));
+        }
+        // masked lanes hold the identity, so they never reach a valid lane's prefix
+        let init = reduction_init(op, dtype);
+        let v = format!("tl.broadcast_to({}, [XBLOCK, {}])", self.masked_full(x, &init, dtype), self.rblock);
+        let name = self.fresh("scan");
+        let section = self.section_of(x).max(Section::Inner);
+        self.push_line(section, &format!("{name} = tl.associative_scan({v}, 1, {}).to({})", combine_fn(op), ty(dtype)));
+        self.sections.insert(name.clone(), section);
+        name
     }
 
     fn random(&mut self, normal: bool, seed: &String, offset: &String) -> String {

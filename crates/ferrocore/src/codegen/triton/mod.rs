@@ -83,8 +83,8 @@ impl KernelBackend for TritonBackend {
     }
 }
 
-/// What the Triton backend does not render yet: scans, accumulating scatters other than atomic
-/// adds, complex and float8 values, kernels touching buffers of another device (or of the CPU,
+/// What the Triton backend does not render yet: scans longer than a block, accumulating scatters other than atomic
+/// adds, maxima and minima, complex and float8 values, kernels touching buffers of another device (or of the CPU,
 /// unless asked to).
 fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(), CodegenError> {
     let p = &s.program;
@@ -100,7 +100,7 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
         let node = &p.nodes[kn.node];
         let out = p.buffer(node.output);
         if let Some(st) = node.body.store.as_ref().filter(|st| st.is_scatter()) {
-            if !atomic_scatter(st.mode, out.layout.dtype) {
+            if !atomic_scatter(st.mode, out.layout.dtype, device != Device::Cpu) {
                 return unsupported(format!("{} is a {:?} scatter of {} values (only stores and atomic adds)", out.name, st.mode, out.layout.dtype.torch_name()));
             }
         }
@@ -120,8 +120,8 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
                 return unsupported(format!("{} computes {} values", out.name, kn.body.dtypes[i].torch_name()));
             }
             match e {
-                Expr::Scan(..) => return unsupported(format!("{} is a scan", out.name)),
-                Expr::Load { .. }
+                Expr::Scan(..)
+                | Expr::Load { .. }
                 | Expr::Random { .. }
                 | Expr::Constant(_)
                 | Expr::Index(_)
@@ -140,13 +140,17 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
 }
 
 /// Scatter stores rendered: plain stores (duplicate indices: one of the writes wins, as with
-/// CUDA's eager kernels), and accumulating adds of the types `tl.atomic_add` supports.
-fn atomic_scatter(mode: StoreMode, dt: DType) -> bool {
+/// CUDA's eager kernels), and accumulating adds, maxima and minima of the types Triton's atomics
+/// support.
+fn atomic_scatter(mode: StoreMode, dt: DType, on_gpu: bool) -> bool {
     match mode {
         StoreMode::Set => true,
-        // (bfloat16 atomics: not in Triton's interpreter, nor on every GPU)
-        StoreMode::Combine(ReduceOp::Sum) => matches!(dt, DType::F16 | DType::F32 | DType::F64 | DType::I32 | DType::I64),
-        StoreMode::Combine(ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min | ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
+        // bfloat16 atomic adds: a Hopper instruction, not in Triton's interpreter
+        StoreMode::Combine(ReduceOp::Sum) => {
+            matches!(dt, DType::F16 | DType::F32 | DType::F64 | DType::I32 | DType::I64) || (dt == DType::BF16 && on_gpu)
+        }
+        StoreMode::Combine(ReduceOp::Max | ReduceOp::Min) => matches!(dt, DType::F32 | DType::I32 | DType::I64),
+        StoreMode::Combine(ReduceOp::Prod | ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
     }
 }
 
@@ -172,6 +176,9 @@ fn group_shape(inner: &[i64], x_contiguous: bool) -> GroupShape {
 /// and none along its innermost inner variable.
 fn x_contiguous(k: &FusedKernel) -> bool {
     let mut along_x = false;
+    if k.plan.nodes.iter().any(|kn| kn.body.exprs.iter().any(|e| matches!(e, Expr::Scan(..)))) {
+        return false; // a scan needs its whole line in one block
+    }
     for kn in &k.plan.nodes {
         let innermost = Var(kn.ranges.len().saturating_sub(1) as u32);
         for e in &kn.body.exprs {
@@ -453,9 +460,14 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                     StoreMode::Set => {
                         let _ = writeln!(lines, "tl.store({address}, {stored}, {mask})");
                     }
-                    StoreMode::Combine(_) => {
-                        // `check_supported` admits only sums of atomic types
-                        let _ = writeln!(lines, "tl.atomic_add({address}, {stored}, {mask})");
+                    StoreMode::Combine(op) => {
+                        // `check_supported` admits only these, of atomic types
+                        let f = match op {
+                            ReduceOp::Max => "tl.atomic_max",
+                            ReduceOp::Min => "tl.atomic_min",
+                            _ => "tl.atomic_add",
+                        };
+                        let _ = writeln!(lines, "{f}({address}, {stored}, {mask})");
                     }
                 }
             }
