@@ -275,7 +275,7 @@ def test_cpu_scalars_made_inside_a_gpu_graph_move_to_the_gpu():
         x, i = torch.empty(4, 3, device=gpu), torch.zeros(2, dtype=torch.long, device=gpu)
         cpu0 = torch.empty((), device="cpu")
     root = torch.nn.Module()
-    root.c = torch.tensor(7.0)
+    root.c = torch.tensor(7.0, device="cpu")
     g = torch.fx.Graph()
     px, pi = g.placeholder("x"), g.placeholder("i")
     px.meta["val"], pi.meta["val"] = x, i

@@ -99,7 +99,7 @@ def test_transposes_take_2d_tiles(interpreted):
 def test_identical_kernels_are_defined_once(interpreted):
     src = "".join(Path(p).read_text() for p in interpreted["repeated_layer"]["modules"])
     defined = re.findall(r"^def (triton_\w+)\(", src, re.M)
-    launched = re.findall(r"^\s+(triton_\w+)\[", src, re.M)
+    launched = re.findall(r"^\s+launch_(triton_\w+)\(", src, re.M)
     assert len(launched) == 3 and len(set(launched)) == 1, launched
     assert defined.count(launched[0]) == 1
 
@@ -137,3 +137,46 @@ def test_cpu_graphs_get_cpp_kernels_unless_triton_is_forced(monkeypatch):
     assert last["backend"] == "triton" and last["kernels"] == 1 and not last["graph_fallback"]
     source = Path(last["module_path"]).read_text()
     assert "@triton.jit\ndef triton_red_fused_" in source and "TRITON_KERNELS" in source
+
+
+def test_bound_launcher_calls_the_binary_directly(monkeypatch):
+    # after precompile: the binary's launcher with (grid, 1, 1, stream, ...) and every parameter,
+    # XBLOCK last; Triton's JIT call for unaligned addresses or a launcher of another convention
+    import torch
+
+    from ferrocore.runtime import TritonLaunch
+
+    calls = []
+
+    class Jit:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append(("jit", grid, a, kw))
+
+    class Binary:
+        function, packed_metadata = "fn", "meta"
+
+        def _init_handles(self):
+            calls.append("init")
+
+        def run(self, *a):
+            calls.append(("run", a))
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: 1000 + i, raising=False)
+    launch = TritonLaunch(Jit(), 7, {"XBLOCK": 64}, 4, 1)
+    x, y = torch.zeros(8), torch.zeros(8)
+    launch(x, y)
+    assert calls.pop() == ("jit", (7,), (x, y), {"XBLOCK": 64, "num_warps": 4, "num_stages": 1})
+    launch.bind(Binary(), 2)
+    assert calls.pop() == "init"
+    launch(x, y)
+    assert calls.pop() == ("run", (7, 1, 1, 1002, "fn", "meta", None, None, None, x, y, 64))
+    launch(x, y[1:])  # 4 bytes past an aligned address
+    assert calls.pop()[0] == "jit"
+
+    def wrong_convention(*a):
+        raise TypeError("launcher takes 11 arguments")
+
+    Binary.run = staticmethod(wrong_convention)
+    launch.bind(Binary(), 0)
+    launch(x, y)
+    assert calls.pop()[0] == "jit" and launch._fast is None

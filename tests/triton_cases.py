@@ -278,10 +278,11 @@ def _():
     ), (randn(5, 37), randn(300, 6, seed=1), torch.arange(-20, 22).reshape(6, 7) ** 3)
 
 
-@case("long_scan_falls_back_to_eager", fallback=True)
+@case("long_scans", atol=1e-3, rtol=1e-4)
 def _():
-    # longer than one block: the carry between loop steps is not rendered yet
-    return (lambda a: torch.cumsum(a, -1) * 2), (randn(2, 9000),)
+    # longer than one block: looped, each step offset by the carry of the steps before
+    return (lambda a, i: (torch.cumsum(a, -1) * 2, torch.cumsum(i, 0))), (
+        randn(2, 9000), torch.arange(9500 * 2).reshape(9500, 2) % 7 - 3)
 
 
 def _flat(out):

@@ -192,7 +192,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     timings["load"] = (time.perf_counter() - start) * 1e3
     if device is not None and getattr(module, "TRITON_KERNELS", None):
         start = time.perf_counter()
-        runtime.precompile_triton(module.TRITON_KERNELS, device)
+        runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None))
         timings["triton_compile"] = (time.perf_counter() - start) * 1e3
 
     fallbacks = result.get("fallbacks", [])

@@ -90,18 +90,77 @@ _TRITON_POINTEE = {
 }
 
 
-def precompile_triton(kernels, device) -> None:
+class TritonLaunch:
+    """One Triton kernel's launch from a wrapper module: `launch(*tensors)`.
+
+    Until `precompile_triton` binds the compiled binary it is Triton's JIT call, which inspects
+    every argument (types, alignment) to find the specialization on each launch. Bound, it calls
+    the binary's launcher directly on the current stream: the binary was specialized for 16-byte
+    aligned pointers, so a launch with any other address takes the JIT call instead."""
+
+    __slots__ = ("fn", "grid", "constexprs", "num_warps", "num_stages", "_fast")
+
+    def __init__(self, fn, grid: int, constexprs: dict, num_warps: int, num_stages: int):
+        self.fn, self.grid, self.constexprs = fn, grid, constexprs
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self._fast = None
+
+    def __call__(self, *args) -> None:
+        fast = self._fast
+        if fast is not None:
+            for a in args:
+                if a.data_ptr() % 16:
+                    break
+            else:
+                try:
+                    fast(args)
+                    return
+                except TypeError:  # a launcher of another calling convention: stop using it
+                    self._fast = None
+        self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps,
+                              num_stages=self.num_stages)
+
+    def bind(self, compiled, device_index: int) -> None:
+        try:
+            from triton import knobs
+
+            hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+        except ImportError:
+            hooks = (getattr(type(compiled), "launch_enter_hook", None),
+                     getattr(type(compiled), "launch_exit_hook", None))
+        # (newer Triton keeps a chain of hooks, often empty)
+        if any(h is not None and getattr(h, "calls", True) for h in hooks):
+            return  # a profiler hook wants Triton's own launch path
+        compiled._init_handles()
+        run, function = compiled.run, compiled.function
+        metadata = compiled.packed_metadata
+        # the launcher takes every parameter, constexprs (last in ours) included
+        grid, extra = self.grid, tuple(self.constexprs.values())
+        stream = torch._C._cuda_getCurrentRawStream
+
+        def fast(args):
+            run(grid, 1, 1, stream(device_index), function, metadata, None, None, None, *args, *extra)
+
+        self._fast = fast
+
+
+def precompile_triton(kernels, device, launchers: dict | None = None) -> None:
     """Compiles a wrapper module's Triton kernels now, several at a time, instead of one by one
-    at their first launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config). A
-    kernel that cannot be warmed up here is simply compiled at its first launch."""
+    at their first launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config), and
+    binds each binary to its `TritonLaunch` (`TRITON_LAUNCHERS`). A kernel that cannot be warmed
+    up here is simply compiled at its first launch, through Triton's JIT call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
 
     def compile_one(entry) -> None:
         fn, signature, constexprs, launch = entry
         try:
             args = [_TRITON_POINTEE[t] for t in signature.values()]
             with torch.cuda.device(device):
-                fn.warmup(*args, grid=launch["grid"], num_warps=launch["num_warps"],
-                          num_stages=launch["num_stages"], **constexprs)
+                compiled = fn.warmup(*args, grid=launch["grid"], num_warps=launch["num_warps"],
+                                     num_stages=launch["num_stages"], **constexprs)
+                launcher = (launchers or {}).get(getattr(fn, "__name__", None))
+                if launcher is not None and compiled is not None:
+                    launcher.bind(compiled, index)
         except Exception:  # noqa: BLE001  (an older Triton without warmup, an unknown type)
             pass
 

@@ -288,6 +288,8 @@ impl Ctx<'_> {
         let log = op == AtenOp::LogSoftmax;
         let (m, s) = (max, sum);
         let out_dtype = out.dtype;
+        // ATen's CPU kernel scales by the reciprocal of the sum; its CUDA kernel divides
+        let divide = out.device != Device::Cpu;
         Ok(TensorValue {
             size: x.size.clone(),
             dtype: out.dtype,
@@ -304,10 +306,13 @@ impl Ctx<'_> {
                         let l = bx.body.unary(UnaryOp::Log, sm);
                         bx.body.binary(BinaryOp::Sub, d, l)
                     } else {
-                        // ATen scales by the reciprocal of the sum too; it is loop-invariant
                         let e = bx.body.unary(UnaryOp::Exp, d);
-                        let inv = bx.body.unary(UnaryOp::Reciprocal, sm);
-                        bx.body.binary(BinaryOp::Mul, e, inv)
+                        if divide {
+                            bx.body.binary(BinaryOp::TrueDiv, e, sm)
+                        } else {
+                            let inv = bx.body.unary(UnaryOp::Reciprocal, sm);
+                            bx.body.binary(BinaryOp::Mul, e, inv)
+                        }
                     };
                     bx.body.cast(r, out_dtype)
                 }),

@@ -181,7 +181,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         }
         KernelLanguage::Triton => {
             // the kernels are defined here: Triton compiles them at their first launch
-            m.push_str("import torch\nfrom ferrocore.runtime import restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import TritonLaunch, restride\n\n");
             if !kernels.launches.is_empty() {
                 m.push_str(&kernels.source);
             }
@@ -203,6 +203,21 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                 }
             }
             m.push_str("]\n");
+            // one launcher per kernel: precompile_triton binds the compiled binary to it, so a
+            // launch skips Triton's per-call argument inspection
+            let mut bound = std::collections::HashSet::new();
+            let mut names = Vec::new();
+            for l in kernels.launches.iter().filter(|l| bound.insert(l.name.clone())) {
+                if let LaunchShape::Grid { grid, xblock, num_warps, num_stages } = &l.shape {
+                    let _ = writeln!(
+                        m,
+                        "launch_{0} = TritonLaunch({0}, {grid}, {{'XBLOCK': {xblock}}}, {num_warps}, {num_stages})",
+                        l.name
+                    );
+                    names.push(format!("'{0}': launch_{0}", l.name));
+                }
+            }
+            let _ = writeln!(m, "TRITON_LAUNCHERS = {{{}}}", names.join(", "));
         }
     }
     // Triton launches on the current device: run CUDA graphs under their device
@@ -272,12 +287,8 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                         if k.checks_indices {
                             args.push("_index_error".into());
                         }
-                        let _ = writeln!(
-                            m,
-                            "    {}[({grid},)]({}, XBLOCK={xblock}, num_warps={num_warps}, num_stages={num_stages})",
-                            k.name,
-                            args.join(", ")
-                        );
+                        let _ = (grid, xblock, num_warps, num_stages); // in the launcher
+                        let _ = writeln!(m, "    launch_{}({})", k.name, args.join(", "));
                     }
                 }
             }

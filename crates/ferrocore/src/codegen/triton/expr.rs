@@ -189,6 +189,8 @@ pub struct Acc {
     pub dtype: DType,
     /// Arg reductions also carry the running best value (`{name}_val`) of this dtype.
     pub value_dtype: Option<DType>,
+    /// A scan's carry between loop steps: one value per row (`[XBLOCK, 1]`).
+    pub carry: bool,
 }
 
 pub struct BodyEmitter<'a> {
@@ -423,7 +425,7 @@ impl OpsHandler for BodyEmitter<'_> {
                     format!("(({x} > 0).to({t}) - ({x} < 0).to({t}))")
                 }
             }
-            UnaryOp::Reciprocal => format!("1.0 / {x}"),
+            UnaryOp::Reciprocal => format!("ferro_div(tl.zeros_like({x}) + 1, {x})"),
             UnaryOp::BitwiseNot => if xd == DType::Bool { format!("({x} == 0)") } else { format!("~{x}") },
             UnaryOp::LogicalNot => format!("({x} == 0)"),
             UnaryOp::IsNan => format!("({x} != {x})"),
@@ -446,7 +448,7 @@ impl OpsHandler for BodyEmitter<'_> {
             BinaryOp::Add => if boolean { format!("{a} | {b}") } else { format!("{a} + {b}") },
             BinaryOp::Sub => if boolean { format!("{a} ^ {b}") } else { format!("{a} - {b}") },
             BinaryOp::Mul => if boolean { format!("{a} & {b}") } else { format!("{a} * {b}") },
-            BinaryOp::TrueDiv => format!("{a} / {b}"),
+            BinaryOp::TrueDiv => if fl { format!("ferro_div({a}, {b})") } else { format!("{a} / {b}") },
             BinaryOp::FloorDiv => if fl { format!("ferro_floordiv_f({a}, {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
             BinaryOp::TruncDiv => if fl { format!("ferro_trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
             BinaryOp::Remainder => if fl { format!("ferro_remainder_f({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
@@ -500,7 +502,7 @@ impl OpsHandler for BodyEmitter<'_> {
             let acc = format!("{name}_acc");
             let v = self.masked_full(x, &init, dtype);
             self.inner.push_str(&format!("{acc} = tl.where({}, {f}({acc}, {v}), {acc})\n", self.full_mask));
-            self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None });
+            self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, carry: false });
             self.post.push_str(&format!("{name} = tl.reduce({acc}, 1, {f})[:, None].to({t})\n"));
         } else {
             let v = self.masked_full(x, &init, dtype);
@@ -526,7 +528,7 @@ impl OpsHandler for BodyEmitter<'_> {
                 "{name}_nv, {name}_ni = {f}({acc}_val, {acc}, {v}, {i})\n{acc}_val = tl.where({m}, {name}_nv, {acc}_val)\n{acc} = tl.where({m}, {name}_ni, {acc})\n",
                 m = self.full_mask
             ));
-            self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd) });
+            self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), carry: false });
             self.post.push_str(&format!("{name}_v, {name} = tl.reduce(({acc}_val, {acc}), 1, {f})\n{name} = {name}[:, None]\n"));
         } else {
             let section = self.section_of(value).max(self.section_of(index)).max(Section::Inner);
@@ -538,16 +540,26 @@ impl OpsHandler for BodyEmitter<'_> {
     }
 
     fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
-        if self.looped || !self.two_d {
-            // a carry between loop steps is not rendered yet: such graphs run eagerly
-            return self.unsupported(format!("a scan over more than one block ({} elements)", self.rblock));
+        if !self.two_d {
+            return self.unsupported("a scan in a flat kernel".into());
         }
         // masked lanes hold the identity, so they never reach a valid lane's prefix
         let init = reduction_init(op, dtype);
+        let f = combine_fn(op);
+        let t = ty(dtype);
         let v = format!("tl.broadcast_to({}, [XBLOCK, {}])", self.masked_full(x, &init, dtype), self.rblock);
         let name = self.fresh("scan");
         let section = self.section_of(x).max(Section::Inner);
-        self.push_line(section, &format!("{name} = tl.associative_scan({v}, 1, {}).to({})", combine_fn(op), ty(dtype)));
+        if self.looped {
+            // each step scans its block, offset by the carry of the steps before
+            let carry = format!("{name}_carry");
+            self.inner.push_str(&format!("{name}_v = {v}\n"));
+            self.inner.push_str(&format!("{name} = {f}({carry}, tl.associative_scan({name}_v, 1, {f})).to({t})\n"));
+            self.inner.push_str(&format!("{carry} = {f}({carry}, tl.reduce({name}_v, 1, {f})[:, None]).to({t})\n"));
+            self.accs.push(Acc { name: carry, op, dtype, value_dtype: None, carry: true });
+        } else {
+            self.push_line(section, &format!("{name} = tl.associative_scan({v}, 1, {f}).to({t})"));
+        }
         self.sections.insert(name.clone(), section);
         name
     }

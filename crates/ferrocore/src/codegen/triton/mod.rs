@@ -83,7 +83,7 @@ impl KernelBackend for TritonBackend {
     }
 }
 
-/// What the Triton backend does not render yet: scans longer than a block, accumulating scatters other than atomic
+/// What the Triton backend does not render yet: accumulating scatters other than atomic
 /// adds, maxima and minima, complex and float8 values, kernels touching buffers of another device (or of the CPU,
 /// unless asked to).
 fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(), CodegenError> {
@@ -522,7 +522,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                         let _ = writeln!(out, "    {} = tl.full([XBLOCK, {rb}], {}, tl.int64)", a.name, i64::MAX);
                     }
                     None => {
-                        let _ = writeln!(out, "    {} = tl.full([XBLOCK, {rb}], {}, {t})", a.name, reduction_init(a.op, a.dtype));
+                        let width = if a.carry { 1 } else { rb };
+                        let _ = writeln!(out, "    {} = tl.full([XBLOCK, {width}], {}, {t})", a.name, reduction_init(a.op, a.dtype));
                     }
                 }
             }

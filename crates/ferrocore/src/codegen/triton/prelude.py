@@ -177,6 +177,11 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return apply
 
     ferro_exp = _numpy(_np.exp)
+
+    @triton.jit
+    def ferro_div(a, b):
+        return a / b
+
     ferro_expm1 = _numpy(_np.expm1)
     ferro_log1p = _numpy(_np.log1p)
     ferro_log10 = _numpy(_np.log10)
@@ -232,6 +237,11 @@ else:
     @triton.jit
     def ferro_exp(x):
         return libdevice.exp(x)
+
+    # IEEE division like CUDA's `/` in ATen's kernels (Triton's `/` is div.full: 2 ulp)
+    @triton.jit
+    def ferro_div(a, b):
+        return tl.math.div_rn(a, b)
 
     @triton.jit
     def ferro_expm1(x):
