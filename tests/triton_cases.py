@@ -269,6 +269,14 @@ def _():
     return (lambda a, i, s: a.scatter_reduce(0, i, s, "prod")), (randn(4, 3), torch.tensor([[0, 1, 2], [3, 0, 1]]), randn(2, 3, seed=1))
 
 
+@case("divisions", atol=1e-6, rtol=1e-6)
+def _():
+    # IEEE division in both float widths (div_rn is float32-only), reciprocals, softmax's divide
+    return (
+        lambda a, b: (a / b, (a.double() / b.double()).reciprocal(), torch.softmax(a.double(), -1), 1 / a)
+    ), (randn(6, 33), randn(6, 33, seed=1) + 3)
+
+
 @case("scans")
 def _():
     # along the last dim, along dim 0 (strided lines), integer and product scans, fused epilogues

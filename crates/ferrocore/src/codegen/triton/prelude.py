@@ -241,7 +241,10 @@ else:
     # IEEE division like CUDA's `/` in ATen's kernels (Triton's `/` is div.full: 2 ulp)
     @triton.jit
     def ferro_div(a, b):
-        return tl.math.div_rn(a, b)
+        if a.dtype == tl.float32:
+            return tl.math.div_rn(a, b)
+        else:  # float64 division is IEEE already
+            return a / b
 
     @triton.jit
     def ferro_expm1(x):
