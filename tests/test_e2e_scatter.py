@@ -77,7 +77,7 @@ def test_max_pool_and_embedding_backward():
     w = torch.randn(10, 4, requires_grad=True)
     ind = torch.tensor([[1, 2, 3], [3, 3, 9]])
     for kw in ({}, {"padding_idx": 3}, {"scale_grad_by_freq": True}):
-        f = lambda i: (F.embedding(i, w, **kw) * torch.arange(4.0)).sum()
+        f = lambda i: (F.embedding(i, w, **kw) * torch.arange(4.0, device=w.device)).sum()
         expected = torch.autograd.grad(f(ind), w)[0]
         torch._dynamo.reset()
         got = torch.autograd.grad(torch.compile(f, backend="ferrocore")(ind), w)[0]

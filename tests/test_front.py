@@ -294,7 +294,8 @@ def test_cpu_scalars_made_inside_a_gpu_graph_move_to_the_gpu():
         out.meta["val"] = torch.empty(4, 3, device=gpu)
     g.output((out, kept))
     gm = torch.fx.GraphModule(root, g)
-    _move_host_scalars(gm, gpu, [])
-    assert gm.c.device.type == "meta"
+    with mode:  # as under dynamo: the moved constant must still be a real tensor
+        _move_host_scalars(gm, gpu, [])
+    assert gm.c.device.type == "meta" and type(gm.c) is torch.Tensor
     assert [n.meta["val"].device.type for n in (const, copy, made, kept)] == ["meta", "meta", "meta", "cpu"]
     assert made.kwargs["device"] == gpu and kept.kwargs["device"] == torch.device("cpu")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import options as _options
 from . import partition, runtime
@@ -272,7 +273,9 @@ def _move_host_scalars(gm: torch.fx.GraphModule, device: torch.device, host: lis
             owner = getattr(owner, part)
         t = getattr(owner, leaf)
         if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dim() == 0:
-            setattr(owner, leaf, t.to(device))
+            # a real copy: the backend may run under dynamo's fake mode, where `.to` is fake
+            with unset_fake_temporarily():
+                setattr(owner, leaf, t.to(device))
             _declare_on(n, device)
     _move_host_scalar_nodes(gm, device)
 
