@@ -5,7 +5,9 @@ For each graph: runtime (median of --reps CUDA-event timings per backend, the ba
 interleaved round by round), cold compile time (the first call after `torch._dynamo.reset()`,
 with compile caches that start empty), and for the memory-bound graphs the achieved bandwidth
 (the fewest bytes the graph must move: each input read once, each output written once, over
-the runtime) as a fraction of the device-to-device copy bandwidth measured in the same run.
+the runtime) as a fraction of the device-to-device copy bandwidth measured in the same run, once
+over the whole call and once over the kernels' device time alone (torch.profiler), which leaves
+out the host's time per call (dynamo's guards, the launches) when it exceeds the kernels'.
 Ends with one markdown table and the geometric mean of the ferrocore/inductor runtime ratios.
 
     python bench/gpu_benchmark.py                 # full sizes (an H100/H200)
@@ -211,6 +213,27 @@ def interleaved(fns: dict, args: tuple, reps: int, warmup: int, dev: str) -> dic
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def kernel_ms(fn: Callable, args: tuple, reps: int = 10) -> float | None:
+    """Device time of one call's kernels (CUPTI durations through torch.profiler, summed over
+    every kernel and copy it runs), without the host time between them: what the kernels
+    themselves achieve. None where the profiler cannot tell."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn(*args)
+            torch.cuda.synchronize()
+        total_us = 0.0
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", None)
+            total_us += t if t is not None else getattr(e, "self_cuda_time_total", 0.0)
+        return total_us / reps / 1e3 if total_us > 0 else None
+    except Exception:  # noqa: BLE001  (no CUPTI on this machine)
+        return None
+
+
 def mismatch(expected, actual, rtol, atol) -> str | None:
     exp = [t for t in pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
     act = [t for t in pytree.tree_leaves(actual) if isinstance(t, torch.Tensor)]
@@ -230,6 +253,7 @@ class Result:
     runtime_ms: dict = field(default_factory=dict)
     cold_s: dict = field(default_factory=dict)
     bandwidth: dict = field(default_factory=dict)  # backend -> fraction of copy bandwidth
+    kernel_bandwidth: dict = field(default_factory=dict)  # the same over kernel device time
     notes: list = field(default_factory=list)
 
 
@@ -268,6 +292,11 @@ def run(w: Workload, backends: list[str], opts, copy_gbs: float) -> Result:
             fns[backend] = compiled
         if fns:
             res.runtime_ms = interleaved(fns, args, opts.reps, opts.warmup, opts.device)
+        if w.bytes_moved and copy_gbs > 0 and opts.device.startswith("cuda"):
+            for k in (b for b in COMPILERS if b in fns):
+                ms = kernel_ms(fns[k], args)
+                if ms:
+                    res.kernel_bandwidth[k] = w.bytes_moved / (ms * 1e-3) / 1e9 / copy_gbs
     if w.bytes_moved and copy_gbs > 0:
         for k, ms in res.runtime_ms.items():
             res.bandwidth[k] = w.bytes_moved / (ms * 1e-3) / 1e9 / copy_gbs
@@ -286,13 +315,15 @@ def _ratio(d: dict) -> str:
 
 def table(results: list[Result]) -> str:
     head = ("| graph | eager ms | inductor ms | ferrocore ms | ferrocore/inductor | inductor BW | "
-            "ferrocore BW | inductor cold s | ferrocore cold s | cold ratio | notes |")
+            "ferrocore BW | inductor kernel BW | ferrocore kernel BW | inductor cold s | "
+            "ferrocore cold s | cold ratio | notes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         lines.append(
             f"| {r.name} | {_f(r.runtime_ms, 'eager', '.3f')} | {_f(r.runtime_ms, 'inductor', '.3f')} "
             f"| {_f(r.runtime_ms, 'ferrocore', '.3f')} | {_ratio(r.runtime_ms)} "
             f"| {_f(r.bandwidth, 'inductor', '.2f')} | {_f(r.bandwidth, 'ferrocore', '.2f')} "
+            f"| {_f(r.kernel_bandwidth, 'inductor', '.2f')} | {_f(r.kernel_bandwidth, 'ferrocore', '.2f')} "
             f"| {_f(r.cold_s, 'inductor', '.2f')} | {_f(r.cold_s, 'ferrocore', '.2f')} | {_ratio(r.cold_s)} "
             f"| {'; '.join(r.notes)} |"
         )
@@ -334,7 +365,8 @@ def main(opts) -> int:
     print("\n## Results\n")
     print(f"{env}; copy bandwidth {copy_gbs:.0f} GB/s; runtime = median of {opts.reps} CUDA-event "
           "timings, interleaved; BW = fewest bytes moved / runtime, as a fraction of the copy "
-          "bandwidth; cold = first call after dynamo reset with empty caches; ratios < 1: ferrocore "
+          "bandwidth; kernel BW = the same over the kernels' device time (torch.profiler, host "
+          "gaps between launches excluded); cold = first call after dynamo reset with empty caches; ratios < 1: ferrocore "
           "is faster.\n")
     print(table(results))
     print(f"\ngeomean ferrocore/inductor runtime: {geomean_ratio(results, 'runtime_ms')}")
