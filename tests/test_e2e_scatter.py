@@ -43,8 +43,11 @@ def test_index_put_assign_and_accumulate():
         return y
 
     check(assign, x, torch.tensor([[0], [4]]), torch.tensor([0, 2]))
-    check(lambda t, v: (t.index_add(1, torch.tensor([1, 3, 1]), v), t.index_fill(2, torch.tensor([0, 2]), -1.0)), x, torch.randn(10, 3, 3))
-    check(lambda t, v: t.index_copy(0, torch.tensor([9, 0]), v) + 1, x, torch.randn(2, 5, 3))
+    # (index tensors made inside the function: on the input's device, as dynamo applies no
+    # default device to factory calls it traces)
+    check(lambda t, v: (t.index_add(1, torch.tensor([1, 3, 1], device=t.device), v),
+                        t.index_fill(2, torch.tensor([0, 2], device=t.device), -1.0)), x, torch.randn(10, 3, 3))
+    check(lambda t, v: t.index_copy(0, torch.tensor([9, 0], device=t.device), v) + 1, x, torch.randn(2, 5, 3))
 
 
 def test_index_put_with_a_boolean_mask():
