@@ -424,3 +424,19 @@ def test_custom_ops_are_library_calls_between_fused_kernels():
     last = ferrocore.metrics.last
     assert last["externs"] == 1 and last["fallbacks"] == 0 and last["fallback_ops"] == []
     assert last["kernels"] >= 2
+
+
+def test_async_assert_is_a_library_call_that_still_raises():
+    def f(t):
+        torch._assert_async((t > -100).all(), "too small")
+        return t * 2
+
+    x = torch.randn(5)
+    stats = check(f, x)
+    assert stats.externs == 1 and stats.fallbacks == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="ferrocore")
+    compiled(x)
+    if x.device.type == "cpu":  # CUDA raises asynchronously, at a later synchronization
+        with pytest.raises(RuntimeError, match="too small"):
+            compiled(torch.full((5,), -1000.0))

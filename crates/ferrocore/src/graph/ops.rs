@@ -263,6 +263,8 @@ aten_ops! {
     Ormqr => "aten.ormqr.default", 3..=5;
     LinalgMatrixExp => "aten.linalg_matrix_exp.default", 1..=1;
     LinalgCheckErrors => "aten._linalg_check_errors.default", 2..=2;
+    AssertAsync => "aten._assert_async.default", 1..=1;
+    AssertAsyncMsg => "aten._assert_async.msg", 2..=2;
     // pointwise with parameters
     Elu => "aten.elu.default", 1..=4;
     LeakyRelu => "aten.leaky_relu.default", 1..=2;

@@ -352,7 +352,7 @@ impl<'g> Ctx<'g> {
             Cat => t(self.lower_cat()?),
             Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r
             | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
-            FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors => self.lower_extern(op)?,
+            FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
             Embedding | IndexSelect | Gather | IndexTensor => t(self.lower_gather(op)?),
@@ -572,7 +572,7 @@ pub fn is_library_call(op: AtenOp) -> bool {
     matches!(
         op,
         Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward
-            | PdistForward | EmbeddingBag | FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors
+            | PdistForward | EmbeddingBag | FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg
     )
 }
 
