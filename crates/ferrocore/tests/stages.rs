@@ -260,7 +260,8 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
     assert_eq!(cuda.backend, "triton");
     assert!(cuda.module_source.contains("device='cuda:0'"), "{}", cuda.module_source);
     assert!(cuda.module_source.contains("with torch.cuda.device(0):"), "{}", cuda.module_source);
-    assert!(cuda.module_source.contains("triton_poi_fused_e_0[(1,)](x, buf1, XBLOCK=64, num_warps=1, num_stages=1)"), "{}", cuda.module_source);
+    assert!(cuda.module_source.contains("launch_triton_poi_fused_e_0 = TritonLaunch(triton_poi_fused_e_0, 1, {'XBLOCK': 64}, 1, 1)"), "{}", cuda.module_source);
+    assert!(cuda.module_source.contains("\n    launch_triton_poi_fused_e_0(x, buf1)"), "{}", cuda.module_source);
     // forced: Triton kernels for CPU tensors (run under TRITON_INTERPRET=1)
     let forced = compile_graph(&doc, &Options { backend: BackendChoice::Triton, ..opts.clone() }).unwrap();
     assert_eq!(forced.backend, "triton");
@@ -281,18 +282,21 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
 
 #[test]
 fn what_triton_cannot_render_is_a_graph_fallback() {
+    // a scatter that multiplies: no atomic product
     let doc = G::new()
         .input("x", &[4, 8], "float32")
-        .call("c", "aten.cumsum.default", &format!(r#"{},{{"int":1}}"#, n("x")), &meta(&[4, 8], "float32"))
+        .input("i", &[2, 8], "int64")
+        .input("s", &[2, 8], "float32")
+        .call("c", "aten.scatter_reduce.two", &format!(r#"{},{{"int":0}},{},{},{{"str":"prod"}}"#, n("x"), n("i"), n("s")), &meta(&[4, 8], "float32"))
         .output(&["c"]);
     let g = parse_graph(&doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, "triton").unwrap();
     let e = TritonBackend { cpu_tensors: true }.render(&s).unwrap_err();
     assert_eq!(e.kind, CodegenErrorKind::Unsupported, "{e}");
-    assert!(e.to_string().contains("scan"), "{e}");
+    assert!(e.to_string().contains("Prod"), "{e}");
     let opts = Options { backend: BackendChoice::Triton, skip_native_compile: true, ..Options::default() };
     let r = compile_graph(&doc, &opts).unwrap();
-    assert!(r.graph_fallback.as_deref().is_some_and(|m| m.contains("scan")), "{:?}", r.graph_fallback);
+    assert!(r.graph_fallback.as_deref().is_some_and(|m| m.contains("Prod")), "{:?}", r.graph_fallback);
     assert!(r.module_path.is_empty());
     // the C++ backend renders it
     assert!(compile_graph(&doc, &Options { skip_native_compile: true, ..Options::default() }).unwrap().graph_fallback.is_none());
