@@ -264,9 +264,21 @@ def _():
     ), (randn(4, 3), idx, randn(3, 3, seed=1), torch.arange(12).reshape(4, 3) - 5)
 
 
-@case("scatter_prod_falls_back_to_eager", fallback=True)
+@case("scatter_products", atol=1e-5, rtol=1e-4)
 def _():
-    return (lambda a, i, s: a.scatter_reduce(0, i, s, "prod")), (randn(4, 3), torch.tensor([[0, 1, 2], [3, 0, 1]]), randn(2, 3, seed=1))
+    # repeated targets multiply through compare-and-swap loops; float32, float64 and int64
+    idx = torch.tensor([[0, 1, 2], [3, 0, 1], [0, 0, 2], [0, 1, 2]])
+    return (
+        lambda a, i, s, ai: (a.scatter_reduce(0, i, s, "prod"), a.double().scatter_reduce(0, i, s.double(), "prod", include_self=False),
+                             ai.scatter_reduce(0, i, ai * 0 + 3, "prod"), torch.scatter(a, 0, i, s, reduce="multiply"))
+    ), (randn(4, 3), idx, randn(4, 3, seed=1), torch.arange(12).reshape(4, 3) - 5)
+
+
+@case("scatter_float16_max_falls_back_to_eager", fallback=True)
+def _():
+    # no float16 atomic maximum
+    return (lambda a, i, s: a.scatter_reduce(0, i, s, "amax")), (
+        randn(4, 3, dtype=torch.float16), torch.tensor([[0, 1, 2], [3, 0, 1]]), randn(2, 3, dtype=torch.float16, seed=1))
 
 
 @case("divisions", atol=1e-6, rtol=1e-6)

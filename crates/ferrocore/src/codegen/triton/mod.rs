@@ -83,8 +83,8 @@ impl KernelBackend for TritonBackend {
     }
 }
 
-/// What the Triton backend does not render yet: accumulating scatters other than atomic
-/// adds, maxima and minima, complex and float8 values, kernels touching buffers of another device (or of the CPU,
+/// What the Triton backend does not render yet: accumulating scatters other than adds,
+/// maxima, minima and products of the types Triton's atomics support, complex and float8 values, kernels touching buffers of another device (or of the CPU,
 /// unless asked to).
 fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(), CodegenError> {
     let p = &s.program;
@@ -150,7 +150,9 @@ fn atomic_scatter(mode: StoreMode, dt: DType, on_gpu: bool) -> bool {
             matches!(dt, DType::F16 | DType::F32 | DType::F64 | DType::I32 | DType::I64) || (dt == DType::BF16 && on_gpu)
         }
         StoreMode::Combine(ReduceOp::Max | ReduceOp::Min) => matches!(dt, DType::F32 | DType::I32 | DType::I64),
-        StoreMode::Combine(ReduceOp::Prod | ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
+        // products through a compare-and-swap loop on the value's bits
+        StoreMode::Combine(ReduceOp::Prod) => matches!(dt, DType::F32 | DType::F64 | DType::I32 | DType::I64),
+        StoreMode::Combine(ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
     }
 }
 
@@ -459,6 +461,10 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                 match store.mode {
                     StoreMode::Set => {
                         let _ = writeln!(lines, "tl.store({address}, {stored}, {mask})");
+                    }
+                    StoreMode::Combine(ReduceOp::Prod) => {
+                        let bits = if odt.itemsize() == 8 { "tl.int64" } else { "tl.int32" };
+                        let _ = writeln!(lines, "ferro_atomic_mul({dst}, {address}, {stored}, {mask}, {bits})");
                     }
                     StoreMode::Combine(op) => {
                         // `check_supported` admits only these, of atomic types

@@ -33,6 +33,23 @@ def ferro_any(a, b):
 
 
 @triton.jit
+def ferro_atomic_mul(base, ptr, val, mask, BITS: tl.constexpr):
+    # No atomic multiply exists: each lane compares-and-swaps its product until it lands
+    # (lanes on one address serialize). Masked lanes swap the buffer's first element with
+    # itself, a no-op; so do finished lanes.
+    ptr = tl.where(mask, ptr, base)
+    bits = ptr.to(tl.pointer_type(BITS), bitcast=True)
+    old = tl.load(ptr)
+    done = mask == 0
+    while tl.sum((done == 0).to(tl.int32)) > 0:
+        new = tl.where(done, old, old * val)
+        prev = tl.atomic_cas(bits, old.to(BITS, bitcast=True), new.to(BITS, bitcast=True))
+        landed = prev == old.to(BITS, bitcast=True)
+        done = done | landed
+        old = tl.where(landed, old, prev.to(old.dtype, bitcast=True))
+
+
+@triton.jit
 def ferro_argmax(va, ia, vb, ib):
     # the first maximum wins; NaN beats every number
     a_nan = va != va
