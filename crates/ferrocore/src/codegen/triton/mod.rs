@@ -84,7 +84,7 @@ impl KernelBackend for TritonBackend {
 }
 
 /// What the Triton backend does not render yet: accumulating scatters other than adds,
-/// maxima, minima and products of the types Triton's atomics support, complex and float8 values, kernels touching buffers of another device (or of the CPU,
+/// maxima, minima and products of the types above (`atomic_scatter`), complex and float8 values, kernels touching buffers of another device (or of the CPU,
 /// unless asked to).
 fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(), CodegenError> {
     let p = &s.program;
@@ -149,10 +149,20 @@ fn atomic_scatter(mode: StoreMode, dt: DType, on_gpu: bool) -> bool {
         StoreMode::Combine(ReduceOp::Sum) => {
             matches!(dt, DType::F16 | DType::F32 | DType::F64 | DType::I32 | DType::I64) || (dt == DType::BF16 && on_gpu)
         }
-        StoreMode::Combine(ReduceOp::Max | ReduceOp::Min) => matches!(dt, DType::F32 | DType::I32 | DType::I64),
-        // products through a compare-and-swap loop on the value's bits
-        StoreMode::Combine(ReduceOp::Prod) => matches!(dt, DType::F32 | DType::F64 | DType::I32 | DType::I64),
+        // natively for these; through a compare-and-swap loop on the value's bits for products
+        // and 16-bit floats (`cas_combine`)
+        StoreMode::Combine(ReduceOp::Max | ReduceOp::Min) => matches!(dt, DType::F32 | DType::I32 | DType::I64 | DType::F16 | DType::BF16),
+        StoreMode::Combine(ReduceOp::Prod) => matches!(dt, DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::I32 | DType::I64),
         StoreMode::Combine(ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
+    }
+}
+
+/// Accumulating scatters no atomic instruction performs: products, and 16-bit maxima/minima.
+fn cas_combine(op: ReduceOp, dt: DType) -> bool {
+    match op {
+        ReduceOp::Prod => true,
+        ReduceOp::Max | ReduceOp::Min => matches!(dt, DType::F16 | DType::BF16),
+        _ => false,
     }
 }
 
@@ -462,9 +472,18 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                     StoreMode::Set => {
                         let _ = writeln!(lines, "tl.store({address}, {stored}, {mask})");
                     }
-                    StoreMode::Combine(ReduceOp::Prod) => {
-                        let bits = if odt.itemsize() == 8 { "tl.int64" } else { "tl.int32" };
-                        let _ = writeln!(lines, "ferro_atomic_mul({dst}, {address}, {stored}, {mask}, {bits})");
+                    StoreMode::Combine(op) if cas_combine(op, odt) => {
+                        let bits = match odt.itemsize() {
+                            8 => "tl.int64",
+                            2 => "tl.int16",
+                            _ => "tl.int32",
+                        };
+                        let code = match op {
+                            ReduceOp::Max => 1,
+                            ReduceOp::Min => 2,
+                            _ => 0,
+                        };
+                        let _ = writeln!(lines, "ferro_atomic_combine({dst}, {address}, {stored}, {mask}, {bits}, {code})");
                     }
                     StoreMode::Combine(op) => {
                         // `check_supported` admits only these, of atomic types

@@ -33,16 +33,24 @@ def ferro_any(a, b):
 
 
 @triton.jit
-def ferro_atomic_mul(base, ptr, val, mask, BITS: tl.constexpr):
-    # No atomic multiply exists: each lane compares-and-swaps its product until it lands
-    # (lanes on one address serialize). Masked lanes swap the buffer's first element with
-    # itself, a no-op; so do finished lanes.
+def ferro_atomic_combine(base, ptr, val, mask, BITS: tl.constexpr, OP: tl.constexpr):
+    # What no atomic instruction does (a product; a 16-bit maximum or minimum): each lane
+    # compares-and-swaps its combined value until it lands (lanes on one address serialize).
+    # Masked lanes swap the buffer's first element with itself, a no-op; so do finished lanes.
+    # OP: 0 product, 1 maximum, 2 minimum (NaN-propagating, as ferro_max/ferro_min).
     ptr = tl.where(mask, ptr, base)
     bits = ptr.to(tl.pointer_type(BITS), bitcast=True)
     old = tl.load(ptr)
+    val = val.to(old.dtype)
     done = mask == 0
     while tl.sum((done == 0).to(tl.int32)) > 0:
-        new = tl.where(done, old, old * val)
+        if OP == 0:
+            combined = old * val
+        elif OP == 1:
+            combined = ferro_max(old, val)
+        else:
+            combined = ferro_min(old, val)
+        new = tl.where(done, old, combined)
         prev = tl.atomic_cas(bits, old.to(BITS, bitcast=True), new.to(BITS, bitcast=True))
         landed = prev == old.to(BITS, bitcast=True)
         done = done | landed
