@@ -260,10 +260,7 @@ def _move_host_scalars(gm: torch.fx.GraphModule, device: torch.device, host: lis
     moves its 0-d CPU constants, so that every kernel reads device memory."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i in host:
-        val = placeholders[i].meta["val"]
-        mode = getattr(val, "fake_mode", None)
-        with mode if mode is not None else contextlib.nullcontext():
-            placeholders[i].meta["val"] = torch.empty((), dtype=val.dtype, device=device)
+        _declare_on(placeholders[i], device)
     for n in gm.graph.nodes:
         if n.op != "get_attr":
             continue

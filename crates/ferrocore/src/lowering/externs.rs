@@ -38,7 +38,8 @@ impl Ctx<'_> {
         })
     }
 
-    /// Emits `callee(args)` whose results are new buffers shaped like the node's metadata.
+    /// Emits `callee(args)` with the node's own arguments; its results are new buffers shaped
+    /// like the node's metadata.
     fn extern_call(&mut self, callee: String, fallback: bool, reason: Option<String>) -> LResult<Lowered> {
         let node = self.graph.node(self.current);
         let NodeKind::Call { args, kwargs, .. } = &node.kind else { return malformed("not a call") };
@@ -47,6 +48,20 @@ impl Ctx<'_> {
             .iter()
             .map(|(k, a)| Ok((k.clone(), self.extern_arg(a)?)))
             .collect::<LResult<Vec<_>>>()?;
+        self.push_extern(callee, args, kwargs, &node.meta, fallback, reason)
+    }
+
+    /// Emits `callee(args, kwargs)` as a step of the program, its results new buffers laid out
+    /// as `meta` says.
+    fn push_extern(
+        &mut self,
+        callee: String,
+        args: Vec<ExternArg>,
+        kwargs: Vec<(String, ExternArg)>,
+        meta: &Meta,
+        fallback: bool,
+        reason: Option<String>,
+    ) -> LResult<Lowered> {
         let call = self.prog.externs.len();
         let mut outputs = Vec::new();
         let mut make = |cx: &mut Self, t: &TensorMeta, item: Option<usize>| -> TensorValue {
@@ -55,7 +70,7 @@ impl Ctx<'_> {
             outputs.push(buf);
             view_of_layout(buf, &layout)
         };
-        let lowered = match &node.meta {
+        let lowered = match meta {
             Meta::Tensor(t) => Lowered::Tensor(make(self, t, None)),
             Meta::Tuple(items) => {
                 let mut out = Vec::new();
@@ -70,7 +85,8 @@ impl Ctx<'_> {
             Meta::None => Lowered::Nothing,
             Meta::Scalar(_) => return malformed("ops returning Python scalars cannot run in the wrapper"),
         };
-        self.prog.externs.push(ExternCall { callee, args, kwargs, outputs, fallback, origin: node.name.clone(), reason });
+        let origin = self.node_name();
+        self.prog.externs.push(ExternCall { callee, args, kwargs, outputs, fallback, origin, reason });
         self.prog.steps.push(Step::Extern(call));
         Ok(lowered)
     }
@@ -82,7 +98,7 @@ impl Ctx<'_> {
     /// addmm(bias, a, b) on a GPU, in float32/float64 with beta = alpha = 1: the GEMM as `mm`
     /// and the bias as a pointwise add that fuses into the kernel after it (a GELU, a residual
     /// add, a layer_norm), as Inductor does. cuBLAS picks slower kernels for addmm's
-    /// bias-epilogue form at GPT-2's shapes (measured on an H100: 1.3 ms of 25 per forward).
+    /// bias-epilogue form at GPT-2's shapes (measured on an H100: about 1 ms of 25 per forward).
     /// Elsewhere addmm is one library call.
     pub(super) fn lower_addmm(&mut self) -> LResult<Lowered> {
         let out = self.out_meta()?.clone();
@@ -96,13 +112,9 @@ impl Ctx<'_> {
         }
         let bias = self.tensor_arg(0, "self")?;
         let args = vec![self.extern_tensor(*a)?, self.extern_tensor(*b)?];
-        let call = self.prog.externs.len();
-        let layout = Layout { size: out.shape.clone(), stride: out.stride.clone(), offset: 0, dtype: out.dtype, device: out.device.clone() };
-        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Extern { call, item: None });
-        let origin = self.node_name();
-        self.prog.externs.push(ExternCall { callee: "torch.ops.aten.mm.default".into(), args, kwargs: vec![], outputs: vec![buf], fallback: false, origin, reason: None });
-        self.prog.steps.push(Step::Extern(call));
-        let product = view_of_layout(buf, &layout);
+        let Lowered::Tensor(product) = self.push_extern("torch.ops.aten.mm.default".into(), args, vec![], &Meta::Tensor(out.clone()), false, None)? else {
+            return malformed("mm produced no tensor");
+        };
         let dt = out.dtype;
         Ok(Lowered::Tensor(pointwise(vec![PwIn::Tensor(product), PwIn::Tensor(bias)], out.shape.clone(), dt, out.device.clone(), dt, move |bx, v| {
             let p = bx.body.cast(v[0], dt);

@@ -185,38 +185,29 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             if !kernels.launches.is_empty() {
                 m.push_str(&kernels.source);
             }
-            // each kernel with its signature and launch configuration (ahead-of-time compiles)
-            m.push_str("\n\nTRITON_KERNELS = [\n");
+            // each kernel with its signature and launch configuration (ahead-of-time compiles),
+            // and its launcher: precompile_triton binds the compiled binary to it, so a launch
+            // skips Triton's per-call argument inspection
             let mut listed = std::collections::HashSet::new();
+            let (mut entries, mut launchers, mut names) = (String::new(), String::new(), Vec::new());
             for l in kernels.launches.iter().filter(|l| listed.insert(l.name.clone())) {
                 let sig: Vec<String> = l.signature.iter().map(|(n, t)| format!("'{n}': '{t}'")).collect();
-                match &l.shape {
-                    LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {
-                        let _ = writeln!(
-                            m,
-                            "    ({}, {{{}}}, {{'XBLOCK': {xblock}}}, {{'grid': {grid}, 'num_warps': {num_warps}, 'num_stages': {num_stages}}}),",
-                            l.name,
-                            sig.join(", ")
-                        );
-                    }
-                    LaunchShape::Host => {}
-                }
-            }
-            m.push_str("]\n");
-            // one launcher per kernel: precompile_triton binds the compiled binary to it, so a
-            // launch skips Triton's per-call argument inspection
-            let mut bound = std::collections::HashSet::new();
-            let mut names = Vec::new();
-            for l in kernels.launches.iter().filter(|l| bound.insert(l.name.clone())) {
                 if let LaunchShape::Grid { grid, xblock, num_warps, num_stages } = &l.shape {
                     let _ = writeln!(
-                        m,
+                        entries,
+                        "    ({}, {{{}}}, {{'XBLOCK': {xblock}}}, {{'grid': {grid}, 'num_warps': {num_warps}, 'num_stages': {num_stages}}}),",
+                        l.name,
+                        sig.join(", ")
+                    );
+                    let _ = writeln!(
+                        launchers,
                         "launch_{0} = TritonLaunch({0}, {grid}, {{'XBLOCK': {xblock}}}, {num_warps}, {num_stages})",
                         l.name
                     );
                     names.push(format!("'{0}': launch_{0}", l.name));
                 }
             }
+            let _ = write!(m, "\n\nTRITON_KERNELS = [\n{entries}]\n{launchers}");
             let _ = writeln!(m, "TRITON_LAUNCHERS = {{{}}}", names.join(", "));
         }
     }
@@ -282,12 +273,12 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                             let _ = writeln!(m, "    {}({})", k.name, args.join(", "));
                         }
                     }
-                    LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {
+                    LaunchShape::Grid { .. } => {
+                        // grid and config live in the kernel's launcher
                         let mut args: Vec<String> = k.args.iter().map(|b| p.buffer(*b).name.clone()).collect();
                         if k.checks_indices {
                             args.push("_index_error".into());
                         }
-                        let _ = (grid, xblock, num_warps, num_stages); // in the launcher
                         let _ = writeln!(m, "    launch_{}({})", k.name, args.join(", "));
                     }
                 }

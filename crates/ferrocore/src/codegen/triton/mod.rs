@@ -83,9 +83,9 @@ impl KernelBackend for TritonBackend {
     }
 }
 
-/// What the Triton backend does not render yet: accumulating scatters other than adds,
-/// maxima, minima and products of the types above (`atomic_scatter`), complex and float8 values, kernels touching buffers of another device (or of the CPU,
-/// unless asked to).
+/// What the Triton backend does not render yet: accumulating scatters `atomic_scatter` does not
+/// admit, complex and float8 values, kernels touching buffers of another device (or of the
+/// CPU, unless asked to).
 fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(), CodegenError> {
     let p = &s.program;
     let unsupported = |m: String| Err(CodegenError::unsupported(&k.name, m));
@@ -101,7 +101,7 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
         let out = p.buffer(node.output);
         if let Some(st) = node.body.store.as_ref().filter(|st| st.is_scatter()) {
             if !atomic_scatter(st.mode, out.layout.dtype, device != Device::Cpu) {
-                return unsupported(format!("{} is a {:?} scatter of {} values (only stores and atomic adds)", out.name, st.mode, out.layout.dtype.torch_name()));
+                return unsupported(format!("{} is a {:?} scatter of {} values (no atomic or compare-and-swap form)", out.name, st.mode, out.layout.dtype.torch_name()));
             }
         }
         let mut bufs = vec![node.output];
@@ -140,8 +140,7 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
 }
 
 /// Scatter stores rendered: plain stores (duplicate indices: one of the writes wins, as with
-/// CUDA's eager kernels), and accumulating adds, maxima and minima of the types Triton's atomics
-/// support.
+/// CUDA's eager kernels), and accumulating adds, maxima, minima and products of these types.
 fn atomic_scatter(mode: StoreMode, dt: DType, on_gpu: bool) -> bool {
     match mode {
         StoreMode::Set => true,
@@ -322,7 +321,9 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
 
     // int32 index math only where every index and every buffer provably fits
     let limit = (i32::MAX / 2) as i64;
-    let mut idx32 = xnumel + xblock * if tiled { xblock * 2 } else { 1 } < limit && kernel_numel(k) < limit;
+    // the largest flat index a (masked) lane computes: a tile's rows and columns may overhang
+    let reach = if tiled { (outer + TILE) * (shapes[0].numel + TILE) } else { xnumel + xblock };
+    let mut idx32 = reach < limit && kernel_numel(k) < limit;
     for b in read.iter().chain(&written) {
         idx32 &= p.buffer(*b).layout.storage_numel() < limit;
     }
