@@ -10,7 +10,8 @@
 #
 # Environment: WHEELS (default .wheels), TEST_WHEELS (default .whl), GPU_TESTS (pytest targets;
 # default: the whole suite), GPU_TEST_JOBS (pytest processes over the test files, default 4),
-# GPU_TEST_TIMEOUT (seconds, default 420), GPU_BENCH_ARGS, OUT (logs; default /tmp/ferrocore-gpu).
+# GPU_TEST_TIMEOUT (seconds, default 420), GPU_BENCH_ARGS, GPU_BENCH_MODES (default "default
+# reduce-overhead"), OUT (logs; default /tmp/ferrocore-gpu).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -55,7 +56,14 @@ if [ "${#files[@]}" -gt 0 ]; then
     done
 fi
 
-echo "## GPU benchmark"
-# shellcheck disable=SC2086
-"$PY" bench/gpu_benchmark.py ${GPU_BENCH_ARGS:-} 2>&1 | grep -v '^\[ferrocore' | tee "$OUT/bench.log" | tail -n 40
+# The benchmark once per torch.compile mode (both compilers in the same mode); GPU_BENCH_MODES
+# is a space-separated list, "default" meaning no mode argument.
+for mode in ${GPU_BENCH_MODES:-default reduce-overhead}; do
+    margs=()
+    [ "$mode" != default ] && margs=(--mode "$mode")
+    echo "## GPU benchmark (mode: $mode)"
+    # shellcheck disable=SC2086
+    "$PY" bench/gpu_benchmark.py "${margs[@]}" ${GPU_BENCH_ARGS:-} 2>&1 | grep -v '^\[ferrocore' \
+        | tee "$OUT/bench_$mode.log" | tail -n 40
+done
 exit "$status"

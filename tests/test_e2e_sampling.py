@@ -80,6 +80,8 @@ def test_grid_sample(mode):
 def test_grid_sample_3d(mode):
     torch.manual_seed(4)
     x = torch.randn(2, 3, 4, 5, 6)
+    if mode == "bicubic" and x.device.type != "cpu":
+        pytest.skip("CUDA's grid_sampler_3d has no bicubic kernel (eager raises)")
     grid = torch.rand(2, 3, 4, 5, 3) * 2.4 - 1.2
     far = torch.rand(2, 2, 3, 4, 3) * 8 - 4
     for padding, ac in itertools.product(["zeros", "border", "reflection"], [False, True]):

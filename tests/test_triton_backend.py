@@ -86,6 +86,20 @@ def test_kernel_names_and_configs(interpreted):
     assert "xoffset = tl.program_id(0) * XBLOCK" in src and "tl.full([1], 1000000000, tl.int64)" in src
 
 
+def test_narrow_reductions_split_in_two_stages(interpreted):
+    # a full sum of 100003 elements: 48 first-stage programs of 2084 (a prime length: the last
+    # chunk wraps around to load in bounds and is masked by position) into a [48] partial
+    # buffer, then one program combining the 48
+    src = "".join(Path(p).read_text() for p in interpreted["split_reductions"]["modules"])
+    assert "torch.empty_strided((48,), (1,), dtype=torch.float32" in src
+    assert "tl.load(in_ptr0 + ((2084*x0 + r0_1) % 100003)" in src and "r0mask = r0index < 2084" in src
+    assert "xmask = xindex < 48" in src
+    assert "r0index = tl.arange(0, 64)[None, :]" in src and "r0mask = r0index < 48" in src
+    # 256 rows fill the device: one looped kernel, no partial buffer
+    src = "".join(Path(p).read_text() for p in interpreted["sum_looped"]["modules"])
+    assert src.count("@triton.jit\ndef triton_red_") == 1
+
+
 def test_transposes_take_2d_tiles(interpreted):
     # a read contiguous along rows and one along columns: 64 x 64 tiles, each access coalesced
     src = "".join(Path(p).read_text() for p in interpreted["transpose_tiled"]["modules"])

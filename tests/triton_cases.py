@@ -96,7 +96,18 @@ def _():
 
 @case("sum_looped", atol=1e-3)
 def _():
-    return (lambda a: a.sum(-1) + a.amax(-1)), (randn(3, 10000),)
+    # 256 rows are enough programs: no split, one looped kernel
+    return (lambda a: a.sum(-1) + a.amax(-1)), (randn(256, 10000),)
+
+
+@case("split_reductions", atol=1e-3)
+def _():
+    # few outputs, long reductions: two stages. 100003 is prime (the last chunk is masked);
+    # the mean over dim 0 of a 3-column tensor reads strided; amin of int64 takes int64's identity
+    def f(a, b, c):
+        return a.sum(), a.amax(), b.mean(0), (c % 1000).amin(), (a > 4.0).any(), a.var()
+
+    return f, (randn(100003), randn(60000, 3, seed=1), torch.randint(-10**12, 10**12, (100003,), generator=_g(2)))
 
 
 @case("looped_reductions_of_each_dtype", atol=1e-3)

@@ -30,22 +30,29 @@ from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 _graph_ids = itertools.count()
 
 
+# torch.compile modes that record CUDA graphs, as Inductor's do.
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
-    """Dynamo backend. `options=` (a dict) overrides env options; `mode` and the rest are ignored."""
-    overrides = kwargs.get("options") or {}
+    """Dynamo backend. `options=` (a dict) overrides env options; `mode="reduce-overhead"` (or
+    "max-autotune") records GPU inference graphs as CUDA graphs; other arguments are ignored."""
+    overrides = dict(kwargs.get("options") or {})
+    if kwargs.get("mode") in CUDAGRAPH_MODES:
+        overrides.setdefault("cudagraphs", True)
     state = _AotClock()
     user_strides = _user_output_strides(gm)
 
     def forward(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=False)
-        return _compile(graph, state.take(), overrides, strides)
+        return _compile(graph, state.take(), overrides, strides, training=True)
 
     def inference(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=True)
         return _compile(graph, state.take(), overrides, strides)
 
     def backward(graph, inputs):
-        return _compile(graph, state.take(), overrides)
+        return _compile(graph, state.take(), overrides, training=True)
 
     compiled = aot_autograd(
         fw_compiler=forward,
@@ -155,7 +162,14 @@ class _AotClock:
         self.mark = None
 
 
-def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None) -> Callable:
+def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
+             training: bool = False) -> Callable:
+    if _wants_cudagraphs(overrides) and (partition.has_data_dependent_nodes(gm) or _is_symbolic(gm)):
+        # segments between data-dependent calls, and per-shape compilations, see fresh
+        # addresses on most calls: recording them would rarely replay
+        print("[ferrocore:cudagraphs] a graph with data-dependent or symbolic sizes runs without CUDA graphs",
+              file=sys.stderr)
+        overrides = {**overrides, "cudagraphs": False}
     if partition.has_data_dependent_nodes(gm):
         return _partitioned(gm, timings, overrides, output_strides)
     if _is_symbolic(gm):
@@ -211,6 +225,17 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         )
     )
     call = module.call
+    graphed = _wants_cudagraphs(overrides)
+    if graphed:
+        from . import cudagraphs
+
+        inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        why = cudagraphs.blocker(module, device, inputs_meta, len(fallbacks), training)
+        if host_scalars:
+            why = "0-d CPU tensor inputs are copied to the GPU at each call"
+        if why is not None:
+            graphed = False
+            print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
     if host_scalars:
         # ATen lets a 0-d CPU tensor join a CUDA op; a GPU kernel cannot read host memory
         inner_call = call
@@ -228,8 +253,14 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             args.extend(constants)
             return inner(args)
 
+    if graphed:
+        call = cudagraphs.CudaGraphRunner(call, name, device)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
+
+
+def _wants_cudagraphs(overrides: dict) -> bool:
+    return bool(_options.build_options(overrides)["cudagraphs"])
 
 
 def _host_scalars(gm: torch.fx.GraphModule) -> tuple:

@@ -35,12 +35,22 @@ class Metrics:
         for stage, ms in entry.get("timings_ms", {}).items():
             t["timings_ms"][stage] = t["timings_ms"].get(stage, 0.0) + ms
 
+    def count(self, key: str, n: int = 1) -> None:
+        """A runtime event, summed in `total` from its first occurrence: under
+        mode="reduce-overhead", `cudagraph_recordings`, `cudagraph_replays` (a recording run again),
+        `cudagraph_plain_calls` (warm-up calls, and calls whose recordings' outputs are all still
+        held) and `cudagraph_capture_failures`."""
+        self.total[key] = self.total.get(key, 0) + n
+
     def summary(self) -> str:
         t = self.total
         lines = [
             f"ferrocore: {t['graphs']} graphs, {t['kernels']} kernels, {t['externs']} externs, "
             f"{t['fallbacks']} node fallbacks, {t['graph_fallbacks']} graphs run eagerly"
         ]
+        events = {k: v for k, v in t.items() if k.startswith("cudagraph_")}
+        if events:
+            lines.append("  " + ", ".join(f"{k} {v}" for k, v in events.items()))
         if t["timings_ms"]:
             stages = ", ".join(f"{k} {v:.1f}" for k, v in t["timings_ms"].items())
             lines.append(f"  time (ms): {stages}")
@@ -59,6 +69,6 @@ metrics = Metrics()
 def __getattr__(name: str):
     # `ferrocore.metrics` is the Metrics instance, but code that does `import ferrocore.metrics`
     # and then reads this module sees the same data.
-    if name in ("last", "total", "reset", "record", "summary"):
+    if name in ("last", "total", "reset", "record", "summary", "count"):
         return getattr(metrics, name)
     raise AttributeError(name)

@@ -18,7 +18,7 @@ LOG_CHANNELS = (
     "output_code",
     "fallback",
 )
-_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend")
+_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs")
 # Kernel backends: "auto" picks by the graph's device (CUDA -> Triton, CPU -> C++); "triton" on
 # CPU tensors runs the Triton kernels under Triton's interpreter (set TRITON_INTERPRET=1).
 BACKENDS = ("auto", "cpp", "triton")
@@ -32,6 +32,8 @@ def build_options(overrides: dict | None = None) -> dict:
         "debug_dir": _abspath(debug_dir) if debug_dir else None,
         "cxx": os.environ.get("CXX") or "g++",
         "backend": (os.environ.get("FERROCORE_BACKEND") or "auto").strip().lower(),
+        # CUDA graphs for GPU inference graphs (mode="reduce-overhead"); read by the front only
+        "cudagraphs": _flag(os.environ.get("FERROCORE_CUDAGRAPHS", "")),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:
@@ -60,6 +62,10 @@ def parse_logs(spec: str) -> list:
         if name not in logs:
             logs.append(name)
     return logs
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _abspath(path: str) -> str:

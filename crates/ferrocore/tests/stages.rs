@@ -219,7 +219,7 @@ fn scatter_add_is_a_copy_then_an_atomic_scatter_kernel() {
 /// Lowered, scheduled for Triton and rendered by the Triton backend: the kernels without the prelude.
 fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) {
     let g = parse_graph(doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, "triton").unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, "triton", None).unwrap();
     let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     (src, k.launches)
@@ -288,7 +288,7 @@ fn what_triton_cannot_render_is_a_graph_fallback() {
         .call("c", "aten.clone.default", &n("x"), &meta(&[4, 8], "complex64"))
         .output(&["c"]);
     let g = parse_graph(&doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, "triton").unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, "triton", None).unwrap();
     let e = TritonBackend { cpu_tensors: true }.render(&s).unwrap_err();
     assert_eq!(e.kind, CodegenErrorKind::Unsupported, "{e}");
     assert!(e.to_string().contains("complex64"), "{e}");
@@ -335,4 +335,27 @@ fn triton_index_math_is_int64_only_past_int32() {
         assert!(body.contains("xoffset = tl.program_id(0).to(tl.int64) * XBLOCK"), "{}: {body}", l.name);
     }
     assert!(src.contains("[None, :].to(tl.int64)"), "reduction indices must be int64 too:\n{src}");
+}
+
+#[test]
+fn narrow_reductions_split_in_two_stages_for_the_gpu() {
+    // a mean of 1M elements into one output, and a column sum of 3 outputs over 1M rows
+    let doc = G::new()
+        .input("x", &[1024, 1024], "float32")
+        .input("y", &[1000000, 3], "float16")
+        .call("mean", "aten.mean.default", &n("x"), &meta(&[], "float32"))
+        .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("y")), &meta(&[3], "float16"))
+        .output(&["mean", "sum_1"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, "triton", Some(&ferrocore::scheduler::GPU_SPLIT)).unwrap();
+    s.program.verify().unwrap();
+    let decisions: Vec<&String> = s.decisions.iter().filter(|d| d.starts_with("split")).collect();
+    assert_eq!(decisions.len(), 2, "{:?}", s.decisions);
+    assert_eq!(s.kernel_count(), 4, "{}", s.text());
+    let src = TritonBackend { cpu_tensors: true }.render(&s).unwrap().source;
+    let src = src.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    // no split without a GPU's split config (the C++ backend's rows are whole)
+    let whole = schedule_for(lower_graph(&g).unwrap().program, "triton", None).unwrap();
+    assert_eq!(whole.kernel_count(), 2);
+    check("triton_split_reductions.txt", &format!("{}\n{}\n{src}", decisions.iter().map(|d| d.as_str()).collect::<Vec<_>>().join("\n"), s.text()));
 }

@@ -102,6 +102,11 @@ impl std::error::Error for CodegenError {}
 pub trait KernelBackend {
     fn name(&self) -> &'static str;
     fn render(&self, schedule: &Schedule) -> Result<RenderedKernels, CodegenError>;
+    /// When the scheduler should split narrow reductions in two stages (a GPU's many programs);
+    /// None keeps one kernel per reduction (a CPU's few threads each take whole rows).
+    fn split_reductions(&self) -> Option<crate::scheduler::SplitConfig> {
+        None
+    }
 }
 
 /// A kernel's buffer parameters: buffers read from memory first (in first-read order), then

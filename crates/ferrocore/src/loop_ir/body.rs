@@ -160,6 +160,21 @@ pub enum Expr {
     CheckIndex { value: ValueId, size: i64, wrap: bool },
 }
 
+impl Expr {
+    /// The values this expression reads, in operand order.
+    pub fn operands(&self) -> Vec<ValueId> {
+        match self {
+            Expr::Load { .. } | Expr::Constant(_) | Expr::Index(_) => Vec::new(),
+            Expr::Unary(_, x) | Expr::Cast(x) | Expr::Reduce(_, x) | Expr::Scan(_, x) => vec![*x],
+            Expr::Binary(_, a, b) | Expr::ArgReduce(_, a, b) => vec![*a, *b],
+            Expr::Random { seed, offset, .. } => vec![*seed, *offset],
+            Expr::Where(c, a, b) => vec![*c, *a, *b],
+            Expr::LoadIndirect { terms, .. } => terms.iter().map(|(v, _)| *v).collect(),
+            Expr::CheckIndex { value, .. } => vec![*value],
+        }
+    }
+}
+
 #[derive(Clone, Hash, PartialEq, Eq, Debug)]
 enum Key {
     Load(BufferId, IndexExpr),

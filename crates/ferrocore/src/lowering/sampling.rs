@@ -39,12 +39,11 @@ struct LinearTaps {
     weight: [ValueId; 2],
 }
 
-/// ATen's compute_source_index_and_lambda for output position `o`.
-fn linear_taps(bx: &mut Bx, o: &IndexExpr, input: i64, output: i64, scale: f64, align_corners: bool, ct: DType) -> LinearTaps {
+/// ATen's compute_source_index_and_lambda for output position `o`; `copy`: the axis is copied.
+fn linear_taps(bx: &mut Bx, o: &IndexExpr, input: i64, copy: bool, scale: f64, align_corners: bool, ct: DType) -> LinearTaps {
     let one = fconst(bx, 1.0, ct);
     let zero = fconst(bx, 0.0, ct);
-    if input == output {
-        // ATen copies along an axis whose size is unchanged (whatever the scale factor says)
+    if copy {
         let i = bx.body.index(o.clone(), DType::I64);
         return LinearTaps { index: [i, i], weight: [one, zero] };
     }
@@ -84,17 +83,27 @@ enum Padding {
     Reflection,
 }
 
+/// Which of ATen's grid sampler kernels an axis reproduces: eager differs between them where
+/// coordinates are not finite or huge.
+#[derive(Clone, Copy, PartialEq)]
+enum Flavor {
+    /// CPU grid_sampler_2d (vectorized): NaN clips to 0.
+    CpuVector,
+    /// CPU grid_sampler_3d (scalar): the same maths in another order; NaN clips to the far border.
+    CpuScalar,
+    /// CUDA (GridSampler.cuh): the scalar maths, NaN clipping to 0 (fmaxf), a reflection count
+    /// that saturates, and non-finite or huge positions moved far outside (to -100).
+    Cuda,
+}
+
 /// One spatial axis of a grid sampler: maps grid coordinates in [-1, 1] to input positions.
-/// `scalar` follows ATen's scalar kernel (grid_sampler_3d) instead of its vectorized one
-/// (grid_sampler_2d): the same maths, evaluated in another order and with NaN clipped to the
-/// far border instead of 0.
 #[derive(Clone, Copy)]
 struct GridAxis {
     size: i64,
     align_corners: bool,
     padding: Padding,
     ct: DType,
-    scalar: bool,
+    flavor: Flavor,
 }
 
 impl GridAxis {
@@ -106,7 +115,7 @@ impl GridAxis {
     fn unnormalize(&self, bx: &mut Bx, g: ValueId) -> ValueId {
         let one = self.c(bx, 1.0);
         let shifted = bx.body.binary(BinaryOp::Add, g, one);
-        if self.scalar {
+        if self.flavor != Flavor::CpuVector {
             // ((g + 1) / 2) * (size - 1), or ((g + 1) * size - 1) / 2
             let two = self.c(bx, 2.0);
             return if self.align_corners {
@@ -131,11 +140,11 @@ impl GridAxis {
         }
     }
 
-    /// Clamp into [0, size - 1]; NaN becomes 0 in the vectorized kernel, size - 1 in the scalar.
+    /// Clamp into [0, size - 1]; NaN becomes size - 1 in the CPU scalar kernel, else 0.
     fn clip(&self, bx: &mut Bx, x: ValueId) -> ValueId {
         let zero = self.c(bx, 0.0);
         let top = self.c(bx, (self.size - 1) as f64);
-        let lo = if self.scalar {
+        let lo = if self.flavor == Flavor::CpuScalar {
             let neg = bx.body.binary(BinaryOp::Lt, x, zero);
             bx.body.where_(neg, zero, x)
         } else {
@@ -156,7 +165,7 @@ impl GridAxis {
         let lowc = self.c(bx, low);
         let rel = if low == 0.0 { x } else { bx.body.binary(BinaryOp::Sub, x, lowc) };
         let a = bx.body.unary(UnaryOp::Abs, rel);
-        if self.scalar {
+        if self.flavor != Flavor::CpuVector {
             // fmod by the span, flipped back when the number of whole spans is odd
             let span = self.c(bx, twice_span / 2.0);
             let extra = bx.body.binary(BinaryOp::Fmod, a, span);
@@ -166,10 +175,17 @@ impl GridAxis {
             let parity = bx.body.binary(BinaryOp::Fmod, flips, two);
             let one = self.c(bx, 1.0);
             let odd = bx.body.binary(BinaryOp::Eq, parity, one);
-            // ATen counts flips in an int: past its range the count reads as even
+            // ATen counts flips in an int: past its range the count reads as even on the CPU
+            // (x86's conversion gives INT_MIN) and odd on CUDA (the conversion saturates)
             let lim = self.c(bx, 2147483648.0);
             let fits = bx.body.binary(BinaryOp::Lt, flips, lim);
             let odd = bx.body.binary(BinaryOp::LogicalAnd, odd, fits);
+            let odd = if self.flavor == Flavor::Cuda {
+                let past = bx.body.binary(BinaryOp::Ge, flips, lim);
+                bx.body.binary(BinaryOp::LogicalOr, odd, past)
+            } else {
+                odd
+            };
             let even_r = bx.body.binary(BinaryOp::Add, extra, lowc);
             let back = bx.body.binary(BinaryOp::Sub, span, extra);
             let odd_r = bx.body.binary(BinaryOp::Add, back, lowc);
@@ -191,14 +207,26 @@ impl GridAxis {
 
     /// The padding mode applied to an input position.
     fn pad(&self, bx: &mut Bx, x: ValueId) -> ValueId {
-        match self.padding {
+        let padded = match self.padding {
             Padding::Zeros => x,
             Padding::Border => self.clip(bx, x),
             Padding::Reflection => {
                 let r = self.reflect(bx, x);
                 self.clip(bx, r)
             }
+        };
+        if self.flavor != Flavor::Cuda {
+            return padded;
         }
+        // CUDA's safe_downgrade_to_int_range: outside [INT_MIN, INT_MAX - 1] (compared in the
+        // coordinate's type) or not finite -> -100, a position every tap misses
+        let lo = self.c(bx, -2147483648.0);
+        let hi = self.c(bx, 2147483646.0);
+        let ge = bx.body.binary(BinaryOp::Ge, padded, lo);
+        let le = bx.body.binary(BinaryOp::Le, padded, hi);
+        let ok = bx.body.binary(BinaryOp::LogicalAnd, ge, le);
+        let far = self.c(bx, -100.0);
+        bx.body.where_(ok, padded, far)
     }
 
     /// An integral position as (index clamped into the axis, whether it lies inside). The
@@ -332,12 +360,16 @@ impl Ctx<'_> {
         let ct = x.dtype.compute();
         let (ins, outs) = (x.size.clone(), out.shape.clone());
         let scales: Vec<f64> = (0..2).map(|k| area_scale(ins[2 + k], outs[2 + k], align_corners, factors[k], ct)).collect();
+        // ATen's CPU kernel copies along each axis whose size is unchanged (whatever the scale
+        // factor says); its CUDA kernel copies only when both are, and otherwise interpolates
+        let same = [ins[2] == outs[2], ins[3] == outs[3]];
+        let copy = if matches!(x.device, Device::Cuda(_)) { [same[0] && same[1]; 2] } else { same };
         let (buf, stride, offset) = strided_base(self, &x)?;
         let dt = x.dtype;
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let base = IndexExpr::constant(offset).add(&idx[0].scale(stride[0])).add(&idx[1].scale(stride[1]));
-            let h = linear_taps(bx, &idx[2], ins[2], outs[2], scales[0], align_corners, ct);
-            let w = linear_taps(bx, &idx[3], ins[3], outs[3], scales[1], align_corners, ct);
+            let h = linear_taps(bx, &idx[2], ins[2], copy[0], scales[0], align_corners, ct);
+            let w = linear_taps(bx, &idx[3], ins[3], copy[1], scales[1], align_corners, ct);
             let mut rows = Vec::with_capacity(2);
             for &hi in &h.index {
                 let vals: Vec<ValueId> = w
@@ -393,8 +425,13 @@ impl Ctx<'_> {
         }
         let ct = x.dtype.compute();
         // input order (D,) H, W; the grid lists the same axes reversed (x first)
+        let flavor = match (&x.device, k) {
+            (Device::Cuda(_), _) => Flavor::Cuda,
+            (_, 3) => Flavor::CpuScalar,
+            _ => Flavor::CpuVector,
+        };
         let axes: Vec<GridAxis> =
-            (0..k).map(|j| GridAxis { size: x.size[2 + j], align_corners, padding, ct, scalar: k == 3 }).collect();
+            (0..k).map(|j| GridAxis { size: x.size[2 + j], align_corners, padding, ct, flavor }).collect();
         let (buf, stride, offset) = strided_base(self, &x)?;
         let dt = x.dtype;
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {

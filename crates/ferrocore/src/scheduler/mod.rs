@@ -6,8 +6,10 @@
 
 mod plan;
 pub mod simplify;
+mod split;
 
 pub use plan::{KernelNode, KernelPlan, LocalRead, LoopGroup};
+pub use split::{split_reductions, SplitConfig, GPU_SPLIT};
 
 use crate::loop_ir::*;
 use std::collections::HashSet;
@@ -45,18 +47,22 @@ const FUSION_WINDOW: usize = 32;
 
 /// Schedules for the C++ backend (kernel names `cpp_*`).
 pub fn schedule(program: LoopProgram) -> Result<Schedule, SchedulerError> {
-    schedule_for(program, "cpp")
+    schedule_for(program, "cpp", None)
 }
 
 /// Schedules `program`; kernels are named `{prefix}_{poi|red}_fused_{origins}_{index}` after the
-/// backend that will render them (the schedule itself does not depend on the backend).
-pub fn schedule_for(mut program: LoopProgram, prefix: &str) -> Result<Schedule, SchedulerError> {
+/// backend that will render them. `split` (a GPU backend's) splits reductions with too few
+/// outputs to fill the device into two stages; otherwise the schedule does not depend on the backend.
+pub fn schedule_for(mut program: LoopProgram, prefix: &str, split: Option<&SplitConfig>) -> Result<Schedule, SchedulerError> {
     let mut decisions = Vec::new();
     for name in simplify::eliminate_dead_nodes(&mut program) {
         decisions.push(format!("dead: {name} is never read; removed"));
     }
     for i in 0..program.nodes.len() {
         program.nodes[i] = simplify::simplify_loops(&program.nodes[i]);
+    }
+    if let Some(config) = split {
+        decisions.extend(split_reductions(&mut program, config));
     }
     // nodes with no output elements do no work
     let empty: Vec<usize> = (0..program.nodes.len()).filter(|&i| program.nodes[i].ranges.iter().product::<i64>() == 0).collect();

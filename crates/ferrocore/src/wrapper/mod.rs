@@ -211,6 +211,10 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             let _ = writeln!(m, "TRITON_LAUNCHERS = {{{}}}", names.join(", "));
         }
     }
+    // the index check reads its flag on the host after the launches: a CUDA graph cannot
+    if kernels.launches.iter().any(|l| l.checks_indices && matches!(l.shape, LaunchShape::Grid { .. })) {
+        m.push_str("\nCUDAGRAPH_UNSAFE = 'an index check reads a device flag on the host after the launches'\n");
+    }
     // Triton launches on the current device: run CUDA graphs under their device
     let cuda = p.buffers.iter().find_map(|b| match b.layout.device {
         crate::graph::Device::Cuda(i) => Some(i),

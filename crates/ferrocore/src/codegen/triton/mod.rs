@@ -58,6 +58,10 @@ impl KernelBackend for TritonBackend {
         "triton"
     }
 
+    fn split_reductions(&self) -> Option<crate::scheduler::SplitConfig> {
+        Some(crate::scheduler::GPU_SPLIT)
+    }
+
     fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
         let mut source = String::from(PRELUDE);
         let mut launches = Vec::new();

@@ -1,0 +1,201 @@
+"""`mode="reduce-overhead"`: a compiled GPU graph's launches recorded once in a CUDA graph and
+replayed, so that a call costs one graph launch instead of one host round per kernel.
+
+A recording reads its inputs at the addresses it was recorded with and writes its outputs into
+its own memory pool. Two rules keep that from ever giving a wrong answer:
+
+- Inputs are never copied: a recording is keyed by the addresses of every input, and a call
+  whose inputs live elsewhere records again (up to `MAX_KEYS` address sets; beyond that, the
+  call runs the plain compiled wrapper).
+- Outputs handed to the caller are aliases of the pool. A recording is replayed only when no
+  alias it handed out is still alive; otherwise a second recording of the same inputs (its own
+  pool) is replayed, and when every recording's outputs are still held, the call runs the
+  plain wrapper, which allocates fresh outputs. A later replay never overwrites memory the
+  caller can still read.
+
+Only inference graphs whose every input is a tensor on the graph's GPU are recorded; training
+graphs, CPU tensors, ATen fallbacks and host-side checks run without CUDA graphs, logged once.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .metrics import metrics
+
+# Distinct input address sets recorded per graph, and recordings per address set.
+MAX_KEYS = 8
+GENERATIONS = 2
+
+
+def blocker(module, device, inputs_meta, fallbacks: int, training: bool) -> str | None:
+    """Why this compiled graph cannot run as a CUDA graph, or None when it can."""
+    if training:
+        return "a training graph (its outputs feed autograd; only inference graphs are recorded)"
+    if device is None or device.type != "cuda":
+        return "not a GPU graph"
+    if getattr(module, "KERNEL_SOURCE", None) is not None:
+        return "it runs C++ kernels on the host"
+    if fallbacks:
+        return f"{fallbacks} ATen fallback call(s) of unknown capture safety"
+    unsafe = getattr(module, "CUDAGRAPH_UNSAFE", None)
+    if unsafe:
+        return unsafe
+    for i, val in enumerate(inputs_meta):
+        if not isinstance(val, torch.Tensor):
+            return f"input {i} is not a tensor"
+        if val.device != device:
+            return f"input {i} lives on {val.device}"
+    return None
+
+
+class _Recording:
+    """One captured graph, its pool's outputs and what the last replay handed out."""
+
+    __slots__ = ("graph", "static_outputs", "plan", "handed")
+
+    def __init__(self, graph, static_outputs, plan):
+        self.graph, self.static_outputs, self.plan = graph, static_outputs, plan
+        self.handed: list = []
+
+    def free(self) -> bool:
+        return all(ref.expired() for ref in self.handed)
+
+    def run(self, args) -> list:
+        self.graph.replay()
+        return self.hand_out(args)
+
+    def hand_out(self, args) -> list:
+        storages = {}
+        out = []
+        for entry in self.plan:
+            kind = entry[0]
+            if kind == "value":
+                out.append(entry[1])
+            elif kind == "input":
+                _, j, size, stride, delta = entry
+                out.append(args[j].as_strided(size, stride, args[j].storage_offset() + delta))
+            else:
+                _, key, ptr, nbytes, device, dtype, size, stride, offset = entry
+                st = storages.get(key)
+                if st is None:
+                    # a storage of its own over the pool's bytes: its lifetime is the caller's
+                    st = storages[key] = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+                out.append(torch.empty((0,), dtype=dtype, device=device).set_(st, offset, size, stride))
+        self.handed = [StorageWeakRef(s) for s in storages.values()]
+        return out
+
+
+class CudaGraphRunner:
+    """Wraps a compiled graph's boxed `call(args)`: the first call runs it plainly (kernels load,
+    library handles initialize), later calls replay a recording for the inputs' addresses."""
+
+    def __init__(self, call, name: str, device: torch.device):
+        self.call, self.name, self.device = call, name, device
+        self.warm = False
+        self.broken: str | None = None
+        self.recordings: OrderedDict = OrderedDict()  # address key -> [_Recording]
+        self._logged: set = set()
+
+    def __call__(self, args):
+        if self.broken is not None or not self.warm:
+            self.warm = True
+            metrics.count("cudagraph_plain_calls")
+            return self.call(args)
+        key = tuple(a.data_ptr() for a in args)
+        gens = self.recordings.get(key)
+        if gens is not None:
+            self.recordings.move_to_end(key)
+            for rec in gens:
+                if rec.free():
+                    metrics.count("cudagraph_replays")
+                    return rec.run(args)
+        if gens is None and len(self.recordings) >= MAX_KEYS and not self._evict():
+            return self._plain(args, f"more than {MAX_KEYS} input address sets with live outputs")
+        if gens is not None and len(gens) >= GENERATIONS:
+            return self._plain(args, f"the outputs of all {GENERATIONS} recordings for these inputs are still held")
+        rec = self._record(args)
+        if rec is None:
+            return self.call(args)
+        self.recordings.setdefault(key, []).append(rec)
+        metrics.count("cudagraph_recordings")
+        return rec.run(args)
+
+    def _plain(self, args, why: str):
+        self._log(f"a call runs without its CUDA graph: {why}")
+        metrics.count("cudagraph_plain_calls")
+        return self.call(args)
+
+    def _evict(self) -> bool:
+        """Drops the least recently used address set whose outputs nobody holds."""
+        for key, gens in self.recordings.items():
+            if all(r.free() for r in gens):
+                del self.recordings[key]
+                return True
+        return False
+
+    def _record(self, args):
+        try:
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.device(self.device):
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
+                    outs = self.call(list(args))
+                torch.cuda.current_stream().wait_stream(stream)
+        except Exception as e:  # noqa: BLE001  (capture is illegal for something in the graph)
+            self.broken = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self._log(f"runs without CUDA graphs: {self.broken}")
+            metrics.count("cudagraph_capture_failures")
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:  # noqa: BLE001
+                pass
+            return None
+        try:
+            plan = _output_plan(outs, args)
+        except _Unrecordable as e:
+            self.broken = str(e)
+            self._log(f"runs without CUDA graphs: {self.broken}")
+            return None
+        return _Recording(graph, outs, plan)
+
+    def _log(self, text: str) -> None:
+        if text not in self._logged:
+            self._logged.add(text)
+            print(f"[ferrocore:cudagraphs] {self.name} {text}", file=sys.stderr)
+
+
+class _Unrecordable(Exception):
+    pass
+
+
+def _output_plan(outs, args) -> list:
+    """How each output is rebuilt after a replay: a plain value, a view of an input, or a view
+    of the pool's bytes (outputs sharing a storage share one storage again)."""
+    inputs = {}
+    for j, a in enumerate(args):
+        inputs.setdefault(a.untyped_storage().data_ptr(), j)
+    plan, keys = [], {}
+    for o in outs:
+        if not isinstance(o, torch.Tensor):
+            plan.append(("value", o))
+            continue
+        st = o.untyped_storage()
+        base = st.data_ptr()
+        size, stride, offset = tuple(o.shape), tuple(o.stride()), o.storage_offset()
+        if base in inputs:
+            j = inputs[base]
+            if args[j].dtype != o.dtype:
+                raise _Unrecordable(f"an output views input {j} as another dtype")
+            # rebuilt from the caller's tensor at each replay, at the same distance into it
+            plan.append(("input", j, size, stride, offset - args[j].storage_offset()))
+            continue
+        key = keys.setdefault(base, len(keys))
+        plan.append(("pool", key, base, st.nbytes(), o.device, o.dtype, size, stride, offset))
+    return plan
