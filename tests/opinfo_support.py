@@ -1147,3 +1147,8 @@ def render_markdown(data: dict) -> str:
 
 def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
+
+
+def torch_version() -> tuple:
+    """torch's (major, minor)."""
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

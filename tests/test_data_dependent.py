@@ -106,6 +106,10 @@ def test_masked_select_and_narrow_at_a_tensor_start(observed):
 
     cf = _compiled(f)
     x = torch.randn(6, 3)
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if x.is_cuda and version < (2, 12):
+        pytest.xfail("torch < 2.12: dynamo raises PendingUnbackedSymbolNotFound on narrow at a tensor "
+                     "start on CUDA, with every backend (eager included)")
     for seed, s in ((0, torch.tensor(1)), (1, torch.tensor(3))):
         torch.manual_seed(seed)
         m = torch.rand(6, 3) > 0.5

@@ -100,6 +100,24 @@ def _():
     return (lambda a: a.sum(-1) + a.amax(-1)), (randn(256, 10000),)
 
 
+@case("complex_moves")
+def _():
+    # complex buffers addressed as pairs of reals: a transposed copy, a pad, a conjugate, a
+    # widening, real and imaginary parts, a real -> complex32 conversion
+    def f(z, r):
+        return (z.t().contiguous(), F.pad(z, (1, 2)), torch.conj_physical(z), z.to(torch.complex128),
+                z.real * z.imag, torch.view_as_real(z) + 1, r.to(torch.complex32))
+
+    z = torch.complex(randn(4, 6), randn(4, 6, seed=1))
+    return f, (z, randn(3, 5, seed=2))
+
+
+@case("complex_around_a_library_call", atol=1e-4, rtol=1e-4)
+def _():
+    # fft2 of a padded real input: the pad and the output's copy are kernels, the FFT a call
+    return (lambda r: torch.fft.fft2(r, s=(5, 8)).conj() * 1), (randn(3, 4, 6),)
+
+
 @case("split_reductions", atol=1e-3)
 def _():
     # few outputs, long reductions: two stages. 100003 is prime (the last chunk is masked);
@@ -295,10 +313,11 @@ def _():
     ), (randn(4, 3, dtype=torch.float16), idx, randn(4, 3, dtype=torch.float16, seed=1))
 
 
-@case("complex_falls_back_to_eager", fallback=True)
+@case("int8_scatter_add_falls_back_to_eager", fallback=True)
 def _():
-    # complex values: moved by the C++ backend's kernels, not rendered in Triton yet
-    return (lambda a: torch.flip(a, (0,))), (torch.randn(4, 3, dtype=torch.complex64, generator=_g()),)
+    # no atomic add of 8-bit integers (nor a compare-and-swap form): the graph runs eagerly
+    idx = torch.tensor([0, 2, 2, 5])
+    return (lambda a, i, b: a.scatter_add(0, i, b)), (torch.arange(6, dtype=torch.int8), idx, torch.ones(4, dtype=torch.int8))
 
 
 @case("divisions", atol=1e-6, rtol=1e-6)
@@ -340,6 +359,8 @@ def _compare(name, got, exp, atol, rtol):
             return f"output {i}: {g.dtype}{tuple(g.shape)} vs eager {e.dtype}{tuple(e.shape)}"
         if g.numel() > 1 and g.stride() != e.stride():
             return f"output {i}: strides {g.stride()} vs eager {e.stride()}"
+        if e.dtype.is_complex:  # compared as their components
+            g, e = torch.view_as_real(g.to(torch.complex128)), torch.view_as_real(e.to(torch.complex128))
         if e.dtype.is_floating_point:
             if not torch.allclose(g.double(), e.double(), atol=atol, rtol=rtol, equal_nan=True):
                 return f"output {i}: max abs diff {(g.double() - e.double()).abs().nan_to_num().max().item()}"

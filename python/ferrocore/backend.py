@@ -30,16 +30,20 @@ from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 _graph_ids = itertools.count()
 
 
-# torch.compile modes that record CUDA graphs, as Inductor's do.
+# torch.compile modes that record CUDA graphs, and those that autotune kernels, as Inductor's do.
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
 
 def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
-    """Dynamo backend. `options=` (a dict) overrides env options; `mode="reduce-overhead"` (or
-    "max-autotune") records GPU inference graphs as CUDA graphs; other arguments are ignored."""
+    """Dynamo backend. `options=` (a dict) overrides env options; `mode="reduce-overhead"`
+    records GPU inference graphs as CUDA graphs, "max-autotune-no-cudagraphs" times each Triton
+    kernel's candidate configurations, "max-autotune" does both; other arguments are ignored."""
     overrides = dict(kwargs.get("options") or {})
     if kwargs.get("mode") in CUDAGRAPH_MODES:
         overrides.setdefault("cudagraphs", True)
+    if kwargs.get("mode") in AUTOTUNE_MODES:
+        overrides.setdefault("autotune", True)
     state = _AotClock()
     user_strides = _user_output_strides(gm)
 
@@ -205,10 +209,13 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         module = _import_module(result["module_path"], name)
     timings.update(result.get("timings_ms", {}))
     timings["load"] = (time.perf_counter() - start) * 1e3
+    tuned = {}
     if device is not None and getattr(module, "TRITON_KERNELS", None):
         start = time.perf_counter()
-        runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None))
-        timings["triton_compile"] = (time.perf_counter() - start) * 1e3
+        opts = _options.build_options(overrides)
+        tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
+                                          autotune=opts["autotune"], cache_dir=opts["cache_dir"])
+        timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
 
     fallbacks = result.get("fallbacks", [])
     metrics.record(
@@ -222,6 +229,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
             module_path=result["module_path"],
             backend=result.get("backend"),
+            **tuned,
         )
     )
     call = module.call

@@ -18,7 +18,7 @@ LOG_CHANNELS = (
     "output_code",
     "fallback",
 )
-_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs")
+_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune")
 # Kernel backends: "auto" picks by the graph's device (CUDA -> Triton, CPU -> C++); "triton" on
 # CPU tensors runs the Triton kernels under Triton's interpreter (set TRITON_INTERPRET=1).
 BACKENDS = ("auto", "cpp", "triton")
@@ -34,6 +34,8 @@ def build_options(overrides: dict | None = None) -> dict:
         "backend": (os.environ.get("FERROCORE_BACKEND") or "auto").strip().lower(),
         # CUDA graphs for GPU inference graphs (mode="reduce-overhead"); read by the front only
         "cudagraphs": _flag(os.environ.get("FERROCORE_CUDAGRAPHS", "")),
+        # time each Triton kernel's candidate configurations (mode="max-autotune"); front only
+        "autotune": _flag(os.environ.get("FERROCORE_AUTOTUNE", "")),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
+import json
 import os
 import statistics
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -144,12 +149,20 @@ class TritonLaunch:
         self._fast = fast
 
 
-def precompile_triton(kernels, device, launchers: dict | None = None) -> None:
+def precompile_triton(kernels, device, launchers: dict | None = None, autotune: bool = False,
+                      cache_dir: str | None = None) -> dict:
     """Compiles a wrapper module's Triton kernels now, several at a time, instead of one by one
     at their first launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config), and
     binds each binary to its `TritonLaunch` (`TRITON_LAUNCHERS`). A kernel that cannot be warmed
-    up here is simply compiled at its first launch, through Triton's JIT call."""
+    up here is simply compiled at its first launch, through Triton's JIT call.
+
+    With `autotune`, each kernel's candidate configurations (the launch config's `candidates`,
+    heuristic first) are compiled and timed on scratch buffers, and the fastest one is bound;
+    winners are cached under `cache_dir/autotune`, keyed by the kernel's source, signature,
+    buffer sizes, candidates, device and Triton version. Returns counts for the metrics."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    launchers = launchers or {}
+    stats = {"autotuned": 0, "autotune_cache_hits": 0}
 
     def compile_one(entry) -> None:
         fn, signature, constexprs, launch = entry
@@ -158,14 +171,183 @@ def precompile_triton(kernels, device, launchers: dict | None = None) -> None:
             with torch.cuda.device(device):
                 compiled = fn.warmup(*args, grid=launch["grid"], num_warps=launch["num_warps"],
                                      num_stages=launch["num_stages"], **constexprs)
-                launcher = (launchers or {}).get(getattr(fn, "__name__", None))
+                launcher = launchers.get(getattr(fn, "__name__", None))
                 if launcher is not None and compiled is not None:
                     launcher.bind(compiled, index)
         except Exception:  # noqa: BLE001  (an older Triton without warmup, an unknown type)
             pass
 
+    if autotune:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        tuner = Autotuner(device, Path(cache_dir) / "autotune" if cache_dir else None)
+        # every candidate of every kernel not tuned before compiled several at a time first
+        # (the timing loop then finds them in Triton's cache)
+        todo = [(e[0], e[1], tuple(c)) for e in kernels if len(e[3].get("candidates") or ()) > 1
+                and tuner._cached(tuner.key(e[0], e[1], e[3]), [tuple(c) for c in e[3]["candidates"]]) is None
+                for c in e[3]["candidates"]]
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 4)) as pool:
+                list(pool.map(lambda t: tuner._warm(*t), todo))
+        with unset_fake_temporarily():  # compiles run under dynamo's fake mode: time real buffers
+            return _tune_all(tuner, kernels, launchers, compile_one, stats)
     if len(kernels) == 1:
         compile_one(kernels[0])
-        return
+        return stats
     with ThreadPoolExecutor(max_workers=min(len(kernels), os.cpu_count() or 4)) as pool:
         list(pool.map(compile_one, kernels))
+    return stats
+
+
+def _tune_all(tuner, kernels, launchers: dict, compile_one, stats: dict) -> dict:
+    for entry in kernels:
+        launcher = launchers.get(getattr(entry[0], "__name__", None))
+        if launcher is not None and len(entry[3].get("candidates") or ()) > 1:
+            hit = tuner.tune(entry, launcher)
+            if hit is not None:
+                stats["autotuned"] += 1
+                stats["autotune_cache_hits"] += int(hit)
+                continue
+        compile_one(entry)
+    return stats
+
+
+class Autotuner:
+    """Times a kernel's candidate configurations with CUDA events on scratch buffers (zeros: any
+    index a kernel computes from them is in range) and keeps the fastest, on disk."""
+
+    def __init__(self, device, cache: Path | None, reps: int = 5, calls: int = 10, timer=None,
+                 device_name: str | None = None):
+        self.device, self.cache, self.reps, self.calls = device, cache, reps, calls
+        self.timer = timer or self._cuda_time
+        if device_name is None:
+            device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        self.device_name = device_name
+
+    def key(self, fn, signature: dict, launch: dict) -> str:
+        import triton
+
+        text = json.dumps([getattr(fn, "src", getattr(fn, "__name__", "")), signature, launch.get("arg_numel"),
+                           [list(c) for c in launch["candidates"]], self.device_name, triton.__version__])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def tune(self, entry, launcher) -> bool | None:
+        """Binds the best configuration to `launcher`; True when it came from the cache, None
+        when nothing could be timed (the heuristic configuration stays)."""
+        fn, signature, constexprs, launch = entry
+        candidates = [tuple(c) for c in launch["candidates"]]
+        key = self.key(fn, signature, launch)
+        best = self._cached(key, candidates)
+        hit = best is not None
+        compiled = {}
+        if best is None:
+            try:
+                args = [torch.zeros(max(int(n), 1), dtype=_TRITON_POINTEE[t], device=self.device)
+                        for t, n in zip(signature.values(), launch["arg_numel"])]
+            except (KeyError, RuntimeError):
+                return None
+            timings = {}
+            for c in candidates:
+                trial = self._bound(fn, signature, c)
+                if trial is None:
+                    continue
+                compiled[c] = trial
+                try:
+                    timings[c] = self.timer(lambda t=trial[0]: t(*args))
+                except Exception as e:  # noqa: BLE001  (out of resources at this block size)
+                    print(f"[ferrocore:autotune] {getattr(fn, '__name__', fn)} {c} does not run: "
+                          f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", file=sys.stderr)
+                    continue
+            if not timings:
+                return None
+            best = min(timings, key=timings.get)
+            self._store(key, best, timings)
+        trial = compiled.get(best) or self._bound(fn, signature, best)
+        if trial is None:
+            return None
+        grid, xblock, warps, stages = best
+        launcher.grid, launcher.constexprs = grid, {"XBLOCK": xblock}
+        launcher.num_warps, launcher.num_stages = warps, stages
+        launcher._fast = None
+        launcher.bind(trial[1], self._index())
+        return hit
+
+    def _index(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _warm(self, fn, signature: dict, config):
+        grid, xblock, warps, stages = config
+        try:
+            with torch.cuda.device(self.device):
+                return fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
+                                 num_warps=warps, num_stages=stages, XBLOCK=xblock)
+        except Exception:  # noqa: BLE001  (reported when the candidate is bound)
+            return None
+
+    def _bound(self, fn, signature: dict, config):
+        """(a launch of `fn` in `config`, its compiled binary), or None where it does not compile."""
+        grid, xblock, warps, stages = config
+        try:
+            with torch.cuda.device(self.device):
+                compiled = fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
+                                     num_warps=warps, num_stages=stages, XBLOCK=xblock)
+        except Exception as e:  # noqa: BLE001  (e.g. out of shared memory at this block size)
+            print(f"[ferrocore:autotune] {getattr(fn, '__name__', fn)} {config} does not compile: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", file=sys.stderr)
+            return None
+        if compiled is None:
+            return None
+        launch = TritonLaunch(fn, grid, {"XBLOCK": xblock}, warps, stages)
+        launch.bind(compiled, self._index())
+        return launch, compiled
+
+    def _cuda_time(self, run) -> float:
+        """Median ms per launch over `reps` rounds of `calls` launches, after a warm-up."""
+        run()
+        torch.cuda.synchronize(self.device)
+        samples = []
+        for _ in range(self.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.calls):
+                run()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / self.calls)
+        return statistics.median(samples)
+
+    def _path(self, key: str) -> Path | None:
+        return self.cache / key[:2] / f"{key}.json" if self.cache is not None else None
+
+    def _cached(self, key: str, candidates: list):
+        path = self._path(key)
+        if path is None or not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text())
+            best = tuple(data["best"])
+            if data.get("key") == key and best in candidates:
+                return best
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        # truncated or corrupt: timed again and rewritten
+        print(f"[ferrocore:autotune] cache entry {path} is unreadable; tuning again", file=sys.stderr)
+        return None
+
+    def _store(self, key: str, best, timings: dict) -> None:
+        path = self._path(key)
+        if path is None:
+            return
+        data = {"key": key, "best": list(best),
+                "timings_ms": [[list(c), round(t, 6)] for c, t in sorted(timings.items(), key=lambda kv: kv[1])]}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # written whole or not at all: a reader never sees half a file
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass

@@ -7,7 +7,10 @@ use ferrocore::codegen::{CodegenErrorKind, KernelBackend};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::parse_graph;
 use ferrocore::lowering::lower_graph;
-use ferrocore::scheduler::{schedule, schedule_for};
+use ferrocore::scheduler::{schedule, schedule_for, ScheduleOptions};
+
+/// Triton's kernel names without its reduction splits (for tests of the plain kernels).
+const TRITON_WHOLE: ScheduleOptions<'static> = ScheduleOptions { prefix: "triton", split: None, complex_as_real: true };
 use std::path::PathBuf;
 
 fn meta(shape: &[i64], dtype: &str) -> String {
@@ -219,7 +222,7 @@ fn scatter_add_is_a_copy_then_an_atomic_scatter_kernel() {
 /// Lowered, scheduled for Triton and rendered by the Triton backend: the kernels without the prelude.
 fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) {
     let g = parse_graph(doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, "triton", None).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
     let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     (src, k.launches)
@@ -282,22 +285,47 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
 
 #[test]
 fn what_triton_cannot_render_is_a_graph_fallback() {
-    // complex values: the C++ backend moves them, Triton kernels do not yet
+    // an int8 scatter-add: no atomic add of 8-bit integers, and no compare-and-swap form
     let doc = G::new()
-        .input("x", &[4, 8], "complex64")
-        .call("c", "aten.clone.default", &n("x"), &meta(&[4, 8], "complex64"))
-        .output(&["c"]);
+        .input("x", &[10], "int8")
+        .input("idx", &[6], "int64")
+        .input("src", &[6], "int8")
+        .call("s", "aten.scatter_add.default", &format!(r#"{},{{"int":0}},{},{}"#, n("x"), n("idx"), n("src")), &meta(&[10], "int8"))
+        .output(&["s"]);
     let g = parse_graph(&doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, "triton", None).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
     let e = TritonBackend { cpu_tensors: true }.render(&s).unwrap_err();
     assert_eq!(e.kind, CodegenErrorKind::Unsupported, "{e}");
-    assert!(e.to_string().contains("complex64"), "{e}");
+    assert!(e.to_string().contains("scatter of int8"), "{e}");
     let opts = Options { backend: BackendChoice::Triton, skip_native_compile: true, ..Options::default() };
     let r = compile_graph(&doc, &opts).unwrap();
-    assert!(r.graph_fallback.as_deref().is_some_and(|m| m.contains("complex64")), "{:?}", r.graph_fallback);
+    assert!(r.graph_fallback.as_deref().is_some_and(|m| m.contains("int8")), "{:?}", r.graph_fallback);
     assert!(r.module_path.is_empty());
     // the C++ backend renders it
     assert!(compile_graph(&doc, &Options { skip_native_compile: true, ..Options::default() }).unwrap().graph_fallback.is_none());
+}
+
+#[test]
+fn triton_moves_complex_values_as_pairs_of_reals() {
+    // a transposed complex64 copy and a complex conversion of a real tensor: components stored
+    // at 2i + p (p the innermost variable), the kernels given the buffers' real views
+    let doc = G::new()
+        .input("x", &[4, 8], "complex64")
+        .input("r", &[4, 8], "float32")
+        .call("t", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("x")), &meta(&[8, 4], "complex64").replace("[4,1]", "[1,8]"))
+        .call("c", "aten.clone.default", &format!(r#"{}"#, n("t")), &meta(&[8, 4], "complex64"))
+        .call("z", "aten._to_copy.default", &n("r"), &meta(&[4, 8], "complex128"))
+        .output(&["c", "z"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
+    assert_eq!(s.decisions.iter().filter(|d| d.starts_with("complex:")).count(), 2, "{:?}", s.decisions);
+    let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
+    let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    let opts = Options { backend: BackendChoice::Triton, skip_native_compile: true, ..Options::default() };
+    let r = compile_graph(&doc, &opts).unwrap();
+    assert!(r.graph_fallback.is_none(), "{:?}", r.graph_fallback);
+    assert!(r.module_source.contains("torch.view_as_real(x)"), "{}", r.module_source);
+    check("triton_complex.txt", &src);
 }
 
 #[test]
@@ -347,7 +375,7 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
         .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("y")), &meta(&[3], "float16"))
         .output(&["mean", "sum_1"]);
     let g = parse_graph(&doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, "triton", Some(&ferrocore::scheduler::GPU_SPLIT)).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
     s.program.verify().unwrap();
     let decisions: Vec<&String> = s.decisions.iter().filter(|d| d.starts_with("split")).collect();
     assert_eq!(decisions.len(), 2, "{:?}", s.decisions);
@@ -355,7 +383,7 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
     let src = TritonBackend { cpu_tensors: true }.render(&s).unwrap().source;
     let src = src.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     // no split without a GPU's split config (the C++ backend's rows are whole)
-    let whole = schedule_for(lower_graph(&g).unwrap().program, "triton", None).unwrap();
+    let whole = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
     assert_eq!(whole.kernel_count(), 2);
     check("triton_split_reductions.txt", &format!("{}\n{}\n{src}", decisions.iter().map(|d| d.as_str()).collect::<Vec<_>>().join("\n"), s.text()));
 }

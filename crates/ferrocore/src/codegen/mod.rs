@@ -53,6 +53,21 @@ pub struct KernelLaunch {
     /// Per parameter (buffers, then the error flag if any), its Triton signature type
     /// (`*fp32`, `*i1`, ...); empty for C++.
     pub signature: Vec<(String, String)>,
+    /// Configurations an autotuner may time instead of the heuristic one (which comes first),
+    /// each valid for the kernel's text; empty for C++.
+    pub candidates: Vec<TuneConfig>,
+    /// Per parameter, the elements its buffer spans (in the signature's element type): what an
+    /// autotuner allocates to time the kernel on.
+    pub arg_numel: Vec<i64>,
+}
+
+/// One launch configuration of a Triton kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TuneConfig {
+    pub grid: i64,
+    pub xblock: i64,
+    pub num_warps: u32,
+    pub num_stages: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -102,11 +117,10 @@ impl std::error::Error for CodegenError {}
 pub trait KernelBackend {
     fn name(&self) -> &'static str;
     fn render(&self, schedule: &Schedule) -> Result<RenderedKernels, CodegenError>;
-    /// When the scheduler should split narrow reductions in two stages (a GPU's many programs);
-    /// None keeps one kernel per reduction (a CPU's few threads each take whole rows).
-    fn split_reductions(&self) -> Option<crate::scheduler::SplitConfig> {
-        None
-    }
+    /// What the scheduler should do for this backend: kernel names, whether to split narrow
+    /// reductions in two stages (a GPU's many programs; a CPU's few threads take whole rows),
+    /// whether complex buffers are addressed as pairs of reals.
+    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions<'static>;
 }
 
 /// A kernel's buffer parameters: buffers read from memory first (in first-read order), then

@@ -174,7 +174,7 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         KernelLanguage::Triton => &triton,
     };
     let sched = st
-        .time("scheduling", || schedule_for(lowered.program, backend.name(), backend.split_reductions().as_ref()))
+        .time("scheduling", || schedule_for(lowered.program, &backend.schedule_options()))
         .map_err(|e| CompileError { stage: "scheduling", message: e.to_string() })?;
     st.emit("fusion", || sched.decisions.join("\n") + "\n");
     st.emit("ir_post_fusion", || sched.text());

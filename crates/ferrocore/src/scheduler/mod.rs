@@ -4,11 +4,13 @@
 //! otherwise it starts a kernel. Buffers used only inside one kernel are never allocated.
 //! Every decision is logged with its reason.
 
+mod complex;
 mod plan;
 pub mod simplify;
 mod split;
 
 pub use plan::{KernelNode, KernelPlan, LocalRead, LoopGroup};
+pub use complex::{complex_as_real, component_type};
 pub use split::{split_reductions, SplitConfig, GPU_SPLIT};
 
 use crate::loop_ir::*;
@@ -45,23 +47,42 @@ pub struct Schedule {
 /// How far back a node looks for a kernel to join (bounds compile time on big graphs).
 const FUSION_WINDOW: usize = 32;
 
-/// Schedules for the C++ backend (kernel names `cpp_*`).
-pub fn schedule(program: LoopProgram) -> Result<Schedule, SchedulerError> {
-    schedule_for(program, "cpp", None)
+/// What a kernel backend asks of the scheduler.
+#[derive(Clone, Copy, Debug)]
+pub struct ScheduleOptions<'a> {
+    /// Kernels are named `{prefix}_{poi|red}_fused_{origins}_{index}` after the backend.
+    pub prefix: &'a str,
+    /// Split reductions with too few outputs to fill the device into two stages (a GPU's).
+    pub split: Option<SplitConfig>,
+    /// Address complex buffers as pairs of reals (a backend without complex types).
+    pub complex_as_real: bool,
 }
 
-/// Schedules `program`; kernels are named `{prefix}_{poi|red}_fused_{origins}_{index}` after the
-/// backend that will render them. `split` (a GPU backend's) splits reductions with too few
-/// outputs to fill the device into two stages; otherwise the schedule does not depend on the backend.
-pub fn schedule_for(mut program: LoopProgram, prefix: &str, split: Option<&SplitConfig>) -> Result<Schedule, SchedulerError> {
+impl ScheduleOptions<'_> {
+    /// The C++ backend's: whole reductions, complex values as they are.
+    pub const CPP: ScheduleOptions<'static> = ScheduleOptions { prefix: "cpp", split: None, complex_as_real: false };
+}
+
+/// Schedules for the C++ backend (kernel names `cpp_*`).
+pub fn schedule(program: LoopProgram) -> Result<Schedule, SchedulerError> {
+    schedule_for(program, &ScheduleOptions::CPP)
+}
+
+/// Schedules `program` for a backend; apart from the options' rewrites, the schedule does not
+/// depend on the backend.
+pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<Schedule, SchedulerError> {
+    let prefix = opts.prefix;
     let mut decisions = Vec::new();
     for name in simplify::eliminate_dead_nodes(&mut program) {
         decisions.push(format!("dead: {name} is never read; removed"));
     }
+    if opts.complex_as_real {
+        decisions.extend(complex_as_real(&mut program));
+    }
     for i in 0..program.nodes.len() {
         program.nodes[i] = simplify::simplify_loops(&program.nodes[i]);
     }
-    if let Some(config) = split {
+    if let Some(config) = &opts.split {
         decisions.extend(split_reductions(&mut program, config));
     }
     // nodes with no output elements do no work

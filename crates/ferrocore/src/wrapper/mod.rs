@@ -193,11 +193,16 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             for l in kernels.launches.iter().filter(|l| listed.insert(l.name.clone())) {
                 let sig: Vec<String> = l.signature.iter().map(|(n, t)| format!("'{n}': '{t}'")).collect();
                 if let LaunchShape::Grid { grid, xblock, num_warps, num_stages } = &l.shape {
+                    // (grid, XBLOCK, num_warps, num_stages) an autotuner may time, heuristic first
+                    let cands: Vec<String> =
+                        l.candidates.iter().map(|c| format!("({}, {}, {}, {})", c.grid, c.xblock, c.num_warps, c.num_stages)).collect();
                     let _ = writeln!(
                         entries,
-                        "    ({}, {{{}}}, {{'XBLOCK': {xblock}}}, {{'grid': {grid}, 'num_warps': {num_warps}, 'num_stages': {num_stages}}}),",
+                        "    ({}, {{{}}}, {{'XBLOCK': {xblock}}}, {{'grid': {grid}, 'num_warps': {num_warps}, 'num_stages': {num_stages}, 'candidates': [{}], 'arg_numel': {:?}}}),",
                         l.name,
-                        sig.join(", ")
+                        sig.join(", "),
+                        cands.join(", "),
+                        l.arg_numel
                     );
                     let _ = writeln!(
                         launchers,
@@ -279,7 +284,12 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                     }
                     LaunchShape::Grid { .. } => {
                         // grid and config live in the kernel's launcher
-                        let mut args: Vec<String> = k.args.iter().map(|b| p.buffer(*b).name.clone()).collect();
+                        // complex buffers: kernels address their components (pairs of reals)
+                        let arg = |b: &BufferId| {
+                            let name = &p.buffer(*b).name;
+                            if p.buffer(*b).layout.dtype.is_complex() { format!("torch.view_as_real({name})") } else { name.clone() }
+                        };
+                        let mut args: Vec<String> = k.args.iter().map(arg).collect();
                         if k.checks_indices {
                             args.push("_index_error".into());
                         }

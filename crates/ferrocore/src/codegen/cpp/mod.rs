@@ -25,6 +25,10 @@ impl KernelBackend for CppBackend {
         "cpp"
     }
 
+    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions<'static> {
+        crate::scheduler::ScheduleOptions::CPP
+    }
+
     fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
         // <complex> costs the C++ compiler ~0.2 s: included only when a kernel moves complex values
         let complex = s.program.buffers.iter().any(|b| b.layout.dtype.is_complex());
@@ -47,6 +51,8 @@ impl KernelBackend for CppBackend {
                     numel: kernel_numel(k),
                     shape: LaunchShape::Host,
                     signature: Vec::new(),
+                    candidates: Vec::new(),
+                    arg_numel: Vec::new(),
                 });
             }
         }

@@ -11,7 +11,7 @@
 
 mod expr;
 
-use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
+use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels, TuneConfig};
 use crate::graph::{DType, Device};
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
@@ -58,8 +58,8 @@ impl KernelBackend for TritonBackend {
         "triton"
     }
 
-    fn split_reductions(&self) -> Option<crate::scheduler::SplitConfig> {
-        Some(crate::scheduler::GPU_SPLIT)
+    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions<'static> {
+        crate::scheduler::ScheduleOptions { prefix: "triton", split: Some(crate::scheduler::GPU_SPLIT), complex_as_real: true }
     }
 
     fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
@@ -85,6 +85,12 @@ impl KernelBackend for TritonBackend {
         }
         Ok(RenderedKernels { language: KernelLanguage::Triton, source, launches })
     }
+}
+
+/// The type a kernel addresses a buffer of `dt` in: complex buffers as arrays of their real
+/// component type (`scheduler::complex_as_real` rewrote the nodes that move complex values).
+fn element_type(dt: DType) -> DType {
+    crate::scheduler::component_type(dt).unwrap_or(dt)
 }
 
 /// What the Triton backend does not render yet: accumulating scatters `atomic_scatter` does not
@@ -115,7 +121,7 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
             if l.device != device {
                 return unsupported(format!("{} is on {}, the kernel on {device}", p.buffer(b).name, l.device));
             }
-            if compute_type(l.dtype).is_none() {
+            if compute_type(element_type(l.dtype)).is_none() {
                 return unsupported(format!("{} holds {} values", p.buffer(b).name, l.dtype.torch_name()));
             }
         }
@@ -278,7 +284,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
     for (prefix, bufs) in [("in_ptr", &read), ("out_ptr", &written)] {
         for (i, b) in bufs.iter().enumerate() {
             let name = format!("{prefix}{i}");
-            let dt = p.buffer(*b).layout.dtype;
+            let dt = element_type(p.buffer(*b).layout.dtype);
             let sig = signature_type(dt).ok_or_else(|| CodegenError::unsupported(&k.name, format!("{} values", dt.torch_name())))?;
             params.push(name.clone());
             signature.push((name.clone(), sig.to_string()));
@@ -446,6 +452,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             let value = vals[store.value.0 as usize].clone();
             let vdt = kn.body.dtype(store.value);
             let out_layout = &p.buffer(out_buf).layout;
+            let out_dtype = element_type(out_layout.dtype);
             let section = if node.kind() == NodeKind::Reduction {
                 Section::Post
             } else {
@@ -455,12 +462,12 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             // the value as a reader of the buffer sees it: rounded to the buffer's type
             // named by position only: kernels that differ only in buffers stay identical text
             let local = format!("loc{pos}");
-            let mut lines = format!("{local} = {}\n", cast_expr(&value, vdt, out_layout.dtype));
+            let mut lines = format!("{local} = {}\n", cast_expr(&value, vdt, out_dtype));
             if s.storage[out_buf.0 as usize] == Storage::Allocated {
                 let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
                 // a float32 value stored to a half buffer is rounded once, by the store (rounding
                 // to the half type first, in the body or for the local, gives the same bits)
-                let odt = out_layout.dtype;
+                let odt = out_dtype;
                 let half = matches!(odt, DType::F16 | DType::BF16);
                 let unrounded = match kn.body.expr(store.value) {
                     Expr::Cast(x) if half && vdt == odt && kn.body.dtype(*x) == DType::F32 => Some(vals[x.0 as usize].clone()),
@@ -567,13 +574,81 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
         }
     }
     let numel = kernel_numel(k);
+    let looped = shapes.iter().any(|g| g.looped);
+    let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
+    let space = Space { tiled, flat, looped, xnumel, rmax, idx32_reach: if idx32 { Some(limit) } else { None } };
+    let base = TuneConfig { grid, xblock, num_warps: warps, num_stages: 1 };
+    let args: Vec<BufferId> = read.into_iter().chain(written).collect();
+    let mut arg_numel: Vec<i64> = args
+        .iter()
+        .map(|b| {
+            let l = &p.buffer(*b).layout;
+            l.storage_numel().max(1) * if l.dtype.is_complex() { 2 } else { 1 }
+        })
+        .collect();
+    if checks_indices {
+        arg_numel.push(1);
+    }
     let launch = KernelLaunch {
         name: k.name.clone(),
-        args: read.into_iter().chain(written).collect(),
+        args,
         checks_indices,
         numel,
         shape: LaunchShape::Grid { grid, xblock, num_warps: warps, num_stages: 1 },
         signature,
+        candidates: candidates(&space, base),
+        arg_numel,
     };
     Ok((out, launch))
+}
+
+/// What bounds a kernel's launch configurations.
+struct Space {
+    tiled: bool,
+    flat: bool,
+    looped: bool,
+    /// Rows of the flattened outer loop a grid covers (elements, for a flat kernel).
+    xnumel: i64,
+    /// The widest group's inner block.
+    rmax: i64,
+    /// With int32 index math, the bound every lane's index must stay under.
+    idx32_reach: Option<i64>,
+}
+
+/// The heuristic configuration first, then neighbours an autotuner may time: XBLOCK halved or
+/// doubled (not for tiles, whose XBLOCK is the tile), num_warps halved or doubled, and two
+/// pipeline stages for looped groups. Every one keeps the kernel's text valid: blocks stay
+/// within register budgets and, with int32 index math, every lane's index within range.
+fn candidates(s: &Space, base: TuneConfig) -> Vec<TuneConfig> {
+    let mut xblocks = vec![base.xblock];
+    if !s.tiled {
+        for x in [base.xblock / 2, base.xblock * 2] {
+            let fits = if s.flat {
+                (64..=4096).contains(&x) && x <= next_power_of_two(s.xnumel)
+            } else {
+                x >= 1 && x * s.rmax <= 2 * MAX_BLOCK_ELEMENTS && x <= next_power_of_two(s.xnumel)
+            };
+            if fits && s.idx32_reach.map_or(true, |limit| s.xnumel + x < limit) {
+                xblocks.push(x);
+            }
+        }
+    }
+    let mut out = vec![base];
+    for &x in &xblocks {
+        let w0 = if s.tiled || x == base.xblock { base.num_warps } else { num_warps(if s.flat { x } else { x * s.rmax }) };
+        let grid = if s.tiled { base.grid } else { (s.xnumel + x - 1) / x };
+        for w in [w0 / 2, w0, w0 * 2] {
+            if !(1..=16).contains(&w) {
+                continue;
+            }
+            let stages: &[u32] = if s.looped && x == base.xblock { &[1, 2] } else { &[1] };
+            for &st in stages {
+                let c = TuneConfig { grid, xblock: x, num_warps: w, num_stages: st };
+                if !out.contains(&c) {
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out
 }

@@ -109,7 +109,7 @@ def ferro_fmod_i(a, b):
 
 @triton.jit
 def ferro_remainder_f(a, b):
-    r = a % b
+    r = ferro_fmod_f(a, b)
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
 
 
@@ -117,7 +117,7 @@ def ferro_remainder_f(a, b):
 def ferro_floordiv_f(a, b):
     # exact where floor(a / b) is not: the quotient of a - fmod(a, b), corrected by one when the
     # remainder's sign differs from the divisor's, rounded to the integer it should be
-    rem = a % b
+    rem = ferro_fmod_f(a, b)
     q = (a - rem) / b
     q = tl.where((rem != 0) & ((b < 0) != (rem < 0)), q - 1, q)
     fq = tl.math.floor(q)
@@ -242,6 +242,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     ferro_trunc = _numpy(_np.trunc)
     ferro_atan2 = _numpy(_np.arctan2)
     ferro_pow = _numpy(_np.power)
+    ferro_fmod_f = _numpy(_np.fmod)
 
     # the interpreter truncates float32 -> bfloat16 where the GPU rounds to nearest even
     @triton.jit
@@ -350,6 +351,11 @@ else:
     @triton.jit
     def ferro_pow(a, b):
         return libdevice.pow(a, b)
+
+    # exact, as C's fmod (Triton's float `%` divides: wrong by far for large quotients)
+    @triton.jit
+    def ferro_fmod_f(a, b):
+        return libdevice.fmod(a, b)
 
     @triton.jit
     def ferro_round_bf16(x):
