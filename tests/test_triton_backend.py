@@ -100,6 +100,16 @@ def test_narrow_reductions_split_in_two_stages(interpreted):
     assert src.count("@triton.jit\ndef triton_red_") == 1
 
 
+def test_long_variances_take_one_pass(interpreted):
+    # the mean and the Welford M2 accumulate in the same loop over x; merged by ferro_welford
+    src = "".join(Path(p).read_text() for p in interpreted["welford_variances"]["modules"])
+    assert "ferro_welford)" in src and "_acc_m2 = tl.where(" in src
+    kernels = re.findall(r"^def (triton_red_\w+)\(", src, re.M)
+    # one kernel over x: every mean and M2 in one loop, then layer_norm's normalizing loop
+    assert len(kernels) == 1, kernels
+    assert src.count("    # group ") == 2 and src.count("for r0offset in range(0, 9000, 1024)") == 1, src
+
+
 def test_transposes_take_2d_tiles(interpreted):
     # a read contiguous along rows and one along columns: 64 x 64 tiles, each access coalesced
     src = "".join(Path(p).read_text() for p in interpreted["transpose_tiled"]["modules"])

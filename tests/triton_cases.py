@@ -118,6 +118,16 @@ def _():
     return (lambda r: torch.fft.fft2(r, s=(5, 8)).conj() * 1), (randn(3, 4, 6),)
 
 
+@case("welford_variances", atol=2e-3, rtol=1e-3)
+def _():
+    # rows longer than a persistent block: the variance's second pass becomes Welford's one-pass
+    # update and fuses with the mean into one loop (an offset mean tests its stability)
+    def f(x, w):
+        return x.var(-1), F.layer_norm(x, (9000,), w), torch.var_mean(x.double(), -1, correction=0)
+
+    return f, (randn(256, 9000) * 3 + 50, randn(9000, seed=1))
+
+
 @case("split_reductions", atol=1e-3)
 def _():
     # few outputs, long reductions: two stages. 100003 is prime (the last chunk is masked);

@@ -10,7 +10,7 @@ use ferrocore::lowering::lower_graph;
 use ferrocore::scheduler::{schedule, schedule_for, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
-const TRITON_WHOLE: ScheduleOptions<'static> = ScheduleOptions { prefix: "triton", split: None, complex_as_real: true };
+const TRITON_WHOLE: ScheduleOptions<'static> = ScheduleOptions { prefix: "triton", split: None, complex_as_real: true, welford_min_len: None };
 use std::path::PathBuf;
 
 fn meta(shape: &[i64], dtype: &str) -> String {
@@ -386,4 +386,26 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
     let whole = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
     assert_eq!(whole.kernel_count(), 2);
     check("triton_split_reductions.txt", &format!("{}\n{}\n{src}", decisions.iter().map(|d| d.as_str()).collect::<Vec<_>>().join("\n"), s.text()));
+}
+
+#[test]
+fn long_variances_take_one_pass_for_the_gpu() {
+    // var over rows of 10000: two reduction loops over x become one (mean + Welford M2)
+    let doc = G::new()
+        .input("x", &[512, 10000], "float32")
+        .call("v", "aten.var.correction", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("x")), &meta(&[512], "float32"))
+        .output(&["v"]);
+    let g = parse_graph(&doc).unwrap();
+    let opts = (TritonBackend { cpu_tensors: true }).schedule_options();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &opts).unwrap();
+    s.program.verify().unwrap();
+    assert!(s.decisions.iter().any(|d| d.starts_with("welford:")), "{:?}", s.decisions);
+    assert_eq!(s.kernel_count(), 1, "{}", s.text());
+    let text = s.text();
+    assert!(!text.contains("group 1"), "mean and M2 share one loop group:\n{text}");
+    // without the option, the second pass reads the mean: two loop groups over x
+    let two = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
+    assert!(two.text().contains("group 1"), "{}", two.text());
+    // the C++ backend never schedules a Welford reduction
+    assert!(schedule(lower_graph(&g).unwrap().program).unwrap().decisions.iter().all(|d| !d.starts_with("welford:")));
 }

@@ -130,6 +130,9 @@ pub enum ReduceOp {
     /// Index (int64, row-major over the reduction) of the first maximum / minimum; NaN wins.
     ArgMax,
     ArgMin,
+    /// Σ(x - mean(x))² over the reduction in one pass (Welford's running mean and M2): what the
+    /// `welford` pass makes of a variance's second pass, for backends that ask for it.
+    WelfordM2,
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -8,10 +8,12 @@ mod complex;
 mod plan;
 pub mod simplify;
 mod split;
+mod welford;
 
 pub use plan::{KernelNode, KernelPlan, LocalRead, LoopGroup};
 pub use complex::{complex_as_real, component_type};
 pub use split::{split_reductions, SplitConfig, GPU_SPLIT};
+pub use welford::welford_variances;
 
 use crate::loop_ir::*;
 use std::collections::HashSet;
@@ -56,11 +58,14 @@ pub struct ScheduleOptions<'a> {
     pub split: Option<SplitConfig>,
     /// Address complex buffers as pairs of reals (a backend without complex types).
     pub complex_as_real: bool,
+    /// Take variances over more than this many elements in one pass (Welford), so that their
+    /// two reductions fuse into one loop (a backend whose long rows do not fit its registers).
+    pub welford_min_len: Option<i64>,
 }
 
 impl ScheduleOptions<'_> {
     /// The C++ backend's: whole reductions, complex values as they are.
-    pub const CPP: ScheduleOptions<'static> = ScheduleOptions { prefix: "cpp", split: None, complex_as_real: false };
+    pub const CPP: ScheduleOptions<'static> = ScheduleOptions { prefix: "cpp", split: None, complex_as_real: false, welford_min_len: None };
 }
 
 /// Schedules for the C++ backend (kernel names `cpp_*`).
@@ -81,6 +86,9 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
     }
     for i in 0..program.nodes.len() {
         program.nodes[i] = simplify::simplify_loops(&program.nodes[i]);
+    }
+    if let Some(min_len) = opts.welford_min_len {
+        decisions.extend(welford_variances(&mut program, min_len, opts.split.as_ref()));
     }
     if let Some(config) = &opts.split {
         decisions.extend(split_reductions(&mut program, config));

@@ -68,7 +68,7 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<(LoopNo
     let mut reduce = None;
     for (i, e) in body.exprs.iter().enumerate() {
         match e {
-            Expr::Reduce(op, x) if reduce.is_none() && *op != ReduceOp::ArgMax && *op != ReduceOp::ArgMin => {
+            Expr::Reduce(op, x) if reduce.is_none() && !matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::WelfordM2) => {
                 reduce = Some((ValueId(i as u32), *op, *x))
             }
             Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..) | Expr::CheckIndex { .. } => return None,

@@ -145,6 +145,8 @@ pub fn reduce_init(op: ReduceOp, dt: DType) -> String {
     let ty = c_type(dt);
     match op {
         ReduceOp::ArgMax | ReduceOp::ArgMin => "static_cast<int64_t>(0)".into(),
+        // never scheduled for this backend (`CppBackend::render` refuses it)
+        ReduceOp::WelfordM2 => format!("static_cast<{ty}>(0)"),
         ReduceOp::Sum => format!("static_cast<{ty}>(0)"),
         ReduceOp::Prod => format!("static_cast<{ty}>(1)"),
         ReduceOp::Any => "false".into(),
@@ -158,7 +160,7 @@ pub fn reduce_init(op: ReduceOp, dt: DType) -> String {
 pub fn combine(op: ReduceOp, dt: DType, acc: &str, v: &str) -> String {
     match op {
         // arg reductions are merged by `Acc::merge`, never through this
-        ReduceOp::ArgMax | ReduceOp::ArgMin => acc.to_string(),
+        ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::WelfordM2 => acc.to_string(),
         ReduceOp::Sum => format!("{acc} + {v}"),
         ReduceOp::Prod => format!("{acc} * {v}"),
         ReduceOp::Any => format!("{acc} || {v}"),

@@ -30,6 +30,14 @@ impl KernelBackend for CppBackend {
     }
 
     fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
+        // one-pass variances are a GPU schedule's (ScheduleOptions::welford), never this one's
+        for it in &s.items {
+            if let Item::Kernel(k) = it {
+                if k.plan.nodes.iter().any(|kn| kn.body.exprs.iter().any(|e| matches!(e, Expr::Reduce(ReduceOp::WelfordM2, _)))) {
+                    return Err(CodegenError::internal(&k.name, "a Welford reduction in a C++ schedule"));
+                }
+            }
+        }
         // <complex> costs the C++ compiler ~0.2 s: included only when a kernel moves complex values
         let complex = s.program.buffers.iter().any(|b| b.layout.dtype.is_complex());
         let mut source = String::from(if complex { "#include <complex>\n" } else { "" });
@@ -261,7 +269,7 @@ fn simd_clause(accs: &[Acc], suffix: &str) -> String {
             (ReduceOp::Min, DType::F64) => "ferro_dmin",
             (ReduceOp::Max, _) => "max",
             (ReduceOp::Min, _) => "min",
-            (ReduceOp::ArgMax | ReduceOp::ArgMin, _) => continue,
+            (ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::WelfordM2, _) => continue,
         };
         let _ = write!(s, " reduction({op}:{name}{suffix})");
     }

@@ -98,7 +98,7 @@ pub fn reduction_init(op: ReduceOp, dt: DType) -> String {
         _ => (i64::MIN as i128, i64::MAX as i128),
     };
     match op {
-        ReduceOp::Sum | ReduceOp::Any => "0".into(),
+        ReduceOp::Sum | ReduceOp::Any | ReduceOp::WelfordM2 => "0".into(),
         ReduceOp::Prod => "1".into(),
         ReduceOp::Max | ReduceOp::ArgMax if dt.is_float() => "float(\"-inf\")".into(),
         ReduceOp::Min | ReduceOp::ArgMin if dt.is_float() => "float(\"inf\")".into(),
@@ -116,6 +116,7 @@ fn combine_fn(op: ReduceOp) -> &'static str {
         ReduceOp::Any => "ferro_any",
         ReduceOp::ArgMax => "ferro_argmax",
         ReduceOp::ArgMin => "ferro_argmin",
+        ReduceOp::WelfordM2 => "ferro_welford",
     }
 }
 
@@ -337,6 +338,41 @@ impl<'a> BodyEmitter<'a> {
     /// A value broadcast to the full `[XBLOCK, RBLOCK]` block and masked with `init`.
     /// The identity is a typed constant: a bare literal would promote bool and narrow integer
     /// values to int32 (and a looped accumulator must keep its type).
+    /// Σ(x - mean)² of a row. Looped: per lane a running mean, M2 and count (Welford's
+    /// update), merged across lanes by `ferro_welford` after the loop; persistent: the row is
+    /// in registers, so the exact two-pass form.
+    fn welford(&mut self, x: &str, dtype: DType) -> String {
+        let t = ty(dtype);
+        let name = self.fresh("red");
+        let shape = format!("[XBLOCK, {}]", self.rblock);
+        let m = self.full_mask.clone();
+        let v = format!("tl.broadcast_to({x}, {shape})");
+        let one = format!("tl.where({m}, 1.0, 0.0).to({t})");
+        if self.looped {
+            let acc = format!("{name}_acc");
+            self.inner.push_str(&format!(
+                "{name}_w = {acc}_w + {one}\n{name}_d = {v} - {acc}_mean\n\
+                 {acc}_mean = tl.where({m}, {acc}_mean + {name}_d / {name}_w, {acc}_mean)\n\
+                 {acc}_m2 = tl.where({m}, {acc}_m2 + {name}_d * ({v} - {acc}_mean), {acc}_m2)\n{acc}_w = {name}_w\n"
+            ));
+            self.accs.push(Acc { name: acc.clone(), op: ReduceOp::WelfordM2, dtype, value_dtype: None, carry: false });
+            self.post.push_str(&format!(
+                "{name}_mean, {name}, {name}_w = tl.reduce(({acc}_mean, {acc}_m2, {acc}_w), 1, ferro_welford)\n{name} = {name}[:, None].to({t})\n"
+            ));
+        } else {
+            let section = self.section_of(x).max(Section::Inner);
+            let line = format!(
+                "{name}_n = tl.sum({one} + tl.zeros({shape}, {t}), 1)[:, None]\n\
+                 {name}_mean = tl.sum(tl.where({m}, {v}, 0.0), 1)[:, None] / {name}_n\n\
+                 {name}_d = tl.where({m}, {v} - {name}_mean, 0.0)\n\
+                 {name} = tl.sum({name}_d * {name}_d, 1)[:, None].to({t})"
+            );
+            self.push_line(section, &line);
+        }
+        self.sections.insert(name.clone(), Section::Post);
+        name
+    }
+
     fn masked_full(&self, v: &str, init: &str, dtype: DType) -> String {
         format!("tl.where({}, {v}, tl.full({}, {init}, {}))", self.full_mask, self.shape1(), ty(dtype))
     }
@@ -494,6 +530,9 @@ impl OpsHandler for BodyEmitter<'_> {
     }
 
     fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
+        if op == ReduceOp::WelfordM2 {
+            return self.welford(x, dtype);
+        }
         let t = ty(dtype);
         let init = reduction_init(op, dtype);
         let f = combine_fn(op);

@@ -59,7 +59,13 @@ impl KernelBackend for TritonBackend {
     }
 
     fn schedule_options(&self) -> crate::scheduler::ScheduleOptions<'static> {
-        crate::scheduler::ScheduleOptions { prefix: "triton", split: Some(crate::scheduler::GPU_SPLIT), complex_as_real: true }
+        crate::scheduler::ScheduleOptions {
+            prefix: "triton",
+            split: Some(crate::scheduler::GPU_SPLIT),
+            complex_as_real: true,
+            // rows past a persistent block are looped: one pass instead of two
+            welford_min_len: Some(PERSISTENT_RBLOCK_MAX),
+        }
     }
 
     fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
@@ -162,7 +168,7 @@ fn atomic_scatter(mode: StoreMode, dt: DType, on_gpu: bool) -> bool {
         // and 16-bit floats (`cas_combine`)
         StoreMode::Combine(ReduceOp::Max | ReduceOp::Min) => matches!(dt, DType::F32 | DType::I32 | DType::I64 | DType::F16 | DType::BF16),
         StoreMode::Combine(ReduceOp::Prod) => matches!(dt, DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::I32 | DType::I64),
-        StoreMode::Combine(ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin) => false,
+        StoreMode::Combine(ReduceOp::Any | ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::WelfordM2) => false,
     }
 }
 
@@ -553,6 +559,11 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             for a in &accs {
                 let t = compute_type(a.dtype).unwrap_or("tl.float32");
                 match a.value_dtype {
+                    None if a.op == ReduceOp::WelfordM2 => {
+                        for part in ["mean", "m2", "w"] {
+                            let _ = writeln!(out, "    {}_{part} = tl.zeros([XBLOCK, {rb}], {t})", a.name);
+                        }
+                    }
                     Some(vd) => {
                         let vt = compute_type(vd).unwrap_or("tl.float32");
                         let _ = writeln!(out, "    {}_val = tl.full([XBLOCK, {rb}], {}, {vt})", a.name, reduction_init(a.op, vd));

@@ -58,6 +58,15 @@ def ferro_atomic_combine(base, ptr, val, mask, BITS: tl.constexpr, OP: tl.conste
 
 
 @triton.jit
+def ferro_welford(mean_a, m2_a, w_a, mean_b, m2_b, w_b):
+    # merges two (mean, M2, count) partials of a variance (Chan et al.); empty ones are neutral
+    w = w_a + w_b
+    frac = tl.where(w == 0, 0.0, w_b / tl.where(w == 0, 1.0, w))
+    delta = mean_b - mean_a
+    return mean_a + delta * frac, m2_a + m2_b + delta * delta * w_a * frac, w
+
+
+@triton.jit
 def ferro_argmax(va, ia, vb, ib):
     # the first maximum wins; NaN beats every number
     a_nan = va != va

@@ -1,0 +1,129 @@
+//! One-pass variances (for a backend that asks): lowering computes a variance in two passes, a
+//! mean node `Σx / n` and a second node `Σ(x - mean)² / d` that reads the mean. Where a row is
+//! too long to stay in registers, that second node reads `x` again after the first finished.
+//! This pass rewrites it to `WelfordM2(x) / d` (Welford's running mean and M2): it no longer
+//! reads the mean, so both nodes fuse into one loop over `x`.
+
+use super::split::SplitConfig;
+use crate::loop_ir::*;
+use crate::symbolic::Var;
+
+/// Rewrites every variance's second pass over more than `min_len` elements, except those the
+/// split pass will split (a Welford M2 does not combine from partial sums). One decision each.
+pub fn welford_variances(p: &mut LoopProgram, min_len: i64, split: Option<&SplitConfig>) -> Vec<String> {
+    let mut decisions = Vec::new();
+    for n in 0..p.nodes.len() {
+        let node = &p.nodes[n];
+        let len: i64 = node.reduction_ranges.iter().product();
+        let rows: i64 = node.ranges.iter().product();
+        if len <= min_len || split.is_some_and(|c| rows < c.min_rows && len >= 2 * c.min_chunk) {
+            continue;
+        }
+        let Some((mean_buf, body)) = rewrite(p, n) else { continue };
+        decisions.push(format!(
+            "welford: {} takes its variance in one pass over {len} elements (no longer reads {})",
+            p.buffer(p.nodes[n].output).name,
+            p.buffer(mean_buf).name
+        ));
+        p.nodes[n].body = body;
+    }
+    decisions
+}
+
+/// The mean buffer the node stops reading and its new body, when node `n` is a variance's
+/// second pass `Σ(a - mean[kept])²` whose mean node computes `Σa' / c` with `a'` the same
+/// expression as `a`, over the same loops.
+fn rewrite(p: &LoopProgram, n: usize) -> Option<(BufferId, LoopBody)> {
+    let node = &p.nodes[n];
+    let body = &node.body;
+    let store = body.store.as_ref().filter(|s| !s.is_scatter())?;
+    let mut reduces = body.exprs.iter().enumerate().filter(|(_, e)| matches!(e, Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..)));
+    let (rid, Expr::Reduce(ReduceOp::Sum, sq)) = reduces.next()? else { return None };
+    if reduces.next().is_some() {
+        return None;
+    }
+    let Expr::Binary(BinaryOp::Mul, d1, d2) = body.expr(*sq) else { return None };
+    if d1 != d2 {
+        return None;
+    }
+    let Expr::Binary(BinaryOp::Sub, a, mu) = body.expr(*d1) else { return None };
+    let Expr::Load { buf: mean_buf, index: mean_index } = body.expr(*mu) else { return None };
+    let nk = node.ranges.len();
+    let mut vs = Vec::new();
+    mean_index.vars(&mut vs);
+    if vs.iter().any(|v: &Var| v.0 as usize >= nk) {
+        return None;
+    }
+    // the mean node: the only writer of the buffer, over the same loops, storing Σa' / c there
+    let writers: Vec<&LoopNode> = p.nodes.iter().filter(|m| m.output == *mean_buf).collect();
+    let [mean] = writers.as_slice() else { return None };
+    if mean.ranges != node.ranges || mean.reduction_ranges != node.reduction_ranges {
+        return None;
+    }
+    let mst = mean.body.store.as_ref().filter(|s| !s.is_scatter() && s.index == *mean_index)?;
+    let Expr::Binary(BinaryOp::TrueDiv, s, c) = mean.body.expr(mst.value) else { return None };
+    let (Expr::Reduce(ReduceOp::Sum, a2), Expr::Constant(_)) = (mean.body.expr(*s), mean.body.expr(*c)) else { return None };
+    if !same(&mean.body, *a2, body, *a) {
+        return None;
+    }
+
+    // the new body: what the store needs, with Σ(a - mean)² replaced by WelfordM2(a)
+    let rid = ValueId(rid as u32);
+    let mut live = vec![false; body.exprs.len()];
+    live[store.value.0 as usize] = true;
+    for i in (0..body.exprs.len()).rev() {
+        if !live[i] {
+            continue;
+        }
+        let operands = if i == rid.0 as usize { vec![*a] } else { body.exprs[i].operands() };
+        for v in operands {
+            live[v.0 as usize] = true;
+        }
+    }
+    let mut out = LoopBody::default();
+    let mut map: Vec<Option<ValueId>> = vec![None; body.exprs.len()];
+    for (i, e) in body.exprs.iter().enumerate() {
+        if !live[i] {
+            continue;
+        }
+        let m = |v: &ValueId| map[v.0 as usize];
+        let dt = body.dtypes[i];
+        let v = match e {
+            _ if i == rid.0 as usize => out.reduce(ReduceOp::WelfordM2, m(a)?),
+            Expr::Load { buf, index } => out.load(*buf, index.clone(), dt),
+            Expr::Constant(c) => out.constant(*c, dt),
+            Expr::Index(ix) => out.index(ix.clone(), dt),
+            Expr::Unary(op, x) => out.unary(*op, m(x)?),
+            Expr::Binary(op, x, y) => out.binary(*op, m(x)?, m(y)?),
+            Expr::Where(c, x, y) => out.where_(m(c)?, m(x)?, m(y)?),
+            Expr::Cast(x) => out.cast(m(x)?, dt),
+            Expr::LoadIndirect { buf, index, terms } => {
+                let t: Option<Vec<(ValueId, i64)>> = terms.iter().map(|(v, k)| m(v).map(|x| (x, *k))).collect();
+                out.load_indirect(*buf, index.clone(), t?, dt)
+            }
+            Expr::Random { normal, seed, offset } => out.random(*normal, m(seed)?, m(offset)?),
+            Expr::CheckIndex { value, size, wrap } => out.check_index(m(value)?, *size, *wrap),
+            Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..) => return None,
+        };
+        map[i] = Some(v);
+    }
+    out.set_store(store.index.clone(), map[store.value.0 as usize]?);
+    Some((*mean_buf, out))
+}
+
+/// Whether `x` of `b1` and `y` of `b2` compute the same value (the same expression tree).
+fn same(b1: &LoopBody, x: ValueId, b2: &LoopBody, y: ValueId) -> bool {
+    if b1.dtype(x) != b2.dtype(y) {
+        return false;
+    }
+    match (b1.expr(x), b2.expr(y)) {
+        (Expr::Load { buf: p, index: i }, Expr::Load { buf: q, index: j }) => p == q && i == j,
+        (Expr::Constant(c), Expr::Constant(d)) => c == d,
+        (Expr::Index(i), Expr::Index(j)) => i == j,
+        (Expr::Unary(o, a), Expr::Unary(p, b)) => o == p && same(b1, *a, b2, *b),
+        (Expr::Cast(a), Expr::Cast(b)) => same(b1, *a, b2, *b),
+        (Expr::Binary(o, a, c), Expr::Binary(p, b, d)) => o == p && same(b1, *a, b2, *b) && same(b1, *c, b2, *d),
+        (Expr::Where(c, a, e), Expr::Where(d, b, f)) => same(b1, *c, b2, *d) && same(b1, *a, b2, *b) && same(b1, *e, b2, *f),
+        _ => false,
+    }
+}
