@@ -40,6 +40,20 @@ else
 fi
 jobs="${GPU_TEST_JOBS:-4}"
 status=0
+pids=()
+# the Triton interpreter cases take as long as all the rest: a process of their own
+slow=()
+rest=()
+for f in "${files[@]}"; do
+    if [[ "$f" == *test_triton_backend.py ]]; then slow+=("$f"); else rest+=("$f"); fi
+done
+if [ "${#slow[@]}" -gt 0 ] && [ "$jobs" -gt 1 ]; then
+    FERROCORE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider \
+        -p no:logging "${slow[@]}" > "$OUT/tests_slow.log" 2>&1 &
+    pids+=($!)
+    files=("${rest[@]}")
+    jobs=$((jobs - 1))
+fi
 if [ "${#files[@]}" -gt 0 ]; then
     for ((j = 0; j < jobs; j++)); do
         part=()
@@ -47,8 +61,11 @@ if [ "${#files[@]}" -gt 0 ]; then
         [ "${#part[@]}" -eq 0 ] && continue
         FERROCORE_TEST_DEVICE=cuda timeout "${GPU_TEST_TIMEOUT:-420}" "$PY" -m pytest -q -p no:cacheprovider \
             -p no:logging "${part[@]}" > "$OUT/tests_$j.log" 2>&1 &
+        pids+=($!)
     done
-    for job in $(jobs -p); do wait "$job" || status=1; done
+fi
+if [ "${#pids[@]}" -gt 0 ]; then
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     echo "## CUDA tests"
     for f in "$OUT"/tests_*.log; do
         grep -E "^(FAILED|ERROR) " "$f" | cut -c1-220
