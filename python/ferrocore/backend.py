@@ -168,15 +168,17 @@ class _AotClock:
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
              training: bool = False) -> Callable:
-    if _wants_cudagraphs(overrides) and (partition.has_data_dependent_nodes(gm) or _is_symbolic(gm)):
-        # segments between data-dependent calls, and per-shape compilations, see fresh
-        # addresses on most calls: recording them would rarely replay
-        print("[ferrocore:cudagraphs] a graph with data-dependent or symbolic sizes runs without CUDA graphs",
-              file=sys.stderr)
-        overrides = {**overrides, "cudagraphs": False}
-    if partition.has_data_dependent_nodes(gm):
-        return _partitioned(gm, timings, overrides, output_strides)
-    if _is_symbolic(gm):
+    opts = _options.build_options(overrides)
+    data_dependent = partition.has_data_dependent_nodes(gm)
+    if data_dependent or _is_symbolic(gm):
+        if opts["cudagraphs"]:
+            # segments between data-dependent calls, and per-shape compilations, see fresh
+            # addresses on most calls: recording them would rarely replay
+            print("[ferrocore:cudagraphs] a graph with data-dependent or symbolic sizes runs without CUDA graphs",
+                  file=sys.stderr)
+            overrides = {**overrides, "cudagraphs": False}
+        if data_dependent:
+            return _partitioned(gm, timings, overrides, output_strides)
         return _specializing(gm, timings, overrides)
     name = f"graph_{next(_graph_ids)}"
     start = time.perf_counter()
@@ -194,7 +196,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     timings["serialize"] = (time.perf_counter() - start) * 1e3
 
     _ferrocore = _extension()
-    options = _options.options_json(overrides)
+    options = json.dumps(opts)
     result = json.loads(_ferrocore.compile_graph(graph_json, options))
     _print_logs(result.get("logs", ()))
     if result.get("graph_fallback"):
@@ -212,7 +214,6 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     tuned = {}
     if device is not None and getattr(module, "TRITON_KERNELS", None):
         start = time.perf_counter()
-        opts = _options.build_options(overrides)
         tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
                                           autotune=opts["autotune"], cache_dir=opts["cache_dir"])
         timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
@@ -233,14 +234,12 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         )
     )
     call = module.call
-    graphed = _wants_cudagraphs(overrides)
+    graphed = opts["cudagraphs"]
     if graphed:
         from . import cudagraphs
 
         inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        why = cudagraphs.blocker(module, device, inputs_meta, len(fallbacks), training)
-        if host_scalars:
-            why = "0-d CPU tensor inputs are copied to the GPU at each call"
+        why = cudagraphs.blocker(module, device, inputs_meta, len(fallbacks), training, bool(host_scalars))
         if why is not None:
             graphed = False
             print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
@@ -265,10 +264,6 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         call = cudagraphs.CudaGraphRunner(call, name, device)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
-
-
-def _wants_cudagraphs(overrides: dict) -> bool:
-    return bool(_options.build_options(overrides)["cudagraphs"])
 
 
 def _host_scalars(gm: torch.fx.GraphModule) -> tuple:

@@ -32,12 +32,15 @@ MAX_KEYS = 8
 GENERATIONS = 2
 
 
-def blocker(module, device, inputs_meta, fallbacks: int, training: bool) -> str | None:
+def blocker(module, device, inputs_meta, fallbacks: int, training: bool, host_scalars: bool) -> str | None:
     """Why this compiled graph cannot run as a CUDA graph, or None when it can."""
     if training:
         return "a training graph (its outputs feed autograd; only inference graphs are recorded)"
     if device is None or device.type != "cuda":
         return "not a GPU graph"
+    if host_scalars:
+        # (their placeholders are declared on the GPU: the call copies them there)
+        return "0-d CPU tensor inputs are copied to the GPU at each call"
     if getattr(module, "KERNEL_SOURCE", None) is not None:
         return "it runs C++ kernels on the host"
     if fallbacks:

@@ -167,49 +167,54 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
     def compile_one(entry) -> None:
         fn, signature, constexprs, launch = entry
         try:
-            args = [_TRITON_POINTEE[t] for t in signature.values()]
-            with torch.cuda.device(device):
-                compiled = fn.warmup(*args, grid=launch["grid"], num_warps=launch["num_warps"],
-                                     num_stages=launch["num_stages"], **constexprs)
-                launcher = launchers.get(getattr(fn, "__name__", None))
-                if launcher is not None and compiled is not None:
-                    launcher.bind(compiled, index)
+            config = (launch["grid"], constexprs["XBLOCK"], launch["num_warps"], launch["num_stages"])
+            compiled = _warmup(fn, signature, device, config)
+            launcher = launchers.get(getattr(fn, "__name__", None))
+            if launcher is not None and compiled is not None:
+                launcher.bind(compiled, index)
         except Exception:  # noqa: BLE001  (an older Triton without warmup, an unknown type)
             pass
 
+    tunable = {}
     if autotune:
+        tuner = Autotuner(device, Path(cache_dir) / "autotune" if cache_dir else None)
+        for e in kernels:
+            launcher = launchers.get(getattr(e[0], "__name__", None))
+            if launcher is not None and len(e[3].get("candidates") or ()) > 1:
+                tunable[id(e)] = (launcher, *tuner.lookup(e))
+    rest = [e for e in kernels if id(e) not in tunable]
+    # what is timed below is compiled first, several kernels at a time, like the rest
+    work = [(compile_one, e) for e in rest]
+    work += [(lambda t: tuner.warm(*t), (e[0], e[1], tuple(c))) for e in kernels
+             if id(e) in tunable and tunable[id(e)][2] is None for c in e[3]["candidates"]]
+    if len(work) == 1:
+        work[0][0](work[0][1])
+    elif work:
+        with ThreadPoolExecutor(max_workers=min(len(work), os.cpu_count() or 4)) as pool:
+            list(pool.map(lambda w: w[0](w[1]), work))
+    if tunable:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        tuner = Autotuner(device, Path(cache_dir) / "autotune" if cache_dir else None)
-        # every candidate of every kernel not tuned before compiled several at a time first
-        # (the timing loop then finds them in Triton's cache)
-        todo = [(e[0], e[1], tuple(c)) for e in kernels if len(e[3].get("candidates") or ()) > 1
-                and tuner._cached(tuner.key(e[0], e[1], e[3]), [tuple(c) for c in e[3]["candidates"]]) is None
-                for c in e[3]["candidates"]]
-        if todo:
-            with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 4)) as pool:
-                list(pool.map(lambda t: tuner._warm(*t), todo))
         with unset_fake_temporarily():  # compiles run under dynamo's fake mode: time real buffers
-            return _tune_all(tuner, kernels, launchers, compile_one, stats)
-    if len(kernels) == 1:
-        compile_one(kernels[0])
-        return stats
-    with ThreadPoolExecutor(max_workers=min(len(kernels), os.cpu_count() or 4)) as pool:
-        list(pool.map(compile_one, kernels))
+            for e in kernels:
+                if id(e) not in tunable:
+                    continue
+                launcher, key, best = tunable[id(e)]
+                hit = tuner.tune(e, launcher, key, best)
+                if hit is None:
+                    compile_one(e)  # nothing could be timed: the heuristic configuration
+                else:
+                    stats["autotuned"] += 1
+                    stats["autotune_cache_hits"] += int(hit)
     return stats
 
 
-def _tune_all(tuner, kernels, launchers: dict, compile_one, stats: dict) -> dict:
-    for entry in kernels:
-        launcher = launchers.get(getattr(entry[0], "__name__", None))
-        if launcher is not None and len(entry[3].get("candidates") or ()) > 1:
-            hit = tuner.tune(entry, launcher)
-            if hit is not None:
-                stats["autotuned"] += 1
-                stats["autotune_cache_hits"] += int(hit)
-                continue
-        compile_one(entry)
-    return stats
+def _warmup(fn, signature: dict, device, config):
+    """Compiles `fn` for the launch configuration (grid, XBLOCK, num_warps, num_stages)."""
+    grid, xblock, warps, stages = config
+    with torch.cuda.device(device):
+        return fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
+                         num_warps=warps, num_stages=stages, XBLOCK=xblock)
 
 
 class Autotuner:
@@ -231,13 +236,20 @@ class Autotuner:
                            [list(c) for c in launch["candidates"]], self.device_name, triton.__version__])
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def tune(self, entry, launcher) -> bool | None:
+    def lookup(self, entry) -> tuple:
+        """(the entry's cache key, the configuration cached for it or None)."""
+        fn, signature, _, launch = entry
+        key = self.key(fn, signature, launch)
+        return key, self._cached(key, [tuple(c) for c in launch["candidates"]])
+
+    def tune(self, entry, launcher, key: str | None = None, best=None) -> bool | None:
         """Binds the best configuration to `launcher`; True when it came from the cache, None
-        when nothing could be timed (the heuristic configuration stays)."""
+        when nothing could be timed (the heuristic configuration stays). `key` and `best` are
+        what `lookup` gave, when the caller looked already."""
         fn, signature, constexprs, launch = entry
         candidates = [tuple(c) for c in launch["candidates"]]
-        key = self.key(fn, signature, launch)
-        best = self._cached(key, candidates)
+        if key is None:
+            key, best = self.lookup(entry)
         hit = best is not None
         compiled = {}
         if best is None:
@@ -277,28 +289,24 @@ class Autotuner:
             return 0
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
-    def _warm(self, fn, signature: dict, config):
-        grid, xblock, warps, stages = config
+    def warm(self, fn, signature: dict, config) -> None:
+        """Compiles one candidate ahead of its timing (failures are reported when it is bound)."""
         try:
-            with torch.cuda.device(self.device):
-                return fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
-                                 num_warps=warps, num_stages=stages, XBLOCK=xblock)
-        except Exception:  # noqa: BLE001  (reported when the candidate is bound)
-            return None
+            _warmup(fn, signature, self.device, config)
+        except Exception:  # noqa: BLE001
+            pass
 
     def _bound(self, fn, signature: dict, config):
         """(a launch of `fn` in `config`, its compiled binary), or None where it does not compile."""
-        grid, xblock, warps, stages = config
         try:
-            with torch.cuda.device(self.device):
-                compiled = fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
-                                     num_warps=warps, num_stages=stages, XBLOCK=xblock)
+            compiled = _warmup(fn, signature, self.device, config)
         except Exception as e:  # noqa: BLE001  (e.g. out of shared memory at this block size)
             print(f"[ferrocore:autotune] {getattr(fn, '__name__', fn)} {config} does not compile: "
                   f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", file=sys.stderr)
             return None
         if compiled is None:
             return None
+        grid, xblock, warps, stages = config
         launch = TritonLaunch(fn, grid, {"XBLOCK": xblock}, warps, stages)
         launch.bind(compiled, self._index())
         return launch, compiled

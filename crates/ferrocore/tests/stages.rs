@@ -10,7 +10,7 @@ use ferrocore::lowering::lower_graph;
 use ferrocore::scheduler::{schedule, schedule_for, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
-const TRITON_WHOLE: ScheduleOptions<'static> = ScheduleOptions { prefix: "triton", split: None, complex_as_real: true, welford_min_len: None };
+const TRITON_WHOLE: ScheduleOptions = ScheduleOptions { prefix: "triton", split: None, complex_as_real: true, welford_min_len: None };
 use std::path::PathBuf;
 
 fn meta(shape: &[i64], dtype: &str) -> String {

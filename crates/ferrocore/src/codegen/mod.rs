@@ -119,8 +119,9 @@ pub trait KernelBackend {
     fn render(&self, schedule: &Schedule) -> Result<RenderedKernels, CodegenError>;
     /// What the scheduler should do for this backend: kernel names, whether to split narrow
     /// reductions in two stages (a GPU's many programs; a CPU's few threads take whole rows),
-    /// whether complex buffers are addressed as pairs of reals.
-    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions<'static>;
+    /// whether complex buffers are addressed as pairs of reals, from which row length variances
+    /// take one pass.
+    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions;
 }
 
 /// A kernel's buffer parameters: buffers read from memory first (in first-read order), then

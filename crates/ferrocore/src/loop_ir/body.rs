@@ -413,6 +413,46 @@ impl LoopBody {
         out
     }
 
+    /// Which expressions `root` depends on. `operands(i)` may give expression `i` other operands
+    /// than its own (a rewrite that will replace it), or none (a leaf).
+    pub fn live_from(&self, root: ValueId, operands: &dyn Fn(ValueId) -> Option<Vec<ValueId>>) -> Vec<bool> {
+        let mut live = vec![false; self.exprs.len()];
+        live[root.0 as usize] = true;
+        for i in (0..self.exprs.len()).rev() {
+            if !live[i] {
+                continue;
+            }
+            let id = ValueId(i as u32);
+            for v in operands(id).unwrap_or_else(|| self.exprs[i].operands()) {
+                live[v.0 as usize] = true;
+            }
+        }
+        live
+    }
+
+    /// Appends a copy of `e` (of dtype `dtype`, from another body) whose operands `map` gives
+    /// in this body; None when an operand has no value here.
+    pub fn push_copy(&mut self, e: &Expr, dtype: DType, map: &dyn Fn(ValueId) -> Option<ValueId>) -> Option<ValueId> {
+        Some(match e {
+            Expr::Load { buf, index } => self.load(*buf, index.clone(), dtype),
+            Expr::Constant(c) => self.constant(*c, dtype),
+            Expr::Index(ix) => self.index(ix.clone(), dtype),
+            Expr::Unary(op, x) => self.unary(*op, map(*x)?),
+            Expr::Binary(op, a, b) => self.binary(*op, map(*a)?, map(*b)?),
+            Expr::Where(c, a, b) => self.where_(map(*c)?, map(*a)?, map(*b)?),
+            Expr::Cast(x) => self.cast(map(*x)?, dtype),
+            Expr::Reduce(op, x) => self.reduce(*op, map(*x)?),
+            Expr::ArgReduce(op, x, ix) => self.arg_reduce(*op, map(*x)?, map(*ix)?),
+            Expr::Scan(op, x) => self.scan(*op, map(*x)?),
+            Expr::LoadIndirect { buf, index, terms } => {
+                let terms: Option<Vec<(ValueId, i64)>> = terms.iter().map(|(v, c)| map(*v).map(|m| (m, *c))).collect();
+                self.load_indirect(*buf, index.clone(), terms?, dtype)
+            }
+            Expr::Random { normal, seed, offset } => self.random(*normal, map(*seed)?, map(*offset)?),
+            Expr::CheckIndex { value, size, wrap } => self.check_index(map(*value)?, *size, *wrap),
+        })
+    }
+
     /// Every index expression of the body (loads, index values, the store).
     pub fn indices(&self) -> Vec<&IndexExpr> {
         let mut out: Vec<&IndexExpr> = self

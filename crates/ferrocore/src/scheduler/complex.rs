@@ -198,38 +198,14 @@ impl Rewriter<'_> {
                 self.new.cast(re, dt)
             }
             e if e.operands().iter().any(operand_complex) => return None,
-            Expr::Load { buf, index } => self.new.load(buf, index, dt),
-            Expr::Constant(s) => self.new.constant(s, dt),
-            Expr::Index(ix) => self.new.index(ix, dt),
-            Expr::Unary(op, x) => {
-                let x = self.real(x)?;
-                self.new.unary(op, x)
-            }
-            Expr::Binary(op, a, b) => {
-                let (a, b) = (self.real(a)?, self.real(b)?);
-                self.new.binary(op, a, b)
-            }
-            Expr::Where(c, a, b) => {
-                let (c, a, b) = (self.real(c)?, self.real(a)?, self.real(b)?);
-                self.new.where_(c, a, b)
-            }
-            Expr::Cast(x) => {
-                let x = self.real(x)?;
-                self.new.cast(x, dt)
-            }
-            Expr::LoadIndirect { buf, index, terms } => {
-                let terms: Option<Vec<(ValueId, i64)>> = terms.iter().map(|(t, c)| self.real(*t).map(|r| (r, *c))).collect();
-                self.new.load_indirect(buf, index, terms?, dt)
-            }
-            Expr::Random { normal, seed, offset } => {
-                let (s, o) = (self.real(seed)?, self.real(offset)?);
-                self.new.random(normal, s, o)
-            }
-            Expr::CheckIndex { value, size, wrap } => {
-                let x = self.real(value)?;
-                self.new.check_index(x, size, wrap)
-            }
             Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..) => return None,
+            e => {
+                for x in e.operands() {
+                    self.real(x)?;
+                }
+                let reals = &self.reals;
+                self.new.push_copy(&e, dt, &|x| reals.get(&x).copied())?
+            }
         };
         self.reals.insert(v, r);
         Some(r)

@@ -51,9 +51,9 @@ const FUSION_WINDOW: usize = 32;
 
 /// What a kernel backend asks of the scheduler.
 #[derive(Clone, Copy, Debug)]
-pub struct ScheduleOptions<'a> {
+pub struct ScheduleOptions {
     /// Kernels are named `{prefix}_{poi|red}_fused_{origins}_{index}` after the backend.
-    pub prefix: &'a str,
+    pub prefix: &'static str,
     /// Split reductions with too few outputs to fill the device into two stages (a GPU's).
     pub split: Option<SplitConfig>,
     /// Address complex buffers as pairs of reals (a backend without complex types).
@@ -63,9 +63,9 @@ pub struct ScheduleOptions<'a> {
     pub welford_min_len: Option<i64>,
 }
 
-impl ScheduleOptions<'_> {
+impl ScheduleOptions {
     /// The C++ backend's: whole reductions, complex values as they are.
-    pub const CPP: ScheduleOptions<'static> = ScheduleOptions { prefix: "cpp", split: None, complex_as_real: false, welford_min_len: None };
+    pub const CPP: ScheduleOptions = ScheduleOptions { prefix: "cpp", split: None, complex_as_real: false, welford_min_len: None };
 }
 
 /// Schedules for the C++ backend (kernel names `cpp_*`).

@@ -92,13 +92,17 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<(LoopNo
 
     // Second stage: what the store needs after the reduction, over kept variables only.
     let nk = node.ranges.len();
-    let live = live_after(body, rid, store.value);
+    let live = body.live_from(store.value, &|v| (v == rid).then(Vec::new));
     for (i, e) in body.exprs.iter().enumerate() {
-        if live[i] && uses_reduction_vars(e, nk) {
+        let reads_reduction_vars = match e {
+            Expr::Load { index, .. } | Expr::LoadIndirect { index, .. } | Expr::Index(index) => index.uses_vars_from(nk),
+            _ => false,
+        };
+        if live[i] && reads_reduction_vars {
             return None; // the epilogue reads the reduction's own variables
         }
     }
-    if uses_index_vars(&store.index, nk) {
+    if store.index.uses_vars_from(nk) {
         return None;
     }
 
@@ -159,27 +163,9 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<(LoopNo
         let combined = sb.cast(combined, old.dtype(rid));
         map[rid.0 as usize] = Some(combined);
         for (i, e) in old.exprs.iter().enumerate() {
-            if !live[i] || i == rid.0 as usize {
-                continue;
+            if live[i] && i != rid.0 as usize {
+                map[i] = sb.push_copy(e, old.dtypes[i], &|v| map[v.0 as usize]);
             }
-            let m = |v: &ValueId| map[v.0 as usize].expect("operand copied before its user");
-            let v = match e {
-                Expr::Load { buf, index } => sb.load(*buf, index.clone(), old.dtypes[i]),
-                Expr::Constant(c) => sb.constant(*c, old.dtypes[i]),
-                Expr::Index(ix) => sb.index(ix.clone(), old.dtypes[i]),
-                Expr::Unary(op, x) => sb.unary(*op, m(x)),
-                Expr::Binary(op, a, b) => sb.binary(*op, m(a), m(b)),
-                Expr::Where(c, a, b) => sb.where_(m(c), m(a), m(b)),
-                Expr::Cast(x) => sb.cast(m(x), old.dtypes[i]),
-                Expr::LoadIndirect { buf, index, terms } => {
-                    sb.load_indirect(*buf, index.clone(), terms.iter().map(|(v, c)| (m(v), *c)).collect(), old.dtypes[i])
-                }
-                Expr::Random { normal, seed, offset } => sb.random(*normal, m(seed), m(offset)),
-                Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..) | Expr::CheckIndex { .. } => {
-                    unreachable!("plan_split admits one reduction and no scans or checks")
-                }
-            };
-            map[i] = Some(v);
         }
         let st = old.store.as_ref().expect("a reduction stores its result");
         let value = map[st.value.0 as usize].expect("the stored value is live");
@@ -187,34 +173,6 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<(LoopNo
         sb
     });
     Some((first, second, splits))
-}
-
-/// Which expressions the value stored depends on, not looking through the reduction `rid`.
-fn live_after(body: &LoopBody, rid: ValueId, stored: ValueId) -> Vec<bool> {
-    let mut live = vec![false; body.exprs.len()];
-    live[stored.0 as usize] = true;
-    for i in (0..body.exprs.len()).rev() {
-        if !live[i] || i == rid.0 as usize {
-            continue;
-        }
-        for v in body.exprs[i].operands() {
-            live[v.0 as usize] = true;
-        }
-    }
-    live
-}
-
-fn uses_index_vars(e: &IndexExpr, nk: usize) -> bool {
-    let mut vs = Vec::new();
-    e.vars(&mut vs);
-    vs.iter().any(|v| v.0 as usize >= nk)
-}
-
-fn uses_reduction_vars(e: &Expr, nk: usize) -> bool {
-    match e {
-        Expr::Load { index, .. } | Expr::LoadIndirect { index, .. } | Expr::Index(index) => uses_index_vars(index, nk),
-        _ => false,
-    }
 }
 
 /// The value that leaves a combine unchanged, for masked lanes.

@@ -6,7 +6,6 @@
 
 use super::split::SplitConfig;
 use crate::loop_ir::*;
-use crate::symbolic::Var;
 
 /// Rewrites every variance's second pass over more than `min_len` elements, except those the
 /// split pass will split (a Welford M2 does not combine from partial sums). One decision each.
@@ -48,10 +47,7 @@ fn rewrite(p: &LoopProgram, n: usize) -> Option<(BufferId, LoopBody)> {
     }
     let Expr::Binary(BinaryOp::Sub, a, mu) = body.expr(*d1) else { return None };
     let Expr::Load { buf: mean_buf, index: mean_index } = body.expr(*mu) else { return None };
-    let nk = node.ranges.len();
-    let mut vs = Vec::new();
-    mean_index.vars(&mut vs);
-    if vs.iter().any(|v: &Var| v.0 as usize >= nk) {
+    if mean_index.uses_vars_from(node.ranges.len()) {
         return None;
     }
     // the mean node: the only writer of the buffer, over the same loops, storing Σa' / c there
@@ -69,43 +65,18 @@ fn rewrite(p: &LoopProgram, n: usize) -> Option<(BufferId, LoopBody)> {
 
     // the new body: what the store needs, with Σ(a - mean)² replaced by WelfordM2(a)
     let rid = ValueId(rid as u32);
-    let mut live = vec![false; body.exprs.len()];
-    live[store.value.0 as usize] = true;
-    for i in (0..body.exprs.len()).rev() {
-        if !live[i] {
-            continue;
-        }
-        let operands = if i == rid.0 as usize { vec![*a] } else { body.exprs[i].operands() };
-        for v in operands {
-            live[v.0 as usize] = true;
-        }
-    }
+    let live = body.live_from(store.value, &|v| (v == rid).then(|| vec![*a]));
     let mut out = LoopBody::default();
     let mut map: Vec<Option<ValueId>> = vec![None; body.exprs.len()];
     for (i, e) in body.exprs.iter().enumerate() {
         if !live[i] {
             continue;
         }
-        let m = |v: &ValueId| map[v.0 as usize];
-        let dt = body.dtypes[i];
-        let v = match e {
-            _ if i == rid.0 as usize => out.reduce(ReduceOp::WelfordM2, m(a)?),
-            Expr::Load { buf, index } => out.load(*buf, index.clone(), dt),
-            Expr::Constant(c) => out.constant(*c, dt),
-            Expr::Index(ix) => out.index(ix.clone(), dt),
-            Expr::Unary(op, x) => out.unary(*op, m(x)?),
-            Expr::Binary(op, x, y) => out.binary(*op, m(x)?, m(y)?),
-            Expr::Where(c, x, y) => out.where_(m(c)?, m(x)?, m(y)?),
-            Expr::Cast(x) => out.cast(m(x)?, dt),
-            Expr::LoadIndirect { buf, index, terms } => {
-                let t: Option<Vec<(ValueId, i64)>> = terms.iter().map(|(v, k)| m(v).map(|x| (x, *k))).collect();
-                out.load_indirect(*buf, index.clone(), t?, dt)
-            }
-            Expr::Random { normal, seed, offset } => out.random(*normal, m(seed)?, m(offset)?),
-            Expr::CheckIndex { value, size, wrap } => out.check_index(m(value)?, *size, *wrap),
-            Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..) => return None,
+        map[i] = if i == rid.0 as usize {
+            Some(out.reduce(ReduceOp::WelfordM2, map[a.0 as usize]?))
+        } else {
+            Some(out.push_copy(e, body.dtypes[i], &|v| map[v.0 as usize])?)
         };
-        map[i] = Some(v);
     }
     out.set_store(store.index.clone(), map[store.value.0 as usize]?);
     Some((*mean_buf, out))

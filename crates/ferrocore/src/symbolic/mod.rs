@@ -263,6 +263,13 @@ impl IndexExpr {
         Some(coeff)
     }
 
+    /// Whether the expression uses a variable numbered `first` or above (e.g. a reduction's).
+    pub fn uses_vars_from(&self, first: usize) -> bool {
+        let mut vs = Vec::new();
+        self.vars(&mut vs);
+        vs.iter().any(|v| v.0 as usize >= first)
+    }
+
     pub fn uses(&self, v: Var) -> bool {
         self.terms.iter().any(|(a, _)| a.uses(v))
     }

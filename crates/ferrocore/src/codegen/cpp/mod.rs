@@ -25,7 +25,7 @@ impl KernelBackend for CppBackend {
         "cpp"
     }
 
-    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions<'static> {
+    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions {
         crate::scheduler::ScheduleOptions::CPP
     }
 

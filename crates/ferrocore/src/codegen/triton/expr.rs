@@ -335,9 +335,6 @@ impl<'a> BodyEmitter<'a> {
         self.emit_in(Section::Pre, expr, operands)
     }
 
-    /// A value broadcast to the full `[XBLOCK, RBLOCK]` block and masked with `init`.
-    /// The identity is a typed constant: a bare literal would promote bool and narrow integer
-    /// values to int32 (and a looped accumulator must keep its type).
     /// Σ(x - mean)² of a row. Looped: per lane a running mean, M2 and count (Welford's
     /// update), merged across lanes by `ferro_welford` after the loop; persistent: the row is
     /// in registers, so the exact two-pass form.
@@ -373,6 +370,9 @@ impl<'a> BodyEmitter<'a> {
         name
     }
 
+    /// A value broadcast to the full `[XBLOCK, RBLOCK]` block and masked with `init`.
+    /// The identity is a typed constant: a bare literal would promote bool and narrow integer
+    /// values to int32 (and a looped accumulator must keep its type).
     fn masked_full(&self, v: &str, init: &str, dtype: DType) -> String {
         format!("tl.where({}, {v}, tl.full({}, {init}, {}))", self.full_mask, self.shape1(), ty(dtype))
     }

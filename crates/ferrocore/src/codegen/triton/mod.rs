@@ -58,7 +58,7 @@ impl KernelBackend for TritonBackend {
         "triton"
     }
 
-    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions<'static> {
+    fn schedule_options(&self) -> crate::scheduler::ScheduleOptions {
         crate::scheduler::ScheduleOptions {
             prefix: "triton",
             split: Some(crate::scheduler::GPU_SPLIT),
