@@ -11,26 +11,15 @@
 # Environment: WHEELS (default .wheels), TEST_WHEELS (default .whl), GPU_TESTS (pytest targets;
 # default: the whole suite), GPU_TEST_JOBS (pytest processes over the test files, default 4),
 # GPU_TEST_TIMEOUT (seconds, default 420), GPU_BENCH_ARGS, GPU_BENCH_MODES (default "default
-# reduce-overhead"), OUT (logs; default /tmp/ferrocore-gpu).
+# reduce-overhead"; empty: no benchmark; GPU_TESTS="" runs no tests), OUT (logs; default
+# /tmp/ferrocore-gpu). bench/gpu_models.sh runs the model benchmark the same way.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 OUT="${OUT:-/tmp/ferrocore-gpu}"
-mkdir -p "$OUT"
-SITE=/tmp/ferrocore-site
-PY="${PYTHON:-python3}"
-
-wheels=("${WHEELS:-.wheels}"/ferrocore-*.whl)
-[ -e "${wheels[0]}" ] || { echo "no ferrocore wheel in ${WHEELS:-.wheels}" >&2; exit 2; }
-extra=()
-for w in "${TEST_WHEELS:-.whl}"/*.whl; do [ -e "$w" ] && extra+=("$w"); done
-"$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "${wheels[@]}" "${extra[@]}" || exit 2
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=bench/gpu_env.sh
+source "$REPO/bench/gpu_env.sh" || exit 2
 export FERROCORE_CACHE_DIR=/tmp/ferrocore-cache-gpu-tests
-"$PY" - <<'EOF' || exit 2
-import torch, triton, ferrocore
-print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, ferrocore {ferrocore.__file__}")
-EOF
 
 # Tests: the files spread over GPU_TEST_JOBS pytest processes (one GPU is plenty for them).
 if [ "${GPU_TESTS-unset}" = "unset" ]; then
@@ -75,7 +64,7 @@ fi
 
 # The benchmark once per torch.compile mode (both compilers in the same mode); GPU_BENCH_MODES
 # is a space-separated list, "default" meaning no mode argument.
-for mode in ${GPU_BENCH_MODES:-default reduce-overhead}; do
+for mode in ${GPU_BENCH_MODES-default reduce-overhead}; do
     margs=()
     [ "$mode" != default ] && margs=(--mode "$mode")
     echo "## GPU benchmark (mode: $mode)"

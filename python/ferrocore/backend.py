@@ -49,13 +49,14 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
     def forward(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=False)
-        return _compile(graph, state.take(), overrides, strides, training=True)
+        return _compile(graph, state.take(), overrides, strides, training=True, free_layout=_saved_outputs(graph))
 
     def inference(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=True)
         return _compile(graph, state.take(), overrides, strides)
 
     def backward(graph, inputs):
+        _take_input_strides(graph, inputs)
         return _compile(graph, state.take(), overrides, training=True)
 
     compiled = aot_autograd(
@@ -63,9 +64,52 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         inference_compiler=inference,
         bw_compiler=backward,
         decompositions=_decompositions(),
+        partition_fn=_partition,
     )(gm, example_inputs)
     state.stop()
     return compiled
+
+
+def _saved_outputs(graph: torch.fx.GraphModule) -> list:
+    """Positions of a forward graph's outputs that only its backward reads (saved activations,
+    after the mutated inputs and user outputs): their layout is ferrocore's to choose, and AOT
+    autograd compiles the backward for the strides the forward reports (`_report_output_strides`)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    returns = getattr(meta, "num_forward_returns", None)
+    if returns is None or getattr(ctx, "output_strides", None) is None:
+        return []
+    outs = torch.utils._pytree.arg_tree_leaves(*graph.graph.output_node().args)
+    return list(range(returns, len(outs)))
+
+
+def _report_output_strides(result: dict) -> None:
+    """Tells AOT autograd the strides the forward returns its outputs with, so that the backward
+    is compiled for the layout of the activations it receives."""
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is not None and getattr(ctx, "output_strides", None) is not None and not ctx.output_strides:
+        ctx.output_strides.extend(tuple(s) if s is not None else None for s in result.get("output_strides", ()))
+
+
+def _take_input_strides(graph: torch.fx.GraphModule, inputs) -> None:
+    """A backward graph's placeholders take the strides of the example inputs AOT autograd hands
+    the compiler: saved activations come with the layout the forward reported."""
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    for n, x in zip(placeholders, inputs or ()):
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and isinstance(x, torch.Tensor) and x.shape == val.shape \
+                and x.stride() != val.stride():
+            n.meta["val"] = x
+
+
+def _partition(joint, joint_inputs, **kwargs):
+    """Splits a training graph into forward and backward with AOT autograd's min-cut
+    rematerialization partitioner, in its fusing-compiler setting (as Inductor does): the
+    backward recomputes cheap pointwise chains from a few saved tensors instead of saving every
+    intermediate, since ferrocore fuses the recomputation into the backward's kernels."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 
 def _user_output_strides(gm: torch.fx.GraphModule) -> list:
@@ -167,7 +211,7 @@ class _AotClock:
 
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
-             training: bool = False) -> Callable:
+             training: bool = False, free_layout: list | None = None) -> Callable:
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -187,7 +231,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
     try:
-        graph_json = serialize_graph(gm, name, output_strides)
+        graph_json = serialize_graph(gm, name, output_strides, free_layout)
         constants = lifted_constants(gm)
     except UnsupportedGraph as e:
         print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)
@@ -206,6 +250,8 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         metrics.record(_entry(name, timings, graph_fallback=True, backend=result.get("backend")))
         return make_boxed_func(gm.forward)
 
+    if free_layout:
+        _report_output_strides(result)
     start = time.perf_counter()
     with runtime.compile_options(options):
         module = _import_module(result["module_path"], name)
@@ -227,6 +273,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             externs=result.get("externs", 0),
             fallbacks=len(fallbacks),
             fallback_ops=[f["target"] for f in fallbacks],
+            extern_ops=result.get("extern_ops", []),
             cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
             module_path=result["module_path"],
             backend=result.get("backend"),
@@ -239,7 +286,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         from . import cudagraphs
 
         inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        why = cudagraphs.blocker(module, device, inputs_meta, len(fallbacks), training, bool(host_scalars))
+        why = cudagraphs.blocker(module, device, inputs_meta, training, bool(host_scalars))
         if why is not None:
             graphed = False
             print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)

@@ -14,7 +14,8 @@ its own memory pool. Two rules keep that from ever giving a wrong answer:
   caller can still read.
 
 Only inference graphs whose every input is a tensor on the graph's GPU are recorded; training
-graphs, CPU tensors, ATen fallbacks and host-side checks run without CUDA graphs, logged once.
+graphs, CPU tensors, ATen fallbacks, library calls that synchronize with the host (the module's
+`CUDAGRAPH_UNSAFE`) and host-side checks run without CUDA graphs, logged once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ MAX_KEYS = 8
 GENERATIONS = 2
 
 
-def blocker(module, device, inputs_meta, fallbacks: int, training: bool, host_scalars: bool) -> str | None:
+def blocker(module, device, inputs_meta, training: bool, host_scalars: bool) -> str | None:
     """Why this compiled graph cannot run as a CUDA graph, or None when it can."""
     if training:
         return "a training graph (its outputs feed autograd; only inference graphs are recorded)"
@@ -43,8 +44,7 @@ def blocker(module, device, inputs_meta, fallbacks: int, training: bool, host_sc
         return "0-d CPU tensor inputs are copied to the GPU at each call"
     if getattr(module, "KERNEL_SOURCE", None) is not None:
         return "it runs C++ kernels on the host"
-    if fallbacks:
-        return f"{fallbacks} ATen fallback call(s) of unknown capture safety"
+    # library calls that synchronize, ATen fallbacks, index checks: the module names them
     unsafe = getattr(module, "CUDAGRAPH_UNSAFE", None)
     if unsafe:
         return unsafe

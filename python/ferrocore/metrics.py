@@ -21,6 +21,8 @@ class Metrics:
             "externs": 0,
             "fallbacks": 0,
             "graph_fallbacks": 0,
+            "fallback_ops": {},
+            "extern_ops": {},
             "timings_ms": {},
         }
 
@@ -32,6 +34,10 @@ class Metrics:
         for key in _COUNTS:
             t[key] += entry.get(key, 0)
         t["graph_fallbacks"] += int(entry.get("graph_fallback", False))
+        for op in entry.get("fallback_ops", ()):
+            t["fallback_ops"][op] = t["fallback_ops"].get(op, 0) + 1
+        for op in entry.get("extern_ops", ()):
+            t["extern_ops"][op] = t["extern_ops"].get(op, 0) + 1
         for stage, ms in entry.get("timings_ms", {}).items():
             t["timings_ms"][stage] = t["timings_ms"].get(stage, 0.0) + ms
 

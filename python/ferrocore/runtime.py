@@ -75,11 +75,16 @@ def benchmark(call, args, reps: int = 100) -> float:
     return median
 
 
-def restride(t: torch.Tensor, size, stride, dtype) -> torch.Tensor:
+def restride(t: torch.Tensor | None, size, stride, dtype) -> torch.Tensor | None:
     """An extern call's result in the layout and dtype the kernels were compiled for.
 
-    Copied only when ATen returned something else than the graph's metadata promised.
+    Copied only when ATen returned something else than the graph's metadata promised. A result
+    ATen leaves undefined (None: attention's RNG state without dropout, ...) stays None.
     """
+    if t is None:
+        return None
+    if t.dtype == dtype and t.stride() == stride:
+        return t
     if t.dtype != dtype:
         t = t.to(dtype)
     if t.numel() <= 1 or all(n <= 1 or a == b for n, a, b in zip(size, t.stride(), stride)):

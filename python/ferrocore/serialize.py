@@ -36,12 +36,17 @@ class UnsupportedGraph(Exception):
         self.reason = reason
 
 
-def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output_strides: dict | None = None) -> str:
+def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output_strides: dict | None = None,
+                    free_layout_outputs: list | None = None) -> str:
     """The JSON document for `gm`, named `name`. Lifted tensor constants (`get_attr` nodes)
     become extra inputs after the graph's own: call with `args + lifted_constants(gm)`.
     `output_strides` ({node name: stride}) replaces the metadata strides of output nodes that
-    must keep eager's layout (see `backend._visible_output_strides`)."""
+    must keep eager's layout (see `backend._visible_output_strides`). `free_layout_outputs` lists
+    the output positions whose layout the compiler may choose (activations a forward graph saves
+    for its backward, which is compiled for the strides the forward reports)."""
     doc = graph_to_dict(gm, name)
+    if free_layout_outputs:
+        doc["free_layout_outputs"] = sorted(int(i) for i in free_layout_outputs)
     for node in doc["nodes"]:
         stride = (output_strides or {}).get(node["name"])
         tensor = (node.get("meta") or {}).get("tensor")

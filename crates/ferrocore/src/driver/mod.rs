@@ -8,6 +8,7 @@ use crate::codegen::triton::TritonBackend;
 use crate::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage};
 use crate::graph::Device;
 use crate::graph::parse_graph;
+use crate::loop_ir::OutputValue;
 use crate::lowering::lower_graph;
 use crate::runtime;
 use crate::scheduler::schedule_for;
@@ -102,6 +103,11 @@ pub struct CompileResult {
     /// Set when the backend cannot render the graph yet: no module was written and the caller
     /// runs the graph eagerly (a logged, counted graph fallback).
     pub graph_fallback: Option<String>,
+    /// The strides each output is returned with (None: not a tensor); they differ from the
+    /// metadata's only for free-layout outputs.
+    pub output_strides: Vec<Option<Vec<i64>>>,
+    /// The callee of every library call, in program order.
+    pub extern_ops: Vec<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -164,9 +170,11 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     st.emit("ir_pre_fusion", || lowered.program.to_string());
     let fallbacks: Vec<FallbackRecord> =
         lowered.fallbacks.iter().map(|f| FallbackRecord { node: f.node.clone(), target: f.target.clone(), reason: f.reason.clone() }).collect();
-    st.emit("fallback", || {
-        fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect()
-    });
+    if !fallbacks.is_empty() {
+        st.emit("fallback", || {
+            fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect()
+        });
+    }
     let language = options.backend.resolve(lowered.program.buffers.iter().map(|b| &b.layout.device));
     let triton = TritonBackend { cpu_tensors: options.backend == BackendChoice::Triton };
     let backend: &dyn KernelBackend = match language {
@@ -194,6 +202,8 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
                 logs: st.logs,
                 backend: backend.name().to_string(),
                 graph_fallback: Some(reason),
+                output_strides: Vec::new(),
+                extern_ops: Vec::new(),
             });
         }
         Err(e) => return Err(CompileError { stage: "codegen", message: e.to_string() }),
@@ -224,6 +234,17 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         let _ = runtime::write_atomic(&d.join(file), kernels.source.as_bytes());
     }
     let externs = sched.program.externs.iter().filter(|e| !e.fallback).count();
+    let p = &sched.program;
+    let output_strides = p
+        .outputs
+        .iter()
+        .map(|o| match o {
+            OutputValue::Buffer(b) => Some(p.buffer(*b).layout.stride.clone()),
+            OutputValue::View { stride, .. } => Some(stride.clone()),
+            OutputValue::None => None,
+        })
+        .collect();
+    let extern_ops = p.externs.iter().filter(|e| !e.fallback).map(|e| e.callee.clone()).collect();
     Ok(CompileResult {
         module_path: module_path.to_string_lossy().into_owned(),
         module_source: module,
@@ -235,6 +256,8 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         logs: st.logs,
         backend: backend.name().to_string(),
         graph_fallback: None,
+        output_strides,
+        extern_ops,
     })
 }
 

@@ -122,6 +122,10 @@ pub struct Graph {
     pub nodes: Vec<Node>,
     pub inputs: Vec<NodeId>,
     pub outputs: Vec<Arg>,
+    /// Output positions whose layout the compiler chooses (a forward graph's saved activations:
+    /// the caller compiles their consumer for the strides reported back); every other output
+    /// has its metadata's strides.
+    pub free_layout_outputs: Vec<usize>,
 }
 
 impl Graph {

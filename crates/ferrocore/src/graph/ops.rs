@@ -216,6 +216,8 @@ aten_ops! {
     SplitWithSizes => "aten.split_with_sizes.default", 2..=3;
     SplitTensor => "aten.split.Tensor", 2..=3;
     Cat => "aten.cat.default", 1..=2;
+    AsStridedScatter => "aten.as_strided_scatter.default", 4..=5;
+    Histc => "aten.histc.default", 1..=4;
     // extern calls (library kernels through ATen)
     Mm => "aten.mm.default", 2..=2;
     Bmm => "aten.bmm.default", 2..=2;
@@ -236,6 +238,17 @@ aten_ops! {
     Nonzero => "aten.nonzero.default", 1..=1;
     FlashAttentionCpu => "aten._scaled_dot_product_flash_attention_for_cpu.default", 3..=5;
     FlashAttentionCpuBackward => "aten._scaled_dot_product_flash_attention_for_cpu_backward.default", 8..=8;
+    // scaled-dot-product attention on GPUs: flash, memory-efficient, cuDNN and the backend hook
+    FlashAttention => "aten._scaled_dot_product_flash_attention.default", 3..=6;
+    FlashAttentionBackward => "aten._scaled_dot_product_flash_attention_backward.default", 14..=14;
+    EfficientAttention => "aten._scaled_dot_product_efficient_attention.default", 5..=7;
+    EfficientAttentionBackward => "aten._scaled_dot_product_efficient_attention_backward.default", 11..=12;
+    CudnnAttention => "aten._scaled_dot_product_cudnn_attention.default", 5..=8;
+    CudnnAttentionBackward => "aten._scaled_dot_product_cudnn_attention_backward.default", 15..=15;
+    FusedAttention => "aten._scaled_dot_product_fused_attention_overrideable.default", 3..=7;
+    FusedAttentionBackward => "aten._scaled_dot_product_fused_attention_overrideable_backward.default", 16..=16;
+    GroupedMm => "aten._grouped_mm.default", 2..=5;
+    TransformerEncoderLayer => "aten._transformer_encoder_layer_fwd.default", 18..=20;
     Searchsorted => "aten.searchsorted.Tensor", 2..=2;
     SearchsortedScalar => "aten.searchsorted.Scalar", 2..=2;
     LinalgSvd => "aten._linalg_svd.default", 1..=3;

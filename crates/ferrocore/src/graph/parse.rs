@@ -20,7 +20,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     let name = doc.get("name").and_then(Value::as_str).unwrap_or("graph").to_string();
     let raw_nodes = doc.get("nodes").and_then(Value::as_array).ok_or_else(|| err(None, "missing 'nodes' list"))?;
 
-    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new() };
+    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new() };
     let mut by_name: HashMap<String, NodeId> = HashMap::new();
     let mut saw_output = false;
     for raw in raw_nodes {
@@ -93,6 +93,18 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     }
     if !saw_output {
         return Err(err(None, "graph has no output node"));
+    }
+    match doc.get("free_layout_outputs") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(items)) => {
+            for it in items {
+                match it.as_u64() {
+                    Some(i) if (i as usize) < g.outputs.len() => g.free_layout_outputs.push(i as usize),
+                    _ => return Err(err(Some("output"), format!("free_layout_outputs: {it} is not an output position"))),
+                }
+            }
+        }
+        Some(_) => return Err(err(Some("output"), "free_layout_outputs must be a list of output positions")),
     }
     Ok(g)
 }

@@ -159,6 +159,9 @@ pub struct ExternCall {
     pub origin: String,
     /// Why this op runs through ATen (fallbacks only).
     pub reason: Option<String>,
+    /// Why the call must not be recorded in a CUDA graph (it synchronizes with the host, or its
+    /// capture safety is unknown); None when replaying a recording of it is safe.
+    pub capture_hazard: Option<String>,
 }
 
 impl ExternCall {

@@ -6,18 +6,29 @@ use super::pointwise::{pointwise, PwIn};
 use super::*;
 
 impl Ctx<'_> {
-    fn extern_tensor(&mut self, n: NodeId) -> LResult<ExternArg> {
+    /// Node `n`'s value as a strided tensor for a library call. With `exact`, its strides are
+    /// eager's wherever eager's are dense (a copy when ferrocore laid it out otherwise), for calls
+    /// whose kernels depend on the layout (grouped GEMMs, attention, custom operators).
+    fn extern_tensor(&mut self, n: NodeId, exact: bool) -> LResult<ExternArg> {
         let tv = self.realized_node(n)?;
+        let want = self.eager_layout(n, &tv);
         if let Some((buf, stride, offset)) = tv.strided() {
-            let l = &self.prog.buffer(buf).layout;
-            if l.size == tv.size && l.stride == stride && l.offset == offset {
-                return Ok(ExternArg::Buffer(buf));
+            let meta = self.graph.node(n).meta.tensor().filter(|m| m.shape == tv.size);
+            if !exact || meta.is_none_or(|m| same_strides(&tv.size, &stride, &m.stride)) {
+                let l = &self.prog.buffer(buf).layout;
+                if l.size == tv.size && l.stride == stride && l.offset == offset {
+                    return Ok(ExternArg::Buffer(buf));
+                }
+                return Ok(ExternArg::View { buf, size: tv.size.clone(), stride, offset });
             }
-            return Ok(ExternArg::View { buf, size: tv.size.clone(), stride, offset });
         }
-        // a non-affine view (e.g. reshape of a transposed buffer): copy it out first
+        // a non-affine view (e.g. reshape of a transposed buffer), or strides the call must not
+        // see: copied out in eager's layout first
         let lazy = TensorValue { src: Src::Lazy { f: loader_of(&tv), reads: 1, ops: 0 }, ..tv };
-        let r = self.realize(&lazy);
+        let saved = self.current;
+        self.current = n;
+        let r = self.realize_into(&lazy, want);
+        self.current = saved;
         self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
         match r.src {
             Src::View { buf, .. } => Ok(ExternArg::Buffer(buf)),
@@ -25,30 +36,31 @@ impl Ctx<'_> {
         }
     }
 
-    fn extern_arg(&mut self, a: &Arg) -> LResult<ExternArg> {
+    fn extern_arg(&mut self, a: &Arg, exact: bool) -> LResult<ExternArg> {
         Ok(match a {
             Arg::Node(n) => {
                 if self.graph.node(*n).meta.tensor().is_none() {
                     return unsupported("non-tensor node argument");
                 }
-                self.extern_tensor(*n)?
+                self.extern_tensor(*n, exact)?
             }
-            Arg::List(items) => ExternArg::List(items.iter().map(|i| self.extern_arg(i)).collect::<LResult<_>>()?),
+            Arg::List(items) => ExternArg::List(items.iter().map(|i| self.extern_arg(i, exact)).collect::<LResult<_>>()?),
             other => ExternArg::Literal(py_literal(other)),
         })
     }
 
     /// Emits `callee(args)` with the node's own arguments; its results are new buffers shaped
     /// like the node's metadata.
-    fn extern_call(&mut self, callee: String, fallback: bool, reason: Option<String>) -> LResult<Lowered> {
+    fn extern_call(&mut self, callee: String, kind: ExternKind) -> LResult<Lowered> {
         let node = self.graph.node(self.current);
         let NodeKind::Call { args, kwargs, .. } = &node.kind else { return malformed("not a call") };
-        let args = args.iter().map(|a| self.extern_arg(a)).collect::<LResult<Vec<_>>>()?;
+        let exact = kind.needs_eager_strides();
+        let args = args.iter().map(|a| self.extern_arg(a, exact)).collect::<LResult<Vec<_>>>()?;
         let kwargs = kwargs
             .iter()
-            .map(|(k, a)| Ok((k.clone(), self.extern_arg(a)?)))
+            .map(|(k, a)| Ok((k.clone(), self.extern_arg(a, exact)?)))
             .collect::<LResult<Vec<_>>>()?;
-        self.push_extern(callee, args, kwargs, &node.meta, fallback, reason)
+        self.push_extern(callee, args, kwargs, &node.meta, kind)
     }
 
     /// Emits `callee(args, kwargs)` as a step of the program, its results new buffers laid out
@@ -59,8 +71,7 @@ impl Ctx<'_> {
         args: Vec<ExternArg>,
         kwargs: Vec<(String, ExternArg)>,
         meta: &Meta,
-        fallback: bool,
-        reason: Option<String>,
+        kind: ExternKind,
     ) -> LResult<Lowered> {
         let call = self.prog.externs.len();
         let mut outputs = Vec::new();
@@ -86,13 +97,24 @@ impl Ctx<'_> {
             Meta::Scalar(_) => return malformed("ops returning Python scalars cannot run in the wrapper"),
         };
         let origin = self.node_name();
-        self.prog.externs.push(ExternCall { callee, args, kwargs, outputs, fallback, origin, reason });
+        let (fallback, reason, capture_hazard) = match kind {
+            ExternKind::Library { hazard, .. } => (false, None, hazard.map(str::to_string)),
+            ExternKind::Custom => (false, Some("custom operator (torch.library)".to_string()), None),
+            ExternKind::Fallback { reason } => {
+                let hazard = format!("ATen fallback {callee} of unknown capture safety");
+                (true, Some(reason), Some(hazard))
+            }
+        };
+        self.prog.externs.push(ExternCall { callee, args, kwargs, outputs, fallback, origin, reason, capture_hazard });
         self.prog.steps.push(Step::Extern(call));
         Ok(lowered)
     }
 
     pub(super) fn lower_extern(&mut self, op: AtenOp) -> LResult<Lowered> {
-        self.extern_call(format!("torch.ops.{}", op.name()), false, None)
+        // GEMMs and convolutions take any strides (cuBLAS transposes, cuDNN picks a layout)
+        let any_layout = matches!(op, AtenOp::Mm | AtenOp::Bmm | AtenOp::Addmm | AtenOp::Convolution | AtenOp::ConvolutionBackward);
+        let kind = ExternKind::Library { hazard: capture_hazard(op), exact_strides: !any_layout };
+        self.extern_call(format!("torch.ops.{}", op.name()), kind)
     }
 
     /// addmm(bias, a, b) on a GPU, in float32/float64 with beta = alpha = 1: the GEMM as `mm`
@@ -111,8 +133,9 @@ impl Ctx<'_> {
             return self.lower_extern(AtenOp::Addmm);
         }
         let bias = self.tensor_arg(0, "self")?;
-        let args = vec![self.extern_tensor(*a)?, self.extern_tensor(*b)?];
-        let Lowered::Tensor(product) = self.push_extern("torch.ops.aten.mm.default".into(), args, vec![], &Meta::Tensor(out.clone()), false, None)? else {
+        let args = vec![self.extern_tensor(*a, false)?, self.extern_tensor(*b, false)?];
+        let mm = ExternKind::Library { hazard: capture_hazard(AtenOp::Mm), exact_strides: false };
+        let Lowered::Tensor(product) = self.push_extern("torch.ops.aten.mm.default".into(), args, vec![], &Meta::Tensor(out.clone()), mm)? else {
             return malformed("mm produced no tensor");
         };
         let dt = out.dtype;
@@ -126,7 +149,7 @@ impl Ctx<'_> {
     /// A torch.library custom op: opaque to compilers by its contract (its kernel is the
     /// definition), so it is a library call like `mm`, not a fallback.
     pub(super) fn lower_custom_op(&mut self, name: &str) -> LResult<Lowered> {
-        self.extern_call(format!("torch.ops.{name}"), false, Some("custom operator (torch.library)".to_string()))
+        self.extern_call(format!("torch.ops.{name}"), ExternKind::Custom)
     }
 
     /// Runs the node's own ATen overload inside the wrapper; logged and counted.
@@ -140,7 +163,7 @@ impl Ctx<'_> {
         }
         self.current = id;
         self.fallbacks.push(Fallback { node: node.name.clone(), target: name.clone(), reason: reason.clone() });
-        self.extern_call(format!("torch.ops.{name}"), true, Some(reason))
+        self.extern_call(format!("torch.ops.{name}"), ExternKind::Fallback { reason })
     }
 
     pub(super) fn lower_cat(&mut self) -> LResult<TensorValue> {
@@ -179,6 +202,48 @@ impl Ctx<'_> {
             return malformed(format!("cat inputs sum to {offset} along dim {dim}, metadata says {}", out.shape[dim]));
         }
         Ok(view_of_layout(buf, &layout))
+    }
+}
+
+/// What kind of ATen call an extern is, which decides how it is counted and whether a CUDA graph
+/// may record it.
+pub(super) enum ExternKind {
+    /// A library call on purpose (docs/externs.md), with what keeps it out of CUDA graphs and
+    /// whether its kernels need eager's strides.
+    Library { hazard: Option<&'static str>, exact_strides: bool },
+    /// A torch.library operator: opaque to compilers by contract; recorded in CUDA graphs like
+    /// any GPU kernel, as Inductor does.
+    Custom,
+    /// An op without a lowering.
+    Fallback { reason: String },
+}
+
+impl ExternKind {
+    /// Whether the call's tensor arguments must have eager's strides.
+    fn needs_eager_strides(&self) -> bool {
+        match self {
+            ExternKind::Library { exact_strides, .. } => *exact_strides,
+            ExternKind::Custom | ExternKind::Fallback { .. } => true,
+        }
+    }
+}
+
+/// Why a library call must not be recorded in a CUDA graph: it reads device data on the host
+/// (a result size, an error code) or may run on the host. Every other library call launches
+/// device work only and replays correctly.
+pub(super) fn capture_hazard(op: AtenOp) -> Option<&'static str> {
+    use AtenOp::*;
+    match op {
+        Nonzero => Some("nonzero reads its result size on the host"),
+        LinalgCheckErrors => Some("_linalg_check_errors reads LAPACK's error codes on the host"),
+        Randperm => Some("randperm may draw the permutation on the host"),
+        LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx
+        | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve
+        | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse
+        | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp => {
+            Some("a cuSOLVER/MAGMA factorization may synchronize with the host")
+        }
+        _ => None,
     }
 }
 

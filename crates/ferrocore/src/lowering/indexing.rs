@@ -297,6 +297,70 @@ impl Ctx<'_> {
         });
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 2, ops: 12 } })
     }
+
+    /// as_strided_scatter(self, src, size, stride, offset): `self` with the as_strided view of
+    /// its storage replaced by `src` (what autograd makes of an as_strided's gradient). Each
+    /// output element finds whether the view covers its storage position: when the view's dims
+    /// nest (by decreasing stride, each stride at least the span of the smaller ones), the view
+    /// index follows greedily, largest stride first, so the op is a gather like slice_scatter.
+    /// Overlapping or interleaved views are not lowered.
+    pub(super) fn lower_as_strided_scatter(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let src = self.tensor_arg(1, "src")?;
+        let out = self.out_meta()?.clone();
+        let size = self.ints_arg(2, "size")?.ok_or((LowerErrorKind::Malformed, "as_strided_scatter needs a size".to_string()))?;
+        let stride = self.ints_arg(3, "stride")?.ok_or((LowerErrorKind::Malformed, "as_strided_scatter needs strides".to_string()))?;
+        let offset = self.int_arg(4, "storage_offset")?.unwrap_or(0);
+        if size.len() != stride.len() || src.size != size {
+            return malformed(format!("as_strided_scatter: src {:?} does not match the view {size:?} / {stride:?}", src.size));
+        }
+        if size.contains(&0) {
+            return Ok(x);
+        }
+        if !is_dense(&out.shape, &out.stride) || stride.iter().any(|&s| s < 0) {
+            return unsupported("as_strided_scatter into a non-dense result");
+        }
+        let mut dims: Vec<usize> = (0..size.len()).filter(|&d| size[d] > 1).collect();
+        dims.sort_by_key(|&d| std::cmp::Reverse(stride[d]));
+        let mut span = 1i64;
+        for &d in dims.iter().rev() {
+            if stride[d] < span {
+                return unsupported("as_strided_scatter of an overlapping or interleaved view");
+            }
+            span += stride[d] * (size[d] - 1);
+        }
+        let (sbuf, sstride, soff) = strided_base(self, &src)?;
+        let ostride = out.stride.clone();
+        let cd = out.dtype;
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let keep = x.load(bx, idx);
+            let keep = bx.body.cast(keep, cd);
+            let mut pos = IndexExpr::constant(-offset);
+            for (i, s) in idx.iter().zip(&ostride) {
+                pos = pos.add(&i.scale(*s));
+            }
+            let mut rem = bx.body.index(pos, DType::I64);
+            let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+            let mut inside = bx.body.binary(BinaryOp::Ge, rem, zero);
+            let mut terms = Vec::new();
+            for &d in &dims {
+                let st = bx.body.constant(Scalar::Int(stride[d]), DType::I64);
+                let q = bx.body.binary(BinaryOp::FloorDiv, rem, st);
+                let used = bx.body.binary(BinaryOp::Mul, q, st);
+                rem = bx.body.binary(BinaryOp::Sub, rem, used);
+                let n = bx.body.constant(Scalar::Int(size[d]), DType::I64);
+                let fits = bx.body.binary(BinaryOp::Lt, q, n);
+                inside = bx.body.binary(BinaryOp::LogicalAnd, inside, fits);
+                terms.push((clamp_index(bx, q, size[d] - 1), sstride[d]));
+            }
+            let exact = bx.body.binary(BinaryOp::Eq, rem, zero);
+            inside = bx.body.binary(BinaryOp::LogicalAnd, inside, exact);
+            let v = bx.body.load_indirect(sbuf, IndexExpr::constant(soff), terms, src.dtype);
+            let v = bx.body.cast(v, cd);
+            bx.body.where_(inside, v, keep)
+        });
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 2, ops: 20 } })
+    }
 }
 
 impl Ctx<'_> {

@@ -350,10 +350,12 @@ impl<'g> Ctx<'g> {
             | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,
             Cat => t(self.lower_cat()?),
+            AsStridedScatter => t(self.lower_as_strided_scatter()?),
+            Histc => t(self.lower_histc()?),
             Addmm => self.lower_addmm()?,
             Mm | Bmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r
             | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
-            FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg => self.lower_extern(op)?,
+            FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | FlashAttention | FlashAttentionBackward | EfficientAttention | EfficientAttentionBackward | CudnnAttention | CudnnAttentionBackward | FusedAttention | FusedAttentionBackward | GroupedMm | TransformerEncoderLayer | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
             Embedding | IndexSelect | Gather | IndexTensor => t(self.lower_gather(op)?),
@@ -496,18 +498,31 @@ impl<'g> Ctx<'g> {
         if matches!(tv.src, Src::View { .. }) {
             return Ok(tv);
         }
+        let layout = self.eager_layout(n, &tv);
         let saved = self.current;
         self.current = n;
-        let r = self.realize(&tv);
+        let r = self.realize_into(&tv, layout);
         self.current = saved;
         self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
         Ok(r)
     }
 
+    /// The layout eager gives node `n`'s value (its metadata's strides, when dense), else
+    /// contiguous: library calls see the layouts they would see in eager (some require them:
+    /// grouped GEMMs align their groups along the strided dim).
+    pub fn eager_layout(&self, n: NodeId, tv: &TensorValue) -> Layout {
+        match self.graph.node(n).meta.tensor() {
+            Some(m) if m.shape == tv.size && is_dense(&m.shape, &m.stride) => {
+                Layout { size: tv.size.clone(), stride: m.stride.clone(), offset: 0, dtype: tv.dtype, device: tv.device.clone() }
+            }
+            _ => Layout::contiguous(&tv.size, tv.dtype, tv.device.clone()),
+        }
+    }
+
     fn lower_outputs(&mut self) -> LResult<()> {
         let graph = self.graph;
         let mut outputs = Vec::new();
-        for a in &graph.outputs {
+        for (pos, a) in graph.outputs.iter().enumerate() {
             let out = match a {
                 Arg::None => OutputValue::None,
                 Arg::Node(n) => {
@@ -520,7 +535,11 @@ impl<'g> Ctx<'g> {
                         return malformed(format!("output '{}' has shape {:?}, metadata says {:?}", node.name, tv.size, meta.shape));
                     }
                     self.current = *n;
-                    self.output_value(&tv, meta)
+                    if graph.free_layout_outputs.contains(&pos) {
+                        self.free_output_value(*n, &tv, meta)
+                    } else {
+                        self.output_value(&tv, meta)
+                    }
                 }
                 other => return malformed(format!("unsupported output {other:?}")),
             };
@@ -528,6 +547,25 @@ impl<'g> Ctx<'g> {
         }
         self.prog.outputs = outputs;
         Ok(())
+    }
+
+    /// An output whose layout is ours to choose: a buffer or an affine view of one as it is
+    /// (no copy), anything else realized in the layout a buffer of this node would get.
+    fn free_output_value(&mut self, n: NodeId, tv: &TensorValue, meta: &TensorMeta) -> OutputValue {
+        if let Some((buf, stride, offset)) = tv.strided() {
+            let l = &self.prog.buffer(buf).layout;
+            if l.dtype == meta.dtype {
+                if l.size == tv.size && l.stride == stride && l.offset == offset {
+                    return OutputValue::Buffer(buf);
+                }
+                return OutputValue::View { buf, size: tv.size.clone(), stride, offset };
+            }
+        }
+        let layout = self.eager_layout(n, tv);
+        match self.realize_into(tv, layout).src {
+            Src::View { buf, .. } => OutputValue::Buffer(buf),
+            Src::Lazy { .. } => OutputValue::None,
+        }
     }
 
     /// Graph outputs keep eager's strides: views of buffers are returned as views when their
@@ -573,7 +611,7 @@ pub fn is_library_call(op: AtenOp) -> bool {
     matches!(
         op,
         Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward
-            | PdistForward | EmbeddingBag | FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg
+            | PdistForward | EmbeddingBag | FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | FlashAttention | FlashAttentionBackward | EfficientAttention | EfficientAttentionBackward | CudnnAttention | CudnnAttentionBackward | FusedAttention | FusedAttentionBackward | GroupedMm | TransformerEncoderLayer | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg
     )
 }
 

@@ -20,6 +20,8 @@ impl Ctx<'_> {
             fallback: false,
             origin: self.node_name(),
             reason: None,
+            // torch's CUDA generator advances its Philox offset at every replay
+            capture_hazard: None,
         });
         self.prog.steps.push(Step::Extern(call));
         buf

@@ -424,6 +424,57 @@ impl Ctx<'_> {
         Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges: granges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
     }
 
+    /// histc(self, bins, min, max): counts of the elements in `bins` equal-width bins over
+    /// [min, max], in self's dtype; elements outside (and NaN) are not counted. The bin of x is
+    /// trunc((x - min) * bins / (max - min)) in self's type (integer arithmetic for integer
+    /// inputs, as ATen's CUDA kernel), x == max counting in the last bin; ATen's CPU kernel
+    /// computes the same expression. A scatter-add of ones. `min == max` (the data's own range)
+    /// is not lowered.
+    pub(super) fn lower_histc(&mut self) -> LResult<TensorValue> {
+        let x = self.tensor_arg(0, "self")?;
+        let out = self.out_meta()?.clone();
+        let bins = self.int_arg(1, "bins")?.unwrap_or(100);
+        let lo = self.float_arg(2, "min")?.unwrap_or(0.0);
+        let hi = self.float_arg(3, "max")?.unwrap_or(0.0);
+        if bins <= 0 {
+            return malformed(format!("histc needs a positive number of bins, got {bins}"));
+        }
+        let dt = out.dtype;
+        let int = !dt.is_float();
+        let (lo, hi) = if int { (lo.trunc(), hi.trunc()) } else { (lo, hi) };
+        if !(lo < hi) {
+            return unsupported("histc over the data's own range (min == max)");
+        }
+        let ct = if int { DType::I64 } else { dt.compute() };
+        let x = if x.size.is_empty() { reshaped(&x, vec![1]) } else { x };
+        let ranges = x.size.clone();
+        let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let v = x.load(bx, idx);
+            let v = bx.body.cast(v, ct);
+            let scalar = |bx: &mut Bx, f: f64| bx.body.constant(if int { Scalar::Int(f as i64) } else { Scalar::Float(f) }, ct);
+            let (lo_v, hi_v, n_v) = (scalar(bx, lo), scalar(bx, hi), scalar(bx, bins as f64));
+            let ge = bx.body.binary(BinaryOp::Ge, v, lo_v);
+            let le = bx.body.binary(BinaryOp::Le, v, hi_v);
+            let inside = bx.body.binary(BinaryOp::LogicalAnd, ge, le);
+            let d = bx.body.binary(BinaryOp::Sub, v, lo_v);
+            let scaled = bx.body.binary(BinaryOp::Mul, d, n_v);
+            let width = bx.body.binary(BinaryOp::Sub, hi_v, lo_v);
+            let pos = bx.body.binary(if int { BinaryOp::TruncDiv } else { BinaryOp::TrueDiv }, scaled, width);
+            // outside elements add 0 to bin 0, so no NaN or infinity is converted to an integer
+            let zero = bx.body.constant(Scalar::Int(0), ct);
+            let pos = bx.body.where_(inside, pos, zero);
+            let pos = bx.body.cast(pos, DType::I64);
+            let last = bx.body.constant(Scalar::Int(bins - 1), DType::I64);
+            let pos = bx.body.binary(BinaryOp::Minimum, pos, last);
+            let one = bx.body.constant(Scalar::Int(1), dt);
+            let nothing = bx.body.constant(Scalar::Int(0), dt);
+            let count = bx.body.where_(inside, one, nothing);
+            (IndexExpr::zero(), vec![(pos, 1)], count)
+        });
+        let zeros = constant_value(&[bins], dt, Scalar::Int(0), &out.device);
+        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+    }
+
     /// embedding_dense_backward: rows of the gradient added into the rows their indices name.
     pub(super) fn lower_embedding_backward(&mut self) -> LResult<TensorValue> {
         let grad = self.tensor_arg(0, "grad_output")?;

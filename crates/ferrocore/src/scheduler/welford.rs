@@ -4,7 +4,7 @@
 //! This pass rewrites it to `WelfordM2(x) / d` (Welford's running mean and M2): it no longer
 //! reads the mean, so both nodes fuse into one loop over `x`.
 
-use super::split::SplitConfig;
+use super::split::{is_outer_reduction, SplitConfig};
 use crate::loop_ir::*;
 
 /// Rewrites every variance's second pass over more than `min_len` elements, except those the
@@ -15,7 +15,7 @@ pub fn welford_variances(p: &mut LoopProgram, min_len: i64, split: Option<&Split
         let node = &p.nodes[n];
         let len: i64 = node.reduction_ranges.iter().product();
         let rows: i64 = node.ranges.iter().product();
-        if len <= min_len || split.is_some_and(|c| rows < c.min_rows && len >= 2 * c.min_chunk) {
+        if len <= min_len || split.is_some_and(|c| c.splits(rows, len, is_outer_reduction(node)).is_some()) {
             continue;
         }
         let Some((mean_buf, body)) = rewrite(p, n) else { continue };

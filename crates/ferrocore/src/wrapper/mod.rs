@@ -29,6 +29,7 @@ pub struct HostPlan {
 /// reuses freed storage of an identical layout for later allocations.
 pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
     let p = &s.program;
+    let used = used_buffers(s, kernels);
     let mut uses: Vec<Vec<BufferId>> = Vec::new();
     let mut defs: Vec<Vec<BufferId>> = Vec::new();
     let mut launch = 0;
@@ -46,7 +47,8 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
             }
             Item::Extern(e) => {
                 uses.push(p.externs[*e].input_buffers());
-                defs.push(p.externs[*e].outputs.clone());
+                // results nothing reads are never bound (ATen may leave them undefined)
+                defs.push(p.externs[*e].outputs.iter().copied().filter(|b| used[b.0 as usize]).collect());
                 item_launch.push(None);
             }
         }
@@ -133,6 +135,48 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
     HostPlan { steps }
 }
 
+/// Buffers something reads: a kernel, an extern call or the graph's outputs.
+fn used_buffers(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
+    let p = &s.program;
+    let mut used = vec![false; p.buffers.len()];
+    for l in &kernels.launches {
+        for b in &l.args {
+            used[b.0 as usize] = true;
+        }
+    }
+    for x in &p.externs {
+        for b in x.input_buffers() {
+            used[b.0 as usize] = true;
+        }
+    }
+    for o in &p.outputs {
+        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
+            used[b.0 as usize] = true;
+        }
+    }
+    used
+}
+
+/// A Python string literal for any text: printable ASCII as is, everything else escaped.
+pub fn py_str(s: &str) -> String {
+    let mut out = String::from("'");
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("\\'"),
+            ' '..='~' => out.push(c),
+            c if (c as u32) < 0x10000 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => {
+                let _ = write!(out, "\\U{:08x}", c as u32);
+            }
+        }
+    }
+    out.push('\'');
+    out
+}
+
 fn py_tuple(v: &[i64]) -> String {
     match v.len() {
         1 => format!("({},)", v[0]),
@@ -161,6 +205,7 @@ fn extern_arg_py(p: &LoopProgram, a: &ExternArg) -> String {
 /// Renders the plan as a Python module.
 pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, graph_name: &str) -> String {
     let p = &s.program;
+    let used = used_buffers(s, kernels);
     let mut m = String::new();
     let fallbacks = p.externs.iter().filter(|e| e.fallback).count();
     let _ = writeln!(m, "# ferrocore output code for graph '{graph_name}'");
@@ -216,9 +261,21 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             let _ = writeln!(m, "TRITON_LAUNCHERS = {{{}}}", names.join(", "));
         }
     }
-    // the index check reads its flag on the host after the launches: a CUDA graph cannot
+    // what keeps a CUDA graph from recording this module: an index check reads its flag on the
+    // host after the launches; some library calls synchronize or have unknown capture safety
+    let mut hazards: Vec<String> = Vec::new();
     if kernels.launches.iter().any(|l| l.checks_indices && matches!(l.shape, LaunchShape::Grid { .. })) {
-        m.push_str("\nCUDAGRAPH_UNSAFE = 'an index check reads a device flag on the host after the launches'\n");
+        hazards.push("an index check reads a device flag on the host after the launches".into());
+    }
+    for x in &p.externs {
+        if let Some(h) = &x.capture_hazard {
+            if !hazards.contains(h) {
+                hazards.push(h.clone());
+            }
+        }
+    }
+    if !hazards.is_empty() {
+        let _ = writeln!(m, "\nCUDAGRAPH_UNSAFE = {}", py_str(&hazards.join("; ")));
     }
     // Triton launches on the current device: run CUDA graphs under their device
     let cuda = p.buffers.iter().find_map(|b| match b.layout.device {
@@ -251,7 +308,6 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     if let Some(d) = flag_device {
         let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}')");
     }
-    // extern results read by kernels or returned must have the layout we compiled against
     for step in &plan.steps {
         match step {
             HostStep::Alloc(b) => {
@@ -306,24 +362,24 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                     None => String::new(),
                 };
                 let call = format!("{}({})", x.callee, args.join(", "));
-                let restride = |b: &BufferId| -> String {
+                // extern results read by kernels or returned must have the layout compiled against
+                let restride = |b: &BufferId, value: &str| -> String {
                     let l = &p.buffer(*b).layout;
-                    format!("restride({{}}, {}, {}, {})", py_tuple(&l.size), py_tuple(&l.stride), dtype_py(l.dtype))
+                    format!("restride({value}, {}, {}, {})", py_tuple(&l.size), py_tuple(&l.stride), dtype_py(l.dtype))
                 };
                 let single = x.outputs.len() == 1 && matches!(p.buffer(x.outputs[0]).source, BufferSource::Extern { item: None, .. });
                 if single {
                     let b = x.outputs[0];
-                    let _ = writeln!(m, "    {} = {}{note}", p.buffer(b).name, restride(&b).replace("{}", &call));
+                    let _ = writeln!(m, "    {} = {}{note}", p.buffer(b).name, restride(&b, &call));
                 } else {
                     let _ = writeln!(m, "    _r = {call}{note}");
-                    for b in &x.outputs {
+                    for b in x.outputs.iter().filter(|b| used[b.0 as usize]) {
                         if let BufferSource::Extern { item: Some(i), .. } = p.buffer(*b).source {
-                            let _ = writeln!(m, "    {} = {}", p.buffer(*b).name, restride(b).replace("{}", &format!("_r[{i}]")));
+                            let _ = writeln!(m, "    {} = {}", p.buffer(*b).name, restride(b, &format!("_r[{i}]")));
                         }
                     }
-                    if x.outputs.is_empty() {
-                        m.push_str("    del _r\n");
-                    }
+                    // the tuple would keep every result alive until the next call
+                    m.push_str("    del _r\n");
                 }
             }
             HostStep::Free(b) => {

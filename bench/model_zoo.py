@@ -1,0 +1,386 @@
+"""Real models built from configs with random weights (nothing is downloaded), at two sizes.
+
+`full`: the published sizes (GPT-2 124M, BERT-base, a TinyLlama-shaped Llama, T5-small, ViT-B/16,
+DistilBERT, a small Mixtral, ResNet-50, MobileNetV3-Large, EfficientNet-B0, ConvNeXt-T,
+`nn.TransformerEncoder`), for bfloat16 on a GPU. `tiny`: the same architectures a few layers and
+channels wide, for float32 on the CPU (CI checks every one for correctness).
+
+Each entry builds a `Case`: the model, its inputs, and a loss module for training steps; `bench/models.py` times them and
+`tests/test_models.py` checks them. transformers, timm and torchvision are development
+dependencies: a missing one makes its models unavailable (`MissingDependency`), never an error
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class MissingDependency(Exception):
+    pass
+
+
+@dataclass
+class Case:
+    model: nn.Module
+    # a fresh tuple of inputs on the device (ids, masks, pixels)
+    make_inputs: Callable[[], tuple]
+    # the model's output(s) -> the first tensor worth comparing (logits, hidden states)
+    output: Callable[[object], torch.Tensor]
+    # a module sharing `model`'s parameters whose forward returns the scalar training loss (the
+    # model's own loss where it has one: causal LM, masked LM, classification), and its inputs
+    train: nn.Module | None = None
+    make_train_inputs: Callable[[], tuple] | None = None
+
+
+class LossOf(nn.Module):
+    """`model(*inputs)`'s own loss (a Hugging Face output's `.loss`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        return self.model(*inputs).loss
+
+
+class ClassifierLoss(nn.Module):
+    """Cross entropy of `model(pixels)` against integer class targets."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixels, targets):
+        return nn.functional.cross_entropy(_logits(self.model(pixels)).float(), targets)
+
+
+class MeanSquare(nn.Module):
+    """A regression-style loss for models without one: the mean square of the output."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        return _logits(self.model(*inputs)).float().pow(2).mean()
+
+
+def _hf():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise MissingDependency(f"transformers is not installed ({e})") from e
+    import transformers
+
+    return transformers
+
+
+def _tv():
+    try:
+        import torchvision  # noqa: F401
+    except ImportError as e:
+        raise MissingDependency(f"torchvision is not installed ({e})") from e
+    import torchvision
+
+    return torchvision
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    for key in ("logits", "last_hidden_state"):
+        v = getattr(out, key, None)
+        if isinstance(v, torch.Tensor):
+            return v
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    raise TypeError(f"no tensor output in {type(out).__name__}")
+
+
+def _ids(vocab: int, batch: int, seq: int, device, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+def _padding_mask(batch: int, seq: int, device) -> torch.Tensor:
+    """1 for tokens, 0 for padding: row b keeps its first seq - b * seq // (2 * batch) tokens."""
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for b in range(batch):
+        mask[b, seq - b * seq // (2 * batch):] = 0
+    return mask.to(device)
+
+
+def _hf_model(cls_name: str, config, device, dtype) -> nn.Module:
+    tf = _hf()
+    config._attn_implementation = "sdpa"
+    # no dropout anywhere: training steps must be comparable between backends
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and ("drop" in key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    model = getattr(tf, cls_name)(config)
+    return model.to(device=device, dtype=dtype)
+
+
+# ---- transformers --------------------------------------------------------------------------------
+
+
+def gpt2(size: str, device, dtype) -> Case:
+    tf = _hf()
+    if size == "full":
+        cfg, batch, seq = tf.GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024), 4, 1024
+    else:
+        cfg, batch, seq = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=503, n_positions=64), 2, 32
+    cfg.use_cache = False
+    model = _hf_model("GPT2LMHeadModel", cfg, device, dtype)
+    return _causal_lm(model, cfg.vocab_size, batch, seq, device)
+
+
+def bert(size: str, device, dtype) -> Case:
+    tf = _hf()
+    if size == "full":
+        cfg, batch, seq = tf.BertConfig(), 8, 512
+    else:
+        cfg, batch, seq = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                         intermediate_size=128, vocab_size=509, max_position_embeddings=64), 2, 32
+    model = _hf_model("BertForMaskedLM", cfg, device, dtype)
+    return _masked_lm(model, cfg.vocab_size, batch, seq, device)
+
+
+def llama(size: str, device, dtype) -> Case:
+    tf = _hf()
+    if size == "full":
+        # TinyLlama-1.1B's shape: grouped-query attention, 32 query heads over 4 key/value heads
+        cfg = tf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+        batch, seq = 2, 1024
+    else:
+        cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=257, max_position_embeddings=64)
+        batch, seq = 2, 32
+    cfg.use_cache = False
+    model = _hf_model("LlamaForCausalLM", cfg, device, dtype)
+    return _causal_lm(model, cfg.vocab_size, batch, seq, device)
+
+
+def t5(size: str, device, dtype) -> Case:
+    tf = _hf()
+    if size == "full":
+        cfg, batch, seq = tf.T5Config(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64, vocab_size=32128), 8, 512
+    else:
+        cfg, batch, seq = tf.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=311), 2, 32
+    cfg.use_cache = False
+    model = _hf_model("T5ForConditionalGeneration", cfg, device, dtype)
+
+    def inputs():
+        return (_ids(cfg.vocab_size, batch, seq, device), _ids(cfg.vocab_size, batch, seq // 2, device, seed=1))
+
+    def train_inputs():
+        return (*inputs(), _ids(cfg.vocab_size, batch, seq // 2, device, seed=2))
+
+    names = ("input_ids", "decoder_input_ids", "labels")
+    return Case(_Kw(model, names[:2]), inputs, _logits, LossOf(_Kw(model, names)), train_inputs)
+
+
+def vit(size: str, device, dtype) -> Case:
+    tf = _hf()
+    if size == "full":
+        cfg, batch, image = tf.ViTConfig(), 32, 224
+    else:
+        cfg, batch, image = tf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=128, image_size=32, patch_size=8), 2, 32
+    model = _hf_model("ViTForImageClassification", cfg, device, dtype)
+    return _classifier(model, batch, image, cfg.num_labels, device, dtype)
+
+
+def distilbert(size: str, device, dtype) -> Case:
+    tf = _hf()
+    if size == "full":
+        cfg, batch, seq = tf.DistilBertConfig(), 8, 512
+    else:
+        cfg, batch, seq = tf.DistilBertConfig(n_layers=2, dim=64, n_heads=4, hidden_dim=128, vocab_size=401,
+                                               max_position_embeddings=64), 2, 32
+    model = _hf_model("DistilBertForMaskedLM", cfg, device, dtype)
+    return _masked_lm(model, cfg.vocab_size, batch, seq, device)
+
+
+def mixtral(size: str, device, dtype) -> Case:
+    tf = _hf()
+    if size == "full":
+        cfg = tf.MixtralConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=16,
+                               num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                               max_position_embeddings=2048)
+        batch, seq = 4, 512
+    else:
+        cfg = tf.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=257,
+                               max_position_embeddings=64)
+        batch, seq = 2, 16
+    cfg.use_cache = False
+    cfg.output_router_logits = False
+    model = _hf_model("MixtralForCausalLM", cfg, device, dtype)
+    return _causal_lm(model, cfg.vocab_size, batch, seq, device)
+
+
+# ---- vision ---------------------------------------------------------------------------------------
+
+
+def _pixels(batch: int, image: int, device, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, 3, image, image, generator=g).to(device=device, dtype=dtype)
+
+
+def _vision(builder: str, tiny_kwargs: dict, tiny_image: int):
+    def make(size: str, device, dtype) -> Case:
+        tv = _tv()
+        torch.manual_seed(0)
+        if size == "full":
+            model, batch, image = getattr(tv.models, builder)(), 32, 224
+        else:
+            model, batch, image = getattr(tv.models, builder)(**tiny_kwargs), 2, tiny_image
+        model = model.to(device=device, dtype=dtype)
+        return _classifier(model, batch, image, 1000 if size == "full" else 10, device, dtype)
+
+    return make
+
+
+def _tiny_resnet():
+    tv = _tv()
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    class Tiny(ResNet):
+        def __init__(self, **kw):
+            super().__init__(Bottleneck, [1, 1, 1, 1], width_per_group=16, num_classes=10, **kw)
+
+    return Tiny, tv
+
+
+def resnet50(size: str, device, dtype) -> Case:
+    if size == "full":
+        return _vision("resnet50", {}, 0)(size, device, dtype)
+    Tiny, _ = _tiny_resnet()
+    torch.manual_seed(0)
+    model = Tiny().to(device=device, dtype=dtype)
+    return _classifier(model, 2, 32, 10, device, dtype)
+
+
+mobilenet_v3 = _vision("mobilenet_v3_large", {"width_mult": 0.25, "num_classes": 10}, 32)
+
+
+def efficientnet_b0(size: str, device, dtype) -> Case:
+    if size == "full":
+        return _vision("efficientnet_b0", {}, 0)(size, device, dtype)
+    _tv()
+    from torchvision.models.efficientnet import EfficientNet, _efficientnet_conf
+
+    torch.manual_seed(0)
+    setting, last = _efficientnet_conf("efficientnet_b0", width_mult=0.25, depth_mult=0.25)
+    model = EfficientNet(setting, 0.2, last_channel=last, num_classes=10).to(device=device, dtype=dtype)
+    return _classifier(model, 2, 32, 10, device, dtype)
+
+
+def convnext_t(size: str, device, dtype) -> Case:
+    if size == "full":
+        return _vision("convnext_tiny", {}, 0)(size, device, dtype)
+    tv = _tv()
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    torch.manual_seed(0)
+    blocks = [CNBlockConfig(16, 32, 1), CNBlockConfig(32, 64, 1), CNBlockConfig(64, 128, 1), CNBlockConfig(128, None, 1)]
+    model = ConvNeXt(blocks, num_classes=10).to(device=device, dtype=dtype)
+    del tv
+    return _classifier(model, 2, 32, 10, device, dtype)
+
+
+def transformer_encoder(size: str, device, dtype) -> Case:
+    d, heads, layers, ff, batch, seq = (512, 8, 6, 2048, 16, 256) if size == "full" else (64, 4, 2, 128, 2, 16)
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True, norm_first=True)
+    model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).to(device=device, dtype=dtype)
+
+    def inputs():
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(batch, seq, d, generator=g).to(device=device, dtype=dtype),)
+
+    return Case(model, inputs, _logits, MeanSquare(model), inputs)
+
+
+def _causal_lm(model: nn.Module, vocab: int, batch: int, seq: int, device) -> Case:
+    def inputs():
+        return (_ids(vocab, batch, seq, device),)
+
+    def train_inputs():
+        ids = inputs()[0]
+        return (ids, ids)  # labels: the inputs, shifted inside the model
+
+    return Case(model, inputs, _logits, LossOf(_Kw(model, ("input_ids", "labels"))), train_inputs)
+
+
+def _masked_lm(model: nn.Module, vocab: int, batch: int, seq: int, device) -> Case:
+    def inputs():
+        return (_ids(vocab, batch, seq, device), _padding_mask(batch, seq, device))
+
+    def train_inputs():
+        ids, mask = inputs()
+        # every 7th token is a prediction target, padding never is
+        labels = torch.where((torch.arange(seq, device=device) % 7 == 0) & (mask > 0), ids, -100)
+        return (ids, mask, labels)
+
+    names = ("input_ids", "attention_mask", "labels")
+    return Case(_Kw(model, names[:2]), inputs, _logits, LossOf(_Kw(model, names)), train_inputs)
+
+
+def _classifier(model: nn.Module, batch: int, image: int, classes: int, device, dtype) -> Case:
+    def inputs():
+        return (_pixels(batch, image, device, dtype),)
+
+    def train_inputs():
+        g = torch.Generator().manual_seed(1)
+        return (*inputs(), torch.randint(0, classes, (batch,), generator=g).to(device))
+
+    return Case(model, inputs, _logits, ClassifierLoss(model), train_inputs)
+
+
+class _Kw(nn.Module):
+    """Calls a Hugging Face model with keyword inputs from positional ones (so every harness
+    passes a tuple)."""
+
+    def __init__(self, model: nn.Module, names: tuple):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *args):
+        return self.model(**dict(zip(self.names, args)))
+
+
+MODELS: dict[str, Callable[[str, object, torch.dtype], Case]] = {
+    "gpt2": gpt2,
+    "bert": bert,
+    "llama": llama,
+    "t5": t5,
+    "vit": vit,
+    "distilbert": distilbert,
+    "mixtral": mixtral,
+    "resnet50": resnet50,
+    "mobilenet_v3": mobilenet_v3,
+    "efficientnet_b0": efficientnet_b0,
+    "convnext_t": convnext_t,
+    "transformer_encoder": transformer_encoder,
+}
+
+
+def build(name: str, size: str, device, dtype) -> Case:
+    """The model `name` in eval mode with dropout off (training keeps the same numerics), its
+    inputs and output selector."""
+    case = MODELS[name](size, torch.device(device), dtype)
+    for m in case.model.modules():
+        # dropout and stochastic depth off: runs must be comparable between backends
+        if isinstance(m, nn.Dropout) or type(m).__name__ == "StochasticDepth":
+            m.p = 0.0
+    case.model.eval()
+    return case

@@ -1,0 +1,593 @@
+#!/usr/bin/env python
+"""Real models under eager, Inductor and ferrocore, side by side in one process.
+
+The models are `bench/model_zoo.py`'s (Hugging Face transformers and torchvision networks built
+from configs with random weights): full sizes in bfloat16 on a GPU, tiny sizes in float32 on the
+CPU. For each model, task (inference, training = forward + backward of the model's loss) and
+torch.compile mode (both compilers in the same mode), per backend:
+
+- correctness: the output (inference) or the loss and every parameter's gradient (training)
+  against a float64 (CPU) / float32 (GPU) copy of the model; a compiled result passes when its
+  relative error (‖x - ref‖ / ‖ref‖) is at most 3x eager's own error in the benchmark's dtype, or
+  under the dtype's floor (1e-4 float32, 1e-2 bfloat16). Checked at the first call and again
+  after the timed calls (CUDA graph replays);
+- runtime: median of --reps calls, the backends interleaved round by round (CUDA events on the
+  GPU); host ms: the time until the Python call returns (the launches issued);
+- compile: the first call's time (caches start empty for each model: the first task and mode
+  of a model compiles cold, later ones may reuse kernels);
+- peak memory (GPU): the most memory allocated during one call above what was allocated before;
+- on CUDA, the GPU time per call by category (GEMM, convolution, attention, generated kernels,
+  copies, other) and launches per call, from torch.profiler.
+
+    python bench/models.py --device cuda                          # full size, bf16
+    python bench/models.py --device cpu --size tiny               # float32
+    python bench/models.py --device cuda --models gpt2,resnet50 --tasks inference \\
+        --modes default,reduce-overhead --json out.json
+
+Prints a markdown table per task and mode, the per-category kernel table on CUDA, and the
+geometric mean of ferrocore's speedup over Inductor (Inductor's time / ferrocore's). Exits 1 when
+any compiled result is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "bench"))
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+import model_zoo  # noqa: E402
+
+COMPILERS = ("inductor", "ferrocore")
+# Relative errors always allowed: for outputs and losses, and for single parameters' gradients
+# (a bias gradient summed over a few positions can cancel to a small norm, where any reordering of
+# the sum moves its relative error).
+FLOOR = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+GRAD_FLOOR = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+ERROR_MULTIPLIER = 3.0
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on CUDA, tiny on CPU")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--models", default="", help="comma list (default: all of model_zoo.MODELS)")
+    ap.add_argument("--tasks", default="inference,training")
+    ap.add_argument("--modes", default="default,reduce-overhead")
+    ap.add_argument("--backends", default="eager,inductor,ferrocore")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-category kernel profile")
+    ap.add_argument("--json", default=None, help="write every measurement here")
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.size = args.size or ("full" if cuda else "tiny")
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurement.
+
+
+def sync(dev: str) -> None:
+    if dev.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def rel_error(actual: torch.Tensor, ref: torch.Tensor, scale: float = 0.0) -> float:
+    """‖actual - ref‖ / max(‖ref‖, scale): `scale` keeps a tensor that is zero up to rounding
+    (a bias followed by a normalization has no gradient) from making noise look like an error."""
+    a, r = actual.detach().double(), ref.detach().double().to(actual.device)
+    if a.shape != r.shape:
+        return math.inf
+    if not torch.isfinite(a).all():
+        return math.inf
+    denom = max(r.norm().item(), scale)
+    diff = (a - r).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+@dataclass
+class Check:
+    """Relative errors against the reference: `worst` is the largest ratio of an error to what
+    it is allowed (≤ 1 passes), `error` the output's (or loss's) own relative error."""
+    error: float = math.nan
+    worst: float = math.nan
+    where: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= 1.0
+
+    def text(self) -> str:
+        if math.isnan(self.worst):
+            return "n/a"
+        mark = "ok" if self.ok else f"WRONG ({self.where})"
+        return f"{mark} {self.error:.1e}"
+
+
+def compare(result: list, eager: list, ref: list, names: list, floor: float, grad_floor: float) -> Check:
+    """The output (or loss) and the gradients taken together against `ref`, then each gradient
+    alone, each allowed 3x eager's error or its floor."""
+    chk = Check(error=rel_error(result[0], ref[0]), worst=0.0)
+
+    def judge(name, r, e, f, fl, scale=0.0):
+        allowed = max(ERROR_MULTIPLIER * rel_error(e, f, scale), fl)
+        ratio = rel_error(r, f, scale) / allowed
+        if ratio > chk.worst:
+            chk.worst, chk.where = ratio, name
+
+    judge(names[0], result[0], eager[0], ref[0], floor)
+    grads = [(n, r, e, f) for n, r, e, f in zip(names[1:], result[1:], eager[1:], ref[1:])]
+    for name, r, e, f in grads:
+        if (r is None) != (f is None):
+            chk.worst, chk.where = math.inf, f"{name} missing"
+    present = [(n, r, e, f) for n, r, e, f in grads if r is not None and f is not None and e is not None]
+    if present:
+        flat = [torch.cat([x.detach().double().flatten().to(present[0][3].device) for x in xs])
+                for xs in zip(*[(r, e, f) for _, r, e, f in present])]
+        judge("all gradients", flat[0], flat[1], flat[2], floor)
+        # a parameter's gradient is measured against at least 1e-3 of the mean parameter's share
+        scale = 1e-3 * flat[2].norm().item() / math.sqrt(len(present))
+        for name, r, e, f in present:
+            judge(name, r, e, f, grad_floor, scale)
+    return chk
+
+
+class Runner:
+    """One model's task under one backend: `step()` runs it once and returns what is compared."""
+
+    def __init__(self, fn, task: str, params: list, inputs: tuple, output):
+        self.fn, self.task, self.params, self.inputs, self.output = fn, task, params, inputs, output
+
+    def step(self):
+        if self.task == "inference":
+            with torch.no_grad():
+                return self.output(self.fn(*self.inputs))
+        for p in self.params:
+            p.grad = None
+        loss = self.fn(*self.inputs)
+        loss.backward()
+        return loss
+
+    def results(self) -> list:
+        """What a step produced: the output, or the loss and every gradient."""
+        out = self.step()
+        if self.task == "inference":
+            return [out.detach().clone()]
+        return [out.detach().clone()] + [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+
+
+def time_call(fn, dev: str) -> tuple[float, float]:
+    """(device ms, host ms) of one call: CUDA events around it on a GPU (the host clock after a
+    sync elsewhere); host ms is when the Python call returned."""
+    if dev.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        fn()
+        host = (time.perf_counter() - t) * 1e3
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), host
+    t = time.perf_counter()
+    fn()
+    ms = (time.perf_counter() - t) * 1e3
+    return ms, ms
+
+
+def interleaved(runners: dict, reps: int, warmup: int, dev: str) -> dict:
+    for r in runners.values():
+        for _ in range(warmup):
+            r.step()
+    sync(dev)
+    samples: dict = {k: ([], []) for k in runners}
+    names = list(runners)
+    for i in range(reps):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            ms, host = time_call(runners[name].step, dev)
+            samples[name][0].append(ms)
+            samples[name][1].append(host)
+    return {k: (statistics.median(v[0]), statistics.median(v[1])) for k, v in samples.items()}
+
+
+def peak_mb(runner: Runner, dev: str) -> float | None:
+    if not dev.startswith("cuda"):
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    runner.step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+CATEGORIES = ("gemm", "conv", "attention", "generated", "copies", "other")
+
+
+def category(kernel: str) -> str:
+    k = kernel.lower()
+    if any(s in k for s in ("flash", "fmha", "attention", "attn", "sdpa")):
+        return "attention"
+    if any(s in k for s in ("conv", "fprop", "dgrad", "wgrad", "implicit", "winograd", "nchwtonhwc",
+                            "nhwctonchw", "depthwise", "cudnn")):
+        return "conv"
+    if any(s in k for s in ("gemm", "cublas", "cutlass", "xmma", "nvjet", "gemv", "splitkreduce", "matmul")):
+        return "gemm"
+    if k.startswith("triton"):
+        return "generated"
+    if any(s in k for s in ("copy", "memcpy", "memset", "catarray", "fill")):
+        return "copies"
+    return "other"
+
+
+def profile(runner: Runner, calls: int = 3) -> dict | None:
+    """GPU time per call by category (ms) and launches per call, from torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    try:
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                runner.step()
+            torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (no CUPTI)
+        print(f"  profile failed: {e}", flush=True)
+        return None
+    ms = {c: 0.0 for c in CATEGORIES}
+    launches = 0
+    top: dict = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        c = category(e.name)
+        ms[c] += us / 1e3 / calls
+        launches += 1
+        top[e.name] = top.get(e.name, 0.0) + us / 1e3 / calls
+    out = {"ms": ms, "kernel_ms": sum(ms.values()), "launches": launches / calls}
+    out["top"] = sorted(((round(v, 4), category(k), k[:90]) for k, v in top.items()), reverse=True)[:12]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# One model.
+
+
+@dataclass
+class Row:
+    model: str
+    task: str
+    mode: str
+    runtime_ms: dict = field(default_factory=dict)
+    host_ms: dict = field(default_factory=dict)
+    compile_s: dict = field(default_factory=dict)
+    peak_mb: dict = field(default_factory=dict)
+    check: dict = field(default_factory=dict)  # backend -> Check
+    profile: dict = field(default_factory=dict)
+    ferrocore: dict = field(default_factory=dict)  # metrics of this task and mode
+    notes: list = field(default_factory=list)
+
+    def wrong(self) -> list:
+        return [k for k, c in self.check.items() if not c.ok]
+
+
+def reference(case, task: str, inputs: tuple, dev: str, dtype) -> list:
+    """The task's results from a copy of the model in float64 (CPU) or float32 (GPU, no TF32;
+    also on the CPU for models with a float32-only kernel, such as a grouped GEMM)."""
+    if not dev.startswith("cuda"):
+        try:
+            return _reference(case, task, inputs, torch.float64)
+        except RuntimeError:
+            pass
+    return _reference(case, task, inputs, torch.float32)
+
+
+def _reference(case, task: str, inputs: tuple, ref_dtype) -> list:
+    module = case.model if task == "inference" else case.train
+    model = copy.deepcopy(module).to(ref_dtype)
+    cast = tuple(t.to(ref_dtype) if t.is_floating_point() else t for t in inputs)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        if task == "training":
+            model.train()
+        runner = Runner(model, task, list(model.parameters()), cast, case.output)
+        return runner.results()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        del model
+
+
+def compile_backend(module, backend: str, mode: str):
+    kwargs = {} if mode == "default" else {"mode": mode}
+    return torch.compile(module, backend=backend, **kwargs)
+
+
+def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: tuple) -> Row:
+    row = Row(name, task, mode)
+    module = case.model if task == "inference" else case.train
+    module.train(task == "training")
+    params = list(case.model.parameters())
+    names = ["output"] if task == "inference" else ["loss"] + [n for n, _ in case.model.named_parameters()]
+    floor, grad_floor = FLOOR.get(opts.dtype, 1e-4), GRAD_FLOOR.get(opts.dtype, 1e-3)
+    eager = Runner(module, task, params, inputs, case.output)
+    eager_results = eager.results()
+    row.check["eager"] = compare(eager_results, eager_results, ref, names, math.inf, math.inf)
+    row.check["eager"].worst = 0.0
+    runners = {"eager": eager} if "eager" in opts.backends else {}
+    torch._dynamo.reset()
+    for backend in (b for b in COMPILERS if b in opts.backends):
+        if backend == "ferrocore":
+            import ferrocore
+
+            ferrocore.metrics.reset()
+        try:
+            runner = Runner(compile_backend(module, backend, mode), task, params, inputs, case.output)
+            sync(opts.device)
+            t = time.perf_counter()
+            first = runner.results()
+            sync(opts.device)
+            row.compile_s[backend] = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001  (a compiler's failure is a result)
+            row.notes.append(f"{backend} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            row.check[backend] = Check(worst=math.inf, where="failed")
+            traceback.print_exc(limit=6)
+            continue
+        row.check[backend] = compare(first, eager_results, ref, names, floor, grad_floor)
+        runners[backend] = runner
+        if backend == "ferrocore":
+            import ferrocore
+
+            t = ferrocore.metrics.total
+            row.ferrocore = {k: t.get(k) for k in ("graphs", "kernels", "externs", "fallbacks", "graph_fallbacks",
+                                                     "fallback_ops", "cudagraph_recordings", "cudagraph_replays",
+                                                     "cudagraph_plain_calls", "cudagraph_capture_failures")
+                             if t.get(k) is not None}
+    if not runners:
+        return row
+    try:
+        timed = interleaved(runners, opts.reps, opts.warmup, opts.device)
+        row.runtime_ms = {k: v[0] for k, v in timed.items()}
+        row.host_ms = {k: v[1] for k, v in timed.items()}
+        # the timed calls were replays (CUDA graphs) or steady-state calls: check one again
+        for k in (b for b in COMPILERS if b in runners):
+            again = compare(runners[k].results(), eager_results, ref, names, floor, grad_floor)
+            if not again.ok:
+                row.notes.append(f"{k} wrong after the timed calls ({again.where}: {again.worst:.1f}x allowed)")
+                row.check[k] = again
+        for k, r in runners.items():
+            mb = peak_mb(r, opts.device)
+            if mb is not None:
+                row.peak_mb[k] = mb
+            if opts.device.startswith("cuda") and not opts.no_profile:
+                p = profile(r)
+                if p is not None:
+                    row.profile[k] = p
+    except Exception as e:  # noqa: BLE001
+        row.notes.append(f"measurement FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        traceback.print_exc(limit=6)
+    if row.ferrocore.get("fallbacks") or row.ferrocore.get("graph_fallbacks"):
+        row.notes.append(f"ferrocore fallbacks: {row.ferrocore.get('fallback_ops')} "
+                         f"graphs run eagerly: {row.ferrocore.get('graph_fallbacks')}")
+    return row
+
+
+def fresh_caches(root: Path, name: str) -> None:
+    """Empty compile caches for the next model: its first compile is cold."""
+    d = root / name
+    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("FERROCORE_CACHE_DIR", "ferrocore"),
+                     ("TRITON_CACHE_DIR", "triton")):
+        os.environ[var] = str(d / sub)
+    try:
+        from torch._inductor import codecache
+
+        codecache.FxGraphCache.clear() if hasattr(codecache.FxGraphCache, "clear") else None
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_model(name: str, opts, cache_root: Path) -> list:
+    rows = []
+    print(f"\n## {name}", flush=True)
+    fresh_caches(cache_root, name)
+    try:
+        case = model_zoo.build(name, opts.size, opts.device, opts.dtype)
+    except model_zoo.MissingDependency as e:
+        print(f"  skipped: {e}")
+        return rows
+    for task in opts.tasks:
+        if task == "training" and case.train is None:
+            continue
+        inputs = case.make_inputs() if task == "inference" else case.make_train_inputs()
+        try:
+            ref = reference(case, task, inputs, opts.device, opts.dtype)
+        except Exception as e:  # noqa: BLE001
+            print(f"  reference failed: {e}")
+            traceback.print_exc(limit=4)
+            continue
+        for mode in opts.modes:
+            row = run_config(case, name, task, mode, opts, ref, inputs)
+            rows.append(row)
+            print("  " + summary_line(row), flush=True)
+            torch._dynamo.reset()
+            gc.collect()
+            if opts.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        del ref
+    del case
+    gc.collect()
+    if opts.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables.
+
+
+def speedup(row: Row) -> float | None:
+    r = row.runtime_ms
+    if "inductor" in r and "ferrocore" in r and r["ferrocore"] > 0 and "ferrocore" not in row.wrong():
+        return r["inductor"] / r["ferrocore"]
+    return None
+
+
+def summary_line(row: Row) -> str:
+    parts = [f"{row.task}/{row.mode}:"]
+    for k, ms in row.runtime_ms.items():
+        parts.append(f"{k} {ms:.3f} ms")
+    s = speedup(row)
+    if s is not None:
+        parts.append(f"speedup {s:.2f}")
+    parts.append("checks " + ", ".join(f"{k} {c.text()}" for k, c in row.check.items()))
+    if row.compile_s:
+        parts.append("compile " + ", ".join(f"{k} {v:.1f}s" for k, v in row.compile_s.items()))
+    if row.peak_mb:
+        parts.append("peak MB " + ", ".join(f"{k} {v:.0f}" for k, v in row.peak_mb.items()))
+    return " ".join(parts) + ("" if not row.notes else "  NOTES: " + "; ".join(row.notes))
+
+
+def _f(d: dict, k: str, fmt: str) -> str:
+    return format(d[k], fmt) if d.get(k) is not None else "n/a"
+
+
+def geomean(xs: list) -> float | None:
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def table(rows: list, dev: str) -> str:
+    head = ("| model | eager ms | inductor ms | ferrocore ms | speedup vs inductor | inductor host ms | "
+            "ferrocore host ms | inductor check | ferrocore check | inductor compile s | ferrocore compile s |")
+    if dev.startswith("cuda"):
+        head += " eager MB | inductor MB | ferrocore MB |"
+    head += " ferrocore kernels / externs / fallbacks | notes |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        fc = r.ferrocore
+        cells = [r.model, _f(r.runtime_ms, "eager", ".3f"), _f(r.runtime_ms, "inductor", ".3f"),
+                 _f(r.runtime_ms, "ferrocore", ".3f"), f"{speedup(r):.2f}" if speedup(r) else "n/a",
+                 _f(r.host_ms, "inductor", ".3f"), _f(r.host_ms, "ferrocore", ".3f"),
+                 r.check["inductor"].text() if "inductor" in r.check else "n/a",
+                 r.check["ferrocore"].text() if "ferrocore" in r.check else "n/a",
+                 _f(r.compile_s, "inductor", ".1f"), _f(r.compile_s, "ferrocore", ".1f")]
+        if dev.startswith("cuda"):
+            cells += [_f(r.peak_mb, "eager", ".0f"), _f(r.peak_mb, "inductor", ".0f"), _f(r.peak_mb, "ferrocore", ".0f")]
+        cells.append(f"{fc.get('kernels', 'n/a')} / {fc.get('externs', 'n/a')} / "
+                     f"{(fc.get('fallbacks') or 0) + (fc.get('graph_fallbacks') or 0)}" if fc else "n/a")
+        cells.append("; ".join(r.notes).replace("|", "/"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def kernel_table(rows: list) -> str:
+    head = "| model | backend | wall ms | kernel ms | " + " | ".join(CATEGORIES) + " | launches |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        for k, p in r.profile.items():
+            cells = [r.model, k, _f(r.runtime_ms, k, ".3f"), f"{p['kernel_ms']:.3f}"]
+            cells += [f"{p['ms'][c]:.3f}" for c in CATEGORIES]
+            cells.append(f"{p['launches']:.0f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(rows: list, opts, env: str) -> str:
+    out = []
+    for task in opts.tasks:
+        for mode in opts.modes:
+            sel = [r for r in rows if r.task == task and r.mode == mode]
+            if not sel:
+                continue
+            out.append(f"\n### {task}, mode {mode}: {env}\n")
+            out.append(table(sel, opts.device))
+            ups = [speedup(r) for r in sel]
+            g = geomean(ups)
+            if g is not None:
+                low = min((u, r.model) for u, r in zip(ups, sel) if u)
+                out.append(f"\ngeomean ferrocore speedup over inductor: {g:.3f} over {sum(1 for u in ups if u)} models; "
+                           f"lowest {low[0]:.2f} ({low[1]})")
+            if opts.device.startswith("cuda") and any(r.profile for r in sel):
+                out.append(f"\nGPU time per call by category (ms, torch.profiler), {task}, mode {mode}:\n")
+                out.append(kernel_table(sel))
+    return "\n".join(out)
+
+
+def environment(opts) -> str:
+    if opts.device.startswith("cuda"):
+        dev = torch.cuda.get_device_name()
+    else:
+        import platform
+
+        dev = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = "none"
+    try:
+        import transformers
+
+        hf = transformers.__version__
+    except ImportError:
+        hf = "none"
+    return (f"{dev}, torch {torch.__version__}, triton {tv}, transformers {hf}, {opts.size} size, "
+            f"{str(opts.dtype).replace('torch.', '')}; runtime = median of {opts.reps}, interleaved")
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    opts.tasks = [t for t in opts.tasks.split(",") if t]
+    opts.modes = [m for m in opts.modes.split(",") if m]
+    opts.backends = [b for b in opts.backends.split(",") if b]
+    names = [m for m in opts.models.split(",") if m] or list(model_zoo.MODELS)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 64
+    else:
+        torch._dynamo.config.cache_size_limit = 64
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    env = environment(opts)
+    print(f"# model benchmark: {env}", flush=True)
+    cache_root = Path(tempfile.mkdtemp(prefix="ferrocore-models-"))
+    rows = []
+    try:
+        for name in names:
+            rows += run_model(name, opts, cache_root)
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    text = report(rows, opts, env)
+    print(text)
+    if opts.json:
+        data = [dict(asdict(r), check={k: asdict(c) for k, c in r.check.items()}) for r in rows]
+        Path(opts.json).write_text(json.dumps({"env": env, "rows": data}, indent=1, default=str))
+    return 1 if any(r.wrong() for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
