@@ -8,7 +8,10 @@
 #
 # Environment: GPU_MODELS_GROUPS (space-separated comma lists; default: every model, one group),
 # GPU_MODELS_JOBS (default 1), GPU_MODELS_ARGS (extra bench/models.py arguments),
-# GPU_MODELS_TIMEOUT (seconds per group, default 560), OUT (default /tmp/ferrocore-gpu).
+# GPU_MODELS_TIMEOUT (seconds per group, default 560), OUT (default /tmp/ferrocore-gpu),
+# GPU_MODELS_CACHE (a compile-cache directory shared by the groups and kept: a first run with
+# GPU_MODELS_JOBS=4 and "--reps 0" compiles and checks every model in parallel, a second one with
+# GPU_MODELS_JOBS=1 times them on warm caches).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -23,9 +26,10 @@ pids=()
 run_group() {
     local g="$1" i="$2" models=()
     [ "$g" != all ] && models=(--models "$g")
+    [ -n "${GPU_MODELS_CACHE:-}" ] && models+=(--cache-dir "$GPU_MODELS_CACHE")
     # shellcheck disable=SC2086
     timeout "${GPU_MODELS_TIMEOUT:-560}" "$PY" bench/models.py --device cuda "${models[@]}" ${GPU_MODELS_ARGS:-} \
-        --json "$OUT/models_$i.json" > "$OUT/models_$i.log" 2>&1
+        --json "$OUT/models_${GPU_MODELS_TAG:-}$i.json" > "$OUT/models_${GPU_MODELS_TAG:-}$i.log" 2>&1
 }
 for i in "${!groups[@]}"; do
     run_group "${groups[$i]}" "$i" &
@@ -37,8 +41,10 @@ for i in "${!groups[@]}"; do
 done
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 for i in "${!groups[@]}"; do
+    log="$OUT/models_${GPU_MODELS_TAG:-}$i.log"
     echo "## group $i: ${groups[$i]}"
-    grep -E "FAILED|Error|error:" "$OUT/models_$i.log" | grep -v "^\[" | sort | uniq -c | head -20
-    sed -n '/^### /,$p' "$OUT/models_$i.log"
+    grep -E "FAILED|Error|error:" "$log" | grep -v "^\[" | sort | uniq -c | head -20
+    grep -E "^  (inference|training)/" "$log" | cut -c1-300
+    sed -n '/^### /,$p' "$log"
 done
 exit "$status"

@@ -14,7 +14,8 @@ torch.compile mode (both compilers in the same mode), per backend:
 - runtime: median of --reps calls, the backends interleaved round by round (CUDA events on the
   GPU); host ms: the time until the Python call returns (the launches issued);
 - compile: the first call's time (caches start empty for each model: the first task and mode
-  of a model compiles cold, later ones may reuse kernels);
+  of a model compiles cold, later ones may reuse kernels; with --cache-dir, caches an earlier
+  run filled);
 - peak memory (GPU): the most memory allocated during one call above what was allocated before;
 - on CUDA, the GPU time per call by category (GEMM, convolution, attention, generated kernels,
   copies, other) and launches per call, from torch.profiler.
@@ -72,11 +73,13 @@ def parse_args(argv=None):
     ap.add_argument("--tasks", default="inference,training")
     ap.add_argument("--modes", default="default,reduce-overhead")
     ap.add_argument("--backends", default="eager,inductor,ferrocore")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per backend (0: check correctness only)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-category kernel profile")
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--cache-dir", default=None,
+                    help="compile caches to use and keep (default: fresh empty ones per model, so compiles are cold)")
     args = ap.parse_args(argv)
     cuda = args.device.startswith("cuda")
     args.size = args.size or ("full" if cuda else "tiny")
@@ -337,7 +340,8 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
     eager_results = eager.results()
     row.check["eager"] = compare(eager_results, eager_results, ref, names, math.inf, math.inf)
     row.check["eager"].worst = 0.0
-    runners = {"eager": eager} if "eager" in opts.backends else {}
+    # eager has no modes: timed once, in the default one
+    runners = {"eager": eager} if "eager" in opts.backends and mode == "default" else {}
     torch._dynamo.reset()
     for backend in (b for b in COMPILERS if b in opts.backends):
         if backend == "ferrocore":
@@ -363,10 +367,10 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
 
             t = ferrocore.metrics.total
             row.ferrocore = {k: t.get(k) for k in ("graphs", "kernels", "externs", "fallbacks", "graph_fallbacks",
-                                                     "fallback_ops", "cudagraph_recordings", "cudagraph_replays",
+                                                     "fallback_ops", "extern_ops", "cudagraph_recordings", "cudagraph_replays",
                                                      "cudagraph_plain_calls", "cudagraph_capture_failures")
                              if t.get(k) is not None}
-    if not runners:
+    if not runners or opts.reps <= 0:
         return row
     try:
         timed = interleaved(runners, opts.reps, opts.warmup, opts.device)
@@ -382,7 +386,7 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
             mb = peak_mb(r, opts.device)
             if mb is not None:
                 row.peak_mb[k] = mb
-            if opts.device.startswith("cuda") and not opts.no_profile:
+            if opts.device.startswith("cuda") and not opts.no_profile and mode == "default":
                 p = profile(r)
                 if p is not None:
                     row.profile[k] = p
@@ -395,9 +399,10 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
     return row
 
 
-def fresh_caches(root: Path, name: str) -> None:
-    """Empty compile caches for the next model: its first compile is cold."""
-    d = root / name
+def fresh_caches(root: Path, name: str | None) -> None:
+    """Compile caches under `root`: empty ones per model (its first compile is cold), or with
+    `name` None the shared ones a warm-up run filled."""
+    d = root / name if name else root
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("FERROCORE_CACHE_DIR", "ferrocore"),
                      ("TRITON_CACHE_DIR", "triton")):
         os.environ[var] = str(d / sub)
@@ -412,7 +417,7 @@ def fresh_caches(root: Path, name: str) -> None:
 def run_model(name: str, opts, cache_root: Path) -> list:
     rows = []
     print(f"\n## {name}", flush=True)
-    fresh_caches(cache_root, name)
+    fresh_caches(cache_root, None if opts.cache_dir else name)
     try:
         case = model_zoo.build(name, opts.size, opts.device, opts.dtype)
     except model_zoo.MissingDependency as e:
@@ -574,13 +579,14 @@ def main(argv=None) -> int:
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     env = environment(opts)
     print(f"# model benchmark: {env}", flush=True)
-    cache_root = Path(tempfile.mkdtemp(prefix="ferrocore-models-"))
+    cache_root = Path(opts.cache_dir) if opts.cache_dir else Path(tempfile.mkdtemp(prefix="ferrocore-models-"))
     rows = []
     try:
         for name in names:
             rows += run_model(name, opts, cache_root)
     finally:
-        shutil.rmtree(cache_root, ignore_errors=True)
+        if not opts.cache_dir:
+            shutil.rmtree(cache_root, ignore_errors=True)
     text = report(rows, opts, env)
     print(text)
     if opts.json:

@@ -69,8 +69,8 @@ def fake(tmp_path, monkeypatch):
 
     serialize = backend.serialize_graph
 
-    def remembering(gm, name, output_strides=None):
-        doc = serialize(gm, name, output_strides)
+    def remembering(gm, name, output_strides=None, free_layout_outputs=None, padded_matmuls=None):
+        doc = serialize(gm, name, output_strides, free_layout_outputs, padded_matmuls)
         graphs[name] = lambda args: gm(*args)
         return doc
 
@@ -188,14 +188,18 @@ def test_options_read_env_at_each_call(monkeypatch, tmp_path):
 
 def test_metrics_sum_over_graphs():
     m = type(ferrocore.metrics)()
-    m.record({"kernels": 2, "externs": 1, "fallbacks": 1, "timings_ms": {"cpp_compile": 3.0}})
-    m.record({"graph_fallback": True, "timings_ms": {"cpp_compile": 1.5, "aot": 2.0}})
+    m.record({"kernels": 2, "externs": 1, "fallbacks": 1, "timings_ms": {"cpp_compile": 3.0},
+              "fallback_ops": ["aten.foo.default"], "extern_ops": ["torch.ops.aten.mm.default"]})
+    m.record({"graph_fallback": True, "timings_ms": {"cpp_compile": 1.5, "aot": 2.0},
+              "extern_ops": ["torch.ops.aten.mm.default"]})
     assert m.total == {
         "graphs": 2,
         "kernels": 2,
         "externs": 1,
         "fallbacks": 1,
         "graph_fallbacks": 1,
+        "fallback_ops": {"aten.foo.default": 1},
+        "extern_ops": {"torch.ops.aten.mm.default": 2},
         "timings_ms": {"cpp_compile": 4.5, "aot": 2.0},
     }
     assert m.last["graph_fallback"] is True

@@ -21,6 +21,9 @@ import models as bench  # noqa: E402
 DEVICE = str(torch.get_default_device()) if torch.get_default_device().type != "cpu" else "cpu"
 
 
+CONV_MODELS = ("resnet50", "mobilenet_v3", "efficientnet_b0", "convnext_t")
+
+
 def run(name: str, task: str) -> "bench.Row":
     opts = bench.parse_args(["--device", DEVICE, "--size", "tiny", "--dtype", "float32", "--reps", "1",
                              "--warmup", "0", "--no-profile", "--modes", "default", "--tasks", task,
@@ -46,3 +49,16 @@ def test_model(name, task):
         fc = row.ferrocore
         assert fc.get("graphs", 0) >= 1, fc
         assert not fc.get("fallbacks") and not fc.get("graph_fallbacks"), fc
+
+
+@pytest.mark.ferrocore_only
+@pytest.mark.parametrize("task", ["inference", "training"])
+@pytest.mark.parametrize("name", CONV_MODELS)
+def test_conv_model_channels_last(name, task, monkeypatch):
+    # the GPU's layout on any device: 4-D activations channels-last, saved activations handed to
+    # the backward in that layout
+    monkeypatch.setenv("FERROCORE_CONV_LAYOUT", "channels_last")
+    row = run(name, task)
+    check = row.check["ferrocore"]
+    assert check.ok, f"{name} {task}: {check.where} off by {check.worst:.1f}x what is allowed; {row.notes}"
+    assert not row.ferrocore.get("fallbacks") and not row.ferrocore.get("graph_fallbacks"), row.ferrocore

@@ -235,16 +235,17 @@ def _graph_with(target, args, val, kwargs=None):
     return graph
 
 
-def test_complex_inputs_are_encoded_and_uint16_is_not():
+def test_complex_and_wide_unsigned_inputs_are_encoded_and_uint4_is_not():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     graph.output((x,))
-    for dtype in (torch.complex32, torch.complex64):
+    # (uint64: attention's RNG state, passed along by library calls)
+    for dtype in (torch.complex32, torch.complex64, torch.uint16, torch.uint64):
         x.meta["val"] = torch.empty(3, dtype=dtype)
         doc = json.loads(serialize_graph(graph, "g"))
         assert doc["nodes"][0]["meta"]["tensor"]["dtype"] == str(dtype).removeprefix("torch.")
-    x.meta["val"] = torch.empty(3, dtype=torch.uint16)
-    with pytest.raises(UnsupportedGraph, match="uint16"):
+    x.meta["val"] = torch.empty(3, dtype=torch.uint4)
+    with pytest.raises(UnsupportedGraph, match="uint4"):
         serialize_graph(graph, "g")
 
 

@@ -23,7 +23,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import options as _options
-from . import partition, runtime
+from . import padding, partition, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -230,8 +230,14 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     device, host_scalars = _host_scalars(gm)
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
+    padded = {}
+    if device is not None:
+        t = time.perf_counter()
+        padded = padding.padded_matmuls(gm, opts)
+        timings["padding"] = (time.perf_counter() - t) * 1e3
+        start += time.perf_counter() - t
     try:
-        graph_json = serialize_graph(gm, name, output_strides, free_layout)
+        graph_json = serialize_graph(gm, name, output_strides, free_layout, padded)
         constants = lifted_constants(gm)
     except UnsupportedGraph as e:
         print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)

@@ -17,8 +17,16 @@ LOG_CHANNELS = (
     "fusion",
     "output_code",
     "fallback",
+    "layout",
+    "padding",
 )
-_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune")
+_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm")
+# Layouts of convolution graphs' activations: "auto" (channels-last on a GPU), "channels_last",
+# "contiguous" (eager's).
+CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
+# Unaligned 16-bit GEMMs on padded operands: "measured" (those measured faster on the GPU),
+# "always", "never".
+PAD_MM = ("measured", "always", "never")
 # Kernel backends: "auto" picks by the graph's device (CUDA -> Triton, CPU -> C++); "triton" on
 # CPU tensors runs the Triton kernels under Triton's interpreter (set TRITON_INTERPRET=1).
 BACKENDS = ("auto", "cpp", "triton")
@@ -36,12 +44,18 @@ def build_options(overrides: dict | None = None) -> dict:
         "cudagraphs": _flag(os.environ.get("FERROCORE_CUDAGRAPHS", "")),
         # time each Triton kernel's candidate configurations (mode="max-autotune"); front only
         "autotune": _flag(os.environ.get("FERROCORE_AUTOTUNE", "")),
+        "conv_layout": (os.environ.get("FERROCORE_CONV_LAYOUT") or "auto").strip().lower(),
+        "pad_mm": (os.environ.get("FERROCORE_PAD_MM") or "measured").strip().lower(),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:
             opts[key] = parse_logs(value) if key == "logs" and isinstance(value, str) else value
     if opts["backend"] not in BACKENDS:
         raise ValueError(f"ferrocore backend {opts['backend']!r}: expected one of {BACKENDS}")
+    if opts["pad_mm"] not in PAD_MM:
+        raise ValueError(f"ferrocore pad_mm {opts['pad_mm']!r}: expected one of {PAD_MM}")
+    if opts["conv_layout"] not in CONV_LAYOUTS:
+        raise ValueError(f"ferrocore conv_layout {opts['conv_layout']!r}: expected one of {CONV_LAYOUTS}")
     return opts
 
 

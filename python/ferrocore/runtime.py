@@ -45,6 +45,27 @@ def load_kernels(source: str) -> ctypes.CDLL:
     return lib
 
 
+def read_json(path: Path):
+    """The JSON value in `path`, or None when it is missing, truncated or corrupt."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Writes `data` whole or not at all: a reader never sees half a file (best effort: a cache
+    that cannot be written is not an error)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def c_ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
@@ -88,7 +109,8 @@ def restride(t: torch.Tensor | None, size, stride, dtype) -> torch.Tensor | None
     if t.dtype != dtype:
         t = t.to(dtype)
     if t.numel() <= 1 or all(n <= 1 or a == b for n, a, b in zip(size, t.stride(), stride)):
-        return t
+        # the same elements; size-1 dims take the promised strides too (a view, no copy)
+        return t if t.stride() == stride else t.as_strided(size, stride, t.storage_offset())
     return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
@@ -355,12 +377,4 @@ class Autotuner:
             return
         data = {"key": key, "best": list(best),
                 "timings_ms": [[list(c), round(t, 6)] for c, t in sorted(timings.items(), key=lambda kv: kv[1])]}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # written whole or not at all: a reader never sees half a file
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_json_atomic(path, data)

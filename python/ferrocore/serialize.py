@@ -19,9 +19,10 @@ import torch.fx
 FORMAT = "ferrocore.graph"
 VERSION = 1
 
-# Dtypes the format names. Anything else (uint16, float4...) has no spelling.
+# Dtypes the format names. Anything else (float4...) has no spelling.
 _DTYPES = {
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.complex32, torch.complex64, torch.complex128,
 }
@@ -37,16 +38,20 @@ class UnsupportedGraph(Exception):
 
 
 def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output_strides: dict | None = None,
-                    free_layout_outputs: list | None = None) -> str:
+                    free_layout_outputs: list | None = None, padded_matmuls: dict | None = None) -> str:
     """The JSON document for `gm`, named `name`. Lifted tensor constants (`get_attr` nodes)
     become extra inputs after the graph's own: call with `args + lifted_constants(gm)`.
     `output_strides` ({node name: stride}) replaces the metadata strides of output nodes that
     must keep eager's layout (see `backend._visible_output_strides`). `free_layout_outputs` lists
     the output positions whose layout the compiler may choose (activations a forward graph saves
-    for its backward, which is compiled for the strides the forward reports)."""
+    for its backward, which is compiled for the strides the forward reports). `padded_matmuls`
+    ({GEMM node name: why}) names the GEMMs measured faster on padded operands
+    (`padding.padded_matmuls`)."""
     doc = graph_to_dict(gm, name)
     if free_layout_outputs:
         doc["free_layout_outputs"] = sorted(int(i) for i in free_layout_outputs)
+    if padded_matmuls:
+        doc["padded_matmuls"] = {str(k): str(v) for k, v in padded_matmuls.items()}
     for node in doc["nodes"]:
         stride = (output_strides or {}).get(node["name"])
         tensor = (node.get("meta") or {}).get("tensor")

@@ -55,6 +55,8 @@ fn compile_graph(graph_json: &str, options_json: &str) -> PyResult<String> {
             "logs": r.logs,
             "backend": r.backend,
             "graph_fallback": r.graph_fallback,
+            "output_strides": r.output_strides,
+            "extern_ops": r.extern_ops,
         });
         Ok(out.to_string())
     })

@@ -9,7 +9,7 @@ use crate::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage};
 use crate::graph::Device;
 use crate::graph::parse_graph;
 use crate::loop_ir::OutputValue;
-use crate::lowering::lower_graph;
+use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
 use crate::runtime;
 use crate::scheduler::schedule_for;
 use crate::wrapper::{plan_host, render_module};
@@ -30,6 +30,10 @@ pub struct Options {
     pub skip_native_compile: bool,
     /// Which kernel backend renders the fused kernels.
     pub backend: BackendChoice,
+    /// How convolution graphs lay out their activations (`auto`, `channels_last`, `contiguous`).
+    pub conv_layout: ConvLayout,
+    /// Which unaligned 16-bit GEMMs run on padded operands (`measured`, `always`, `never`).
+    pub pad_mm: PadMm,
 }
 
 /// The kernel backend: by the graph's device (CUDA tensors -> Triton, CPU -> C++), or forced.
@@ -70,6 +74,8 @@ impl Default for Options {
             cxx: "g++".into(),
             skip_native_compile: false,
             backend: BackendChoice::Auto,
+            conv_layout: ConvLayout::Auto,
+            pad_mm: PadMm::Measured,
         }
     }
 }
@@ -163,7 +169,15 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         st.dump_dir = Some(d.join(format!("{}_{}", graph.name, &key[..10])));
     }
     st.emit("graph", || graph.to_string());
-    let lowered = st.time("lowering", || lower_graph(&graph)).map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
+    let lower_options = LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm };
+    let lowered =
+        st.time("lowering", || lower_graph_with(&graph, &lower_options)).map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
+    for channel in ["layout", "padding"] {
+        let text: Vec<&str> = lowered.decisions.iter().filter(|(c, _)| *c == channel).map(|(_, d)| d.as_str()).collect();
+        if !text.is_empty() {
+            st.emit(channel, || text.join("\n") + "\n");
+        }
+    }
     if cfg!(debug_assertions) {
         lowered.program.verify().map_err(|m| CompileError { stage: "lowering", message: format!("loop IR verifier: {m}") })?;
     }

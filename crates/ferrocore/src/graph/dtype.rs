@@ -14,7 +14,11 @@ pub enum DType {
     BF16,
     F32,
     F64,
-    /// Known to torch, not compiled by ferrocore: nodes touching these fall back to ATen.
+    /// Known to torch, not compiled by ferrocore: nodes touching these fall back to ATen, and
+    /// library calls pass them along (attention's uint64 RNG state).
+    U16,
+    U32,
+    U64,
     /// complex32 (chalf): two float16 halves; moved as complex64 values, rounded on store.
     C32,
     C64,
@@ -55,6 +59,9 @@ impl DType {
         Some(match s {
             "bool" => DType::Bool,
             "uint8" => DType::U8,
+            "uint16" => DType::U16,
+            "uint32" => DType::U32,
+            "uint64" => DType::U64,
             "int8" => DType::I8,
             "int16" => DType::I16,
             "int32" => DType::I32,
@@ -76,6 +83,9 @@ impl DType {
         match self {
             DType::Bool => "bool",
             DType::U8 => "uint8",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
             DType::I8 => "int8",
             DType::I16 => "int16",
             DType::I32 => "int32",
@@ -93,7 +103,7 @@ impl DType {
     pub fn category(self) -> Category {
         match self {
             DType::Bool => Category::Bool,
-            DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64 => Category::Int,
+            DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64 | DType::U16 | DType::U32 | DType::U64 => Category::Int,
             DType::F16 | DType::BF16 | DType::F32 | DType::F64 | DType::Float8(_) => Category::Float,
             DType::C32 | DType::C64 | DType::C128 => Category::Complex,
         }
@@ -106,7 +116,7 @@ impl DType {
     }
     /// Whether generated kernels can load, compute and store this type.
     pub fn is_compilable(self) -> bool {
-        !matches!(self, DType::C32 | DType::C64 | DType::C128 | DType::Float8(_))
+        !matches!(self, DType::C32 | DType::C64 | DType::C128 | DType::Float8(_) | DType::U16 | DType::U32 | DType::U64)
     }
     /// Whether generated kernels can move this type (load, store, convert, conjugate) without
     /// computing on it: complex values in copies, views, pads and concatenations.
@@ -119,9 +129,9 @@ impl DType {
     pub fn itemsize(self) -> usize {
         match self {
             DType::Bool | DType::U8 | DType::I8 | DType::Float8(_) => 1,
-            DType::I16 | DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::F32 | DType::C32 => 4,
-            DType::I64 | DType::F64 | DType::C64 => 8,
+            DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 | DType::C32 => 4,
+            DType::I64 | DType::U64 | DType::F64 | DType::C64 => 8,
             DType::C128 => 16,
         }
     }
@@ -133,6 +143,8 @@ impl DType {
             DType::I8 => (i8::MIN as i64, i8::MAX as i64),
             DType::I16 => (i16::MIN as i64, i16::MAX as i64),
             DType::I32 => (i32::MIN as i64, i32::MAX as i64),
+            DType::U16 => (0, u16::MAX as i64),
+            DType::U32 => (0, u32::MAX as i64),
             _ => (i64::MIN, i64::MAX),
         }
     }

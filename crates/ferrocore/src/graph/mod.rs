@@ -126,6 +126,8 @@ pub struct Graph {
     /// the caller compiles their consumer for the strides reported back); every other output
     /// has its metadata's strides.
     pub free_layout_outputs: Vec<usize>,
+    /// GEMM nodes the front measured faster on padded operands, with what it measured.
+    pub padded_matmuls: std::collections::HashMap<String, String>,
 }
 
 impl Graph {

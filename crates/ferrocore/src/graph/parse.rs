@@ -20,7 +20,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     let name = doc.get("name").and_then(Value::as_str).unwrap_or("graph").to_string();
     let raw_nodes = doc.get("nodes").and_then(Value::as_array).ok_or_else(|| err(None, "missing 'nodes' list"))?;
 
-    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new() };
+    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new(), padded_matmuls: HashMap::new() };
     let mut by_name: HashMap<String, NodeId> = HashMap::new();
     let mut saw_output = false;
     for raw in raw_nodes {
@@ -105,6 +105,18 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
             }
         }
         Some(_) => return Err(err(Some("output"), "free_layout_outputs must be a list of output positions")),
+    }
+    match doc.get("padded_matmuls") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(items)) => {
+            for (name, why) in items {
+                if !by_name.contains_key(name) {
+                    return Err(err(Some(name), "padded_matmuls names no node of the graph"));
+                }
+                g.padded_matmuls.insert(name.clone(), why.as_str().unwrap_or("measured").to_string());
+            }
+        }
+        Some(_) => return Err(err(None, "padded_matmuls must map node names to reasons")),
     }
     Ok(g)
 }

@@ -2,15 +2,14 @@
 //! runs its own ATen overload. Both take realized, strided inputs and produce buffers laid out
 //! as the node's metadata says. Also `cat`, written slice by slice into one buffer.
 
-use super::pointwise::{pointwise, PwIn};
 use super::*;
 
 impl Ctx<'_> {
     /// Node `n`'s value as a strided tensor for a library call. With `exact`, its strides are
     /// eager's wherever eager's are dense (a copy when ferrocore laid it out otherwise), for calls
     /// whose kernels depend on the layout (grouped GEMMs, attention, custom operators).
-    fn extern_tensor(&mut self, n: NodeId, exact: bool) -> LResult<ExternArg> {
-        let tv = self.realized_node(n)?;
+    pub(super) fn extern_tensor(&mut self, n: NodeId, exact: bool) -> LResult<ExternArg> {
+        let tv = self.realized_node(n, exact)?;
         let want = self.eager_layout(n, &tv);
         if let Some((buf, stride, offset)) = tv.strided() {
             let meta = self.graph.node(n).meta.tensor().filter(|m| m.shape == tv.size);
@@ -36,7 +35,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn extern_arg(&mut self, a: &Arg, exact: bool) -> LResult<ExternArg> {
+    pub(super) fn extern_arg(&mut self, a: &Arg, exact: bool) -> LResult<ExternArg> {
         Ok(match a {
             Arg::Node(n) => {
                 if self.graph.node(*n).meta.tensor().is_none() {
@@ -65,7 +64,7 @@ impl Ctx<'_> {
 
     /// Emits `callee(args, kwargs)` as a step of the program, its results new buffers laid out
     /// as `meta` says.
-    fn push_extern(
+    pub(super) fn push_extern(
         &mut self,
         callee: String,
         args: Vec<ExternArg>,
@@ -115,35 +114,6 @@ impl Ctx<'_> {
         let any_layout = matches!(op, AtenOp::Mm | AtenOp::Bmm | AtenOp::Addmm | AtenOp::Convolution | AtenOp::ConvolutionBackward);
         let kind = ExternKind::Library { hazard: capture_hazard(op), exact_strides: !any_layout };
         self.extern_call(format!("torch.ops.{}", op.name()), kind)
-    }
-
-    /// addmm(bias, a, b) on a GPU, in float32/float64 with beta = alpha = 1: the GEMM as `mm`
-    /// and the bias as a pointwise add that fuses into the kernel after it (a GELU, a residual
-    /// add, a layer_norm), as Inductor does. cuBLAS picks slower kernels for addmm's
-    /// bias-epilogue form at GPT-2's shapes (measured on an H100: about 1 ms of 25 per forward).
-    /// Elsewhere addmm is one library call.
-    pub(super) fn lower_addmm(&mut self) -> LResult<Lowered> {
-        let out = self.out_meta()?.clone();
-        let unit = |v: Option<f64>| v.is_none_or(|x| x == 1.0);
-        let plain = unit(self.float_arg(3, "beta")?) && unit(self.float_arg(4, "alpha")?);
-        let (Some(Arg::Node(a)), Some(Arg::Node(b))) = (self.arg(1, "mat1"), self.arg(2, "mat2")) else {
-            return malformed("addmm takes tensors mat1 and mat2");
-        };
-        if out.device == Device::Cpu || !plain || !matches!(out.dtype, DType::F32 | DType::F64) {
-            return self.lower_extern(AtenOp::Addmm);
-        }
-        let bias = self.tensor_arg(0, "self")?;
-        let args = vec![self.extern_tensor(*a, false)?, self.extern_tensor(*b, false)?];
-        let mm = ExternKind::Library { hazard: capture_hazard(AtenOp::Mm), exact_strides: false };
-        let Lowered::Tensor(product) = self.push_extern("torch.ops.aten.mm.default".into(), args, vec![], &Meta::Tensor(out.clone()), mm)? else {
-            return malformed("mm produced no tensor");
-        };
-        let dt = out.dtype;
-        Ok(Lowered::Tensor(pointwise(vec![PwIn::Tensor(product), PwIn::Tensor(bias)], out.shape.clone(), dt, out.device.clone(), dt, move |bx, v| {
-            let p = bx.body.cast(v[0], dt);
-            let c = bx.body.cast(v[1], dt);
-            bx.body.binary(BinaryOp::Add, p, c)
-        })))
     }
 
     /// A torch.library custom op: opaque to compilers by its contract (its kernel is the

@@ -7,6 +7,8 @@
 mod creation;
 mod externs;
 mod indexing;
+mod layout;
+mod matmul;
 mod pooling;
 mod random;
 mod pointwise;
@@ -15,7 +17,9 @@ mod sampling;
 mod scatter;
 mod views;
 
-use externs::is_custom_op;
+use externs::{is_custom_op, ExternKind};
+pub use layout::{channels_last_strides, ConvLayout};
+pub use matmul::PadMm;
 use crate::graph::{Arg, AtenOp, DType, Device, Graph, Meta, NodeId, NodeKind, Target, TensorMeta};
 use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Var};
@@ -151,6 +155,15 @@ pub struct Fallback {
 pub struct LoweringResult {
     pub program: LoopProgram,
     pub fallbacks: Vec<Fallback>,
+    /// Decisions of the lowering's passes (`layout`, `padding`), each with its log channel.
+    pub decisions: Vec<(&'static str, String)>,
+}
+
+/// What the caller decides about lowering.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LowerOptions {
+    pub conv_layout: ConvLayout,
+    pub pad_mm: PadMm,
 }
 
 // Recompute a lazy value in each consumer unless it is expensive (Inductor's thresholds).
@@ -166,9 +179,18 @@ pub struct Ctx<'g> {
     pub fallbacks: Vec<Fallback>,
     /// The node being lowered (for origins and messages).
     pub current: NodeId,
+    /// 4-D buffers are laid out channels-last (see `layout`).
+    pub channels_last: bool,
+    pub pad_mm: PadMm,
+    pub decisions: Vec<(&'static str, String)>,
 }
 
 pub fn lower_graph(graph: &Graph) -> Result<LoweringResult, LowerError> {
+    lower_graph_with(graph, &LowerOptions::default())
+}
+
+pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<LoweringResult, LowerError> {
+    let (channels_last, layout_decision) = layout::choose_layout(graph, options.conv_layout);
     let mut cx = Ctx {
         graph,
         prog: LoopProgram::default(),
@@ -176,6 +198,9 @@ pub fn lower_graph(graph: &Graph) -> Result<LoweringResult, LowerError> {
         uses: graph.use_counts(),
         fallbacks: Vec::new(),
         current: NodeId(0),
+        channels_last,
+        pad_mm: options.pad_mm,
+        decisions: layout_decision.into_iter().map(|d| ("layout", d)).collect(),
     };
     cx.prog.input_names = graph.inputs.iter().map(|i| graph.node(*i).name.clone()).collect();
     for (i, id) in graph.inputs.iter().enumerate() {
@@ -215,7 +240,15 @@ pub fn lower_graph(graph: &Graph) -> Result<LoweringResult, LowerError> {
         cx.values[id.0 as usize] = Some(lowered);
     }
     cx.lower_outputs().map_err(|(kind, message)| LowerError { node: "output".into(), target: "output".into(), kind, message })?;
-    Ok(LoweringResult { program: cx.prog, fallbacks: cx.fallbacks })
+    Ok(LoweringResult { program: cx.prog, fallbacks: cx.fallbacks, decisions: cx.decisions })
+}
+
+/// The dims of `layout` from the largest stride to the smallest (ties in dim order): the loop
+/// order under which its store is contiguous.
+pub fn loop_order(layout: &Layout) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..layout.size.len()).collect();
+    order.sort_by_key(|&d| std::cmp::Reverse(if layout.size[d] == 1 { i64::MAX } else { layout.stride[d] }));
+    order
 }
 
 /// A view covering a whole buffer layout.
@@ -352,9 +385,11 @@ impl<'g> Ctx<'g> {
             Cat => t(self.lower_cat()?),
             AsStridedScatter => t(self.lower_as_strided_scatter()?),
             Histc => t(self.lower_histc()?),
-            Addmm => self.lower_addmm()?,
-            Mm | Bmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r
-            | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
+            Convolution | ConvolutionBackward => self.lower_convolution(op)?,
+            Mm | Bmm | Addmm => self.lower_matmul(op)?,
+            Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward | PdistForward | EmbeddingBag => {
+                self.lower_extern(op)?
+            }
             FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | FlashAttention | FlashAttentionBackward | EfficientAttention | EfficientAttentionBackward | CudnnAttention | CudnnAttentionBackward | FusedAttention | FusedAttentionBackward | GroupedMm | TransformerEncoderLayer | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
@@ -383,6 +418,8 @@ impl<'g> Ctx<'g> {
         match self.values[src.0 as usize].clone() {
             Some(Lowered::Tuple(items)) => match items.get(*i as usize) {
                 Some(Some(l)) => Ok(l.clone()),
+                // an item the op's metadata leaves empty (a size, an undefined tensor)
+                Some(None) if matches!(node.meta, Meta::None | Meta::Scalar(_)) => Ok(Lowered::Nothing),
                 _ => malformed(format!("getitem index {i} out of range or empty")),
             },
             _ => malformed("getitem of a node that is not a tuple"),
@@ -452,8 +489,13 @@ impl<'g> Ctx<'g> {
     pub fn realize_into(&mut self, tv: &TensorValue, layout: Layout) -> TensorValue {
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let mut body = LoopBody::default();
-        let ranges = tv.size.clone();
-        let vars: Vec<IndexExpr> = (0..ranges.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
+        // the loops follow the layout, outermost stride first, so the store runs contiguous
+        let order = loop_order(&layout);
+        let ranges: Vec<i64> = order.iter().map(|&d| tv.size[d]).collect();
+        let mut vars = vec![IndexExpr::zero(); order.len()];
+        for (i, &d) in order.iter().enumerate() {
+            vars[d] = IndexExpr::var(Var(i as u32));
+        }
         {
             let mut bx = Bx { body: &mut body, ranges: ranges.clone() };
             let v = tv.load(&mut bx, &vars);
@@ -469,7 +511,7 @@ impl<'g> Ctx<'g> {
         if matches!(tv.src, Src::View { .. }) {
             return tv.clone();
         }
-        let layout = Layout::contiguous(&tv.size, tv.dtype, tv.device.clone());
+        let layout = self.fresh_layout(&tv.size, tv.dtype, tv.device.clone());
         self.realize_into(tv, layout)
     }
 
@@ -493,18 +535,27 @@ impl<'g> Ctx<'g> {
 
     /// Makes a node's value a buffer view (for extern calls), updating the node's value so
     /// that its other users read the buffer instead of recomputing.
-    pub fn realized_node(&mut self, n: NodeId) -> LResult<TensorValue> {
+    pub fn realized_node(&mut self, n: NodeId, exact: bool) -> LResult<TensorValue> {
         let tv = self.tensor_of(n)?;
         if matches!(tv.src, Src::View { .. }) {
             return Ok(tv);
         }
-        let layout = self.eager_layout(n, &tv);
+        let layout = if exact { self.eager_layout(n, &tv) } else { self.preferred_layout(n, &tv) };
         let saved = self.current;
         self.current = n;
         let r = self.realize_into(&tv, layout);
         self.current = saved;
         self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
         Ok(r)
+    }
+
+    /// The layout ferrocore gives node `n`'s value when it is free to choose: channels-last for
+    /// 4-D values of a channels-last graph, else eager's.
+    pub fn preferred_layout(&self, n: NodeId, tv: &TensorValue) -> Layout {
+        if self.channels_last && tv.size.len() == 4 {
+            return self.fresh_layout(&tv.size, tv.dtype, tv.device.clone());
+        }
+        self.eager_layout(n, tv)
     }
 
     /// The layout eager gives node `n`'s value (its metadata's strides, when dense), else
@@ -561,7 +612,7 @@ impl<'g> Ctx<'g> {
                 return OutputValue::View { buf, size: tv.size.clone(), stride, offset };
             }
         }
-        let layout = self.eager_layout(n, tv);
+        let layout = self.preferred_layout(n, tv);
         match self.realize_into(tv, layout).src {
             Src::View { buf, .. } => OutputValue::Buffer(buf),
             Src::Lazy { .. } => OutputValue::None,

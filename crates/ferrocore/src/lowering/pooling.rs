@@ -160,16 +160,21 @@ impl Ctx<'_> {
         let xdt = x.dtype;
         // reduce over the window dims, appended after the output dims
         let build = |cx: &mut Self, what: Reduce| -> TensorValue {
-            let ranges = dims.clone();
             let reduction_ranges = pool.kernel();
             let dtype = if what == Reduce::ArgMax { DType::I64 } else { acc };
-            let layout = Layout::contiguous(&ranges, dtype, x.device.clone());
+            let layout = cx.fresh_layout(&dims, dtype, x.device.clone());
+            // the output loops follow the layout (channels innermost in a channels-last graph)
+            let order = loop_order(&layout);
+            let ranges: Vec<i64> = order.iter().map(|&d| dims[d]).collect();
             let obuf = cx.prog.add_buffer(layout.clone(), BufferSource::Computed);
             let mut body = LoopBody::default();
             {
                 let all: Vec<i64> = ranges.iter().chain(&reduction_ranges).copied().collect();
                 let mut bx = Bx { body: &mut body, ranges: all };
-                let out_idx: Vec<IndexExpr> = (0..rank).map(|i| IndexExpr::var(Var(i as u32))).collect();
+                let mut out_idx = vec![IndexExpr::zero(); rank];
+                for (i, &d) in order.iter().enumerate() {
+                    out_idx[d] = IndexExpr::var(Var(i as u32));
+                }
                 let kvars: Vec<IndexExpr> = (0..pool.nd).map(|k| IndexExpr::var(Var((rank + k) as u32))).collect();
                 let mut base = IndexExpr::constant(xoff);
                 for d in 0..sp {

@@ -29,7 +29,7 @@ pub fn c_type(dt: DType) -> &'static str {
         DType::C32 | DType::C64 => "std::complex<float>",
         DType::C128 => "std::complex<double>",
         // never reaches codegen: lowering falls back first
-        DType::Float8(_) => "void",
+        DType::Float8(_) | DType::U16 | DType::U32 | DType::U64 => "void",
     }
 }
 

@@ -28,7 +28,7 @@ pub fn compute_type(dt: DType) -> Option<&'static str> {
         DType::I64 => Some("tl.int64"),
         DType::F16 | DType::BF16 | DType::F32 => Some("tl.float32"),
         DType::F64 => Some("tl.float64"),
-        DType::C32 | DType::C64 | DType::C128 | DType::Float8(_) => None,
+        DType::C32 | DType::C64 | DType::C128 | DType::Float8(_) | DType::U16 | DType::U32 | DType::U64 => None,
     }
 }
 
@@ -45,7 +45,7 @@ pub fn signature_type(dt: DType) -> Option<&'static str> {
         DType::BF16 => Some("*bf16"),
         DType::F32 => Some("*fp32"),
         DType::F64 => Some("*fp64"),
-        DType::C32 | DType::C64 | DType::C128 | DType::Float8(_) => None,
+        DType::C32 | DType::C64 | DType::C128 | DType::Float8(_) | DType::U16 | DType::U32 | DType::U64 => None,
     }
 }
 

@@ -1,0 +1,185 @@
+"""Library calls as the compiler treats them: results ATen leaves undefined, CUDA-graph hazards,
+GEMMs on padded operands (the `padding` pass) and channels-last convolution graphs (the `layout`
+pass). GPU-only graphs are traced with fake CUDA tensors and compiled without running (no GPU
+needed); the rest run on the CPU against eager."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+pytestmark = pytest.mark.ferrocore_only
+
+
+def compile_fake_cuda(fn, *shapes, dtype=torch.bfloat16, **options) -> dict:
+    """`fn` traced on fake CUDA tensors of `shapes` and compiled (module text only)."""
+    import ferrocore
+    from ferrocore.options import build_options
+    from ferrocore.serialize import serialize_graph
+
+    with FakeTensorMode():
+        args = [torch.empty(s, dtype=dtype, device="cuda") for s in shapes]
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+    opts = build_options({"skip_native_compile": True, **options})
+    opts["skip_native_compile"] = True
+    return json.loads(ferrocore._ferrocore.compile_graph(serialize_graph(gm, "g"), json.dumps(opts)))
+
+
+def test_undefined_attention_results_are_not_bound():
+    # flash attention's RNG state and debug mask are undefined tensors (None) without dropout:
+    # only the output is bound, and the call is safe to record in a CUDA graph
+    def attention(q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True)[0] * 2
+
+    result = compile_fake_cuda(attention, (2, 4, 128, 64), (2, 4, 128, 64), (2, 4, 128, 64))
+    src = result["module_source"]
+    assert "_r = torch.ops.aten._scaled_dot_product_flash_attention.default(" in src
+    assert "restride(_r[0]" in src and "_r[6]" not in src and "_r[7]" not in src
+    assert "del _r" in src
+    assert "CUDAGRAPH_UNSAFE" not in src
+    assert result["extern_ops"] == ["torch.ops.aten._scaled_dot_product_flash_attention.default"]
+    assert result["fallbacks"] == []
+
+
+def test_restride_passes_undefined_results_through():
+    from ferrocore.runtime import restride
+
+    assert restride(None, (2,), (1,), torch.float32) is None
+    t = torch.ones(2, 3).t()
+    assert restride(t, (3, 2), (1, 3), torch.float32) is t
+    copy = restride(t, (3, 2), (2, 1), torch.float32)
+    assert copy.stride() == (2, 1) and torch.equal(copy, t)
+
+
+def test_a_synchronizing_library_call_keeps_the_graph_out_of_cuda_graphs():
+    def permuted(x):
+        return x[torch.ops.aten.randperm.default(16, device="cuda")] + 1
+
+    src = compile_fake_cuda(permuted, (16,), dtype=torch.float32)["module_source"]
+    unsafe = [line for line in src.splitlines() if line.startswith("CUDAGRAPH_UNSAFE = ")]
+    assert len(unsafe) == 1 and "randperm may draw the permutation on the host" in unsafe[0]
+
+
+def test_a_module_naming_a_hazard_is_not_recorded():
+    import ferrocore.cudagraphs as cg
+
+    class Module:
+        CUDAGRAPH_UNSAFE = "ATen fallback torch.ops.aten.foo.default of unknown capture safety"
+
+    cuda = torch.device("cuda:0")
+    assert "unknown capture safety" in cg.blocker(Module, cuda, [], False, False)
+    assert cg.blocker(object(), cuda, [], False, False) is None
+
+
+@pytest.mark.parametrize("shapes", [((6, 13), (21, 13)), ((32, 64), (50, 64))])
+def test_padded_gemms_match_eager(shapes, capfd):
+    # linear forward and backward (addmm, mm with the transposed operands) on padded operands
+    torch.manual_seed(0)
+    x = torch.randn(shapes[0], dtype=torch.bfloat16)
+    w = torch.randn(shapes[1], dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(shapes[1][0], dtype=torch.bfloat16, requires_grad=True)
+
+    def f(x):
+        return torch.nn.functional.linear(x, w, b).float().square().mean()
+
+    expected = f(x)
+    expected.backward()
+    grads = w.grad.clone(), b.grad.clone()
+    w.grad = b.grad = None
+    got = torch.compile(f, backend="ferrocore", options={"pad_mm": "always", "logs": "padding"})(x)
+    got.backward()
+    assert torch.allclose(got, expected, rtol=2e-2, atol=1e-2)
+    assert torch.allclose(w.grad.float(), grads[0].float(), rtol=2e-2, atol=2e-2)
+    assert torch.allclose(b.grad.float(), grads[1].float(), rtol=2e-2, atol=2e-2)
+    assert w.grad.stride() == w.stride()
+    assert "pad: addmm" in capfd.readouterr().err
+
+
+def test_padded_bmm_and_never(capfd):
+    a, b = torch.randn(3, 5, 7, dtype=torch.bfloat16), torch.randn(3, 7, 9, dtype=torch.bfloat16)
+    for mode, padded in (("always", True), ("never", False)):
+        torch._dynamo.reset()
+        got = torch.compile(torch.bmm, backend="ferrocore", options={"pad_mm": mode, "logs": "padding"})(a, b)
+        assert torch.equal(got, torch.bmm(a, b)) and got.stride() == (45, 9, 1)
+        assert ("pad: bmm" in capfd.readouterr().err) == padded
+
+
+def test_measured_padding_pads_exactly_the_named_gemm():
+    def two(a, b, c):
+        return a @ b, a @ c
+
+    result = compile_fake_cuda(lambda a, b, c: two(a, b, c), (64, 13), (13, 50), (13, 64), logs=["padding"])
+    assert not any(log["channel"] == "padding" for log in result["logs"])
+    import ferrocore
+    from ferrocore.options import build_options
+    from ferrocore.serialize import serialize_graph
+
+    with FakeTensorMode():
+        args = [torch.empty(s, dtype=torch.bfloat16, device="cuda") for s in ((64, 13), (13, 50), (13, 64))]
+        gm = make_fx(two, tracing_mode="fake")(*args)
+    doc = serialize_graph(gm, "g", padded_matmuls={"mm": "measured 1.000 ms as traced, 0.500 ms padded"})
+    opts = build_options({"logs": "padding"})
+    opts["skip_native_compile"] = True
+    out = json.loads(ferrocore._ferrocore.compile_graph(doc, json.dumps(opts)))
+    text = "".join(log["text"] for log in out["logs"] if log["channel"] == "padding")
+    assert text.startswith("pad: mm [64, 13] x [13, 50]") and "0.500 ms padded" in text
+    assert "mm_1" not in text
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.dw = torch.nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.stem(x)))
+        y = self.pool(y + self.dw(y))
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_channels_last_conv_graph_matches_eager(train, capfd):
+    torch.manual_seed(0)
+    net = ConvNet().train(train)
+    x = torch.randn(2, 3, 16, 16)
+
+    def step(f):
+        for p in net.parameters():
+            p.grad = None
+        with torch.set_grad_enabled(train):
+            out = f(x)
+            if train:
+                out.square().mean().backward()
+        return [out.detach()] + ([p.grad.clone() for p in net.parameters()] if train else [])
+
+    expected = step(net)
+    compiled = torch.compile(net, backend="ferrocore", options={"conv_layout": "channels_last", "logs": "layout"})
+    got = step(compiled)
+    for e, g in zip(expected, got):
+        assert g.shape == e.shape and g.stride() == e.stride()
+        assert torch.allclose(g, e, rtol=1e-4, atol=1e-5)
+    assert "layout: channels-last for 4-D activations: 2 convolutions (1 grouped or depthwise)" in capfd.readouterr().err
+
+
+def test_channels_last_only_where_convolutions_dominate():
+    def conv_then(x, w, steps):
+        y = torch.nn.functional.conv2d(x, w)
+        for _ in range(steps):
+            y = y * 1.5 + 1.0
+        return y
+
+    def layout_log(steps):
+        result = compile_fake_cuda(lambda x, w: conv_then(x, w, steps), (1, 3, 8, 8), (4, 3, 3, 3), logs=["layout"])
+        return "".join(log["text"] for log in result["logs"] if log["channel"] == "layout")
+
+    assert layout_log(2).startswith("layout: channels-last for 4-D activations: 1 convolutions")
+    # a lone convolution among hundreds of nodes (a transformer's patch embedding) is left as is
+    assert layout_log(200).startswith("layout: eager's: 1 convolution(s) among")
