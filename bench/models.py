@@ -296,6 +296,10 @@ class Row:
     def wrong(self) -> list:
         return [k for k, c in self.check.items() if not c.ok]
 
+    def device_like(self) -> bool:
+        """Whether host time differs from runtime (measured on a GPU)."""
+        return any(abs(self.host_ms[k] - self.runtime_ms.get(k, 0)) > 1e-9 for k in self.host_ms)
+
 
 def reference(case, task: str, inputs: tuple, dev: str, dtype) -> list:
     """The task's results from a copy of the model in float64 (CPU) or float32 (GPU, no TF32;
@@ -472,6 +476,11 @@ def summary_line(row: Row) -> str:
         parts.append("compile " + ", ".join(f"{k} {v:.1f}s" for k, v in row.compile_s.items()))
     if row.peak_mb:
         parts.append("peak MB " + ", ".join(f"{k} {v:.0f}" for k, v in row.peak_mb.items()))
+    if row.host_ms and row.device_like():
+        parts.append("host ms " + ", ".join(f"{k} {v:.2f}" for k, v in row.host_ms.items()))
+    if row.profile:
+        parts.append("kernel ms / launches " + ", ".join(f"{k} {p['kernel_ms']:.2f}/{p['launches']:.0f}"
+                                                         for k, p in row.profile.items()))
     return " ".join(parts) + ("" if not row.notes else "  NOTES: " + "; ".join(row.notes))
 
 
@@ -584,15 +593,21 @@ def main(argv=None) -> int:
     try:
         for name in names:
             rows += run_model(name, opts, cache_root)
+            if opts.json:  # after every model: a run stopped by a time limit keeps what it measured
+                write_json(opts.json, rows, env)
     finally:
         if not opts.cache_dir:
             shutil.rmtree(cache_root, ignore_errors=True)
     text = report(rows, opts, env)
     print(text)
     if opts.json:
-        data = [dict(asdict(r), check={k: asdict(c) for k, c in r.check.items()}) for r in rows]
-        Path(opts.json).write_text(json.dumps({"env": env, "rows": data}, indent=1, default=str))
+        write_json(opts.json, rows, env)
     return 1 if any(r.wrong() for r in rows) else 0
+
+
+def write_json(path: str, rows: list, env: str) -> None:
+    data = [dict(asdict(r), check={k: asdict(c) for k, c in r.check.items()}) for r in rows]
+    Path(path).write_text(json.dumps({"env": env, "rows": data}, indent=1, default=str))
 
 
 if __name__ == "__main__":

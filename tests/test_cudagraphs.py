@@ -159,3 +159,23 @@ def test_reduce_overhead_training_graphs_run_plainly(capfd):
     g(x).backward()
     torch.testing.assert_close(w.grad, x)
     assert "runs without CUDA graphs: a training graph" in capfd.readouterr().err
+
+
+@cuda
+def test_reduce_overhead_records_checked_gathers_and_reports_bad_indices_later():
+    # an embedding lookup checks its indices: recorded with a flag of its own, read after replays
+    torch._dynamo.reset()
+    table = torch.randn(100, 16, device="cuda")
+    g = torch.compile(lambda ids: table[ids] * 2, backend="ferrocore", mode="reduce-overhead")
+    ids = torch.randint(0, 100, (64,), device="cuda")
+    before = _counts()
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(g(ids), table[ids] * 2)
+        d = _delta(before)
+        assert d["cudagraph_recordings"] == 1 and d["cudagraph_replays"] >= 1, d
+        ids[5] = 1000  # out of range: the replay clamps, raises the flag; a later call reports it
+        g(ids)
+        torch.cuda.synchronize()
+        with pytest.raises(IndexError, match="index out of range"):
+            g(ids)

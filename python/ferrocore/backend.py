@@ -300,21 +300,21 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         # ATen lets a 0-d CPU tensor join a CUDA op; a GPU kernel cannot read host memory
         inner_call = call
 
-        def call(args):
+        def call(args, **kw):
             for i in host_scalars:
                 args[i] = args[i].to(device, non_blocking=True)
-            return inner_call(args)
+            return inner_call(args, **kw)
 
     if constants:
         # lifted constants are the graph's last inputs (see serialize.lifted_constants)
         inner = call
 
-        def call(args):
+        def call(args, **kw):
             args.extend(constants)
-            return inner(args)
+            return inner(args, **kw)
 
     if graphed:
-        call = cudagraphs.CudaGraphRunner(call, name, device)
+        call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False))
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
 

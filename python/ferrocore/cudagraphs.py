@@ -13,6 +13,11 @@ its own memory pool. Two rules keep that from ever giving a wrong answer:
   plain wrapper, which allocates fresh outputs. A later replay never overwrites memory the
   caller can still read.
 
+A graph whose kernels check gather indices records its call with a flag of its own (the module's
+`INDEX_FLAG`): a plain call reads the flag on the host after its launches (a sync), a replay
+does not wait; the flag is read once the replay is done, at a later call, which then raises
+IndexError, as eager CUDA reports a device-side assert asynchronously. The flag is sticky.
+
 Only inference graphs whose every input is a tensor on the graph's GPU are recorded; training
 graphs, CPU tensors, ATen fallbacks, library calls that synchronize with the host (the module's
 `CUDAGRAPH_UNSAFE`) and host-side checks run without CUDA graphs, logged once.
@@ -57,19 +62,31 @@ def blocker(module, device, inputs_meta, training: bool, host_scalars: bool) -> 
 
 
 class _Recording:
-    """One captured graph, its pool's outputs and what the last replay handed out."""
+    """One captured graph, its pool's outputs, what the last replay handed out, and its
+    index-check flag with the event after its last replay."""
 
-    __slots__ = ("graph", "static_outputs", "plan", "handed")
+    __slots__ = ("graph", "static_outputs", "plan", "handed", "flag", "replayed")
 
-    def __init__(self, graph, static_outputs, plan):
+    def __init__(self, graph, static_outputs, plan, flag=None):
         self.graph, self.static_outputs, self.plan = graph, static_outputs, plan
         self.handed: list = []
+        self.flag, self.replayed = flag, None
 
     def free(self) -> bool:
         return all(ref.expired() for ref in self.handed)
 
+    def check_indices(self) -> None:
+        """Raises IndexError when a finished replay saw an out-of-range index (never waits)."""
+        if self.flag is not None and self.replayed is not None and self.replayed.query() and self.flag.item():
+            raise IndexError("index out of range in a gather of this graph (seen by an earlier call's CUDA graph replay)")
+
     def run(self, args) -> list:
+        self.check_indices()
         self.graph.replay()
+        if self.flag is not None:
+            if self.replayed is None:
+                self.replayed = torch.cuda.Event()
+            self.replayed.record()
         return self.hand_out(args)
 
     def hand_out(self, args) -> list:
@@ -97,8 +114,10 @@ class CudaGraphRunner:
     """Wraps a compiled graph's boxed `call(args)`: the first call runs it plainly (kernels load,
     library handles initialize), later calls replay a recording for the inputs' addresses."""
 
-    def __init__(self, call, name: str, device: torch.device):
+    def __init__(self, call, name: str, device: torch.device, index_flag: bool = False):
         self.call, self.name, self.device = call, name, device
+        # the call takes `index_flag`, a flag its kernels raise on an out-of-range gather index
+        self.index_flag = index_flag
         self.warm = False
         self.broken: str | None = None
         self.recordings: OrderedDict = OrderedDict()  # address key -> [_Recording]
@@ -145,11 +164,13 @@ class CudaGraphRunner:
         try:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
+            flag = torch.zeros((1,), dtype=torch.int32, device=self.device) if self.index_flag else None
+            kw = {"index_flag": flag} if self.index_flag else {}
             with torch.cuda.device(self.device):
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
-                    outs = self.call(list(args))
+                    outs = self.call(list(args), **kw)
                 torch.cuda.current_stream().wait_stream(stream)
         except Exception as e:  # noqa: BLE001  (capture is illegal for something in the graph)
             self.broken = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -166,7 +187,7 @@ class CudaGraphRunner:
             self.broken = str(e)
             self._log(f"runs without CUDA graphs: {self.broken}")
             return None
-        return _Recording(graph, outs, plan)
+        return _Recording(graph, outs, plan, flag)
 
     def _log(self, text: str) -> None:
         if text not in self._logged:

@@ -74,6 +74,18 @@ def empty_strided(size, stride, dtype, device) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
 
+def _empty_strided_current_cuda(size, stride, dtype) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
+
+
+# (size, stride, dtype) -> a tensor on the current CUDA device; torch's C++ entry point where it
+# has one (what Inductor's wrappers call), which skips the Python argument parser
+try:
+    from torch._C._dynamo.guards import _empty_strided_cuda as empty_strided_cuda
+except ImportError:
+    empty_strided_cuda = _empty_strided_current_cuda
+
+
 def reinterpret_tensor(t: torch.Tensor, size, stride, offset) -> torch.Tensor:
     return t.as_strided(size, stride, offset)
 
@@ -131,6 +143,7 @@ class TritonLaunch:
     aligned pointers, so a launch with any other address takes the JIT call instead."""
 
     __slots__ = ("fn", "grid", "constexprs", "num_warps", "num_stages", "_fast")
+    # (`aligned` skips the address check, for buffers the wrapper allocated)
 
     def __init__(self, fn, grid: int, constexprs: dict, num_warps: int, num_stages: int):
         self.fn, self.grid, self.constexprs = fn, grid, constexprs
@@ -151,6 +164,17 @@ class TritonLaunch:
                     self._fast = None
         self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps,
                               num_stages=self.num_stages)
+
+    def aligned(self, *args) -> None:
+        """A launch whose buffers the wrapper allocated itself (so 16-byte aligned)."""
+        fast = self._fast
+        if fast is not None:
+            try:
+                fast(args)
+                return
+            except TypeError:
+                self._fast = None
+        self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
     def bind(self, compiled, device_index: int) -> None:
         try:

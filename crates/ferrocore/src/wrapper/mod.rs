@@ -226,7 +226,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         }
         KernelLanguage::Triton => {
             // the kernels are defined here: Triton compiles them at their first launch
-            m.push_str("import torch\nfrom ferrocore.runtime import TritonLaunch, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import TritonLaunch, empty_strided_cuda, restride\n\n");
             if !kernels.launches.is_empty() {
                 m.push_str(&kernels.source);
             }
@@ -264,9 +264,6 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     // what keeps a CUDA graph from recording this module: an index check reads its flag on the
     // host after the launches; some library calls synchronize or have unknown capture safety
     let mut hazards: Vec<String> = Vec::new();
-    if kernels.launches.iter().any(|l| l.checks_indices && matches!(l.shape, LaunchShape::Grid { .. })) {
-        hazards.push("an index check reads a device flag on the host after the launches".into());
-    }
     for x in &p.externs {
         if let Some(h) = &x.capture_hazard {
             if !hazards.contains(h) {
@@ -277,16 +274,31 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     if !hazards.is_empty() {
         let _ = writeln!(m, "\nCUDAGRAPH_UNSAFE = {}", py_str(&hazards.join("; ")));
     }
+    // Triton kernels raise a shared int32 flag on an out-of-range gather index; read once, after
+    // every launch (a sync). A CUDA graph records the call with a flag of its own instead and
+    // reads it without waiting (`index_flag`: no read here).
+    let flag_device = kernels
+        .launches
+        .iter()
+        .filter(|l| l.checks_indices && matches!(l.shape, LaunchShape::Grid { .. }))
+        .find_map(|l| l.args.first().map(|b| p.buffer(*b).layout.device));
+    if flag_device.is_some() {
+        m.push_str("\n# call(args, index_flag) leaves reading the index-check flag to the caller\nINDEX_FLAG = True\n");
+    }
     // Triton launches on the current device: run CUDA graphs under their device
     let cuda = p.buffers.iter().find_map(|b| match b.layout.device {
         crate::graph::Device::Cuda(i) => Some(i),
         crate::graph::Device::Cpu => None,
     });
+    let params = if flag_device.is_some() { "args, index_flag=None" } else { "args" };
+    let inner = if flag_device.is_some() { "args, index_flag" } else { "args" };
     match (kernels.language, cuda) {
         (KernelLanguage::Triton, Some(i)) if !kernels.launches.is_empty() => {
-            let _ = write!(m, "\n\ndef call(args):\n    with torch.cuda.device({i}):\n        return _call(args)\n\n\ndef _call(args):\n");
+            let _ = write!(m, "\n\ndef call({params}):\n    with torch.cuda.device({i}):\n        return _call({inner})\n\n\ndef _call({inner}):\n");
         }
-        _ => m.push_str("\n\ndef call(args):\n"),
+        _ => {
+            let _ = write!(m, "\n\ndef call({params}):\n");
+        }
     }
     let names: Vec<String> = p.inputs.iter().map(|b| p.buffer(*b).name.clone()).collect();
     match names.len() {
@@ -298,29 +310,20 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             let _ = writeln!(m, "    {} = args", names.join(", "));
         }
     }
-    // Triton kernels raise a shared int32 flag on an out-of-range gather index; checked once,
-    // after every launch (reading it synchronizes with the device)
-    let flag_device = kernels
-        .launches
-        .iter()
-        .filter(|l| l.checks_indices && matches!(l.shape, LaunchShape::Grid { .. }))
-        .find_map(|l| l.args.first().map(|b| p.buffer(*b).layout.device));
     if let Some(d) = flag_device {
-        let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}')");
+        let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}') if index_flag is None else index_flag");
     }
     for step in &plan.steps {
         match step {
             HostStep::Alloc(b) => {
                 let l = &p.buffer(*b).layout;
-                let _ = writeln!(
-                    m,
-                    "    {} = torch.empty_strided({}, {}, dtype={}, device='{}')",
-                    p.buffer(*b).name,
-                    py_tuple(&l.size),
-                    py_tuple(&l.stride),
-                    dtype_py(l.dtype),
-                    l.device
-                );
+                let (name, size, stride, dtype) = (&p.buffer(*b).name, py_tuple(&l.size), py_tuple(&l.stride), dtype_py(l.dtype));
+                if matches!(l.device, crate::graph::Device::Cuda(_)) && kernels.language == KernelLanguage::Triton {
+                    // on the current device (the call runs under it): torch's allocator, no argument parsing
+                    let _ = writeln!(m, "    {name} = empty_strided_cuda({size}, {stride}, {dtype})");
+                } else {
+                    let _ = writeln!(m, "    {name} = torch.empty_strided({size}, {stride}, dtype={dtype}, device='{}')", l.device);
+                }
             }
             HostStep::Reuse { buf, from } => {
                 let (b, f) = (&p.buffer(*buf).name, &p.buffer(*from).name);
@@ -349,7 +352,10 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                         if k.checks_indices {
                             args.push("_index_error".into());
                         }
-                        let _ = writeln!(m, "    launch_{}({})", k.name, args.join(", "));
+                        // buffers this module allocates are aligned: no per-launch address check
+                        let allocated = k.args.iter().all(|b| p.buffer(*b).source == BufferSource::Computed);
+                        let how = if allocated { ".aligned" } else { "" };
+                        let _ = writeln!(m, "    launch_{}{how}({})", k.name, args.join(", "));
                     }
                 }
             }
@@ -397,7 +403,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         })
         .collect();
     if flag_device.is_some() {
-        m.push_str("    if _index_error.item():\n        raise IndexError('index out of range in a gather of this graph')\n");
+        m.push_str("    if index_flag is None and _index_error.item():\n        raise IndexError('index out of range in a gather of this graph')\n");
     }
     let _ = writeln!(m, "    return ({}{})", outs.join(", "), if outs.len() == 1 { "," } else { "" });
     // self-timing entry point
