@@ -78,6 +78,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-category kernel profile")
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--report", nargs="*", default=None, metavar="JSON",
+                    help="print the tables of earlier runs' --json files (several: one table set) and exit")
     ap.add_argument("--cache-dir", default=None,
                     help="compile caches to use and keep (default: fresh empty ones per model, so compiles are cold)")
     args = ap.parse_args(argv)
@@ -573,11 +575,28 @@ def environment(opts) -> str:
             f"{str(opts.dtype).replace('torch.', '')}; runtime = median of {opts.reps}, interleaved")
 
 
+def load_rows(paths: list) -> tuple:
+    """Rows and environment line of earlier runs' --json files."""
+    rows, env = [], ""
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        env = data.get("env", env)
+        for r in data["rows"]:
+            checks = {k: Check(**c) for k, c in r.pop("check").items()}
+            rows.append(Row(**r, check=checks))
+    return rows, env
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     opts.tasks = [t for t in opts.tasks.split(",") if t]
     opts.modes = [m for m in opts.modes.split(",") if m]
     opts.backends = [b for b in opts.backends.split(",") if b]
+    if opts.report is not None:
+        rows, env = load_rows(opts.report)
+        opts.device = "cuda" if "cuda" in env or any(r.profile for r in rows) else opts.device
+        print(report(rows, opts, env + " (from " + ", ".join(Path(p).name for p in opts.report) + ")"))
+        return 1 if any(r.wrong() for r in rows) else 0
     names = [m for m in opts.models.split(",") if m] or list(model_zoo.MODELS)
     if opts.threads:
         torch.set_num_threads(opts.threads)

@@ -29,9 +29,10 @@ def run(name: str, task: str) -> "bench.Row":
                              "--warmup", "0", "--no-profile", "--modes", "default", "--tasks", task,
                              "--backends", f"eager,{BACKEND}"])
     opts.tasks, opts.modes, opts.backends = [task], ["default"], ["eager", BACKEND]
+    # built and drawn on the CPU (seeded CPU generators), then moved to the test device
     with torch.device("cpu"):
         case = model_zoo.build(name, "tiny", DEVICE, torch.float32)
-    inputs = case.make_inputs() if task == "inference" else case.make_train_inputs()
+        inputs = case.make_inputs() if task == "inference" else case.make_train_inputs()
     ref = bench.reference(case, task, inputs, DEVICE, torch.float32)
     return bench.run_config(case, name, task, "default", opts, ref, inputs)
 

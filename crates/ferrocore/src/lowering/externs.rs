@@ -24,15 +24,9 @@ impl Ctx<'_> {
         // a non-affine view (e.g. reshape of a transposed buffer), or strides the call must not
         // see: copied out in eager's layout first
         let lazy = TensorValue { src: Src::Lazy { f: loader_of(&tv), reads: 1, ops: 0 }, ..tv };
-        let saved = self.current;
-        self.current = n;
-        let r = self.realize_into(&lazy, want);
-        self.current = saved;
-        self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
-        match r.src {
-            Src::View { buf, .. } => Ok(ExternArg::Buffer(buf)),
-            Src::Lazy { .. } => malformed("realize produced no buffer"),
-        }
+        let (r, arg) = self.realize_arg(n, &lazy, want)?;
+        self.values[n.0 as usize] = Some(Lowered::Tensor(r));
+        Ok(arg)
     }
 
     pub(super) fn extern_arg(&mut self, a: &Arg, exact: bool) -> LResult<ExternArg> {

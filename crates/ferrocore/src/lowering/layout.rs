@@ -106,14 +106,7 @@ impl Ctx<'_> {
             }
         }
         let layout = Layout { size: tv.size.clone(), stride: channels_last_strides(&tv.size), offset: 0, dtype: tv.dtype, device: tv.device };
-        let saved = self.current;
-        self.current = n;
-        let r = self.realize_into(&tv, layout);
-        self.current = saved;
-        match r.src {
-            Src::View { buf, .. } => Ok(ExternArg::Buffer(buf)),
-            Src::Lazy { .. } => malformed("realize produced no buffer"),
-        }
+        Ok(self.realize_arg(n, &tv, layout)?.1)
     }
 
     /// convolution / convolution_backward in a channels-last graph: the activations go in

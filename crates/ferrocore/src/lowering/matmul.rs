@@ -177,13 +177,6 @@ impl Ctx<'_> {
             stride.swap(r - 2, r - 1);
         }
         let layout = Layout { size: size.to_vec(), stride, offset: 0, dtype: dt, device: tv.device.clone() };
-        let saved = self.current;
-        self.current = n;
-        let v = self.realize_into(&lazy, layout);
-        self.current = saved;
-        match v.src {
-            Src::View { buf, .. } => Ok(ExternArg::Buffer(buf)),
-            Src::Lazy { .. } => malformed("realize produced no buffer"),
-        }
+        Ok(self.realize_arg(n, &lazy, layout)?.1)
     }
 }

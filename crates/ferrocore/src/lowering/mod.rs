@@ -515,6 +515,19 @@ impl<'g> Ctx<'g> {
         self.realize_into(tv, layout)
     }
 
+    /// `tv` written into a fresh buffer of `layout` on behalf of node `n` (its name in the kernel
+    /// origins), as a library-call argument.
+    pub fn realize_arg(&mut self, n: NodeId, tv: &TensorValue, layout: Layout) -> LResult<(TensorValue, ExternArg)> {
+        let saved = self.current;
+        self.current = n;
+        let r = self.realize_into(tv, layout);
+        self.current = saved;
+        match r.src {
+            Src::View { buf, .. } => Ok((r, ExternArg::Buffer(buf))),
+            Src::Lazy { .. } => malformed("realize produced no buffer"),
+        }
+    }
+
     pub fn push_node(&mut self, node: LoopNode) -> usize {
         let i = self.prog.nodes.len();
         self.prog.nodes.push(node);
