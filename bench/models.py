@@ -318,15 +318,20 @@ def _reference(case, task: str, inputs: tuple, ref_dtype) -> list:
     module = case.model if task == "inference" else case.train
     model = copy.deepcopy(module).to(ref_dtype)
     cast = tuple(t.to(ref_dtype) if t.is_floating_point() else t for t in inputs)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cudnn = torch.backends.cudnn
+    # through the context manager: torch's test utilities forbid setting cuDNN flags directly
+    no_tf32 = cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                          allow_tf32=False)
     try:
-        if task == "training":
-            model.train()
-        runner = Runner(model, task, list(model.parameters()), cast, case.output)
-        return runner.results()
+        with no_tf32:
+            if task == "training":
+                model.train()
+            runner = Runner(model, task, list(model.parameters()), cast, case.output)
+            return runner.results()
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
         del model
 
 
