@@ -143,7 +143,6 @@ class TritonLaunch:
     aligned pointers, so a launch with any other address takes the JIT call instead."""
 
     __slots__ = ("fn", "grid", "constexprs", "num_warps", "num_stages", "_fast")
-    # (`aligned` skips the address check, for buffers the wrapper allocated)
 
     def __init__(self, fn, grid: int, constexprs: dict, num_warps: int, num_stages: int):
         self.fn, self.grid, self.constexprs = fn, grid, constexprs
@@ -151,29 +150,23 @@ class TritonLaunch:
         self._fast = None
 
     def __call__(self, *args) -> None:
-        fast = self._fast
-        if fast is not None:
-            for a in args:
-                if a.data_ptr() % 16:
-                    break
-            else:
-                try:
-                    fast(args)
-                    return
-                except TypeError:  # a launcher of another calling convention: stop using it
-                    self._fast = None
-        self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps,
-                              num_stages=self.num_stages)
+        if self._fast is not None and any(a.data_ptr() % 16 for a in args):
+            self._jit(args)  # the binary was specialized for 16-byte aligned pointers
+        else:
+            self.aligned(*args)
 
     def aligned(self, *args) -> None:
-        """A launch whose buffers the wrapper allocated itself (so 16-byte aligned)."""
+        """A launch whose buffers are 16-byte aligned (the wrapper allocated them itself)."""
         fast = self._fast
         if fast is not None:
             try:
                 fast(args)
                 return
-            except TypeError:
+            except TypeError:  # a launcher of another calling convention: stop using it
                 self._fast = None
+        self._jit(args)
+
+    def _jit(self, args) -> None:
         self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
     def bind(self, compiled, device_index: int) -> None:
