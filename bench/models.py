@@ -77,6 +77,10 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-category kernel profile")
+    ap.add_argument("--memory-breakdown", action="store_true",
+                    help="record the CUDA allocator's history for one call: what is live at the peak, and where it was allocated")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                    help="also profile the host side of CALLS calls (cProfile, default mode): where host time goes")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--report", nargs="*", default=None, metavar="JSON",
                     help="print the tables of earlier runs' --json files (several: one table set) and exit")
@@ -277,6 +281,56 @@ def profile(runner: Runner, calls: int = 3) -> dict | None:
     return out
 
 
+def memory_breakdown(runner: Runner, top: int = 12) -> list:
+    """The largest blocks live at the peak of one call (allocated during it), each with the
+    innermost Python frame that allocated it: (MB, 'file:line(function)')."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    try:
+        runner.step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, peak, now, at_peak = {}, 0, 0, {}
+    for ev in snap["device_traces"][torch.cuda.current_device()]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            now += ev["size"]
+            if now > peak:
+                peak, at_peak = now, dict(live)
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])["size"]
+
+    def where(ev) -> str:
+        frames = [f for f in ev.get("frames", []) if f.get("filename", "").endswith(".py")]
+        f = next((f for f in frames if "/torch/" not in f["filename"]), frames[0] if frames else None)
+        return f"{Path(f['filename']).name}:{f['line']}({f['name']})" if f else "?"
+
+    rows = sorted(at_peak.values(), key=lambda e: -e["size"])[:top]
+    return [(round(peak / 2**20, 1), "peak")] + [(round(e["size"] / 2**20, 1), where(e)) for e in rows]
+
+
+def host_profile(runner: Runner, calls: int, dev: str) -> list:
+    """The functions the host spends most of a call in (cProfile's own time, ms per call; the
+    profiler's overhead inflates Python functions, so read it for the ranking)."""
+    import cProfile
+    import pstats
+
+    sync(dev)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        runner.step()
+    prof.disable()
+    sync(dev)
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
+    return [(round(tt / calls * 1e3, 4), round(nc / calls, 1), f"{Path(f).name}:{line}({fn})")
+            for (f, line, fn), (_, nc, tt, _, _) in rows]
+
+
 # ------------------------------------------------------------------------------------------------
 # One model.
 
@@ -292,6 +346,8 @@ class Row:
     peak_mb: dict = field(default_factory=dict)
     check: dict = field(default_factory=dict)  # backend -> Check
     profile: dict = field(default_factory=dict)
+    host_profile: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)  # backend -> [(MB, where allocated)], the peak first  # backend -> [(ms per call, calls per call, function)]
     ferrocore: dict = field(default_factory=dict)  # metrics of this task and mode
     notes: list = field(default_factory=list)
 
@@ -401,6 +457,10 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
                 p = profile(r)
                 if p is not None:
                     row.profile[k] = p
+            if opts.memory_breakdown and opts.device.startswith("cuda") and mode == "default":
+                row.memory[k] = memory_breakdown(r)
+            if opts.host_profile and mode == "default" and k != "eager":
+                row.host_profile[k] = host_profile(r, opts.host_profile, opts.device)
     except Exception as e:  # noqa: BLE001
         row.notes.append(f"measurement FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
         traceback.print_exc(limit=6)
@@ -536,6 +596,23 @@ def kernel_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rows: list) -> str:
+    lines = ["| model | backend | MB | allocated at |", "|---|---|---|---|"]
+    for r in rows:
+        for k, blocks in r.memory.items():
+            lines += [f"| {r.model} | {k} | {mb:.1f} | `{w}` |" for mb, w in blocks]
+    return "\n".join(lines)
+
+
+def host_table(rows: list) -> str:
+    lines = ["| model | backend | host ms per call (cProfile's own time) | calls | function |", "|---|---|---|---|---|"]
+    for r in rows:
+        for k, top in r.host_profile.items():
+            for ms, calls, fn in top[:10]:
+                lines.append(f"| {r.model} | {k} | {ms:.3f} | {calls:g} | `{fn}` |")
+    return "\n".join(lines)
+
+
 def report(rows: list, opts, env: str) -> str:
     out = []
     for task in opts.tasks:
@@ -554,6 +631,12 @@ def report(rows: list, opts, env: str) -> str:
             if opts.device.startswith("cuda") and any(r.profile for r in sel):
                 out.append(f"\nGPU time per call by category (ms, torch.profiler), {task}, mode {mode}:\n")
                 out.append(kernel_table(sel))
+            if any(r.memory for r in sel):
+                out.append(f"\nLive at the peak of one call, {task}, mode {mode} (largest blocks allocated during the call):\n")
+                out.append(memory_table(sel))
+            if any(r.host_profile for r in sel):
+                out.append(f"\nHost time by function, {task}, mode {mode}:\n")
+                out.append(host_table(sel))
     return "\n".join(out)
 
 

@@ -107,3 +107,18 @@ def test_index_put_with_a_partial_mask_and_rows_of_values():
         return y
 
     check(inner, x, torch.tensor([True, False, True, False]), torch.randn(5, 2, 3))
+
+
+def test_scatter_of_one_element_per_row_is_a_select():
+    # the cross-entropy backward's shape: -1 scattered into zeros at each row's label, scaled
+    x = torch.randn(8, 33)
+    idx = torch.randint(0, 33, (8, 1))
+    g = torch.randn(8, 1)
+    stats = check(lambda z, i, s: torch.zeros_like(z).scatter(1, i, -1.0) * s, x, idx, g, expect_kernels=1)
+    check(lambda z, i: torch.full_like(z, 2.0).scatter(1, i, z[:, :1] * 3), x, idx)
+    check(lambda z, i: z.scatter(0, i.T % 8, z[:1] + 1), x, idx)
+    bad = idx.clone()
+    bad[3] = 40
+    with pytest.raises(IndexError):
+        torch.compile(lambda z, i: torch.zeros_like(z).scatter(1, i, -1.0) + 1, backend="ferrocore")(x, bad)
+    del stats

@@ -63,7 +63,7 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         fw_compiler=forward,
         inference_compiler=inference,
         bw_compiler=backward,
-        decompositions=_decompositions(),
+        decompositions=_decompositions(training=_needs_grad(example_inputs)),
         partition_fn=_partition,
     )(gm, example_inputs)
     state.stop()
@@ -173,9 +173,19 @@ def compile_graph(
     return lambda *args: boxed(list(args))
 
 
+def _needs_grad(example_inputs) -> bool:
+    """Whether AOT autograd will trace a joint graph (as its own test does)."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
 @functools.lru_cache(None)
-def _decompositions() -> dict:
-    from torch._decomp import core_aten_decompositions
+def _decompositions(training: bool = False) -> dict:
+    """Core ATen's table, less the ops ferrocore lowers better itself; for training graphs also
+    the softmaxes and normalizations. The partitioner recomputes only ops it knows to be cheap and
+    treats these as opaque, so it would save their full-size outputs beside their inputs; taken
+    apart, it saves the input and the per-row statistics, and the backward recomputes the rest
+    in its kernels (as Inductor's table does)."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
 
     table = dict(core_aten_decompositions().items())
     # Lowered natively as a gather; torch's decomposition is a scatter-add (index_put).
@@ -190,6 +200,14 @@ def _decompositions() -> dict:
     for op in (torch.ops.aten.linspace, torch.ops.aten.logspace):
         for overload in ("default", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
             table.pop(getattr(op, overload), None)
+    if training:
+        aten = torch.ops.aten
+        table.update(get_decompositions([
+            aten._log_softmax, aten._softmax, aten.native_layer_norm, aten.native_group_norm,
+            aten._native_batch_norm_legit, aten._native_batch_norm_legit_functional,
+            aten._native_batch_norm_legit_no_training, aten.native_batch_norm,
+            aten._batch_norm_with_update, aten._batch_norm_with_update_functional, aten._batch_norm_no_update,
+        ]))
     return table
 
 

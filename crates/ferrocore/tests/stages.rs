@@ -409,3 +409,80 @@ fn long_variances_take_one_pass_for_the_gpu() {
     // the C++ backend never schedules a Welford reduction
     assert!(schedule(lower_graph(&g).unwrap().program).unwrap().decisions.iter().all(|d| !d.starts_with("welford:")));
 }
+
+/// The wrapper module of a graph (C++ kernels).
+fn wrapper_module(doc: &str) -> (ferrocore::scheduler::Schedule, String) {
+    let g = parse_graph(doc).unwrap();
+    let s = schedule(lower_graph(&g).unwrap().program).unwrap();
+    let k = CppBackend.render(&s).unwrap();
+    let plan = ferrocore::wrapper::plan_host(&s, &k);
+    let module = ferrocore::wrapper::render_module(&s, &k, &plan, "g");
+    (s, module)
+}
+
+#[test]
+fn a_pointwise_result_takes_the_storage_of_the_buffer_it_consumes() {
+    // c = cumsum(x); r = relu(c): c dies in the relu, read element for element
+    let doc = G::new()
+        .input("x", &[16, 8], "float32")
+        .call("c", "aten.cumsum.default", &format!(r#"{},{{"int":0}}"#, n("x")), &meta(&[16, 8], "float32"))
+        .call("r", "aten.relu.default", &n("c"), &meta(&[16, 8], "float32"))
+        .output(&["r"]);
+    let (s, module) = wrapper_module(&doc);
+    assert!(s.decisions.iter().any(|d| d.starts_with("in place:")), "{:?}", s.decisions);
+    assert_eq!(module.matches("empty_strided").count(), 1, "one allocation for both:\n{module}");
+    // the input is dropped after its last reader and the argument list is cleared
+    assert!(module.contains("args.clear()") && module.contains("del x"), "{module}");
+}
+
+#[test]
+fn no_in_place_result_over_a_transposed_read_a_returned_buffer_or_an_input() {
+    fn cumsum(g: G) -> G {
+        g.input("x", &[16, 16], "float32").call("c", "aten.cumsum.default", &format!(r#"{},{{"int":0}}"#, n("x")), &meta(&[16, 16], "float32"))
+    }
+    // read transposed: element (i, j) of the result needs element (j, i) of c
+    let transposed = cumsum(G::new())
+        .call("t", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("c")), &format!(
+            r#"{{"tensor":{{"shape":[16,16],"stride":[1,16],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#
+        ))
+        .call("r", "aten.add.Tensor", &format!(r#"{},{}"#, n("t"), n("x")), &meta(&[16, 16], "float32"))
+        .output(&["r"]);
+    // c is returned as well
+    let returned = cumsum(G::new()).call("r", "aten.relu.default", &n("c"), &meta(&[16, 16], "float32")).output(&["c", "r"]);
+    // an input's storage belongs to the caller
+    let input = G::new().input("x", &[16, 16], "float32").call("r", "aten.relu.default", &n("x"), &meta(&[16, 16], "float32")).output(&["r"]);
+    for doc in [transposed, returned, input] {
+        let (s, _) = wrapper_module(&doc);
+        assert!(s.decisions.iter().all(|d| !d.starts_with("in place:")), "{:?}", s.decisions);
+    }
+}
+
+#[test]
+fn a_scatter_of_one_element_per_row_is_a_pointwise_select() {
+    // zeros.scatter(1, idx, -1.0) * g: no buffer for the scattered tensor, one kernel
+    let doc = G::new()
+        .input("z", &[8, 50], "float32")
+        .input("idx", &[8, 1], "int64")
+        .input("g", &[8, 1], "float32")
+        .call("s", "aten.scatter.value", &format!(r#"{},{{"int":1}},{},{{"float":-1.0}}"#, n("z"), n("idx")), &meta(&[8, 50], "float32"))
+        .call("m", "aten.mul.Tensor", &format!("{},{}", n("s"), n("g")), &meta(&[8, 50], "float32"))
+        .output(&["m"]);
+    let (pre, post, src, k) = stages(&doc);
+    assert_eq!(k, 1, "{post}");
+    assert!(pre.contains("check_index") && pre.contains("eq("), "{pre}");
+    assert!(src.contains("ferro_err"), "an index out of range still raises:\n{src}");
+}
+
+#[test]
+fn a_gathered_and_returned_value_is_one_buffer() {
+    // a log-softmax both gathered (the loss) and returned (saved for the backward)
+    let doc = G::new()
+        .input("x", &[4, 100], "float32")
+        .input("idx", &[4, 1], "int64")
+        .call("ls", "aten._log_softmax.default", &format!(r#"{},{{"int":1}},{{"bool":false}}"#, n("x")), &meta(&[4, 100], "float32"))
+        .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, n("ls"), n("idx")), &meta(&[4, 1], "float32"))
+        .output(&["g", "ls"]);
+    let (_, module) = wrapper_module(&doc);
+    let big = module.lines().filter(|l| l.contains("empty_strided((4, 100)")).count();
+    assert_eq!(big, 1, "{module}");
+}

@@ -15,6 +15,22 @@ pub(super) fn strided_base(cx: &mut Ctx, tv: &TensorValue) -> LResult<(BufferId,
     r.strided().ok_or((LowerErrorKind::Malformed, "realized value is not strided".to_string()))
 }
 
+impl Ctx<'_> {
+    /// `strided_base` of argument `i` (value `tv`): a graph node's value is realized as that
+    /// node, once for all its readers and the graph's outputs (a log-softmax both gathered and
+    /// saved for the backward is one buffer, not two).
+    pub(super) fn strided_arg(&mut self, i: usize, key: &str, tv: &TensorValue) -> LResult<(BufferId, Vec<i64>, i64)> {
+        if tv.strided().is_none() {
+            if let Some(Arg::Node(n)) = self.arg(i, key) {
+                if let Some(s) = self.realized_node(*n, false)?.strided() {
+                    return Ok(s);
+                }
+            }
+        }
+        strided_base(self, tv)
+    }
+}
+
 fn loader(tv: &TensorValue) -> LoadFn {
     let t = tv.clone();
     Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| t.load(bx, idx))
@@ -63,7 +79,8 @@ impl Ctx<'_> {
                 return unsupported(format!("{} indices", t.dtype));
             }
         }
-        let (buf, stride, offset) = strided_base(self, &src)?;
+        let weight = if op == AtenOp::Embedding { "weight" } else { "self" };
+        let (buf, stride, offset) = self.strided_arg(0, weight, &src)?;
         let sizes = src.size.clone();
         let rank = sizes.len();
         let dt = src.dtype;
@@ -147,7 +164,7 @@ impl Ctx<'_> {
         for (k, pair) in pad.chunks(2).enumerate() {
             lo[rank - 1 - k] = pair[0];
         }
-        let (buf, stride, offset) = strided_base(self, &x)?;
+        let (buf, stride, offset) = self.strided_arg(0, "self", &x)?;
         let sizes = x.size.clone();
         let dt = x.dtype;
         let padded: Vec<usize> = (0..rank).filter(|&d| lo[d] != 0 || out.shape[d] != sizes[d]).collect();
@@ -204,7 +221,7 @@ impl Ctx<'_> {
         if x.size.iter().any(|&s| s == 0) {
             return unsupported("edge padding of an empty tensor (ATen raises)");
         }
-        let (buf, stride, offset) = strided_base(self, &x)?;
+        let (buf, stride, offset) = self.strided_arg(0, "self", &x)?;
         let sizes = x.size.clone();
         let dt = x.dtype;
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
@@ -260,7 +277,7 @@ impl Ctx<'_> {
             return Ok(x);
         }
         let select = op == AtenOp::SelectScatter;
-        let (sbuf, sstride, soff) = strided_base(self, &src)?;
+        let (sbuf, sstride, soff) = self.strided_arg(1, "src", &src)?;
         let cd = out.dtype;
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let keep = x.load(bx, idx);
@@ -329,7 +346,7 @@ impl Ctx<'_> {
             }
             span += stride[d] * (size[d] - 1);
         }
-        let (sbuf, sstride, soff) = strided_base(self, &src)?;
+        let (sbuf, sstride, soff) = self.strided_arg(1, "src", &src)?;
         let ostride = out.stride.clone();
         let cd = out.dtype;
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
@@ -383,7 +400,7 @@ impl Ctx<'_> {
                 .collect::<LResult<Vec<_>>>()?,
             _ => vec![None, None],
         };
-        let (buf, stride, offset) = strided_base(self, &x)?;
+        let (buf, stride, offset) = self.strided_arg(0, "input", &x)?;
         let ins = x.size.clone();
         let outs = out.shape.clone();
         let scales: Vec<f32> = (0..2)

@@ -539,8 +539,12 @@ impl<'g> Ctx<'g> {
         let Lowered::Tensor(tv) = &l else { return l };
         let (reads, ops) = tv.cost();
         let users = self.uses[id.0 as usize];
-        let expensive = reads > REALIZE_READS_THRESHOLD || ops > REALIZE_OPS_THRESHOLD;
-        if matches!(tv.src, Src::Lazy { .. }) && ((users > 1 && expensive) || ops > MAX_INLINE_OPS) {
+        let over = |reads: usize, ops: usize| reads > REALIZE_READS_THRESHOLD || ops > REALIZE_OPS_THRESHOLD;
+        if !matches!(tv.src, Src::Lazy { .. }) {
+            return l;
+        }
+        // the running estimate counts a buffer once per path to it; the body counts it once
+        if ops > MAX_INLINE_OPS || (users > 1 && over(reads, ops) && over_measured(tv, &over)) {
             return Lowered::Tensor(self.realize(tv));
         }
         l
@@ -653,6 +657,23 @@ impl<'g> Ctx<'g> {
             Src::Lazy { .. } => OutputValue::None,
         }
     }
+}
+
+/// `over(distinct buffers read, expressions)` for one element of `tv`, as its body would hold it
+/// (common subexpressions merged).
+fn over_measured(tv: &TensorValue, over: &dyn Fn(usize, usize) -> bool) -> bool {
+    let mut body = LoopBody::default();
+    let mut bx = Bx { body: &mut body, ranges: tv.size.clone() };
+    let vars: Vec<IndexExpr> = (0..tv.size.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
+    tv.load(&mut bx, &vars);
+    let mut bufs: Vec<BufferId> = body.exprs.iter().filter_map(|e| match e {
+        Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } => Some(*buf),
+        _ => None,
+    }).collect();
+    bufs.sort();
+    bufs.dedup();
+    let ops = body.exprs.iter().filter(|e| !matches!(e, Expr::Load { .. } | Expr::LoadIndirect { .. } | Expr::Constant(_) | Expr::Index(_))).count();
+    over(bufs.len(), ops)
 }
 
 /// Ops whose lowerings only load, store, convert or conjugate values (no arithmetic on them):

@@ -104,6 +104,11 @@ impl Ctx<'_> {
             return malformed(format!("index rank {} differs from self rank {rank}", index.size.len()));
         }
         let sizes = if rank == 0 { vec![1] } else { x.size.clone() };
+        if reduce.is_none() && rank > 0 {
+            if let Some(t) = one_per_row_scatter(&x, &index, src.as_ref(), value, dim, dt) {
+                return Ok(t);
+            }
+        }
         let dstride = contiguous_strides(&sizes);
         let n_dim = sizes[dim];
         let ranges = index.size.clone();
@@ -561,6 +566,41 @@ pub(super) fn unravel(flat: &IndexExpr, shape: &[i64]) -> Vec<IndexExpr> {
     let numel: i64 = shape.iter().product();
     let ranges = [numel.max(1)];
     shape.iter().zip(&strides).map(|(&n, &s)| flat.floordiv(s, &ranges).modulo(n, &ranges)).collect()
+}
+
+/// A scatter that writes one element per row along `dim` (the index has size 1 there and
+/// covers every other dim) as a pointwise select: `out[.., j, ..] = j == index[.., 0, ..] ? src :
+/// self`. No copy of `self` is materialized (a cross entropy's backward scatters -1 into a zero
+/// tensor of the logits' size, then multiplies it). Out-of-range indices still raise.
+fn one_per_row_scatter(x: &TensorValue, index: &TensorValue, src: Option<&TensorValue>, value: Option<Scalar>, dim: usize, dt: DType) -> Option<TensorValue> {
+    let covers = index.size.iter().zip(&x.size).enumerate().all(|(d, (&i, &n))| if d == dim { i == 1 } else { i == n });
+    if !covers || x.size[dim] == 0 {
+        return None;
+    }
+    let parts = [Some(x), Some(index), src];
+    let reads = parts.iter().flatten().map(|t| t.cost().0).sum();
+    let ops = 3 + parts.iter().flatten().map(|t| t.cost().1).sum::<usize>();
+    let (x, index, src) = (x.clone(), index.clone(), src.cloned());
+    let n_dim = x.size[dim];
+    Some(TensorValue::lazy(x.size.clone(), dt, x.device.clone(), reads, ops, move |bx, idx| {
+        let mut row = idx.to_vec();
+        row[dim] = IndexExpr::zero();
+        let raw = index.load(bx, &row);
+        let target = bx.body.check_index(raw, n_dim, false);
+        let here = bx.body.index(idx[dim].clone(), DType::I64);
+        let hit = bx.body.binary(BinaryOp::Eq, target, here);
+        let written = match (&src, value) {
+            (Some(s), _) => {
+                let v = s.load(bx, &row);
+                bx.body.cast(v, dt)
+            }
+            (None, Some(c)) => bx.body.constant(c, dt),
+            (None, None) => bx.body.constant(Scalar::Int(0), dt),
+        };
+        let kept = x.load(bx, idx);
+        let kept = bx.body.cast(kept, dt);
+        bx.body.where_(hit, written, kept)
+    }))
 }
 
 /// A tensor filled with `value`.

@@ -5,6 +5,7 @@
 //! Every decision is logged with its reason.
 
 mod complex;
+mod inplace;
 mod plan;
 pub mod simplify;
 mod split;
@@ -199,7 +200,10 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
         }
     }
     let storage = plan_storage(&program, &items, &mut decisions);
-    Ok(Schedule { program, items, storage, decisions })
+    let mut schedule = Schedule { program, items, storage, decisions };
+    let reused = inplace::reuse_dying_buffers(&mut schedule);
+    schedule.decisions.extend(reused);
+    Ok(schedule)
 }
 
 #[derive(Debug, Clone)]

@@ -59,14 +59,13 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
             extern_arg[b.0 as usize] = true;
         }
     }
+    // returned buffers live past the call; inputs are dropped after their last use like
+    // temporaries (the caller handed over its list: a backward frees saved activations early)
     let mut pinned = vec![false; p.buffers.len()];
     for o in &p.outputs {
         if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
             pinned[b.0 as usize] = true;
         }
-    }
-    for b in &p.inputs {
-        pinned[b.0 as usize] = true;
     }
     let mut last_use: HashMap<BufferId, usize> = HashMap::new();
     for (i, u) in uses.iter().enumerate() {
@@ -75,6 +74,11 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
         }
     }
     let mut steps = Vec::new();
+    for b in &p.inputs {
+        if !pinned[b.0 as usize] && !last_use.contains_key(b) {
+            steps.push(HostStep::Free(*b));
+        }
+    }
     let mut allocated = vec![false; p.buffers.len()];
     // outputs no kernel writes (no elements, e.g. a size-0 dim) still need storage
     let defined: std::collections::HashSet<BufferId> = defs.iter().flatten().copied().collect();
@@ -309,6 +313,10 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         _ => {
             let _ = writeln!(m, "    {} = args", names.join(", "));
         }
+    }
+    if !names.is_empty() {
+        // the list would keep every input alive until the call returns
+        m.push_str("    args.clear()\n");
     }
     if let Some(d) = flag_device {
         let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}') if index_flag is None else index_flag");
