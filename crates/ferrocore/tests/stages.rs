@@ -486,3 +486,39 @@ fn a_gathered_and_returned_value_is_one_buffer() {
     let big = module.lines().filter(|l| l.contains("empty_strided((4, 100)")).count();
     assert_eq!(big, 1, "{module}");
 }
+
+/// The wrapper module of a graph lowered with every unaligned 16-bit GEMM padded.
+fn padded_module(doc: &str) -> String {
+    use ferrocore::lowering::{lower_graph_with, LowerOptions, PadMm};
+    let g = parse_graph(doc).unwrap();
+    let opts = LowerOptions { pad_mm: PadMm::Always, ..Default::default() };
+    let s = schedule(lower_graph_with(&g, &opts).unwrap().program).unwrap();
+    let k = CppBackend.render(&s).unwrap();
+    let plan = ferrocore::wrapper::plan_host(&s, &k);
+    ferrocore::wrapper::render_module(&s, &k, &plan, "g")
+}
+
+#[test]
+fn a_gradient_read_by_two_padded_gemms_is_padded_once() {
+    // g @ w and g.T @ h (a linear layer's input and weight gradients) with 100 columns
+    let t = |shape: &[i64], stride: &[i64]| format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"bfloat16","device":"cpu"}}}}"#);
+    for computed in [false, true] {
+        let mut g = G::new().input("x", &[64, 100], "bfloat16").input("w", &[100, 64], "bfloat16").input("h", &[64, 32], "bfloat16");
+        let grad = if computed {
+            g = g.call("g", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[64, 100], "bfloat16"));
+            "g"
+        } else {
+            "x"
+        };
+        let doc = g
+            .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n(grad)), &t(&[100, 64], &[1, 100]))
+            .call("dx", "aten.mm.default", &format!("{},{}", n(grad), n("w")), &meta(&[64, 64], "bfloat16"))
+            .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "bfloat16"))
+            .output(&["dx", "dw"]);
+        let module = padded_module(&doc);
+        // the gradient's padded copies, row-major or column-major (w's is (104, 64), (64, 1))
+        let copies = module.lines().filter(|l| l.contains("empty_strided((64, 104), (104, 1)") || l.contains("empty_strided((104, 64), (1, 104)")).count();
+        assert_eq!(copies, 1, "computed: {computed}\n{module}");
+        assert!(!module.contains("empty_strided((64, 100)"), "no unpadded copy of the gradient:\n{module}");
+    }
+}

@@ -132,16 +132,159 @@ impl Ctx<'_> {
         Ok(view_of_layout(buf, &layout))
     }
 
-    /// Node `n`'s value zero-padded to `size` (each dim at least its own), realized in the
-    /// orientation its view has (a transposed weight stays column-major).
+    /// Node `n`'s value zero-padded to `size` (each dim at least its own), as a GEMM operand.
+    /// One padded buffer serves every GEMM that reads the same elements, whatever the view (a
+    /// gradient feeds `g @ w` and `g.T @ h`); a value not yet in memory is computed straight into
+    /// padded storage and its other readers take the corner (no unpadded copy).
     fn zero_padded(&mut self, n: NodeId, size: &[i64]) -> LResult<ExternArg> {
-        // realized once for every GEMM that reads it (a gradient feeds two)
+        let mut tv = self.tensor_of(n)?;
+        if matches!(tv.src, Src::Lazy { .. }) && self.view_of_realized(n) {
+            // a transpose lowered before its source was realized: read that buffer instead
+            let graph = self.graph;
+            let NodeKind::Call { target, .. } = &graph.node(n).kind else { return malformed("a view without a call") };
+            let saved = self.current;
+            self.current = n;
+            let again = self.lower_node(n, target);
+            self.current = saved;
+            if let Ok(Lowered::Tensor(t)) = again {
+                self.values[n.0 as usize] = Some(Lowered::Tensor(t.clone()));
+                tv = t;
+            }
+        }
+        if let Some((buf, st, off)) = tv.strided() {
+            if let Some(arg) = self.padded_view(buf, &st, off, &tv.size, size) {
+                return Ok(arg);
+            }
+        }
+        if matches!(tv.src, Src::Lazy { .. }) && tv.size.len() == size.len() {
+            return self.realize_padded(n, &tv, size);
+        }
+        self.padded_copy(n, size)
+    }
+
+    /// Node `id`'s value realized with its rows padded to an aligned stride (zeros in the
+    /// padding) when a GEMM the padding pass pads reads it, directly or through views: the GEMM
+    /// then reads it in place (as Inductor pads the strides of such buffers). None otherwise.
+    pub(super) fn realize_row_padded(&mut self, id: NodeId, tv: &TensorValue) -> Option<TensorValue> {
+        let r = tv.size.len();
+        let cols = *tv.size.last()?;
+        if r < 2 || cols % ALIGN == 0 || cols < ALIGN || !matches!(tv.dtype, DType::F16 | DType::BF16) || !self.feeds_padded_gemm(id, 0) {
+            return None;
+        }
+        let mut storage = tv.size.clone();
+        storage[r - 1] = round_up(cols);
+        let layout = Layout::contiguous(&storage, tv.dtype, tv.device.clone());
+        let own = Layout { size: tv.size.clone(), ..layout.clone() };
+        let buf = self.realize_into(tv, own.clone()).strided()?.0;
+        self.prog.buffers[buf.0 as usize].layout = layout.clone();
+        let mut ranges = storage.clone();
+        ranges[r - 1] = storage[r - 1] - cols;
+        let mut body = LoopBody::default();
+        let mut idx: Vec<IndexExpr> = (0..r).map(|e| IndexExpr::var(Var(e as u32))).collect();
+        idx[r - 1] = idx[r - 1].add(&IndexExpr::constant(cols));
+        let zero = body.constant(Scalar::Int(0), tv.dtype);
+        body.set_store(layout.index_of(&idx), zero);
+        self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+        self.zero_padded_storage.extend(ZeroPaddedStorage::of(buf, &storage, &tv.size));
+        let node = &self.graph.node(id).name;
+        self.decisions.push(("padding", format!("pad: {node} {:?} is stored with rows of {} for the GEMMs that read it", tv.size, storage[r - 1])));
+        Some(view_of_layout(buf, &own))
+    }
+
+    /// Whether a GEMM that the padding pass pads reads node `id`, directly or through views.
+    fn feeds_padded_gemm(&self, id: NodeId, depth: usize) -> bool {
+        if depth > 4 {
+            return false;
+        }
+        self.graph.ids().any(|u| {
+            let node = self.graph.node(u);
+            let NodeKind::Call { target: Target::Aten(op), args, .. } = &node.kind else { return false };
+            if !args.iter().any(|a| matches!(a, Arg::Node(x) if *x == id)) {
+                return false;
+            }
+            match op {
+                AtenOp::Mm | AtenOp::Bmm | AtenOp::Addmm => match self.pad_mm {
+                    PadMm::Never => false,
+                    PadMm::Always => true,
+                    PadMm::Measured => self.graph.padded_matmuls.contains_key(&node.name),
+                },
+                AtenOp::View | AtenOp::UnsafeView | AtenOp::Permute | AtenOp::TransposeInt | AtenOp::T => self.feeds_padded_gemm(u, depth + 1),
+                _ => false,
+            }
+        })
+    }
+
+    /// Whether node `n` is a view op whose source node's value is now in memory.
+    fn view_of_realized(&self, n: NodeId) -> bool {
+        let node = self.graph.node(n);
+        let NodeKind::Call { target, args, .. } = &node.kind else { return false };
+        let is_view = matches!(target, Target::Aten(AtenOp::View | AtenOp::UnsafeView | AtenOp::Permute | AtenOp::TransposeInt | AtenOp::T));
+        let source = match args.first() {
+            Some(Arg::Node(s)) => *s,
+            _ => return false,
+        };
+        is_view && matches!(&self.values[source.0 as usize], Some(Lowered::Tensor(t)) if t.strided().is_some())
+    }
+
+    /// A view of an earlier padded buffer holding exactly these elements, padded to `size`.
+    fn padded_view(&self, buf: BufferId, st: &[i64], off: i64, own: &[i64], size: &[i64]) -> Option<ExternArg> {
+        if size.iter().any(|&d| d < 2) {
+            return None; // a size-1 dim's stride says nothing about which dim it is
+        }
+        if let Some(arg) = self.zero_padded_storage.iter().find(|z| z.buf == buf).and_then(|z| z.view(st, off, own, size)) {
+            return Some(arg);
+        }
+        self.padded.iter().find_map(|e| {
+            if e.source != buf || e.offset != off || e.dims.len() != st.len() {
+                return None;
+            }
+            let stride: Option<Vec<i64>> = st
+                .iter()
+                .zip(size)
+                .map(|(s, n)| e.dims.iter().find(|(src, _, padded)| src == s && padded == n).map(|(_, p, _)| *p))
+                .collect();
+            Some(ExternArg::View { buf: e.padded, size: size.to_vec(), stride: stride?, offset: 0 })
+        })
+    }
+
+    /// `tv` (lazy) computed into a zero-padded buffer of `size`; node `n` now reads its corner.
+    fn realize_padded(&mut self, n: NodeId, tv: &TensorValue, size: &[i64]) -> LResult<ExternArg> {
+        let layout = Layout::contiguous(size, tv.dtype, tv.device.clone());
+        let own = tv.size.clone();
+        let corner = Layout { size: own.clone(), ..layout.clone() };
+        let saved = self.current;
+        self.current = n;
+        let buf = self.realize_into(tv, corner.clone()).strided().map(|(b, _, _)| b).ok_or((LowerErrorKind::Malformed, "padded realize".to_string()))?;
+        // the storage holds the padding too (the corner's layout would end short of the last row's)
+        self.prog.buffers[buf.0 as usize].layout = layout.clone();
+        // the padding: for each padded dim d, the elements whose first out-of-range dim is d
+        for d in (0..size.len()).filter(|&d| size[d] > own[d]) {
+            let ranges: Vec<i64> = (0..size.len()).map(|e| if e < d { own[e] } else if e == d { size[d] - own[d] } else { size[e] }).collect();
+            let mut body = LoopBody::default();
+            let mut idx: Vec<IndexExpr> = (0..size.len()).map(|e| IndexExpr::var(Var(e as u32))).collect();
+            idx[d] = idx[d].add(&IndexExpr::constant(own[d]));
+            let zero = body.constant(Scalar::Int(0), tv.dtype);
+            body.set_store(layout.index_of(&idx), zero);
+            self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+        }
+        self.current = saved;
+        self.values[n.0 as usize] = Some(Lowered::Tensor(view_of_layout(buf, &corner)));
+        if let Some(z) = ZeroPaddedStorage::of(buf, size, &own) {
+            self.zero_padded_storage.push(z);
+        }
+        Ok(ExternArg::Buffer(buf))
+    }
+
+    /// A zero-padded copy of node `n`'s value in memory, in the orientation its view has (a
+    /// transposed weight stays column-major).
+    fn padded_copy(&mut self, n: NodeId, size: &[i64]) -> LResult<ExternArg> {
         let tv = self.realized_node(n, false)?;
         let r = size.len();
         let (buf, st, offset) = strided_base(self, &tv)?;
         let column_major = st[r - 2] == 1 && st[r - 1] != 1;
         let own = tv.size.clone();
         let dt = tv.dtype;
+        let src_strides = st.clone();
         let f = move |bx: &mut Bx, idx: &[IndexExpr]| -> ValueId {
             let mut inside: Option<ValueId> = None;
             let mut base = IndexExpr::constant(offset);
@@ -176,7 +319,60 @@ impl Ctx<'_> {
         if column_major {
             stride.swap(r - 2, r - 1);
         }
-        let layout = Layout { size: size.to_vec(), stride, offset: 0, dtype: dt, device: tv.device.clone() };
-        Ok(self.realize_arg(n, &lazy, layout)?.1)
+        let layout = Layout { size: size.to_vec(), stride: stride.clone(), offset: 0, dtype: dt, device: tv.device.clone() };
+        let (r, arg) = self.realize_arg(n, &lazy, layout)?;
+        if let Some((padded, _, _)) = r.strided() {
+            let dims = src_strides.iter().zip(&stride).zip(size).map(|((s, p), n)| (*s, *p, *n)).collect();
+            self.padded.push(PaddedOperand { source: buf, offset, dims, padded });
+        }
+        Ok(arg)
+    }
+}
+
+/// A buffer holding the elements of `source` (from `offset`) zero-padded for a GEMM: per dim,
+/// (stride in the source, stride in the padded buffer, padded size).
+#[derive(Clone, Debug)]
+pub struct PaddedOperand {
+    source: BufferId,
+    offset: i64,
+    dims: Vec<(i64, i64, i64)>,
+    padded: BufferId,
+}
+
+/// A buffer whose storage is a matrix of `rows` rows `row_stride` apart, of which the columns
+/// from `cols` on and the rows from `real_rows` on hold zeros: a GEMM may read it padded.
+#[derive(Clone, Debug)]
+pub struct ZeroPaddedStorage {
+    buf: BufferId,
+    row_stride: i64,
+    cols: i64,
+    rows: i64,
+    real_rows: i64,
+}
+
+impl ZeroPaddedStorage {
+    /// For a buffer of `storage` size (row-major) holding a value of size `own` in its corner.
+    fn of(buf: BufferId, storage: &[i64], own: &[i64]) -> Option<ZeroPaddedStorage> {
+        let r = storage.len();
+        if r < 2 || own.len() != r || storage[..r - 2] != own[..r - 2] {
+            return None;
+        }
+        let lead: i64 = storage[..r - 2].iter().product();
+        let rows = lead * storage[r - 2];
+        let real_rows = if lead == 1 { own[r - 2] } else if own[r - 2] == storage[r - 2] { rows } else { return None };
+        Some(ZeroPaddedStorage { buf, row_stride: storage[r - 1], cols: own[r - 1], rows, real_rows })
+    }
+
+    /// The 2-D view (strides `st` from offset `off`, of size `own`) padded to `size`, when every
+    /// element it adds is one of the zeros.
+    fn view(&self, st: &[i64], off: i64, own: &[i64], size: &[i64]) -> Option<ExternArg> {
+        if st.len() != 2 || off != 0 {
+            return None;
+        }
+        // which dim walks the columns (unit stride) and which the rows
+        let (c, r) = if st[1] == 1 { (1, 0) } else if st[0] == 1 { (0, 1) } else { return None };
+        let cols_ok = own[c] == self.cols && size[c] <= self.row_stride;
+        let rows_ok = st[r] == self.row_stride && size[r] <= self.rows && (size[r] == own[r] || own[r] == self.real_rows);
+        (cols_ok && rows_ok).then(|| ExternArg::View { buf: self.buf, size: size.to_vec(), stride: st.to_vec(), offset: 0 })
     }
 }

@@ -182,6 +182,9 @@ pub struct Ctx<'g> {
     /// 4-D buffers are laid out channels-last (see `layout`).
     pub channels_last: bool,
     pub pad_mm: PadMm,
+    /// Zero-padded GEMM operands made so far (see `matmul::zero_padded`).
+    padded: Vec<matmul::PaddedOperand>,
+    zero_padded_storage: Vec<matmul::ZeroPaddedStorage>,
     pub decisions: Vec<(&'static str, String)>,
 }
 
@@ -200,6 +203,8 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         current: NodeId(0),
         channels_last,
         pad_mm: options.pad_mm,
+        padded: Vec::new(),
+        zero_padded_storage: Vec::new(),
         decisions: layout_decision.into_iter().map(|d| ("layout", d)).collect(),
     };
     cx.prog.input_names = graph.inputs.iter().map(|i| graph.node(*i).name.clone()).collect();
@@ -545,6 +550,9 @@ impl<'g> Ctx<'g> {
         }
         // the running estimate counts a buffer once per path to it; the body counts it once
         if ops > MAX_INLINE_OPS || (users > 1 && over(reads, ops) && over_measured(tv, &over)) {
+            if let Some(t) = self.realize_row_padded(id, tv) {
+                return Lowered::Tensor(t);
+            }
             return Lowered::Tensor(self.realize(tv));
         }
         l
