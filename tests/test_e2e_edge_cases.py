@@ -1,4 +1,5 @@
-"""Regressions from the code review of the first end-to-end version."""
+"""Edge cases across stages: size-1 and split reductions, extern inputs that are also outputs,
+half-type scalars and intermediates, empty intermediates, huge slice steps, flipped views."""
 
 import pytest
 import torch
