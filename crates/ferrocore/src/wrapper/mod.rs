@@ -200,9 +200,25 @@ fn view_py(p: &LoopProgram, buf: BufferId, size: &[i64], stride: &[i64], offset:
 fn extern_arg_py(p: &LoopProgram, a: &ExternArg) -> String {
     match a {
         ExternArg::Buffer(b) => p.buffer(*b).name.clone(),
+        // a view the buffer already is: the tensor itself (no as_strided call per launch)
+        ExternArg::View { buf, size, stride, offset } if *offset == 0 && p.buffer(*buf).layout.size == *size && p.buffer(*buf).layout.stride == *stride => {
+            p.buffer(*buf).name.clone()
+        }
         ExternArg::View { buf, size, stride, offset } => view_py(p, *buf, size, stride, *offset),
         ExternArg::Literal(s) => s.clone(),
         ExternArg::List(items) => format!("[{}]", items.iter().map(|i| extern_arg_py(p, i)).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// The Python callable a library call is rendered as: torch's own binding where it takes the
+/// overload's arguments unchanged (half the host time of `torch.ops.aten.*` dispatch per call).
+fn callee_py(callee: &str) -> &str {
+    match callee {
+        "torch.ops.aten.mm.default" => "torch.mm",
+        "torch.ops.aten.bmm.default" => "torch.bmm",
+        "torch.ops.aten.addmm.default" => "torch.addmm",
+        "torch.ops.aten.convolution.default" => "torch.convolution",
+        other => other,
     }
 }
 
@@ -375,7 +391,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                     Some(r) => format!("  # fallback: {r}"),
                     None => String::new(),
                 };
-                let call = format!("{}({})", x.callee, args.join(", "));
+                let call = format!("{}({})", callee_py(&x.callee), args.join(", "));
                 // extern results read by kernels or returned must have the layout compiled against
                 let restride = |b: &BufferId, value: &str| -> String {
                     let l = &p.buffer(*b).layout;
