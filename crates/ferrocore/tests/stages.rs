@@ -194,10 +194,8 @@ fn wrapper_embeds_the_exact_kernel_source() {
         .call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32"))
         .output(&["e"]);
     let g = parse_graph(&doc).unwrap();
-    let s = schedule(lower_graph(&g).unwrap().program).unwrap();
-    let k = CppBackend.render(&s).unwrap();
-    let plan = ferrocore::wrapper::plan_host(&s, &k);
-    let module = ferrocore::wrapper::render_module(&s, &k, &plan, "g");
+    let k = CppBackend.render(&schedule(lower_graph(&g).unwrap().program).unwrap()).unwrap();
+    let (_, module) = wrapper_module(&doc);
     assert!(module.contains(&format!("KERNEL_SOURCE = r'''{}'''", k.source)));
 }
 
@@ -410,14 +408,18 @@ fn long_variances_take_one_pass_for_the_gpu() {
     assert!(schedule(lower_graph(&g).unwrap().program).unwrap().decisions.iter().all(|d| !d.starts_with("welford:")));
 }
 
-/// The wrapper module of a graph (C++ kernels).
-fn wrapper_module(doc: &str) -> (ferrocore::scheduler::Schedule, String) {
+/// The schedule and wrapper module of a graph (C++ kernels) lowered with `opts`.
+fn wrapper_module_with(doc: &str, opts: &ferrocore::lowering::LowerOptions) -> (ferrocore::scheduler::Schedule, String) {
     let g = parse_graph(doc).unwrap();
-    let s = schedule(lower_graph(&g).unwrap().program).unwrap();
+    let s = schedule(ferrocore::lowering::lower_graph_with(&g, opts).unwrap().program).unwrap();
     let k = CppBackend.render(&s).unwrap();
     let plan = ferrocore::wrapper::plan_host(&s, &k);
     let module = ferrocore::wrapper::render_module(&s, &k, &plan, "g");
     (s, module)
+}
+
+fn wrapper_module(doc: &str) -> (ferrocore::scheduler::Schedule, String) {
+    wrapper_module_with(doc, &Default::default())
 }
 
 #[test]
@@ -489,13 +491,8 @@ fn a_gathered_and_returned_value_is_one_buffer() {
 
 /// The wrapper module of a graph lowered with every unaligned 16-bit GEMM padded.
 fn padded_module(doc: &str) -> String {
-    use ferrocore::lowering::{lower_graph_with, LowerOptions, PadMm};
-    let g = parse_graph(doc).unwrap();
-    let opts = LowerOptions { pad_mm: PadMm::Always, ..Default::default() };
-    let s = schedule(lower_graph_with(&g, &opts).unwrap().program).unwrap();
-    let k = CppBackend.render(&s).unwrap();
-    let plan = ferrocore::wrapper::plan_host(&s, &k);
-    ferrocore::wrapper::render_module(&s, &k, &plan, "g")
+    use ferrocore::lowering::{LowerOptions, PadMm};
+    wrapper_module_with(doc, &LowerOptions { pad_mm: PadMm::Always, ..Default::default() }).1
 }
 
 #[test]
