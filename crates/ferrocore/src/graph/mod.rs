@@ -137,6 +137,23 @@ impl Graph {
     pub fn ids(&self) -> impl Iterator<Item = NodeId> {
         (0..self.nodes.len() as u32).map(NodeId)
     }
+    /// The calls that take each node as an argument (once per call).
+    pub fn users(&self) -> Vec<Vec<NodeId>> {
+        let mut users: Vec<Vec<NodeId>> = vec![Vec::new(); self.nodes.len()];
+        fn visit(a: &Arg, user: NodeId, users: &mut [Vec<NodeId>]) {
+            match a {
+                Arg::Node(n) if users[n.0 as usize].last() != Some(&user) => users[n.0 as usize].push(user),
+                Arg::List(items) => items.iter().for_each(|i| visit(i, user, users)),
+                _ => {}
+            }
+        }
+        for id in self.ids() {
+            if let NodeKind::Call { args, kwargs, .. } = &self.node(id).kind {
+                args.iter().chain(kwargs.iter().map(|(_, a)| a)).for_each(|a| visit(a, id, &mut users));
+            }
+        }
+        users
+    }
     /// Number of uses of each node by other nodes and by the outputs.
     pub fn use_counts(&self) -> Vec<usize> {
         let mut counts = vec![0; self.nodes.len()];

@@ -142,10 +142,7 @@ impl Ctx<'_> {
             // a transpose lowered before its source was realized: read that buffer instead
             let graph = self.graph;
             let NodeKind::Call { target, .. } = &graph.node(n).kind else { return malformed("a view without a call") };
-            let saved = self.current;
-            self.current = n;
-            let again = self.lower_node(n, target);
-            self.current = saved;
+            let again = self.as_node(n, |cx| cx.lower_node(n, target));
             if let Ok(Lowered::Tensor(t)) = again {
                 self.values[n.0 as usize] = Some(Lowered::Tensor(t.clone()));
                 tv = t;
@@ -157,7 +154,7 @@ impl Ctx<'_> {
             }
         }
         if matches!(tv.src, Src::Lazy { .. }) && tv.size.len() == size.len() {
-            return self.realize_padded(n, &tv, size);
+            return Ok(ExternArg::Buffer(self.realize_in_padded_storage(n, &tv, size)?));
         }
         self.padded_copy(n, size)
     }
@@ -173,22 +170,10 @@ impl Ctx<'_> {
         }
         let mut storage = tv.size.clone();
         storage[r - 1] = round_up(cols);
-        let layout = Layout::contiguous(&storage, tv.dtype, tv.device.clone());
-        let own = Layout { size: tv.size.clone(), ..layout.clone() };
-        let buf = self.realize_into(tv, own.clone()).strided()?.0;
-        self.prog.buffers[buf.0 as usize].layout = layout.clone();
-        let mut ranges = storage.clone();
-        ranges[r - 1] = storage[r - 1] - cols;
-        let mut body = LoopBody::default();
-        let mut idx: Vec<IndexExpr> = (0..r).map(|e| IndexExpr::var(Var(e as u32))).collect();
-        idx[r - 1] = idx[r - 1].add(&IndexExpr::constant(cols));
-        let zero = body.constant(Scalar::Int(0), tv.dtype);
-        body.set_store(layout.index_of(&idx), zero);
-        self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
-        self.zero_padded_storage.extend(ZeroPaddedStorage::of(buf, &storage, &tv.size));
+        self.realize_in_padded_storage(id, tv, &storage).ok()?;
         let node = &self.graph.node(id).name;
         self.decisions.push(("padding", format!("pad: {node} {:?} is stored with rows of {} for the GEMMs that read it", tv.size, storage[r - 1])));
-        Some(view_of_layout(buf, &own))
+        self.tensor_of(id).ok()
     }
 
     /// Whether a GEMM that the padding pass pads reads node `id`, directly or through views.
@@ -196,12 +181,9 @@ impl Ctx<'_> {
         if depth > 4 {
             return false;
         }
-        self.graph.ids().any(|u| {
+        self.users[id.0 as usize].iter().any(|&u| {
             let node = self.graph.node(u);
-            let NodeKind::Call { target: Target::Aten(op), args, .. } = &node.kind else { return false };
-            if !args.iter().any(|a| matches!(a, Arg::Node(x) if *x == id)) {
-                return false;
-            }
+            let NodeKind::Call { target: Target::Aten(op), .. } = &node.kind else { return false };
             match op {
                 AtenOp::Mm | AtenOp::Bmm | AtenOp::Addmm => match self.pad_mm {
                     PadMm::Never => false,
@@ -247,32 +229,32 @@ impl Ctx<'_> {
         })
     }
 
-    /// `tv` (lazy) computed into a zero-padded buffer of `size`; node `n` now reads its corner.
-    fn realize_padded(&mut self, n: NodeId, tv: &TensorValue, size: &[i64]) -> LResult<ExternArg> {
-        let layout = Layout::contiguous(size, tv.dtype, tv.device.clone());
+    /// `tv` computed into the corner of a zero-filled buffer of `storage` size (each dim at least
+    /// its own); node `n` now reads that corner, and padded GEMMs read the buffer as it is.
+    fn realize_in_padded_storage(&mut self, n: NodeId, tv: &TensorValue, storage: &[i64]) -> LResult<BufferId> {
+        let layout = Layout::contiguous(storage, tv.dtype, tv.device.clone());
         let own = tv.size.clone();
         let corner = Layout { size: own.clone(), ..layout.clone() };
-        let saved = self.current;
-        self.current = n;
-        let buf = self.realize_into(tv, corner.clone()).strided().map(|(b, _, _)| b).ok_or((LowerErrorKind::Malformed, "padded realize".to_string()))?;
+        let buf = self.as_node(n, |cx| {
+            let (buf, _, _) = cx.realize_into(tv, corner.clone()).strided()?;
+            // the padding: for each padded dim d, the elements whose first out-of-range dim is d
+            for d in (0..storage.len()).filter(|&d| storage[d] > own[d]) {
+                let ranges: Vec<i64> = (0..storage.len()).map(|e| if e < d { own[e] } else if e == d { storage[d] - own[d] } else { storage[e] }).collect();
+                let mut body = LoopBody::default();
+                let mut idx: Vec<IndexExpr> = (0..storage.len()).map(|e| IndexExpr::var(Var(e as u32))).collect();
+                idx[d] = idx[d].add(&IndexExpr::constant(own[d]));
+                let zero = body.constant(Scalar::Int(0), tv.dtype);
+                body.set_store(layout.index_of(&idx), zero);
+                cx.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![cx.node_name()] });
+            }
+            Some(buf)
+        });
+        let buf = buf.ok_or((LowerErrorKind::Malformed, "a padded realization produced no buffer".to_string()))?;
         // the storage holds the padding too (the corner's layout would end short of the last row's)
-        self.prog.buffers[buf.0 as usize].layout = layout.clone();
-        // the padding: for each padded dim d, the elements whose first out-of-range dim is d
-        for d in (0..size.len()).filter(|&d| size[d] > own[d]) {
-            let ranges: Vec<i64> = (0..size.len()).map(|e| if e < d { own[e] } else if e == d { size[d] - own[d] } else { size[e] }).collect();
-            let mut body = LoopBody::default();
-            let mut idx: Vec<IndexExpr> = (0..size.len()).map(|e| IndexExpr::var(Var(e as u32))).collect();
-            idx[d] = idx[d].add(&IndexExpr::constant(own[d]));
-            let zero = body.constant(Scalar::Int(0), tv.dtype);
-            body.set_store(layout.index_of(&idx), zero);
-            self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
-        }
-        self.current = saved;
+        self.prog.buffers[buf.0 as usize].layout = layout;
         self.values[n.0 as usize] = Some(Lowered::Tensor(view_of_layout(buf, &corner)));
-        if let Some(z) = ZeroPaddedStorage::of(buf, size, &own) {
-            self.zero_padded_storage.push(z);
-        }
-        Ok(ExternArg::Buffer(buf))
+        self.zero_padded_storage.extend(ZeroPaddedStorage::of(buf, storage, &own));
+        Ok(buf)
     }
 
     /// A zero-padded copy of node `n`'s value in memory, in the orientation its view has (a

@@ -176,6 +176,8 @@ pub struct Ctx<'g> {
     pub prog: LoopProgram,
     values: Vec<Option<Lowered>>,
     uses: Vec<usize>,
+    /// The calls reading each node (the padding pass looks through views to GEMMs).
+    users: Vec<Vec<NodeId>>,
     pub fallbacks: Vec<Fallback>,
     /// The node being lowered (for origins and messages).
     pub current: NodeId,
@@ -199,6 +201,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         prog: LoopProgram::default(),
         values: vec![None; graph.nodes.len()],
         uses: graph.use_counts(),
+        users: graph.users(),
         fallbacks: Vec::new(),
         current: NodeId(0),
         channels_last,
@@ -523,14 +526,20 @@ impl<'g> Ctx<'g> {
     /// `tv` written into a fresh buffer of `layout` on behalf of node `n` (its name in the kernel
     /// origins), as a library-call argument.
     pub fn realize_arg(&mut self, n: NodeId, tv: &TensorValue, layout: Layout) -> LResult<(TensorValue, ExternArg)> {
-        let saved = self.current;
-        self.current = n;
-        let r = self.realize_into(tv, layout);
-        self.current = saved;
+        let r = self.as_node(n, |cx| cx.realize_into(tv, layout));
         match r.src {
             Src::View { buf, .. } => Ok((r, ExternArg::Buffer(buf))),
             Src::Lazy { .. } => malformed("realize produced no buffer"),
         }
+    }
+
+    /// Runs `f` as the lowering of node `n` (the origin its loop nodes are named after).
+    pub fn as_node<T>(&mut self, n: NodeId, f: impl FnOnce(&mut Self) -> T) -> T {
+        let saved = self.current;
+        self.current = n;
+        let r = f(self);
+        self.current = saved;
+        r
     }
 
     pub fn push_node(&mut self, node: LoopNode) -> usize {
@@ -566,10 +575,7 @@ impl<'g> Ctx<'g> {
             return Ok(tv);
         }
         let layout = if exact { self.eager_layout(n, &tv) } else { self.preferred_layout(n, &tv) };
-        let saved = self.current;
-        self.current = n;
-        let r = self.realize_into(&tv, layout);
-        self.current = saved;
+        let r = self.as_node(n, |cx| cx.realize_into(&tv, layout));
         self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
         Ok(r)
     }
