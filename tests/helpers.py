@@ -367,3 +367,17 @@ def assert_mixed_bool(t: torch.Tensor) -> None:
     """A boolean result must contain both values, or the test could not catch a constant."""
     assert t.dtype == torch.bool
     assert bool(t.any()) and not bool(t.all()), "test bug: boolean result is all one value"
+
+
+def raises_index_error(call: Callable[[], Any]) -> bool:
+    """Whether `call()` with an out-of-range gather index raises IndexError: at once on the host;
+    on a GPU at a later call of the same graph (the check reads its flag without waiting), as
+    eager CUDA reports a device-side assert at a later synchronization."""
+    try:
+        out = call()
+        if isinstance(out, torch.Tensor) and out.is_cuda:
+            torch.cuda.synchronize()
+            call()
+    except IndexError:
+        return True
+    return False

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import ferrocore
-from helpers import check
+from helpers import check, raises_index_error
 
 
 def test_elu_and_leaky_relu():
@@ -65,11 +65,21 @@ def test_out_of_range_index_raises_instead_of_reading_out_of_bounds():
     bad = torch.tensor([1, 10])
     fn = torch.compile(lambda a, i: F.embedding(i, a) + 1, backend="ferrocore", dynamic=False)
     fn(w, torch.tensor([1, 2]))  # compiles with valid indices
-    try:
-        fn(w, bad)
-    except IndexError:
-        return
-    raise AssertionError("an out-of-range index must raise")
+    assert raises_index_error(lambda: fn(w, bad)), "an out-of-range index must raise"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_index_check_reports_at_a_later_call_without_waiting():
+    w = torch.randn(10, 6, device="cuda")
+    fn = torch.compile(lambda a, i: F.embedding(i, a) * 2, backend="ferrocore", dynamic=False)
+    good = torch.tensor([1, 9], device="cuda")
+    for _ in range(5):  # both host slots reused: nothing to report
+        torch.testing.assert_close(fn(w, good), F.embedding(good, w) * 2)
+    fn(w, torch.tensor([1, 10], device="cuda"))  # clamped; the flag is raised on the device
+    torch.cuda.synchronize()
+    for _ in range(2):  # sticky: every later call reports it
+        with pytest.raises(IndexError, match="index out of range"):
+            fn(w, good)
 
 
 def test_reflection_and_replication_pads():

@@ -14,9 +14,9 @@ its own memory pool. Two rules keep that from ever giving a wrong answer:
   caller can still read.
 
 A graph whose kernels check gather indices records its call with a flag of its own (the module's
-`INDEX_FLAG`): a plain call reads the flag on the host after its launches (a sync), a replay
-does not wait; the flag is read once the replay is done, at a later call, which then raises
-IndexError, as eager CUDA reports a device-side assert asynchronously. The flag is sticky.
+`INDEX_FLAG`); a replay does not wait for it: the flag is read once the replay is done, at a later
+call, which then raises IndexError, as eager CUDA reports a device-side assert asynchronously
+(plain calls do the same through `runtime.GpuIndexCheck`). The flag is sticky.
 
 Only inference graphs whose every input is a tensor on the graph's GPU are recorded; training
 graphs, CPU tensors, ATen fallbacks, library calls that synchronize with the host (the module's

@@ -126,6 +126,54 @@ def restride(t: torch.Tensor | None, size, stride, dtype) -> torch.Tensor | None
     return torch.empty_strided(size, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
+class GpuIndexCheck:
+    """The index-check flag of a GPU graph's plain calls, read on the host without waiting.
+
+    Kernels raise a sticky int32 flag on the device when a gather index is out of range (the
+    load itself is clamped inside the buffer). Reading it right after the launches would make
+    every call wait for the GPU; instead each call ends with an asynchronous copy of the flag
+    into one of two pinned host slots and an event, and a later call reads a slot whose event
+    has completed. So an out-of-range index raises IndexError at a later call of the graph, as
+    eager CUDA reports its device-side assert at a later synchronization. A slot is reused only
+    after its copy has been read, waiting for it if need be: the report is at most two calls late
+    and the host never runs more than two calls ahead of the check."""
+
+    __slots__ = ("device", "flag", "host", "events", "pending", "next")
+
+    def __init__(self, device: str):
+        self.device, self.flag = device, None
+
+    def begin(self) -> torch.Tensor:
+        """The device flag for this call's kernels; raises when an earlier call saw a bad index."""
+        if self.flag is None:
+            self.flag = torch.zeros((1,), dtype=torch.int32, device=self.device)
+            self.host = torch.zeros((2,), dtype=torch.int32, device="cpu", pin_memory=True)
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+            self.pending, self.next = [False, False], 0
+            return self.flag
+        for slot in (0, 1):
+            if self.pending[slot] and self.events[slot].query():
+                self._read(slot)
+        return self.flag
+
+    def end(self) -> None:
+        """Queues the copy of the flag after this call's launches (never waits for the GPU unless
+        both slots still hold unread copies)."""
+        slot = self.next
+        if self.pending[slot]:
+            self.events[slot].synchronize()
+            self._read(slot)
+        self.host[slot : slot + 1].copy_(self.flag, non_blocking=True)
+        self.events[slot].record()
+        self.pending[slot], self.next = True, 1 - slot
+
+    def _read(self, slot: int) -> None:
+        self.pending[slot] = False
+        if self.host[slot].item():
+            self.pending[slot] = True  # sticky: every later call reports it too
+            raise IndexError("index out of range in a gather of this graph (seen by an earlier call on the GPU)")
+
+
 # Triton signature types of buffer parameters -> the dtype a placeholder argument stands for.
 _TRITON_POINTEE = {
     "*i1": torch.bool, "*u8": torch.uint8, "*i8": torch.int8, "*i16": torch.int16,

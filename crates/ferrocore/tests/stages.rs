@@ -387,6 +387,41 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
 }
 
 #[test]
+fn small_pooling_windows_are_unrolled_pointwise() {
+    // 3x3 max pool with indices: one pointwise kernel, nine loads per output, no window loop
+    let args = format!(r#"{},{{"list":[{{"int":3}},{{"int":3}}]}},{{"list":[{{"int":2}},{{"int":2}}]}},{{"list":[{{"int":1}},{{"int":1}}]}}"#, n("x"));
+    let out = format!(r#"{{"tuple":[{},{}]}}"#, meta(&[2, 4, 8, 8], "float32"), meta(&[2, 4, 8, 8], "int64"));
+    let doc = G::new()
+        .input("x", &[2, 4, 16, 16], "float32")
+        .call("p", "aten.max_pool2d_with_indices.default", &args, &out)
+        .call("v", "getitem", &format!(r#"{},{{"int":0}}"#, n("p")), &meta(&[2, 4, 8, 8], "float32"))
+        .call("i", "getitem", &format!(r#"{},{{"int":1}}"#, n("p")), &meta(&[2, 4, 8, 8], "int64"))
+        .output(&["v", "i"]);
+    let (src, launches) = triton_kernels(&doc);
+    assert_eq!(launches.len(), 1, "{src}");
+    assert!(launches[0].name.starts_with("triton_poi_"), "{src}");
+    assert_eq!(src.matches("tl.load(").count(), 9, "{src}");
+}
+
+#[test]
+fn split_column_sums_read_along_the_columns() {
+    // a bias gradient's shape: 64 columns summed over 262144 rows; the first stage's outputs
+    // [S, 64] flatten into x0, whose loads are contiguous along x0 in runs of 64 columns
+    let doc = G::new()
+        .input("y", &[262144, 64], "bfloat16")
+        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("y")), &meta(&[64], "bfloat16"))
+        .output(&["s"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
+    assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("outer dim")), "{:?}", s.decisions);
+    let src = TritonBackend { cpu_tensors: true }.render(&s).unwrap().source;
+    let first = src.split("@triton.jit").find(|k| k.contains("range(0, ")).unwrap_or_else(|| panic!("no looped first stage:\n{src}"));
+    // column tiles of XBLOCK outputs by 128 rows, the rows looped: lanes read along the columns
+    assert!(first.contains("reduction over [1024] (looped)"), "{first}");
+    assert!(first.contains("tl.full([XBLOCK, 128]"), "{first}");
+}
+
+#[test]
 fn long_variances_take_one_pass_for_the_gpu() {
     // var over rows of 10000: two reduction loops over x become one (mean + Welford M2)
     let doc = G::new()

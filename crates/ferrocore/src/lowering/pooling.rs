@@ -158,9 +158,14 @@ impl Ctx<'_> {
         let dims: Vec<i64> = out.shape.clone();
         let in_size = x.size.clone();
         let xdt = x.dtype;
-        // reduce over the window dims, appended after the output dims
+        // small fixed windows are unrolled: a pointwise kernel over the outputs, one load per tap,
+        // so lanes run along the output (channels in a channels-last graph) instead of along
+        // a window of a few taps; larger, adaptive and fractional windows are reductions over
+        // the window dims, appended after the output dims
+        let taps: i64 = pool.kernel().iter().product();
+        let unroll = taps <= MAX_UNROLLED_TAPS && matches!(pool.kind, PoolKind::Max | PoolKind::Avg { .. });
         let build = |cx: &mut Self, what: Reduce| -> TensorValue {
-            let reduction_ranges = pool.kernel();
+            let reduction_ranges = if unroll { Vec::new() } else { pool.kernel() };
             let dtype = if what == Reduce::ArgMax { DType::I64 } else { acc };
             let layout = cx.fresh_layout(&dims, dtype, x.device.clone());
             // the output loops follow the layout (channels innermost in a channels-last graph)
@@ -175,44 +180,82 @@ impl Ctx<'_> {
                 for (i, &d) in order.iter().enumerate() {
                     out_idx[d] = IndexExpr::var(Var(i as u32));
                 }
-                let kvars: Vec<IndexExpr> = (0..pool.nd).map(|k| IndexExpr::var(Var((rank + k) as u32))).collect();
                 let mut base = IndexExpr::constant(xoff);
                 for d in 0..sp {
                     base = base.add(&out_idx[d].scale(xs[d]));
                 }
-                let (valid, positions) = pool.taps(&mut bx, &out_idx[..sp], &out_idx[sp..], &kvars);
-                let terms = positions.iter().enumerate().map(|(k, p)| (*p, xs[sp + k])).collect();
-                let v = bx.body.load_indirect(buf, base, terms, xdt);
-                let v = bx.body.cast(v, acc);
+                // one tap: (in-window, value in the accumulation type, flat index in the plane
+                // for an argmax)
+                let with_flat = what == Reduce::ArgMax;
+                let tap = |bx: &mut Bx, k: &[IndexExpr]| -> (ValueId, ValueId, ValueId) {
+                    let (valid, positions) = pool.taps(bx, &out_idx[..sp], &out_idx[sp..], k);
+                    let terms = positions.iter().enumerate().map(|(k, p)| (*p, xs[sp + k])).collect();
+                    let v = bx.body.load_indirect(buf, base.clone(), terms, xdt);
+                    let v = bx.body.cast(v, acc);
+                    // the index within the input plane (volume), row-major
+                    let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
+                    for (k, p) in positions.iter().enumerate().filter(|_| with_flat) {
+                        let inner: i64 = in_size[sp + k + 1..].iter().product();
+                        let c = bx.body.constant(Scalar::Int(inner), DType::I64);
+                        let t = bx.body.binary(BinaryOp::Mul, *p, c);
+                        flat = bx.body.binary(BinaryOp::Add, flat, t);
+                    }
+                    (valid, v, flat)
+                };
                 let lowest = if acc.is_float() { Scalar::Float(f64::NEG_INFINITY) } else { Scalar::Int(acc.int_range().0) };
-                let result = match what {
-                    Reduce::ArgMax => {
-                        let low = bx.body.constant(lowest, acc);
-                        let m = bx.body.where_(valid, v, low);
-                        // the index within the input plane (volume), row-major
-                        let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
-                        for (k, p) in positions.iter().enumerate() {
-                            let inner: i64 = in_size[sp + k + 1..].iter().product();
-                            let c = bx.body.constant(Scalar::Int(inner), DType::I64);
-                            let t = bx.body.binary(BinaryOp::Mul, *p, c);
-                            flat = bx.body.binary(BinaryOp::Add, flat, t);
+                let result = if unroll {
+                    let offsets = window_offsets(&pool.kernel());
+                    match what {
+                        Reduce::Max | Reduce::ArgMax => {
+                            // ATen's scan: a tap replaces the best when greater or NaN
+                            let mut best = bx.body.constant(lowest, acc);
+                            let mut arg = bx.body.constant(Scalar::Int(0), DType::I64);
+                            for k in &offsets {
+                                let (valid, v, flat) = tap(&mut bx, k);
+                                let mut better = bx.body.binary(BinaryOp::Gt, v, best);
+                                if acc.is_float() {
+                                    let nan = bx.body.unary(UnaryOp::IsNan, v);
+                                    better = bx.body.binary(BinaryOp::LogicalOr, better, nan);
+                                }
+                                let take = bx.body.binary(BinaryOp::LogicalAnd, valid, better);
+                                best = bx.body.where_(take, v, best);
+                                if what == Reduce::ArgMax {
+                                    arg = bx.body.where_(take, flat, arg);
+                                }
+                            }
+                            if what == Reduce::ArgMax { arg } else { best }
                         }
-                        bx.body.arg_reduce(ReduceOp::ArgMax, m, flat)
+                        Reduce::Mean => {
+                            let z = bx.body.constant(Scalar::Int(0), acc);
+                            let mut sum = z;
+                            for k in &offsets {
+                                let (valid, v, _) = tap(&mut bx, k);
+                                let m = bx.body.where_(valid, v, z);
+                                sum = bx.body.binary(BinaryOp::Add, sum, m);
+                            }
+                            mean_of(&mut bx, &pool, &out_idx[sp..], sum, acc)
+                        }
                     }
-                    Reduce::Max => {
-                        let low = bx.body.constant(lowest, acc);
-                        let m = bx.body.where_(valid, v, low);
-                        bx.body.reduce(ReduceOp::Max, m)
-                    }
-                    Reduce::Mean => {
-                        let z = bx.body.constant(Scalar::Int(0), acc);
-                        let m = bx.body.where_(valid, v, z);
-                        let s = bx.body.reduce(ReduceOp::Sum, m);
-                        let count = divisor(&mut bx, pool.kind, &pool.wins, &out_idx[sp..]);
-                        let c = bx.body.cast(count, acc);
-                        // ATen divides integer sums with C++ integer division
-                        let div = if acc.is_float() { BinaryOp::TrueDiv } else { BinaryOp::TruncDiv };
-                        bx.body.binary(div, s, c)
+                } else {
+                    let kvars: Vec<IndexExpr> = (0..pool.nd).map(|k| IndexExpr::var(Var((rank + k) as u32))).collect();
+                    let (valid, v, flat) = tap(&mut bx, &kvars);
+                    match what {
+                        Reduce::ArgMax => {
+                            let low = bx.body.constant(lowest, acc);
+                            let m = bx.body.where_(valid, v, low);
+                            bx.body.arg_reduce(ReduceOp::ArgMax, m, flat)
+                        }
+                        Reduce::Max => {
+                            let low = bx.body.constant(lowest, acc);
+                            let m = bx.body.where_(valid, v, low);
+                            bx.body.reduce(ReduceOp::Max, m)
+                        }
+                        Reduce::Mean => {
+                            let z = bx.body.constant(Scalar::Int(0), acc);
+                            let m = bx.body.where_(valid, v, z);
+                            let s = bx.body.reduce(ReduceOp::Sum, m);
+                            mean_of(&mut bx, &pool, &out_idx[sp..], s, acc)
+                        }
                     }
                 };
                 let r = bx.body.cast(result, dtype);
@@ -290,6 +333,27 @@ enum Reduce {
     Mean,
     Max,
     ArgMax,
+}
+
+/// Windows of at most this many taps are unrolled into pointwise code (3x3 and 5x5 pools).
+const MAX_UNROLLED_TAPS: i64 = 25;
+
+/// Every offset of a window of `kernel` taps per dim, row-major.
+fn window_offsets(kernel: &[i64]) -> Vec<Vec<IndexExpr>> {
+    let mut out = vec![Vec::new()];
+    for &k in kernel {
+        out = out.into_iter().flat_map(|o: Vec<IndexExpr>| (0..k).map(move |i| [o.clone(), vec![IndexExpr::constant(i)]].concat())).collect();
+    }
+    out
+}
+
+/// A window sum divided as ATen's avg_pool / adaptive_avg_pool divide it.
+fn mean_of(bx: &mut Bx, pool: &Pool, out_spatial: &[IndexExpr], sum: ValueId, acc: DType) -> ValueId {
+    let count = divisor(bx, pool.kind, &pool.wins, out_spatial);
+    let c = bx.body.cast(count, acc);
+    // ATen divides integer sums with C++ integer division
+    let div = if acc.is_float() { BinaryOp::TrueDiv } else { BinaryOp::TruncDiv };
+    bx.body.binary(div, sum, c)
 }
 
 /// The longest adaptive window: max over outputs of ceil((o+1)·in/out) − floor(o·in/out).

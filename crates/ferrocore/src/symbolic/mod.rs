@@ -104,6 +104,20 @@ impl IndexExpr {
         }
     }
 
+    /// The value at the point where variable `v` is `values[v]` (0 past the end).
+    pub fn eval(&self, values: &[i64]) -> i128 {
+        let mut out = self.constant as i128;
+        for (a, c) in &self.terms {
+            let x = match a {
+                Atom::Var(v) => values.get(v.0 as usize).copied().unwrap_or(0) as i128,
+                Atom::FloorDiv(e, d) => e.eval(values).div_euclid(*d as i128),
+                Atom::Mod(e, d) => e.eval(values).rem_euclid(*d as i128),
+            };
+            out += *c as i128 * x;
+        }
+        out
+    }
+
     /// Inclusive bounds of the expression given variable ranges.
     pub fn bounds(&self, ranges: &VarRanges) -> (i128, i128) {
         let mut lo = self.constant as i128;

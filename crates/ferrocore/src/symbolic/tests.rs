@@ -103,3 +103,14 @@ fn nested_div_mod_split_folds_back_to_the_flat_index() {
     let e = k.floordiv(32768, &r).scale(32768).add(&k.floordiv(256, &r).modulo(128, &r).scale(256)).add(&k.modulo(256, &r));
     assert_eq!(e.to_string(), "v0");
 }
+
+#[test]
+fn eval_floors_and_wraps_like_the_generated_code() {
+    // a split reduction's flattened outer index: 16384*(x // 64) + x % 64, then a negative offset
+    let r = [4096];
+    let e = v(0).floordiv(64, &r).scale(16384).add(&v(0).modulo(64, &r)).add_const(-3);
+    assert_eq!(e.eval(&[0]), -3);
+    assert_eq!(e.eval(&[63]), 60);
+    assert_eq!(e.eval(&[64]), 16381);
+    assert_eq!(IndexExpr::constant(7).eval(&[]), 7);
+}

@@ -246,7 +246,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         }
         KernelLanguage::Triton => {
             // the kernels are defined here: Triton compiles them at their first launch
-            m.push_str("import torch\nfrom ferrocore.runtime import TritonLaunch, empty_strided_cuda, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, restride\n\n");
             if !kernels.launches.is_empty() {
                 m.push_str(&kernels.source);
             }
@@ -294,16 +294,20 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     if !hazards.is_empty() {
         let _ = writeln!(m, "\nCUDAGRAPH_UNSAFE = {}", py_str(&hazards.join("; ")));
     }
-    // Triton kernels raise a shared int32 flag on an out-of-range gather index; read once, after
-    // every launch (a sync). A CUDA graph records the call with a flag of its own instead and
-    // reads it without waiting (`index_flag`: no read here).
+    // Triton kernels raise a shared int32 flag on an out-of-range gather index. On the host
+    // (the interpreter) it is read after the launches; on a GPU, by a later call without waiting
+    // (`GpuIndexCheck`). A CUDA graph records the call with a flag of its own (`index_flag`).
     let flag_device = kernels
         .launches
         .iter()
         .filter(|l| l.checks_indices && matches!(l.shape, LaunchShape::Grid { .. }))
         .find_map(|l| l.args.first().map(|b| p.buffer(*b).layout.device));
-    if flag_device.is_some() {
+    let gpu_flag = matches!(flag_device, Some(crate::graph::Device::Cuda(_)));
+    if let Some(d) = flag_device {
         m.push_str("\n# call(args, index_flag) leaves reading the index-check flag to the caller\nINDEX_FLAG = True\n");
+        if gpu_flag {
+            let _ = writeln!(m, "_INDEX_CHECK = GpuIndexCheck('{d}')");
+        }
     }
     // Triton launches on the current device: run CUDA graphs under their device
     let cuda = p.buffers.iter().find_map(|b| match b.layout.device {
@@ -334,8 +338,12 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         // the list would keep every input alive until the call returns
         m.push_str("    args.clear()\n");
     }
-    if let Some(d) = flag_device {
-        let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}') if index_flag is None else index_flag");
+    match flag_device {
+        Some(_) if gpu_flag => m.push_str("    _index_error = _INDEX_CHECK.begin() if index_flag is None else index_flag\n"),
+        Some(d) => {
+            let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}') if index_flag is None else index_flag");
+        }
+        None => {}
     }
     for step in &plan.steps {
         match step {
@@ -426,7 +434,9 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             OutputValue::None => "None".into(),
         })
         .collect();
-    if flag_device.is_some() {
+    if gpu_flag {
+        m.push_str("    if index_flag is None:\n        _INDEX_CHECK.end()\n");
+    } else if flag_device.is_some() {
         m.push_str("    if index_flag is None and _index_error.item():\n        raise IndexError('index out of range in a gather of this graph')\n");
     }
     let _ = writeln!(m, "    return ({}{})", outs.join(", "), if outs.len() == 1 { "," } else { "" });

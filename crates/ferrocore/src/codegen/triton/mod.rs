@@ -15,7 +15,7 @@ use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, Kerne
 use crate::graph::{DType, Device};
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
-use crate::symbolic::Var;
+use crate::symbolic::{IndexExpr, Var};
 use expr::{cast_expr, compute_type, fits_i32, reduction_init, signature_type, store_conv, BodyEmitter, Section};
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -199,8 +199,23 @@ fn group_shape(inner: &[i64], x_contiguous: bool) -> GroupShape {
     }
 }
 
-/// Whether the kernel's loads that vary over inner loops are contiguous along `x0` (stride 1)
-/// and none along its innermost inner variable.
+/// How many consecutive values of `x0` from 0 (inner variables at 0) step `index` by exactly one
+/// element, up to `cap`. A flattened outer index (a split reduction's `[S, C]` outputs read at
+/// `16384*(x0 // 64) + x0 % 64`) is contiguous along `x0` in runs this long, though not affine.
+fn unit_run(index: &IndexExpr, cap: i64) -> i64 {
+    let mut prev = index.eval(&[0]);
+    for x in 1..cap {
+        let v = index.eval(&[x]);
+        if v - prev != 1 {
+            return x;
+        }
+        prev = v;
+    }
+    cap
+}
+
+/// Whether the kernel's loads that vary over inner loops are contiguous along `x0` (stride 1,
+/// or in runs of at least a minimal column tile) and none along its innermost inner variable.
 fn x_contiguous(k: &FusedKernel) -> bool {
     let mut along_x = false;
     if k.plan.nodes.iter().any(|kn| kn.body.exprs.iter().any(|e| matches!(e, Expr::Scan(..)))) {
@@ -218,7 +233,8 @@ fn x_contiguous(k: &FusedKernel) -> bool {
                 if index.affine_coeff(innermost) == Some(1) {
                     return false;
                 }
-                along_x |= index.affine_coeff(Var(0)) == Some(1);
+                along_x |= index.affine_coeff(Var(0)) == Some(1)
+                    || unit_run(index, k.plan.outer.min(64)) >= MIN_X_CONTIGUOUS_XBLOCK;
             }
         }
     }
