@@ -199,6 +199,64 @@ def test_training_batch_norm_updates_running_stats():
     check(lambda t, m, v: F.batch_norm(t, m, v, w, b, training=False), x, mean, var)
 
 
+def _writes_like_eager(fn, *inputs):
+    """Runs `fn` compiled and eagerly on copies of `inputs`; the results and what it wrote into
+    its inputs must agree, with every write compiled (no ATen copy_)."""
+    torch._dynamo.reset()
+    mine = [x.clone() for x in inputs]  # (clone keeps a transposed input's strides)
+    theirs = [x.clone() for x in mine]
+    got = torch.compile(fn, backend="ferrocore")(*mine)
+    want = fn(*theirs)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b)
+    last = ferrocore.metrics.last
+    assert last["fallbacks"] == 0 and not any("copy_" in op for op in last["extern_ops"]), last
+
+
+def test_writes_into_inputs_are_compiled_and_ordered_after_their_readers():
+    def bump_and_cross_read(a, b):
+        a.add_(b.flip(0))  # reads b before b is written
+        b.mul_(2)
+        return a * 3, b + a
+
+    def swap(a, b):
+        t = a.clone()
+        a.copy_(b)
+        b.copy_(t.flip(1))
+        return a.sum()
+
+    def old_value_returned(x):
+        y = x * 2  # an output lowered after the write is lowered
+        x.add_(1)
+        return y
+
+    def converting_broadcast(x, v):
+        x.copy_(v)
+        return x.sum()
+
+    _writes_like_eager(bump_and_cross_read, torch.randn(5, 4), torch.randn(5, 4))
+    _writes_like_eager(swap, torch.randn(5, 4), torch.randn(5, 4))
+    _writes_like_eager(old_value_returned, torch.randn(6))
+    _writes_like_eager(converting_broadcast, torch.randn(6, 4).t(), torch.randn(4, 1, dtype=torch.float64))
+
+
+def test_training_batch_norm_updates_buffers_in_the_graph():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    ref = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    ref.load_state_dict(m.state_dict())
+    torch._dynamo.reset()
+    f = torch.compile(m, backend="ferrocore")
+    x = torch.randn(4, 3, 16, 16)
+    for _ in range(3):
+        f(x).sum().backward()
+        ref(x).sum().backward()
+    for (k, a), (_, b) in zip(m.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=k)
+    assert int(m[1].num_batches_tracked) == 3
+
+
 def test_pooling_3d_adaptive_max_and_integers():
     v = torch.randn(2, 3, 7, 6, 5)
     check(lambda t: (F.avg_pool3d(t, 3, 2, 1), F.avg_pool3d(t, (2, 3, 2), ceil_mode=True, count_include_pad=False)), v)

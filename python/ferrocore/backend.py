@@ -60,6 +60,9 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         return _compile(graph, state.take(), overrides, training=True)
 
     compiled = aot_autograd(
+        # writes into inputs (batch-norm running statistics) stay in the graph as `copy_`,
+        # which ferrocore lowers to stores into the input's memory (`lowering/mutation.rs`)
+        keep_inference_input_mutations=True,
         fw_compiler=forward,
         inference_compiler=inference,
         bw_compiler=backward,
@@ -352,10 +355,12 @@ def _host_scalars(gm: torch.fx.GraphModule) -> tuple:
     if device is None:
         return None, []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # an input the graph writes into stays where it is (a copy on the GPU would take the write)
+    written = {n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
     host = [
         i for i, n in enumerate(placeholders)
         if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].device.type == "cpu"
-        and n.meta["val"].dim() == 0
+        and n.meta["val"].dim() == 0 and n not in written
     ]
     return device, host
 

@@ -187,6 +187,65 @@ fn horizontal_fusion_shares_one_pass_over_the_input() {
 }
 
 #[test]
+fn small_results_lowered_last_join_the_kernel_that_computes_what_they_read() {
+    // a batch norm's running-mean update is a graph output, lowered after everything else; here
+    // 40 kernels of other work come between it and the mean it reads (past the fusion window)
+    let mut g = G::new().input("x", &[64, 256], "float32");
+    for i in 0..40 {
+        g = g.input(&format!("y{i}"), &[512, 512], "float32");
+    }
+    g = g.call("m", "aten.mean.dim", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[256], "float32"));
+    let mut outs = vec!["m".to_string()];
+    for i in 0..40 {
+        g = g.call(&format!("z{i}"), "aten.neg.default", &n(&format!("y{i}")), &meta(&[512, 512], "float32"));
+        outs.push(format!("z{i}"));
+    }
+    g = g.call("u", "aten.mul.Tensor", &format!(r#"{},{{"float":0.1}}"#, n("m")), &meta(&[256], "float32"));
+    outs.push("u".into());
+    let doc = g.output(&outs.iter().map(|s| s.as_str()).collect::<Vec<_>>());
+    let (_, post, _, k) = stages(&doc);
+    assert_eq!(k, 41, "{post}");
+    // the mean's kernel: its reduction, then the update in a loop group of its own
+    assert!(post.starts_with("  kernel cpp_red_fused_m_u_0: outer=256\n    group 0: reduce [64]"), "{post}");
+}
+
+#[test]
+fn a_large_output_lowered_last_keeps_apart_from_a_large_temporary() {
+    // t = x - rowmax(x) feeds a GEMM (a large temporary); y = 2x is returned: fused with t, both
+    // would be live at once, so y gets a kernel of its own after the GEMM
+    let doc = G::new()
+        .input("x", &[512, 512], "float32")
+        .input("w", &[512, 512], "float32")
+        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}},{{"bool":true}}"#, n("x")), &meta(&[512, 1], "float32"))
+        .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[512, 512], "float32"))
+        .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[512, 512], "float32"))
+        .call("y", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[512, 512], "float32"))
+        .output(&["g", "y"]);
+    let (_, post, _, k) = stages(&doc);
+    assert_eq!(k, 2, "{post}");
+    let last = post.rsplit("  kernel ").next().unwrap();
+    assert_eq!(last.matches("buf").count(), 1, "y alone in the last kernel:\n{post}");
+}
+
+#[test]
+fn small_kernels_that_share_nothing_share_a_launch() {
+    // two counters bumped by one (a batch norm's num_batches_tracked): one kernel; two large
+    // independent results stay apart (nothing to gain but a launch, and the tiles may differ)
+    let doc = G::new()
+        .input("a", &[], "int64")
+        .input("b", &[], "int64")
+        .input("x", &[512, 512], "float32")
+        .input("y", &[512, 512], "float32")
+        .call("a1", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("a")), &meta(&[], "int64"))
+        .call("b1", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("b")), &meta(&[], "int64"))
+        .call("x1", "aten.neg.default", &n("x"), &meta(&[512, 512], "float32"))
+        .call("y1", "aten.neg.default", &n("y"), &meta(&[512, 512], "float32"))
+        .output(&["a1", "b1", "x1", "y1"]);
+    let (_, post, _, k) = stages(&doc);
+    assert_eq!(k, 3, "{post}");
+}
+
+#[test]
 fn wrapper_embeds_the_exact_kernel_source() {
     // the embedded string is the runtime cache key: one byte of difference recompiles
     let doc = G::new()

@@ -127,6 +127,7 @@ aten_ops! {
     ToCopy => "aten._to_copy.default", 1..=1;
     Clone => "aten.clone.default", 1..=1;
     Copy => "aten.copy.default", 2..=3;
+    CopyInto => "aten.copy_.default", 2..=3;
     LiftFreshCopy => "aten.lift_fresh_copy.default", 1..=1;
     // creation
     Full => "aten.full.default", 2..=2;

@@ -9,6 +9,7 @@ mod externs;
 mod indexing;
 mod layout;
 mod matmul;
+mod mutation;
 mod pooling;
 mod random;
 mod pointwise;
@@ -224,9 +225,19 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         cx.prog.inputs.push(buf);
         cx.values[id.0 as usize] = Some(Lowered::Tensor(view_of_layout(buf, &layout)));
     }
+    let mut mutations = Vec::new();
+    let mut uncompiled_mutations = Vec::new();
     for id in graph.ids() {
         let node = graph.node(id);
         let NodeKind::Call { target, .. } = &node.kind else { continue };
+        if matches!(target, Target::Aten(AtenOp::CopyInto)) {
+            match cx.defer_mutation(id) {
+                Ok(m) => mutations.push(m),
+                Err((LowerErrorKind::Unsupported, reason)) => uncompiled_mutations.push((id, reason)),
+                Err((kind, message)) => return Err(LowerError { node: node.name.clone(), target: target.name().to_string(), kind, message }),
+            }
+            continue;
+        }
         // dead code; a call without a result (an error check) is there for its effect
         if cx.uses[id.0 as usize] == 0 && !matches!(node.meta, Meta::None) {
             continue;
@@ -248,6 +259,11 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         cx.values[id.0 as usize] = Some(lowered);
     }
     cx.lower_outputs().map_err(|(kind, message)| LowerError { node: "output".into(), target: "output".into(), kind, message })?;
+    cx.lower_mutations(mutations);
+    for (id, reason) in uncompiled_mutations {
+        let node = graph.node(id);
+        cx.fallback(id, reason).map_err(|(kind, message)| LowerError { node: node.name.clone(), target: "aten.copy_.default".into(), kind, message })?;
+    }
     Ok(LoweringResult { program: cx.prog, fallbacks: cx.fallbacks, decisions: cx.decisions })
 }
 
@@ -359,6 +375,8 @@ impl<'g> Ctx<'g> {
             ViewAsReal => t(self.lower_view_as_real()?),
             Clamp | ClampTensor | ClampMin | ClampMax | Hardtanh => t(self.lower_clamp(op)?),
             ToCopy | Clone | Copy | LiftFreshCopy => t(self.lower_copy(op)?),
+            // input writes are lowered after the outputs (`mutation`)
+            CopyInto => return malformed("copy_ lowered out of order"),
             Full | FullLike | ScalarTensor | FillScalar | EmptyMemoryFormat | EmptyStrided | EmptyPermuted => t(self.lower_full(op)?),
             ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
             Linspace | LinspaceTensorTensor | LinspaceTensorScalar | LinspaceScalarTensor => t(self.lower_linspace(false)?),
@@ -496,21 +514,7 @@ impl<'g> Ctx<'g> {
     /// Writes a value into a fresh buffer with `layout` and returns a view of it.
     pub fn realize_into(&mut self, tv: &TensorValue, layout: Layout) -> TensorValue {
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
-        let mut body = LoopBody::default();
-        // the loops follow the layout, outermost stride first, so the store runs contiguous
-        let order = loop_order(&layout);
-        let ranges: Vec<i64> = order.iter().map(|&d| tv.size[d]).collect();
-        let mut vars = vec![IndexExpr::zero(); order.len()];
-        for (i, &d) in order.iter().enumerate() {
-            vars[d] = IndexExpr::var(Var(i as u32));
-        }
-        {
-            let mut bx = Bx { body: &mut body, ranges: ranges.clone() };
-            let v = tv.load(&mut bx, &vars);
-            let v = bx.body.cast(v, layout.dtype);
-            let idx = layout.index_of(&vars);
-            bx.body.set_store(idx, v);
-        }
+        let (body, ranges) = mutation::write_body(tv, &layout);
         self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
         view_of_layout(buf, &layout)
     }

@@ -49,6 +49,13 @@ pub struct Schedule {
 
 /// How far back a node looks for a kernel to join (bounds compile time on big graphs).
 const FUSION_WINDOW: usize = 32;
+/// Outputs this small make a node "small". A small node also looks past the window, at the
+/// kernels that write what it reads: graph outputs are lowered last, so a batch norm's
+/// running-statistics updates and saved statistics would otherwise each run as a kernel of their
+/// own at the end of the graph (running it early keeps a small output alive longer, which costs
+/// nothing worth counting). A small node that shares no data with any kernel joins the kernel
+/// before it when that one is small too: launches, not bytes, are what small kernels cost.
+const SMALL_OUTPUT_BYTES: i64 = 256 << 10;
 
 /// What a kernel backend asks of the scheduler.
 #[derive(Clone, Copy, Debug)]
@@ -100,9 +107,14 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
 
     // Which item (by position in `slots`) produces each buffer.
     let mut producer: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
-    enum Slot {
-        Kernel(Vec<usize>, KernelPlan),
-        Extern(usize),
+    // and which items read each graph input (a write into an input waits for all of them)
+    let mut input_readers: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
+    let is_input = |b: BufferId| matches!(program.buffer(b).source, BufferSource::Input(_));
+    let mut returned = vec![false; program.buffers.len()];
+    for o in &program.outputs {
+        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
+            returned[b.0 as usize] = true;
+        }
     }
     let mut slots: Vec<Slot> = Vec::new();
     for step in program.steps.clone() {
@@ -111,59 +123,35 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
                 for b in &program.externs[e].outputs {
                     producer[b.0 as usize].push(slots.len());
                 }
+                for b in program.externs[e].input_buffers() {
+                    if is_input(b) {
+                        input_readers[b.0 as usize].push(slots.len());
+                    }
+                }
                 slots.push(Slot::Extern(e));
             }
             Step::Node(n) => {
                 let node = &program.nodes[n];
                 let out_name = program.buffer(node.output).name.clone();
-                let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
-                // earliest slot this node may run in: after every producer of what it reads
-                let earliest = reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).max();
-                let earliest = if node.is_scatter() { earliest.max(producer[node.output.0 as usize].iter().copied().max()) } else { earliest };
-                let mut best: Option<(usize, i64, KernelPlan)> = None;
-                let mut rejected = false;
-                let lo = slots.len().saturating_sub(FUSION_WINDOW);
-                // a scatter updates a buffer filled by earlier writers: it runs after all of them,
-                // alone, and nothing joins its kernel
-                let scatter = node.is_scatter();
-                if scatter {
+                if node.is_scatter() {
                     decisions.push(format!("scatter: {out_name} updates its buffer at computed indices; a kernel of its own"));
                 }
-                for (si, slot) in slots.iter().enumerate().skip(lo) {
-                    let Slot::Kernel(members, _) = slot else { continue };
-                    if scatter || members.iter().any(|&m| program.nodes[m].is_scatter()) {
-                        continue;
-                    }
-                    if let Some(e) = earliest {
-                        if si < e {
-                            continue;
-                        }
-                    }
-                    let score = shared_bytes(&program, members, &reads);
-                    if score == 0 {
-                        continue;
-                    }
-                    let mut candidate = members.clone();
-                    candidate.push(n);
-                    match KernelPlan::build(&program, &candidate) {
-                        Ok(plan) => {
-                            if best.as_ref().map_or(true, |(_, s, _)| score > *s) {
-                                best = Some((si, score, plan));
-                            }
-                        }
-                        Err(why) => {
-                            rejected = true;
-                            decisions.push(format!("no fusion: {out_name} into kernel #{si}: {why}"))
-                        }
+                let (best, rejected) = choose_kernel(&program, &slots, &producer, &input_readers, &returned, n, &mut decisions);
+                let slot = best.as_ref().map_or(slots.len(), |c| c.slot);
+                for (b, _) in node.reads() {
+                    if is_input(b) {
+                        input_readers[b.0 as usize].push(slot);
                     }
                 }
                 match best {
-                    Some((si, score, plan)) => {
+                    Some(Choice { slot: si, score, plan }) => {
                         if let Slot::Kernel(members, p) = &mut slots[si] {
-                            decisions.push(format!(
-                                "fuse: {out_name} into kernel #{si} with {} (shares {score} bytes)",
-                                members.iter().map(|m| program.buffer(program.nodes[*m].output).name.clone()).collect::<Vec<_>>().join(", ")
-                            ));
+                            let with = members.iter().map(|m| program.buffer(program.nodes[*m].output).name.clone()).collect::<Vec<_>>().join(", ");
+                            decisions.push(if score > 0 {
+                                format!("fuse: {out_name} into kernel #{si} with {with} (shares {score} bytes)")
+                            } else {
+                                format!("fuse: {out_name} into kernel #{si} with {with} (small kernels side by side: one launch)")
+                            });
                             members.push(n);
                             *p = plan;
                         }
@@ -217,6 +205,115 @@ impl std::fmt::Display for SchedulerError {
     }
 }
 impl std::error::Error for SchedulerError {}
+
+/// A kernel or an extern call, in schedule order, while fusion is still deciding.
+enum Slot {
+    Kernel(Vec<usize>, KernelPlan),
+    Extern(usize),
+}
+
+/// The kernel a node joins: its slot, the bytes it shares with it, and the joint plan.
+struct Choice {
+    slot: usize,
+    score: i64,
+    plan: KernelPlan,
+}
+
+fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
+    let l = &p.buffer(p.nodes[node].output).layout;
+    l.numel() * l.dtype.itemsize() as i64
+}
+
+/// The earlier kernel node `n` joins, if any: the one it shares the most data with among the
+/// last `FUSION_WINDOW` slots and (for a small output) the kernels writing what it reads; else,
+/// for a small node, the kernel just before it when that one is small too. Also says whether
+/// some fusion was tried and rejected (each rejection is logged).
+fn choose_kernel(
+    p: &LoopProgram,
+    slots: &[Slot],
+    producer: &[Vec<usize>],
+    input_readers: &[Vec<usize>],
+    returned: &[bool],
+    n: usize,
+    decisions: &mut Vec<String>,
+) -> (Option<Choice>, bool) {
+    let node = &p.nodes[n];
+    if node.is_scatter() {
+        // a scatter updates a buffer filled by earlier writers: it runs after all of them,
+        // alone, and nothing joins its kernel
+        return (None, false);
+    }
+    let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
+    // earliest slot this node may run in: after every producer of what it reads
+    let mut earliest = reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).max().unwrap_or(0);
+    // a write into a graph input runs after every other kernel that reads the input, and after
+    // earlier writes of it
+    let out = node.output.0 as usize;
+    if let Some(last) = input_readers[out].iter().chain(&producer[out]).copied().max() {
+        earliest = earliest.max(last + 1);
+    }
+    let small = output_bytes(p, n) <= SMALL_OUTPUT_BYTES;
+    let lo = slots.len().saturating_sub(FUSION_WINDOW);
+    let mut candidates: Vec<usize> = (lo..slots.len()).collect();
+    if small {
+        candidates.extend(reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).filter(|&si| si < lo));
+        candidates.sort_unstable();
+        candidates.dedup();
+    }
+    // a large graph output lowered last would, in a kernel that also writes a large temporary,
+    // be live together with it; in a kernel of its own it runs once the temporary has died
+    // (GPT-style logits saved for the backward beside the log-softmax the loss reads)
+    let large_temp = |m: usize| !returned[p.nodes[m].output.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES;
+    let keep_apart = returned[node.output.0 as usize] && !small;
+    let mut best: Option<Choice> = None;
+    let mut rejected = false;
+    let mut try_join = |si: usize, members: &[usize], score: i64, decisions: &mut Vec<String>| -> Option<KernelPlan> {
+        let mut candidate = members.to_vec();
+        candidate.push(n);
+        match KernelPlan::build(p, &candidate) {
+            Ok(plan) => Some(plan),
+            Err(why) => {
+                rejected = true;
+                let name = &p.buffer(node.output).name;
+                let how = if score > 0 { "" } else { " (side by side)" };
+                decisions.push(format!("no fusion: {name} into kernel #{si}{how}: {why}"));
+                None
+            }
+        }
+    };
+    for si in candidates {
+        let Slot::Kernel(members, _) = &slots[si] else { continue };
+        if si < earliest || members.iter().any(|&m| p.nodes[m].is_scatter()) {
+            continue;
+        }
+        let score = shared_bytes(p, members, &reads);
+        if score == 0 || best.as_ref().is_some_and(|b| b.score >= score) {
+            continue;
+        }
+        if keep_apart && members.iter().any(|&m| large_temp(m)) {
+            let name = &p.buffer(node.output).name;
+            decisions.push(format!("no fusion: {name} into kernel #{si}: a large output beside a large temporary (peak memory)"));
+            continue;
+        }
+        if let Some(plan) = try_join(si, members, score, decisions) {
+            best = Some(Choice { slot: si, score, plan });
+        }
+    }
+    // small kernels that share nothing still share a launch
+    if best.is_none() && small {
+        if let Some(Slot::Kernel(members, _)) = slots.last() {
+            let si = slots.len() - 1;
+            let all_small = members.iter().all(|&m| !p.nodes[m].is_scatter() && output_bytes(p, m) <= SMALL_OUTPUT_BYTES);
+            // (one that shares data was tried above)
+            if si >= earliest && all_small && shared_bytes(p, members, &reads) == 0 {
+                if let Some(plan) = try_join(si, members, 0, decisions) {
+                    best = Some(Choice { slot: si, score: 0, plan });
+                }
+            }
+        }
+    }
+    (best, rejected)
+}
 
 /// Bytes of buffers the node reads that the kernel also reads or writes.
 fn shared_bytes(p: &LoopProgram, members: &[usize], reads: &[BufferId]) -> i64 {

@@ -76,6 +76,10 @@ pub fn eliminate_dead_nodes(p: &mut LoopProgram) -> Vec<String> {
     let mut removed = Vec::new();
     loop {
         let mut used = vec![false; p.buffers.len()];
+        // the caller sees what is written into its inputs (`copy_`)
+        for b in &p.inputs {
+            used[b.0 as usize] = true;
+        }
         for o in &p.outputs {
             match o {
                 OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } => used[b.0 as usize] = true,

@@ -80,6 +80,10 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
         }
     }
     let mut allocated = vec![false; p.buffers.len()];
+    // the caller's inputs exist already, also where a kernel writes into one (`copy_`)
+    for b in &p.inputs {
+        allocated[b.0 as usize] = true;
+    }
     // outputs no kernel writes (no elements, e.g. a size-0 dim) still need storage
     let defined: std::collections::HashSet<BufferId> = defs.iter().flatten().copied().collect();
     for o in &p.outputs {

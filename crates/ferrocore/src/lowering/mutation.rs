@@ -1,0 +1,91 @@
+//! Input mutations kept in the graph: `aten.copy_(input, value)`, which AOT autograd appends
+//! after everything else for a mutated graph input (a batch norm's running statistics, an
+//! in-place op on an argument). The value is written straight into the input's memory by a
+//! loop node, which the scheduler fuses like any other (a running-mean update joins the kernel
+//! that computes the batch mean), instead of a fresh buffer that Python copies back afterwards.
+//!
+//! The writes are lowered last, after the graph outputs, so that every value that reads an
+//! input's old contents is already in a buffer or a kernel placed before them; the scheduler
+//! keeps each write after every kernel that reads the input (`scheduler::choose_kernel`).
+
+use super::*;
+
+/// One `copy_` into a graph input, waiting for the end of lowering.
+pub(super) struct Mutation {
+    node: NodeId,
+    /// Position among the graph inputs.
+    input: usize,
+    value: TensorValue,
+}
+
+impl<'g> Ctx<'g> {
+    /// Records `copy_(dst, src)` for `lower_mutations`, or says why it cannot be a kernel's
+    /// write (then it is an ATen call at the end of the graph).
+    pub(super) fn defer_mutation(&mut self, id: NodeId) -> LResult<Mutation> {
+        self.current = id;
+        if self.uses[id.0 as usize] != 0 {
+            return unsupported("the result of copy_ is read by the graph");
+        }
+        let Some(Arg::Node(dst)) = self.arg(0, "self") else { return malformed("copy_ writes into a tensor") };
+        let Some(input) = self.graph.inputs.iter().position(|i| i == dst) else {
+            return unsupported("copy_ into a value that is not a graph input");
+        };
+        let layout = self.prog.buffer(self.prog.inputs[input]).layout.clone();
+        if !is_dense(&layout.size, &layout.stride) {
+            return unsupported("copy_ into an input whose elements overlap or leave gaps");
+        }
+        let value = self.lower_copy(AtenOp::Copy)?;
+        if value.size != layout.size || value.dtype != layout.dtype || value.device != layout.device {
+            return malformed(format!("copy_ of {:?} {:?} into {:?} {:?}", value.size, value.dtype, layout.size, layout.dtype));
+        }
+        Ok(Mutation { node: id, input, value })
+    }
+
+    /// Emits the deferred input writes. A value that reads a mutated input anywhere but at the
+    /// element its own write replaces is first put in a buffer of its own, before any input is
+    /// written, so that no write is seen by a read meant for the old contents.
+    pub(super) fn lower_mutations(&mut self, mutations: Vec<Mutation>) {
+        let written: Vec<BufferId> = mutations.iter().map(|m| self.prog.inputs[m.input]).collect();
+        let mut values = Vec::with_capacity(mutations.len());
+        for m in &mutations {
+            let dst = self.prog.inputs[m.input];
+            let layout = self.prog.buffer(dst).layout.clone();
+            let (body, _) = write_body(&m.value, &layout);
+            let store = &body.store.as_ref().expect("a write stores").index;
+            let safe = body.exprs.iter().all(|e| match e {
+                Expr::Load { buf, index } => !written.contains(buf) || (*buf == dst && index == store),
+                Expr::LoadIndirect { buf, .. } => !written.contains(buf),
+                _ => true,
+            });
+            let value = if safe { m.value.clone() } else { self.as_node(m.node, |cx| cx.realize(&m.value)) };
+            values.push(value);
+        }
+        for (m, value) in mutations.iter().zip(values) {
+            let dst = self.prog.inputs[m.input];
+            let layout = self.prog.buffer(dst).layout.clone();
+            let (body, ranges) = write_body(&value, &layout);
+            let origins = vec![self.graph.node(m.node).name.clone()];
+            self.push_node(LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins });
+        }
+    }
+}
+
+/// The loop body writing `tv` into a buffer of `layout` (loops in the layout's order, so the
+/// store runs contiguous), and its ranges.
+pub(super) fn write_body(tv: &TensorValue, layout: &Layout) -> (LoopBody, Vec<i64>) {
+    let mut body = LoopBody::default();
+    let order = loop_order(layout);
+    let ranges: Vec<i64> = order.iter().map(|&d| tv.size[d]).collect();
+    let mut vars = vec![IndexExpr::zero(); order.len()];
+    for (i, &d) in order.iter().enumerate() {
+        vars[d] = IndexExpr::var(Var(i as u32));
+    }
+    {
+        let mut bx = Bx { body: &mut body, ranges: ranges.clone() };
+        let v = tv.load(&mut bx, &vars);
+        let v = bx.body.cast(v, layout.dtype);
+        let idx = layout.index_of(&vars);
+        bx.body.set_store(idx, v);
+    }
+    (body, ranges)
+}
