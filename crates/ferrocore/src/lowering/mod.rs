@@ -267,6 +267,26 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
     Ok(LoweringResult { program: cx.prog, fallbacks: cx.fallbacks, decisions: cx.decisions })
 }
 
+/// The loop body writing `tv` into a buffer of `layout` (loops in the layout's order, so the
+/// store runs contiguous), and its ranges.
+fn write_body(tv: &TensorValue, layout: &Layout) -> (LoopBody, Vec<i64>) {
+    let mut body = LoopBody::default();
+    let order = loop_order(layout);
+    let ranges: Vec<i64> = order.iter().map(|&d| tv.size[d]).collect();
+    let mut vars = vec![IndexExpr::zero(); order.len()];
+    for (i, &d) in order.iter().enumerate() {
+        vars[d] = IndexExpr::var(Var(i as u32));
+    }
+    {
+        let mut bx = Bx { body: &mut body, ranges: ranges.clone() };
+        let v = tv.load(&mut bx, &vars);
+        let v = bx.body.cast(v, layout.dtype);
+        let idx = layout.index_of(&vars);
+        bx.body.set_store(idx, v);
+    }
+    (body, ranges)
+}
+
 /// The dims of `layout` from the largest stride to the smallest (ties in dim order): the loop
 /// order under which its store is contiguous.
 pub fn loop_order(layout: &Layout) -> Vec<usize> {
@@ -514,7 +534,7 @@ impl<'g> Ctx<'g> {
     /// Writes a value into a fresh buffer with `layout` and returns a view of it.
     pub fn realize_into(&mut self, tv: &TensorValue, layout: Layout) -> TensorValue {
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
-        let (body, ranges) = mutation::write_body(tv, &layout);
+        let (body, ranges) = write_body(tv, &layout);
         self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
         view_of_layout(buf, &layout)
     }

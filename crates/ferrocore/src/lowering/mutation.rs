@@ -46,46 +46,27 @@ impl<'g> Ctx<'g> {
     /// written, so that no write is seen by a read meant for the old contents.
     pub(super) fn lower_mutations(&mut self, mutations: Vec<Mutation>) {
         let written: Vec<BufferId> = mutations.iter().map(|m| self.prog.inputs[m.input]).collect();
-        let mut values = Vec::with_capacity(mutations.len());
+        let mut writes = Vec::with_capacity(mutations.len());
         for m in &mutations {
             let dst = self.prog.inputs[m.input];
             let layout = self.prog.buffer(dst).layout.clone();
-            let (body, _) = write_body(&m.value, &layout);
+            let (body, ranges) = write_body(&m.value, &layout);
             let store = &body.store.as_ref().expect("a write stores").index;
             let safe = body.exprs.iter().all(|e| match e {
                 Expr::Load { buf, index } => !written.contains(buf) || (*buf == dst && index == store),
                 Expr::LoadIndirect { buf, .. } => !written.contains(buf),
                 _ => true,
             });
-            let value = if safe { m.value.clone() } else { self.as_node(m.node, |cx| cx.realize(&m.value)) };
-            values.push(value);
+            let (body, ranges) = if safe {
+                (body, ranges)
+            } else {
+                let copy = self.as_node(m.node, |cx| cx.realize(&m.value));
+                write_body(&copy, &layout)
+            };
+            writes.push(LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins: vec![self.graph.node(m.node).name.clone()] });
         }
-        for (m, value) in mutations.iter().zip(values) {
-            let dst = self.prog.inputs[m.input];
-            let layout = self.prog.buffer(dst).layout.clone();
-            let (body, ranges) = write_body(&value, &layout);
-            let origins = vec![self.graph.node(m.node).name.clone()];
-            self.push_node(LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins });
+        for w in writes {
+            self.push_node(w);
         }
     }
-}
-
-/// The loop body writing `tv` into a buffer of `layout` (loops in the layout's order, so the
-/// store runs contiguous), and its ranges.
-pub(super) fn write_body(tv: &TensorValue, layout: &Layout) -> (LoopBody, Vec<i64>) {
-    let mut body = LoopBody::default();
-    let order = loop_order(layout);
-    let ranges: Vec<i64> = order.iter().map(|&d| tv.size[d]).collect();
-    let mut vars = vec![IndexExpr::zero(); order.len()];
-    for (i, &d) in order.iter().enumerate() {
-        vars[d] = IndexExpr::var(Var(i as u32));
-    }
-    {
-        let mut bx = Bx { body: &mut body, ranges: ranges.clone() };
-        let v = tv.load(&mut bx, &vars);
-        let v = bx.body.cast(v, layout.dtype);
-        let idx = layout.index_of(&vars);
-        bx.body.set_store(idx, v);
-    }
-    (body, ranges)
 }

@@ -110,12 +110,7 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
     // and which items read each graph input (a write into an input waits for all of them)
     let mut input_readers: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
     let is_input = |b: BufferId| matches!(program.buffer(b).source, BufferSource::Input(_));
-    let mut returned = vec![false; program.buffers.len()];
-    for o in &program.outputs {
-        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
-            returned[b.0 as usize] = true;
-        }
-    }
+    let returned = returned_buffers(&program);
     let mut slots: Vec<Slot> = Vec::new();
     for step in program.steps.clone() {
         match step {
@@ -217,6 +212,17 @@ struct Choice {
     slot: usize,
     score: i64,
     plan: KernelPlan,
+}
+
+/// Per buffer: whether the graph returns it.
+fn returned_buffers(p: &LoopProgram) -> Vec<bool> {
+    let mut returned = vec![false; p.buffers.len()];
+    for o in &p.outputs {
+        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
+            returned[b.0 as usize] = true;
+        }
+    }
+    returned
 }
 
 fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
@@ -354,12 +360,7 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &s
 
 fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) -> Vec<Storage> {
     let mut storage = vec![Storage::Allocated; p.buffers.len()];
-    let mut outputs: HashSet<BufferId> = HashSet::new();
-    for o in &p.outputs {
-        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
-            outputs.insert(*b);
-        }
-    }
+    let returned = returned_buffers(p);
     // reads of each buffer from outside the kernel that writes it, and the local-read kinds
     let mut outside: HashSet<BufferId> = HashSet::new();
     let mut stored_reads: HashSet<BufferId> = HashSet::new();
@@ -400,7 +401,7 @@ fn plan_storage(p: &LoopProgram, items: &[Item], decisions: &mut Vec<String>) ->
         if b.source == BufferSource::Computed
             && !scattered
             && writer_kernel[i].is_some()
-            && !outputs.contains(&id)
+            && !returned[i]
             && !outside.contains(&id)
             && !stored_reads.contains(&id)
         {
