@@ -21,14 +21,15 @@ def test_masked_softmax_rows():
     check(lambda s, m: torch.softmax(s.masked_fill(~m, float("-inf")), -1), scores, mask)
 
 
-def test_square_and_reciprocal_powers_are_bit_identical_to_eager():
-    # ATen computes pow(x, 2) as x*x and pow(x, -1) as 1/x; a general pow differs in the last bit
+def test_square_cube_and_reciprocal_powers_are_bit_identical_to_eager():
+    # ATen computes pow(x, 2) as x*x, pow(x, 3) as x*x*x (the square rounded in bfloat16, and in
+    # float16 on the GPU) and pow(x, -1) as 1/x; a general pow differs in the last bit
     import ferrocore
 
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         x = (torch.randn(257) * 3).to(dtype)
         x[:3] = torch.tensor([-0.0, float("inf"), float("-inf")]).to(dtype)
-        for e in (2, -1, 2.0, -1.0):
+        for e in (2, -1, 2.0, -1.0, 3, 3.0):
             torch._dynamo.reset()
             fn = lambda t: t.pow(e) + 0  # noqa: E731
             got, want = torch.compile(fn, backend="ferrocore")(x), fn(x)

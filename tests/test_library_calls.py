@@ -101,11 +101,29 @@ def test_padded_gemms_match_eager(shapes, capfd):
 
 def test_padded_bmm_and_never(capfd):
     a, b = torch.randn(3, 5, 7, dtype=torch.bfloat16), torch.randn(3, 7, 9, dtype=torch.bfloat16)
-    for mode, padded in (("always", True), ("never", False)):
+    # a padded GEMM's result is returned as the view of its padded storage (as Inductor's)
+    for mode, padded, stride in (("always", True, (8 * 16, 16, 1)), ("never", False, (45, 9, 1))):
         torch._dynamo.reset()
         got = torch.compile(torch.bmm, backend="ferrocore", options={"pad_mm": mode, "logs": "padding"})(a, b)
-        assert torch.equal(got, torch.bmm(a, b)) and got.stride() == (45, 9, 1)
-        assert ("pad: bmm" in capfd.readouterr().err) == padded
+        assert torch.equal(got, torch.bmm(a, b)) and got.stride() == stride
+        err = capfd.readouterr().err
+        assert ("pad: bmm" in err) == padded
+        assert ("returned as a view of its padded GEMM result" in err) == padded
+
+
+def test_a_padded_linear_adds_its_bias_in_the_gemm_and_returns_the_padded_view(capfd):
+    # an LM head: addmm of one bias row on padded operands, the logits returned without a copy
+    torch.manual_seed(0)
+    head = torch.nn.Linear(24, 37).bfloat16()
+    x = torch.randn(5, 24, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = torch.compile(head, backend="ferrocore", options={"pad_mm": "always", "logs": "padding,output_code"})(x)
+        want = head(x)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert got.stride() == (40, 1)
+    err = capfd.readouterr().err
+    assert "returned as a view of its padded GEMM result" in err
+    assert "torch.addmm(" in err, "the bias is added by the library call"
 
 
 def test_measured_padding_pads_exactly_the_named_gemm():

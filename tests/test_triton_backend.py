@@ -117,6 +117,8 @@ def test_transposes_take_2d_tiles(interpreted):
     assert "x1 = xoffset + tl.arange(0, XBLOCK)[None, :]" in src
     # the loops follow the output, laid out as eager lays out a.t() + b (column-major)
     assert "xmask = (x0 < 70) & (x1 < 100)" in src
+    src = "".join(Path(p).read_text() for p in interpreted["head_split_transpose"]["modules"])
+    assert "x0 = yoffset + tl.arange(0, 64)[:, None]" in src
     src = "".join(Path(p).read_text() for p in interpreted["pointwise_chain"]["modules"])
     assert "yoffset" not in src
 

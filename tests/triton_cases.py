@@ -74,6 +74,13 @@ def _():
     ), (randn(70, 100), randn(100, 70, seed=1), randn(70, 100, dtype=torch.bfloat16, seed=2))
 
 
+@case("head_split_transpose")
+def _():
+    # attention keys [B, S, H*D] laid out [B, H, D, S]: the read is contiguous along the rows in
+    # runs of D = 64 (d = x0 % 64), not along x0 as a whole
+    return (lambda k: k.view(2, 70, 2, 64).permute(0, 2, 3, 1).contiguous() * 0.25), (randn(2, 70, 128),)
+
+
 @case("sum_inner")
 def _():
     return (lambda a: (a.relu() + 1).sum(-1)), (randn(8, 32),)

@@ -583,6 +583,44 @@ fn a_gathered_and_returned_value_is_one_buffer() {
     assert_eq!(big, 1, "{module}");
 }
 
+#[test]
+fn a_value_only_gathered_is_computed_at_the_gathered_positions() {
+    // a loss's log-softmax over a [64, 4, 100] view of the logits, read by gather alone: the
+    // row statistics are reductions, the log-softmax itself no buffer; one position per row
+    let doc = G::new()
+        .input("x", &[4, 16, 100], "float32")
+        .input("idx", &[64, 1], "int64")
+        .call("v", "aten.view.default", &format!(r#"{},{{"list":[{{"int":64}},{{"int":100}}]}}"#, n("x")), &meta(&[64, 100], "float32"))
+        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}},{{"bool":true}}"#, n("v")), &meta(&[64, 1], "float32"))
+        .call("s", "aten.sub.Tensor", &format!("{},{}", n("v"), n("m")), &meta(&[64, 100], "float32"))
+        .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, n("s"), n("idx")), &meta(&[64, 1], "float32"))
+        .output(&["g"]);
+    let (_, module) = wrapper_module(&doc);
+    assert!(!module.contains("empty_strided((64, 100)"), "{module}");
+    let (pre, _, _, _) = stages(&doc);
+    let indirect = pre.lines().any(|l| l.contains("= load(x, ") && l.contains("*t"));
+    assert!(indirect, "the logits read at the gathered column:\n{pre}");
+}
+
+#[test]
+fn a_value_read_through_a_view_by_a_library_call_and_returned_is_computed_once() {
+    // attention probabilities: bmm(view(p), v) and p saved for the backward
+    let doc = G::new()
+        .input("s", &[2, 4, 8, 8], "float32")
+        .input("v", &[8, 8, 16], "float32")
+        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":-1}}]}},{{"bool":true}}"#, n("s")), &meta(&[2, 4, 8, 1], "float32"))
+        .call("d", "aten.sub.Tensor", &format!("{},{}", n("s"), n("m")), &meta(&[2, 4, 8, 8], "float32"))
+        .call("e", "aten.exp.default", &n("d"), &meta(&[2, 4, 8, 8], "float32"))
+        .call("z", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":-1}}]}},{{"bool":true}}"#, n("e")), &meta(&[2, 4, 8, 1], "float32"))
+        .call("p", "aten.div.Tensor", &format!("{},{}", n("e"), n("z")), &meta(&[2, 4, 8, 8], "float32"))
+        .call("pv", "aten.view.default", &format!(r#"{},{{"list":[{{"int":8}},{{"int":8}},{{"int":8}}]}}"#, n("p")), &meta(&[8, 8, 8], "float32"))
+        .call("o", "aten.bmm.default", &format!("{},{}", n("pv"), n("v")), &meta(&[8, 8, 16], "float32"))
+        .output(&["o", "p"]);
+    let (_, module) = wrapper_module(&doc);
+    let probabilities = module.lines().filter(|l| l.contains("empty_strided((2, 4, 8, 8)") || l.contains("empty_strided((8, 8, 8)")).count();
+    assert_eq!(probabilities, 1, "{module}");
+}
+
 /// The wrapper module of a graph lowered with every unaligned 16-bit GEMM padded.
 fn padded_module(doc: &str) -> String {
     use ferrocore::lowering::{LowerOptions, PadMm};

@@ -293,8 +293,29 @@ impl LoopBody {
             BinaryOp::LogicalAnd | BinaryOp::LogicalOr | BinaryOp::LogicalXor => DType::Bool,
             _ => common,
         };
+        if op == BinaryOp::TrueDiv {
+            if let Some(r) = self.power_of_two_reciprocal(b, common) {
+                // the same correctly rounded result as the division, without its cost
+                let r = self.constant(Scalar::Float(r), common);
+                return self.push(Key::Binary(BinaryOp::Mul, a, r), Expr::Binary(BinaryOp::Mul, a, r), dt);
+            }
+        }
         self.push(Key::Binary(op, a, b), Expr::Binary(op, a, b), dt)
     }
+    /// 1/c when `v` is a constant power of two c whose reciprocal is a normal number of `dt`.
+    fn power_of_two_reciprocal(&self, v: ValueId, dt: DType) -> Option<f64> {
+        let Expr::Constant(Scalar::Float(c)) = self.expr(v) else { return None };
+        let (lo, hi) = match dt {
+            DType::F32 => (-126, 127),
+            DType::F64 => (-1022, 1023),
+            _ => return None,
+        };
+        let bits = c.abs().to_bits();
+        let exponent = ((bits >> 52) & 0x7ff) as i64 - 1023;
+        let power = bits & ((1u64 << 52) - 1) == 0 && c.is_finite() && *c != 0.0;
+        (power && (lo..=hi).contains(&-exponent)).then(|| 1.0 / c)
+    }
+
     pub fn where_(&mut self, c: ValueId, a: ValueId, b: ValueId) -> ValueId {
         let common = crate::graph::promote_types(self.dtype(a), self.dtype(b));
         let c = self.cast(c, DType::Bool);

@@ -4,6 +4,7 @@
 //! IndexError raised by the wrapper, never a read outside the buffer.
 
 use super::*;
+use crate::symbolic::Atom;
 
 /// A strided base for indirect loads: (buffer, strides, offset), realizing if needed.
 pub(super) fn strided_base(cx: &mut Ctx, tv: &TensorValue) -> LResult<(BufferId, Vec<i64>, i64)> {
@@ -80,6 +81,9 @@ impl Ctx<'_> {
             }
         }
         let weight = if op == AtenOp::Embedding { "weight" } else { "self" };
+        if let Some(gathered) = self.gather_computed(op, &src, &idx_tensors, &out)? {
+            return Ok(gathered);
+        }
         let (buf, stride, offset) = self.strided_arg(0, weight, &src)?;
         let sizes = src.size.clone();
         let rank = sizes.len();
@@ -141,6 +145,33 @@ impl Ctx<'_> {
         };
         let (reads, ops) = (2, 3);
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } })
+    }
+
+    /// gather / index_select from a value nothing else reads, computed at the gathered
+    /// positions instead of realized whole: a loss's log-softmax over a vocabulary is read at
+    /// one position per row (GPT-2: 4096 of 206M elements, an 823 MB buffer otherwise).
+    fn gather_computed(&mut self, op: AtenOp, src: &TensorValue, idx_tensors: &[Option<TensorValue>], out: &TensorMeta) -> LResult<Option<TensorValue>> {
+        let rank = src.size.len();
+        if !matches!(op, AtenOp::Gather | AtenOp::IndexSelect) || rank == 0 || src.strided().is_some() {
+            return Ok(None);
+        }
+        match self.arg(0, "self") {
+            Some(Arg::Node(n)) if self.uses[n.0 as usize] == 1 => {}
+            _ => return Ok(None),
+        }
+        let Some(ind) = idx_tensors[0].clone() else { return malformed("no index") };
+        let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+        let gather = op == AtenOp::Gather;
+        let (src, size) = (src.clone(), src.size[dim]);
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let at = if gather { checked_index(bx, &ind, idx, size, false) } else {
+                let ii = if ind.size.is_empty() { vec![] } else { vec![idx[dim].clone()] };
+                checked_index(bx, &ind, &ii, size, false)
+            };
+            load_at_runtime_index(bx, &src, idx, dim, at)
+        });
+        let (reads, ops) = (2, 3);
+        Ok(Some(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } }))
     }
 
     /// constant_pad_nd: out[i] = in[i - lo] inside the input, `value` outside (negative pads crop).
@@ -431,4 +462,76 @@ impl Ctx<'_> {
         });
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 8 } })
     }
+}
+
+/// `tv` at `idx` with dim `dim`'s position the runtime int64 `at` (checked, in range): the value's
+/// body is built over a placeholder variable for that position, then copied into `bx` with each
+/// address that uses the placeholder read through `at` (an indirect load; the address computed
+/// at run time where the placeholder is not a plain term of it).
+fn load_at_runtime_index(bx: &mut Bx, tv: &TensorValue, idx: &[IndexExpr], dim: usize, at: ValueId) -> ValueId {
+    let p = Var(bx.ranges.len() as u32);
+    let mut ranges = bx.ranges.clone();
+    ranges.push(tv.size[dim]);
+    let mut scratch = LoopBody::default();
+    let mut at_p = idx.to_vec();
+    at_p[dim] = IndexExpr::var(p);
+    let root = {
+        let mut sbx = Bx { body: &mut scratch, ranges };
+        tv.load(&mut sbx, &at_p)
+    };
+    let mut map: Vec<Option<ValueId>> = Vec::with_capacity(scratch.exprs.len());
+    for (i, e) in scratch.exprs.iter().enumerate() {
+        let dtype = scratch.dtypes[i];
+        let uses_p = |ix: &IndexExpr| ix.uses(p);
+        let v = match e {
+            Expr::Load { buf, index } if uses_p(index) => {
+                let (rest, term) = runtime_address(bx, index, p, at);
+                bx.body.load_indirect(*buf, rest, vec![term], dtype)
+            }
+            Expr::LoadIndirect { buf, index, terms } if uses_p(index) => {
+                let (rest, term) = runtime_address(bx, index, p, at);
+                let mut all: Vec<(ValueId, i64)> = terms.iter().map(|(v, c)| (map[v.0 as usize].expect("operand copied"), *c)).collect();
+                all.push(term);
+                bx.body.load_indirect(*buf, rest, all, dtype)
+            }
+            Expr::Index(ix) if uses_p(ix) => {
+                let v = index_value(bx, ix, p, at);
+                bx.body.cast(v, dtype)
+            }
+            other => bx.body.push_copy(other, dtype, &|v| map[v.0 as usize]).expect("operands copied in order"),
+        };
+        map.push(Some(v));
+    }
+    map[root.0 as usize].expect("root copied")
+}
+
+/// `index` as (the part without the placeholder `p`, (value, coefficient)): `p` a plain term
+/// is `at` times its coefficient; inside a division or modulo the whole address is computed.
+fn runtime_address(bx: &mut Bx, index: &IndexExpr, p: Var, at: ValueId) -> (IndexExpr, (ValueId, i64)) {
+    match index.affine_coeff(p) {
+        Some(c) => (index.sub(&IndexExpr::var(p).scale(c)), (at, c)),
+        None => (IndexExpr::zero(), (index_value(bx, index, p, at), 1)),
+    }
+}
+
+/// The int64 value of `e` with the placeholder `p` read as `at` (other variables as indices).
+fn index_value(bx: &mut Bx, e: &IndexExpr, p: Var, at: ValueId) -> ValueId {
+    let mut sum = bx.body.constant(Scalar::Int(e.constant), DType::I64);
+    for (atom, c) in &e.terms {
+        let v = match atom {
+            Atom::Var(v) if *v == p => at,
+            Atom::Var(v) => bx.body.index(IndexExpr::var(*v), DType::I64),
+            Atom::FloorDiv(inner, d) | Atom::Mod(inner, d) => {
+                let x = index_value(bx, inner, p, at);
+                let d = bx.body.constant(Scalar::Int(*d), DType::I64);
+                // the index is never negative: floor division and modulo are the truncating ones
+                let op = if matches!(atom, Atom::FloorDiv(..)) { BinaryOp::FloorDiv } else { BinaryOp::Remainder };
+                bx.body.binary(op, x, d)
+            }
+        };
+        let k = bx.body.constant(Scalar::Int(*c), DType::I64);
+        let term = bx.body.binary(BinaryOp::Mul, v, k);
+        sum = bx.body.binary(BinaryOp::Add, sum, term);
+    }
+    sum
 }

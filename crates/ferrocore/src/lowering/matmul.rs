@@ -48,8 +48,19 @@ impl Ctx<'_> {
         let plain_addmm = op != AtenOp::Addmm || (unit(self.float_arg(3, "beta")?) && unit(self.float_arg(4, "alpha")?));
         let padded = if plain_addmm { self.padding_for(a, b)? } else { None };
         let gemm = if op == AtenOp::Bmm { AtenOp::Bmm } else { AtenOp::Mm };
+        // a padded addmm of one bias row adds it in the library's epilogue, on the padded bias:
+        // its result is the padded GEMM's, which a graph output returns as a view
+        let row_bias = match self.arg(0, "self") {
+            Some(Arg::Node(c)) if op == AtenOp::Addmm => {
+                let c = *c;
+                let n = out.shape.last().copied();
+                self.graph.node(c).meta.tensor().filter(|m| m.shape.len() == 1 && Some(m.shape[0]) == n && m.dtype == out.dtype).map(|_| c)
+            }
+            _ => None,
+        };
         let product = match padded {
-            Some(pad) => self.padded_gemm(gemm, a, b, &pad, &out)?,
+            Some(pad) if row_bias.is_some() => return Ok(Lowered::Tensor(self.padded_gemm(AtenOp::Addmm, a, b, row_bias, &pad, &out)?)),
+            Some(pad) => self.padded_gemm(gemm, a, b, None, &pad, &out)?,
             None if op == AtenOp::Addmm && plain_addmm && out.device != Device::Cpu && matches!(out.dtype, DType::F32 | DType::F64) => {
                 let args = vec![self.extern_tensor(a, false)?, self.extern_tensor(b, false)?];
                 let Lowered::Tensor(p) = self.push_extern(Self::callee(gemm), args, vec![], &Meta::Tensor(out.clone()), Self::gemm_kind())? else {
@@ -113,21 +124,27 @@ impl Ctx<'_> {
         Ok(Some(sizes))
     }
 
-    /// The GEMM on zero-padded copies of its operands (`pad` = [.., M', K', N']), into a padded
-    /// result; returns the view of its unpadded corner.
-    fn padded_gemm(&mut self, op: AtenOp, a: NodeId, b: NodeId, pad: &[i64], out: &TensorMeta) -> LResult<TensorValue> {
+    /// The GEMM on zero-padded copies of its operands (`pad` = [.., M', K', N']; addmm's bias
+    /// row padded to N'), into a padded result; returns the view of its unpadded corner.
+    fn padded_gemm(&mut self, op: AtenOp, a: NodeId, b: NodeId, bias: Option<NodeId>, pad: &[i64], out: &TensorMeta) -> LResult<TensorValue> {
         let r = pad.len();
         let lead = &pad[..r - 3];
         let (mp, kp, np) = (pad[r - 3], pad[r - 2], pad[r - 1]);
         let a_size: Vec<i64> = lead.iter().copied().chain([mp, kp]).collect();
         let b_size: Vec<i64> = lead.iter().copied().chain([kp, np]).collect();
-        let args = vec![self.zero_padded(a, &a_size)?, self.zero_padded(b, &b_size)?];
+        let mut args = Vec::new();
+        if let Some(c) = bias {
+            args.push(self.zero_padded(c, &[np])?);
+        }
+        args.push(self.zero_padded(a, &a_size)?);
+        args.push(self.zero_padded(b, &b_size)?);
         let size: Vec<i64> = lead.iter().copied().chain([mp, np]).collect();
         let padded = TensorMeta { shape: size.clone(), stride: contiguous_strides(&size), ..out.clone() };
         let Lowered::Tensor(full) = self.push_extern(Self::callee(op), args, vec![], &Meta::Tensor(padded), Self::gemm_kind())? else {
             return malformed("a GEMM produced no tensor");
         };
         let Src::View { buf, .. } = full.src else { return malformed("a GEMM result is not a buffer") };
+        self.padded_results.push(buf);
         let layout = Layout { size: out.shape.clone(), stride: contiguous_strides(&size), offset: 0, dtype: out.dtype, device: out.device.clone() };
         Ok(view_of_layout(buf, &layout))
     }
@@ -263,7 +280,7 @@ impl Ctx<'_> {
         let tv = self.realized_node(n, false)?;
         let r = size.len();
         let (buf, st, offset) = strided_base(self, &tv)?;
-        let column_major = st[r - 2] == 1 && st[r - 1] != 1;
+        let column_major = r >= 2 && st[r - 2] == 1 && st[r - 1] != 1;
         let own = tv.size.clone();
         let dt = tv.dtype;
         let src_strides = st.clone();

@@ -188,6 +188,8 @@ pub struct Ctx<'g> {
     /// Zero-padded GEMM operands made so far (see `matmul::zero_padded`).
     padded: Vec<matmul::PaddedOperand>,
     zero_padded_storage: Vec<matmul::ZeroPaddedStorage>,
+    /// Results of padded GEMMs (their rows are longer than the graph's values).
+    padded_results: Vec<BufferId>,
     pub decisions: Vec<(&'static str, String)>,
 }
 
@@ -209,6 +211,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         pad_mm: options.pad_mm,
         padded: Vec::new(),
         zero_padded_storage: Vec::new(),
+        padded_results: Vec::new(),
         decisions: layout_decision.into_iter().map(|d| ("layout", d)).collect(),
     };
     cx.prog.input_names = graph.inputs.iter().map(|i| graph.node(*i).name.clone()).collect();
@@ -598,10 +601,45 @@ impl<'g> Ctx<'g> {
         if matches!(tv.src, Src::View { .. }) {
             return Ok(tv);
         }
+        if let Some(view) = self.view_of_shared_base(n)? {
+            return Ok(view);
+        }
+        let tv = self.tensor_of(n)?; // over the shared base's buffer, if there is one now
         let layout = if exact { self.eager_layout(n, &tv) } else { self.preferred_layout(n, &tv) };
         let r = self.as_node(n, |cx| cx.realize_into(&tv, layout));
         self.values[n.0 as usize] = Some(Lowered::Tensor(r.clone()));
         Ok(r)
+    }
+
+    /// Node `n` as a view of a buffer, when `n` is a chain of reshapes, permutes and broadcasts
+    /// of a computed value that something else reads too (an attention's softmax, multiplied
+    /// with the values and saved for the backward): that value realized once, as its own node,
+    /// and the chain lowered again over the buffer. Realizing `n` itself would leave the value
+    /// to be computed a second time for its other reader.
+    fn view_of_shared_base(&mut self, n: NodeId) -> LResult<Option<TensorValue>> {
+        use AtenOp::*;
+        let mut chain = Vec::new();
+        let mut base = n;
+        while let NodeKind::Call { target: Target::Aten(op), args, .. } = &self.graph.node(base).kind {
+            let reshapes = matches!(op, View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | TransposeInt | T | Alias);
+            match args.first() {
+                Some(Arg::Node(src)) if reshapes => {
+                    chain.push((base, *op));
+                    base = *src;
+                }
+                _ => break,
+            }
+        }
+        if chain.is_empty() || self.uses[base.0 as usize] < 2 || !matches!(self.tensor_of(base)?.src, Src::Lazy { .. }) {
+            return Ok(None);
+        }
+        self.realized_node(base, false)?;
+        for &(v, op) in chain.iter().rev() {
+            let lowered = self.as_node(v, |cx| cx.lower_node(v, &Target::Aten(op)))?;
+            self.values[v.0 as usize] = Some(lowered);
+        }
+        let tv = self.tensor_of(n)?;
+        Ok(tv.strided().is_some().then_some(tv))
     }
 
     /// The layout ferrocore gives node `n`'s value when it is free to choose: channels-last for
@@ -676,9 +714,19 @@ impl<'g> Ctx<'g> {
 
     /// Graph outputs keep eager's strides: views of buffers are returned as views when their
     /// strides match, everything else is written into a buffer with the metadata's strides.
+    /// The one exception: the unpadded corner of a padded GEMM's result is returned as a view
+    /// (padded rows), as Inductor returns it; a copy would cost as much as the GEMM's output.
     fn output_value(&mut self, tv: &TensorValue, meta: &TensorMeta) -> OutputValue {
         if let Some((buf, stride, offset)) = tv.strided() {
             let l = &self.prog.buffer(buf).layout;
+            if self.padded_results.contains(&buf) && l.dtype == meta.dtype {
+                let name = &self.graph.node(self.current).name;
+                self.decisions.push((
+                    "padding",
+                    format!("output {name} returned as a view of its padded GEMM result: strides {stride:?}, eager's {:?}", meta.stride),
+                ));
+                return OutputValue::View { buf, size: tv.size.clone(), stride, offset };
+            }
             let eager_strides = same_strides(&tv.size, &stride, &meta.stride);
             if l.size == tv.size && l.stride == stride && l.offset == offset && l.dtype == meta.dtype && eager_strides {
                 return OutputValue::Buffer(buf);

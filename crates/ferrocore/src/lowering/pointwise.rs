@@ -325,20 +325,36 @@ impl Ctx<'_> {
         let half = out.dtype.compute() != out.dtype && out.dtype.is_float() && out.device == Device::Cpu;
         let round = |p: &PwIn| half && matches!(p, PwIn::Scalar(_)) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
         let (round_a, round_b, half_dt) = (round(&a), round(&b), out.dtype);
-        // ATen's pow(tensor, scalar) computes a square as a product and -1 as a reciprocal, in
-        // every float dtype (its other special exponents round differently per dtype); also far
-        // cheaper than a general pow
+        // ATen's pow(tensor, scalar) computes a square and a cube as products and -1 as a
+        // reciprocal; also far cheaper than a general pow (GPT-2's tanh GELU cubes its input: 3x
+        // the time of a memory-bound kernel). Its cube multiplies in the tensor's type: the
+        // square is rounded in bfloat16, and in float16 on the GPU (its CPU float16 kernel
+        // computes in float); its other special exponents differ per dtype
+        let round_square = out.dtype == DType::BF16 || (out.dtype == DType::F16 && out.device != Device::Cpu);
         let special_pow = match (&b, op) {
             (PwIn::Scalar(Scalar::Float(e)), A::PowTensorScalar) if compute.is_float() => Some(*e),
             (PwIn::Scalar(Scalar::Int(e)), A::PowTensorScalar) if compute.is_float() => Some(*e as f64),
             _ => None,
         }
-        .filter(|e| [2.0, -1.0].contains(e));
+        .filter(|e| [2.0, 3.0, -1.0].contains(e));
         // sub: self - alpha*other; rsub: other - alpha*self.
         let f = move |bx: &mut Bx, v: &[ValueId]| {
             if let Some(e) = special_pow {
                 let x = bx.body.cast(v[0], compute);
-                return if e == 2.0 { bx.body.binary(BinaryOp::Mul, x, x) } else { bx.body.unary(UnaryOp::Reciprocal, x) };
+                if e == -1.0 {
+                    return bx.body.unary(UnaryOp::Reciprocal, x);
+                }
+                let square = bx.body.binary(BinaryOp::Mul, x, x);
+                if e == 2.0 {
+                    return square;
+                }
+                let square = if round_square {
+                    let rounded = bx.body.cast(square, half_dt);
+                    bx.body.cast(rounded, compute)
+                } else {
+                    square
+                };
+                return bx.body.binary(BinaryOp::Mul, square, x);
             }
             let (mut va, mut vb) = (v[0], v[1]);
             if round_a {

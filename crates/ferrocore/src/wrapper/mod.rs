@@ -198,7 +198,7 @@ fn dtype_py(d: DType) -> String {
 
 fn view_py(p: &LoopProgram, buf: BufferId, size: &[i64], stride: &[i64], offset: i64) -> String {
     let name = &p.buffer(buf).name;
-    format!("{name}.as_strided({}, {}, {name}.storage_offset() + {offset})", py_tuple(size), py_tuple(stride))
+    format!("reinterpret({name}, {}, {}, {offset})", py_tuple(size), py_tuple(stride))
 }
 
 fn extern_arg_py(p: &LoopProgram, a: &ExternArg) -> String {
@@ -237,7 +237,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
     match kernels.language {
         KernelLanguage::Cpp => {
-            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
                 // the string must equal the compiled source byte for byte: it is the cache key
                 m.push_str("KERNEL_SOURCE = r'''");
@@ -250,7 +250,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         }
         KernelLanguage::Triton => {
             // the kernels are defined here: Triton compiles them at their first launch
-            m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
                 m.push_str(&kernels.source);
             }

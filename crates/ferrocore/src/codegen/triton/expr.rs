@@ -632,10 +632,15 @@ impl OpsHandler for BodyEmitter<'_> {
         let bad = self.emit(format!("({wrapped} < 0) | ({wrapped} >= {size})"), &[&wrapped]);
         let section = self.section_of(&bad);
         let mask = self.mask(section).to_string();
+        // one flag store per checked value: a later reader in this group (or a later group
+        // reusing the value) is covered by the first
+        let flagged = format!("flag stored for {bad}");
         match self.err_ptr {
+            Some(_) if self.cse.contains_key(&flagged) => {}
             Some(err) => {
                 let zero = format!("{bad}.to(tl.int32) * 0");
                 self.push_line(section, &format!("tl.store({err} + {zero}, {zero} + 1, {bad} & {mask})"));
+                self.cse.insert(flagged, (bad.clone(), section));
             }
             None => return self.unsupported("index check without an error flag".into()),
         }

@@ -242,7 +242,8 @@ fn x_contiguous(k: &FusedKernel) -> bool {
 }
 
 /// Whether a flat kernel over `x0` (outer) and one inner variable should be tiled: some access
-/// is contiguous along `x0` while striding along the inner variable, so a 1-D block (consecutive
+/// is contiguous along `x0` (stride 1, or runs of at least a minimal column tile: a head's 64
+/// features of `x0 % 64`) while striding along the inner variable, so a 1-D block (consecutive
 /// inner indices) would read it one element per row.
 fn transposed_access(k: &FusedKernel) -> bool {
     let plan = &k.plan;
@@ -257,7 +258,8 @@ fn transposed_access(k: &FusedKernel) -> bool {
         let store = kn.body.store.iter().map(|st| &st.index);
         let loads = kn.body.exprs.iter().filter_map(|e| if let Expr::Load { index, .. } = e { Some(index) } else { None });
         store.chain(loads).any(|index| {
-            index.affine_coeff(y) == Some(1) && !matches!(index.affine_coeff(x), Some(0) | Some(1))
+            let along_y = index.affine_coeff(y) == Some(1) || unit_run(index, TILE) >= MIN_X_CONTIGUOUS_XBLOCK;
+            along_y && !matches!(index.affine_coeff(x), Some(0) | Some(1))
         })
     })
 }
