@@ -64,3 +64,48 @@ def test_training_gradients_with_decomposed_softmax_and_norms(monkeypatch):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
     # the training graphs reached ferrocore decomposed: no opaque normalization or softmax left
     assert seen and not any("layer_norm" in t or "softmax" in t for t in seen), seen
+
+
+def test_a_backward_writes_into_donated_saved_activations(capfd):
+    # the GEMM's saved result dies in tanh's gradient kernel, which reads it element for element:
+    # AOT autograd donates it, so the gradient takes its storage
+    torch.manual_seed(0)
+    a, w = torch.randn(64, 32), torch.randn(32, 48, requires_grad=True)
+
+    def f(t):
+        return torch.tanh(t @ w).sum()
+
+    f(a).backward()
+    want = w.grad.clone()
+    w.grad = None
+    torch._dynamo.reset()
+    torch.compile(f, backend="ferrocore", options={"logs": "fusion"})(a).backward()
+    torch.testing.assert_close(w.grad, want)
+    assert "is written into mm (its last reader" in capfd.readouterr().err
+    # kept for a second backward, the saved values are not donated and stay intact
+    w.grad = None
+    torch._dynamo.reset()
+    loss = torch.compile(f, backend="ferrocore")(a)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(w.grad, 2 * want)
+
+
+def test_a_donated_input_is_copied_before_it_is_written_when_its_storage_is_shared_or_short():
+    from ferrocore.runtime import owned_storage
+
+    t = torch.randn(4, 4)
+    view = t[1:]
+    assert owned_storage(t, 16) is not t and torch.equal(owned_storage(t, 16), t)
+    assert owned_storage(t, 16).stride() == t.stride()
+    del view
+    assert owned_storage(t, 16) is t
+    # a padded result written over the unpadded view needs the padding's room too
+    from ferrocore.runtime import reinterpret
+
+    base = torch.randn(4, 6)
+    corner = reinterpret(base, (4, 5), (6, 1), 0)  # as the wrapper returns it: no view of base
+    del base
+    assert owned_storage(corner, 24) is corner
+    roomy = owned_storage(corner, 32)
+    assert roomy is not corner and torch.equal(roomy, corner) and roomy.untyped_storage().nbytes() >= 32 * 4

@@ -57,7 +57,7 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
-        return _compile(graph, state.take(), overrides, training=True)
+        return _compile(graph, state.take(), overrides, training=True, donated=_donated_inputs())
 
     compiled = aot_autograd(
         # writes into inputs (batch-norm running statistics) stay in the graph as `copy_`,
@@ -176,6 +176,14 @@ def compile_graph(
     return lambda *args: boxed(list(args))
 
 
+def _donated_inputs() -> list:
+    """The backward's input positions AOT autograd donates: saved activations nothing else holds
+    once it calls the backward (none when the graph may run backward again: retain_graph)."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    return list(getattr(meta, "bw_donated_idxs", None) or [])
+
+
 def _needs_grad(example_inputs) -> bool:
     """Whether AOT autograd will trace a joint graph (as its own test does)."""
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
@@ -232,7 +240,7 @@ class _AotClock:
 
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
-             training: bool = False, free_layout: list | None = None) -> Callable:
+             training: bool = False, free_layout: list | None = None, donated: list | None = None) -> Callable:
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -258,7 +266,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         timings["padding"] = (time.perf_counter() - t) * 1e3
         start += time.perf_counter() - t
     try:
-        graph_json = serialize_graph(gm, name, output_strides, free_layout, padded)
+        graph_json = serialize_graph(gm, name, output_strides, free_layout, padded, donated)
         constants = lifted_constants(gm)
     except UnsupportedGraph as e:
         print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)

@@ -86,6 +86,23 @@ except ImportError:
     empty_strided_cuda = _empty_strided_current_cuda
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def owned_storage(t: torch.Tensor, extent: int) -> torch.Tensor:
+    """`t`, or a copy of it in storage of its own: a donated input that the program overwrites
+    after its last read must not be seen changing through another view of its storage (a
+    forward may save two views of one buffer), and must hold `extent` elements from its data
+    pointer (a padded result written over the unpadded view of a padded one)."""
+    storage = t.untyped_storage()
+    # the storage object made to ask holds a reference of its own
+    shared = _storage_use_count is None or _storage_use_count(storage._cdata) > 2
+    if not shared and storage.nbytes() >= (t.storage_offset() + extent) * t.element_size():
+        return t
+    own = torch.empty((extent,), dtype=t.dtype, device=t.device)
+    return own.as_strided(t.size(), t.stride()).copy_(t)
+
+
 def _reinterpret_as_strided(t: torch.Tensor, size, stride, offset) -> torch.Tensor:
     return t.as_strided(size, stride, t.storage_offset() + offset)
 

@@ -38,7 +38,8 @@ class UnsupportedGraph(Exception):
 
 
 def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output_strides: dict | None = None,
-                    free_layout_outputs: list | None = None, padded_matmuls: dict | None = None) -> str:
+                    free_layout_outputs: list | None = None, padded_matmuls: dict | None = None,
+                    donated_inputs: list | None = None) -> str:
     """The JSON document for `gm`, named `name`. Lifted tensor constants (`get_attr` nodes)
     become extra inputs after the graph's own: call with `args + lifted_constants(gm)`.
     `output_strides` ({node name: stride}) replaces the metadata strides of output nodes that
@@ -46,8 +47,11 @@ def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output
     the output positions whose layout the compiler may choose (activations a forward graph saves
     for its backward, which is compiled for the strides the forward reports). `padded_matmuls`
     ({GEMM node name: why}) names the GEMMs measured faster on padded operands
-    (`padding.padded_matmuls`)."""
+    (`padding.padded_matmuls`). `donated_inputs` lists the input positions whose storage the
+    compiled graph may overwrite after their last read (a backward's donated saved tensors)."""
     doc = graph_to_dict(gm, name)
+    if donated_inputs:
+        doc["donated_inputs"] = sorted(int(i) for i in donated_inputs)
     if free_layout_outputs:
         doc["free_layout_outputs"] = sorted(int(i) for i in free_layout_outputs)
     if padded_matmuls:

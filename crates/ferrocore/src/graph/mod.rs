@@ -128,6 +128,9 @@ pub struct Graph {
     pub free_layout_outputs: Vec<usize>,
     /// GEMM nodes the front measured faster on padded operands, with what it measured.
     pub padded_matmuls: std::collections::HashMap<String, String>,
+    /// Input positions the caller hands over (a backward's saved activations, which AOT autograd
+    /// drops as it calls): their storage may hold a result once they are read for the last time.
+    pub donated_inputs: Vec<usize>,
 }
 
 impl Graph {

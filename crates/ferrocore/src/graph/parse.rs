@@ -20,7 +20,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     let name = doc.get("name").and_then(Value::as_str).unwrap_or("graph").to_string();
     let raw_nodes = doc.get("nodes").and_then(Value::as_array).ok_or_else(|| err(None, "missing 'nodes' list"))?;
 
-    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new(), padded_matmuls: HashMap::new() };
+    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new(), padded_matmuls: HashMap::new(), donated_inputs: Vec::new() };
     let mut by_name: HashMap<String, NodeId> = HashMap::new();
     let mut saw_output = false;
     for raw in raw_nodes {
@@ -94,18 +94,8 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     if !saw_output {
         return Err(err(None, "graph has no output node"));
     }
-    match doc.get("free_layout_outputs") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(items)) => {
-            for it in items {
-                match it.as_u64() {
-                    Some(i) if (i as usize) < g.outputs.len() => g.free_layout_outputs.push(i as usize),
-                    _ => return Err(err(Some("output"), format!("free_layout_outputs: {it} is not an output position"))),
-                }
-            }
-        }
-        Some(_) => return Err(err(Some("output"), "free_layout_outputs must be a list of output positions")),
-    }
+    g.free_layout_outputs = positions(&doc, "free_layout_outputs", g.outputs.len(), Some("output"), "output")?;
+    g.donated_inputs = positions(&doc, "donated_inputs", g.inputs.len(), None, "input")?;
     match doc.get("padded_matmuls") {
         None | Some(Value::Null) => {}
         Some(Value::Object(items)) => {
@@ -119,6 +109,21 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
         Some(_) => return Err(err(None, "padded_matmuls must map node names to reasons")),
     }
     Ok(g)
+}
+
+/// The list of positions below `count` under `key` (absent: none).
+fn positions(doc: &Value, key: &str, count: usize, node: Option<&str>, what: &str) -> Result<Vec<usize>, ImportError> {
+    match doc.get(key) {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|it| match it.as_u64() {
+                Some(i) if (i as usize) < count => Ok(i as usize),
+                _ => Err(err(node, format!("{key}: {it} is not an {what} position"))),
+            })
+            .collect(),
+        Some(_) => Err(err(node, format!("{key} must be a list of {what} positions"))),
+    }
 }
 
 fn parse_meta(v: &Value, node: &str) -> Result<Meta, ImportError> {

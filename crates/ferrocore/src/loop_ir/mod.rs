@@ -205,6 +205,12 @@ pub struct LoopProgram {
     pub inputs: Vec<BufferId>,
     pub input_names: Vec<String>,
     pub outputs: Vec<OutputValue>,
+    /// Inputs whose storage the program may write once it has read them for the last time
+    /// (`Graph::donated_inputs`; the wrapper copies one whose storage something else shares).
+    pub donated: Vec<BufferId>,
+    /// Elements a donated input's storage must hold from its data pointer, where a result larger
+    /// than the input's view (padded rows) takes its storage.
+    pub donated_extent: Vec<(BufferId, i64)>,
 }
 
 impl LoopProgram {

@@ -226,6 +226,9 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         let layout = Layout { size: t.shape.clone(), stride: t.stride.clone(), offset: 0, dtype: t.dtype, device: t.device.clone() };
         let buf = cx.prog.add_buffer(layout.clone(), BufferSource::Input(i));
         cx.prog.inputs.push(buf);
+        if graph.donated_inputs.contains(&i) {
+            cx.prog.donated.push(buf);
+        }
         cx.values[id.0 as usize] = Some(Lowered::Tensor(view_of_layout(buf, &layout)));
     }
     let mut mutations = Vec::new();

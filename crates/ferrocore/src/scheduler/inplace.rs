@@ -25,17 +25,19 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
             let Some(store) = kn.body.store.as_ref().filter(|st| !st.is_scatter()) else { continue };
             let p = &s.program;
             let owned = |b: BufferId| p.buffer(b).source == BufferSource::Computed && s.storage[b.0 as usize] == Storage::Allocated;
-            if !owned(out) || writers[out.0 as usize].len() != 1 || renames.iter().any(|(_, x)| *x == out) {
+            // other writers of `out`: only fills of a padded result's padding may stay (below)
+            let fills: Vec<usize> = p.nodes.iter().enumerate().filter(|(j, n)| n.output == out && *j != kn.node).map(|(j, _)| j).collect();
+            if !owned(out) || writers[out.0 as usize].len() != 1 + fills.len() || renames.iter().any(|(_, x)| *x == out) {
                 continue;
             }
             let dying = p.nodes[kn.node].reads().into_iter().map(|(b, _)| b).find(|&x| {
-                owned(x)
+                (owned(x) || p.donated.contains(&x))
                     && x != out
                     && !pinned[x.0 as usize]
                     && last_use[x.0 as usize] == Some(i)
                     && written_here[x.0 as usize] != Some(i)
                     && writers[x.0 as usize].iter().all(|&w| w < i)
-                    && p.buffer(x).layout == p.buffer(out).layout
+                    && storage_fits(p, x, out, &fills)
                     && !renames.iter().any(|(_, y)| *y == x)
                     && reads_only_at(&kn.body, x, &store.index)
                     && k.plan.nodes.iter().enumerate().all(|(q, other)| q == pos || !reads(&other.body, x))
@@ -51,6 +53,10 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
                 s.program.buffer(x).name
             ));
             last_use[x.0 as usize] = last_use[out.0 as usize].max(Some(i));
+            if s.program.donated.contains(&x) {
+                let extent = s.program.buffer(out).layout.storage_numel();
+                s.program.donated_extent.push((x, extent));
+            }
             rename(s, out, x);
         }
     }
@@ -58,7 +64,8 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
 }
 
 /// Per buffer: the last item that reads or writes it, the items that write it, and whether the
-/// graph returns it or takes it as input (then its storage is never taken).
+/// graph returns it or takes it as input (then its storage is never taken; a donated input's may
+/// be, after its last read).
 fn uses(s: &Schedule) -> (Vec<Option<usize>>, Vec<Vec<usize>>, Vec<bool>) {
     let p = &s.program;
     let n = p.buffers.len();
@@ -91,10 +98,77 @@ fn uses(s: &Schedule) -> (Vec<Option<usize>>, Vec<Vec<usize>>, Vec<bool>) {
             pinned[b.0 as usize] = true;
         }
     }
-    for b in &p.inputs {
+    for b in p.inputs.iter().filter(|b| !p.donated.contains(b)) {
         pinned[b.0 as usize] = true;
     }
     (last, writers, pinned)
+}
+
+/// Whether `out` (and the fills of its padding, `fills`) can live in `x`'s storage: the same
+/// layout, or for a donated input the unpadded corner of `out`'s padded rows.
+fn storage_fits(p: &LoopProgram, x: BufferId, out: BufferId, fills: &[usize]) -> bool {
+    let (xl, ol) = (&p.buffer(x).layout, &p.buffer(out).layout);
+    if fills.is_empty() && xl == ol {
+        return true;
+    }
+    p.donated.contains(&x)
+        && corner_of(xl, ol)
+        && !used_whole(p, out)
+        && fills.iter().all(|&j| !reads(&p.nodes[j].body, x) && writes_outside(&p.nodes[j], xl, ol))
+}
+
+/// `x` is the leading corner of `out` (same strides, no larger): the unpadded view of padded
+/// rows, which a donated input's storage holds when the padded result it was read from had them.
+fn corner_of(x: &Layout, out: &Layout) -> bool {
+    x.dtype == out.dtype && x.device == out.device && x.offset == 0 && out.offset == 0 && x.stride == out.stride
+        && x.size.len() == out.size.len() && x.size.iter().zip(&out.size).all(|(a, b)| a <= b)
+}
+
+/// Every element `node` stores into `out`'s storage lies outside the view `x` (padding), checked
+/// point by point over loops of at most 2^20 iterations.
+fn writes_outside(node: &LoopNode, x: &Layout, out: &Layout) -> bool {
+    let Some(store) = node.body.store.as_ref().filter(|st| !st.is_scatter()) else { return false };
+    let points: i64 = node.ranges.iter().product();
+    if points > 1 << 20 || node.ranges.iter().any(|&r| r <= 0) {
+        return false;
+    }
+    let mut dims: Vec<usize> = (0..out.size.len()).collect();
+    dims.sort_by_key(|&d| std::cmp::Reverse(out.stride[d]));
+    let mut at = vec![0i64; node.ranges.len()];
+    for _ in 0..points {
+        let mut flat = store.index.eval(&at) - out.offset as i128;
+        let mut inside = true;
+        for &d in &dims {
+            let i = flat.div_euclid(out.stride[d].max(1) as i128);
+            flat = flat.rem_euclid(out.stride[d].max(1) as i128);
+            inside &= i < x.size[d] as i128;
+        }
+        if inside {
+            return false;
+        }
+        for k in (0..at.len()).rev() {
+            at[k] += 1;
+            if at[k] < node.ranges[k] {
+                break;
+            }
+            at[k] = 0;
+        }
+    }
+    true
+}
+
+/// Whether a library call or the graph's outputs take buffer `b` as a whole tensor (its own
+/// layout): renamed to a smaller view, it would arrive with that view's size.
+fn used_whole(p: &LoopProgram, b: BufferId) -> bool {
+    fn whole(a: &ExternArg, b: BufferId) -> bool {
+        match a {
+            ExternArg::Buffer(x) => *x == b,
+            ExternArg::List(items) => items.iter().any(|i| whole(i, b)),
+            _ => false,
+        }
+    }
+    p.externs.iter().any(|x| x.args.iter().chain(x.kwargs.iter().map(|(_, a)| a)).any(|a| whole(a, b)))
+        || p.outputs.iter().any(|o| matches!(o, OutputValue::Buffer(x) if *x == b))
 }
 
 fn reads(body: &LoopBody, x: BufferId) -> bool {

@@ -237,7 +237,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
     match kernels.language {
         KernelLanguage::Cpp => {
-            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, reinterpret, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, owned_storage, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
                 // the string must equal the compiled source byte for byte: it is the cache key
                 m.push_str("KERNEL_SOURCE = r'''");
@@ -250,7 +250,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         }
         KernelLanguage::Triton => {
             // the kernels are defined here: Triton compiles them at their first launch
-            m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, reinterpret, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, owned_storage, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
                 m.push_str(&kernels.source);
             }
@@ -341,6 +341,13 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     if !names.is_empty() {
         // the list would keep every input alive until the call returns
         m.push_str("    args.clear()\n");
+    }
+    // donated inputs that kernels write in place: a private copy where a view shares the storage
+    for b in p.donated.iter().filter(|b| p.nodes.iter().any(|n| n.output == **b)) {
+        let name = &p.buffer(*b).name;
+        let own = p.buffer(*b).layout.storage_numel();
+        let extent = p.donated_extent.iter().filter(|(x, _)| x == b).map(|(_, e)| *e).fold(own, i64::max);
+        let _ = writeln!(m, "    {name} = owned_storage({name}, {extent})");
     }
     match flag_device {
         Some(_) if gpu_flag => m.push_str("    _index_error = _INDEX_CHECK.begin() if index_flag is None else index_flag\n"),
