@@ -49,6 +49,12 @@ fn n(name: &str) -> String {
     format!(r#"{{"node":"{name}"}}"#)
 }
 
+/// The arguments of a reduction of `src` over `dim` (sum.dim_IntList, amax).
+fn over(src: &str, dim: i64, keepdim: bool) -> String {
+    let keep = if keepdim { r#",{"bool":true}"# } else { "" };
+    format!(r#"{},{{"list":[{{"int":{dim}}}]}}{keep}"#, n(src))
+}
+
 fn check(golden: &str, actual: &str) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden").join(golden);
     if std::env::var("UPDATE_EXPECT").is_ok() {
@@ -79,7 +85,7 @@ fn relu_add_sum_is_one_kernel() {
         .input("x", &[8, 32], "float32")
         .call("relu", "aten.relu.default", &n("x"), &meta(&[8, 32], "float32"))
         .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("relu")), &meta(&[8, 32], "float32"))
-        .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":-1}}]}}"#, n("add")), &meta(&[8], "float32"))
+        .call("sum_1", "aten.sum.dim_IntList", &over("add", -1, false), &meta(&[8], "float32"))
         .output(&["sum_1"]);
     let (pre, post, src, k) = stages(&doc);
     assert_eq!(k, 1);
@@ -178,8 +184,8 @@ fn horizontal_fusion_shares_one_pass_over_the_input() {
     // sum and amax of the same rows: one kernel, one loop group with two accumulators
     let doc = G::new()
         .input("x", &[32, 128], "float32")
-        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("x")), &meta(&[32], "float32"))
-        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("x")), &meta(&[32], "float32"))
+        .call("s", "aten.sum.dim_IntList", &over("x", 1, false), &meta(&[32], "float32"))
+        .call("m", "aten.amax.default", &over("x", 1, false), &meta(&[32], "float32"))
         .output(&["s", "m"]);
     let (_, post, _, k) = stages(&doc);
     assert_eq!(k, 1, "{post}");
@@ -194,7 +200,7 @@ fn small_results_lowered_last_join_the_kernel_that_computes_what_they_read() {
     for i in 0..40 {
         g = g.input(&format!("y{i}"), &[512, 512], "float32");
     }
-    g = g.call("m", "aten.mean.dim", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[256], "float32"));
+    g = g.call("m", "aten.mean.dim", &over("x", 0, false), &meta(&[256], "float32"));
     let mut outs = vec!["m".to_string()];
     for i in 0..40 {
         g = g.call(&format!("z{i}"), "aten.neg.default", &n(&format!("y{i}")), &meta(&[512, 512], "float32"));
@@ -216,7 +222,7 @@ fn a_large_output_lowered_last_keeps_apart_from_a_large_temporary() {
     let doc = G::new()
         .input("x", &[512, 512], "float32")
         .input("w", &[512, 512], "float32")
-        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}},{{"bool":true}}"#, n("x")), &meta(&[512, 1], "float32"))
+        .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[512, 1], "float32"))
         .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[512, 512], "float32"))
         .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[512, 512], "float32"))
         .call("y", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[512, 512], "float32"))
@@ -293,8 +299,8 @@ fn triton_source_of_fused_pointwise_and_reduction_kernels() {
         .input("y", &[4, 10000], "float16")
         .call("relu", "aten.relu.default", &n("x"), &meta(&[8, 32], "float32"))
         .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("relu")), &meta(&[8, 32], "float32"))
-        .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":-1}}]}}"#, n("add")), &meta(&[8], "float32"))
-        .call("amax", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("y")), &meta(&[4], "float16"))
+        .call("sum_1", "aten.sum.dim_IntList", &over("add", -1, false), &meta(&[8], "float32"))
+        .call("amax", "aten.amax.default", &over("y", 1, false), &meta(&[4], "float16"))
         .call("mul", "aten.mul.Tensor", &format!("{},{}", n("add"), n("add")), &meta(&[8, 32], "float32"))
         .output(&["sum_1", "amax", "mul"]);
     let (src, launches) = triton_kernels(&doc);
@@ -403,7 +409,7 @@ fn triton_index_math_is_int64_only_past_int32() {
     let small = G::new()
         .input("x", &[4, 1024], "float32")
         .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1024], "float32"))
-        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[1024], "float32"))
+        .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[1024], "float32"))
         .output(&["m", "s"]);
     let (src, _) = triton_kernels(&small);
     assert!(!src.contains("tl.int64"), "{src}");
@@ -411,7 +417,7 @@ fn triton_index_math_is_int64_only_past_int32() {
     let big = G::new()
         .input("x", &[4, 1 << 30], "float32")
         .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1 << 30], "float32"))
-        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("x")), &meta(&[1 << 30], "float32"))
+        .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[1 << 30], "float32"))
         .output(&["m", "s"]);
     let (src, launches) = triton_kernels(&big);
     for l in &launches {
@@ -429,7 +435,7 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
         .input("x", &[1024, 1024], "float32")
         .input("y", &[1000000, 3], "float16")
         .call("mean", "aten.mean.default", &n("x"), &meta(&[], "float32"))
-        .call("sum_1", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("y")), &meta(&[3], "float16"))
+        .call("sum_1", "aten.sum.dim_IntList", &over("y", 0, false), &meta(&[3], "float16"))
         .output(&["mean", "sum_1"]);
     let g = parse_graph(&doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
@@ -468,7 +474,7 @@ fn split_column_sums_read_along_the_columns() {
     // [S, 64] flatten into x0, whose loads are contiguous along x0 in runs of 64 columns
     let doc = G::new()
         .input("y", &[262144, 64], "bfloat16")
-        .call("s", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("y")), &meta(&[64], "bfloat16"))
+        .call("s", "aten.sum.dim_IntList", &over("y", 0, false), &meta(&[64], "bfloat16"))
         .output(&["s"]);
     let g = parse_graph(&doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
@@ -485,7 +491,7 @@ fn long_variances_take_one_pass_for_the_gpu() {
     // var over rows of 10000: two reduction loops over x become one (mean + Welford M2)
     let doc = G::new()
         .input("x", &[512, 10000], "float32")
-        .call("v", "aten.var.correction", &format!(r#"{},{{"list":[{{"int":1}}]}}"#, n("x")), &meta(&[512], "float32"))
+        .call("v", "aten.var.correction", &over("x", 1, false), &meta(&[512], "float32"))
         .output(&["v"]);
     let g = parse_graph(&doc).unwrap();
     let opts = (TritonBackend { cpu_tensors: true }).schedule_options();
@@ -591,7 +597,7 @@ fn a_value_only_gathered_is_computed_at_the_gathered_positions() {
         .input("x", &[4, 16, 100], "float32")
         .input("idx", &[64, 1], "int64")
         .call("v", "aten.view.default", &format!(r#"{},{{"list":[{{"int":64}},{{"int":100}}]}}"#, n("x")), &meta(&[64, 100], "float32"))
-        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":1}}]}},{{"bool":true}}"#, n("v")), &meta(&[64, 1], "float32"))
+        .call("m", "aten.amax.default", &over("v", 1, true), &meta(&[64, 1], "float32"))
         .call("s", "aten.sub.Tensor", &format!("{},{}", n("v"), n("m")), &meta(&[64, 100], "float32"))
         .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, n("s"), n("idx")), &meta(&[64, 1], "float32"))
         .output(&["g"]);
@@ -608,10 +614,10 @@ fn a_value_read_through_a_view_by_a_library_call_and_returned_is_computed_once()
     let doc = G::new()
         .input("s", &[2, 4, 8, 8], "float32")
         .input("v", &[8, 8, 16], "float32")
-        .call("m", "aten.amax.default", &format!(r#"{},{{"list":[{{"int":-1}}]}},{{"bool":true}}"#, n("s")), &meta(&[2, 4, 8, 1], "float32"))
+        .call("m", "aten.amax.default", &over("s", -1, true), &meta(&[2, 4, 8, 1], "float32"))
         .call("d", "aten.sub.Tensor", &format!("{},{}", n("s"), n("m")), &meta(&[2, 4, 8, 8], "float32"))
         .call("e", "aten.exp.default", &n("d"), &meta(&[2, 4, 8, 8], "float32"))
-        .call("z", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":-1}}]}},{{"bool":true}}"#, n("e")), &meta(&[2, 4, 8, 1], "float32"))
+        .call("z", "aten.sum.dim_IntList", &over("e", -1, true), &meta(&[2, 4, 8, 1], "float32"))
         .call("p", "aten.div.Tensor", &format!("{},{}", n("e"), n("z")), &meta(&[2, 4, 8, 8], "float32"))
         .call("pv", "aten.view.default", &format!(r#"{},{{"list":[{{"int":8}},{{"int":8}},{{"int":8}}]}}"#, n("p")), &meta(&[8, 8, 8], "float32"))
         .call("o", "aten.bmm.default", &format!("{},{}", n("pv"), n("v")), &meta(&[8, 8, 16], "float32"))

@@ -208,9 +208,9 @@ pub struct LoopProgram {
     /// Inputs whose storage the program may write once it has read them for the last time
     /// (`Graph::donated_inputs`; the wrapper copies one whose storage something else shares).
     pub donated: Vec<BufferId>,
-    /// Elements a donated input's storage must hold from its data pointer, where a result larger
-    /// than the input's view (padded rows) takes its storage.
-    pub donated_extent: Vec<(BufferId, i64)>,
+    /// Donated inputs that results are written over (once each), with the elements its storage
+    /// must hold from its data pointer (more than its view where a padded result takes it).
+    pub donated_writes: Vec<(BufferId, i64)>,
 }
 
 impl LoopProgram {

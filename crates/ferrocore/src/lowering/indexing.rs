@@ -63,6 +63,16 @@ fn checked_index(bx: &mut Bx, index: &TensorValue, idx: &[IndexExpr], size: i64,
     bx.body.check_index(v, size, wrap)
 }
 
+/// The checked position along `dim` (of `size`) that output element `idx` reads: gather's index
+/// tensor has the output's shape, index_select's one entry per position along `dim`.
+fn gathered_position(bx: &mut Bx, ind: &TensorValue, idx: &[IndexExpr], dim: usize, size: i64, gather: bool) -> ValueId {
+    if gather {
+        return checked_index(bx, ind, idx, size, false);
+    }
+    let ii = if ind.size.is_empty() { vec![] } else { vec![idx[dim].clone()] };
+    checked_index(bx, ind, &ii, size, false)
+}
+
 impl Ctx<'_> {
     pub(super) fn lower_gather(&mut self, op: AtenOp) -> LResult<TensorValue> {
         let out = self.out_meta()?.clone();
@@ -124,10 +134,7 @@ impl Ctx<'_> {
                     });
                 }
                 Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let i = if gather { checked_index(bx, &ind, idx, sizes[dim], false) } else {
-                        let ii = if ind.size.is_empty() { vec![] } else { vec![idx[dim].clone()] };
-                        checked_index(bx, &ind, &ii, sizes[dim], false)
-                    };
+                    let i = gathered_position(bx, &ind, idx, dim, sizes[dim], gather);
                     let mut base = IndexExpr::constant(offset);
                     for d in (0..rank).filter(|&d| d != dim) {
                         base = base.add(&idx[d].scale(stride[d]));
@@ -164,10 +171,7 @@ impl Ctx<'_> {
         let gather = op == AtenOp::Gather;
         let (src, size) = (src.clone(), src.size[dim]);
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-            let at = if gather { checked_index(bx, &ind, idx, size, false) } else {
-                let ii = if ind.size.is_empty() { vec![] } else { vec![idx[dim].clone()] };
-                checked_index(bx, &ind, &ii, size, false)
-            };
+            let at = gathered_position(bx, &ind, idx, dim, size, gather);
             load_at_runtime_index(bx, &src, idx, dim, at)
         });
         let (reads, ops) = (2, 3);

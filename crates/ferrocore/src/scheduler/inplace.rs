@@ -54,8 +54,11 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
             ));
             last_use[x.0 as usize] = last_use[out.0 as usize].max(Some(i));
             if s.program.donated.contains(&x) {
-                let extent = s.program.buffer(out).layout.storage_numel();
-                s.program.donated_extent.push((x, extent));
+                let extent = s.program.buffer(out).layout.storage_numel().max(s.program.buffer(x).layout.storage_numel());
+                match s.program.donated_writes.iter_mut().find(|(b, _)| *b == x) {
+                    Some((_, e)) => *e = (*e).max(extent),
+                    None => s.program.donated_writes.push((x, extent)),
+                }
             }
             rename(s, out, x);
         }

@@ -342,12 +342,10 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         // the list would keep every input alive until the call returns
         m.push_str("    args.clear()\n");
     }
-    // donated inputs that kernels write in place: a private copy where a view shares the storage
-    for b in p.donated.iter().filter(|b| p.nodes.iter().any(|n| n.output == **b)) {
-        let name = &p.buffer(*b).name;
-        let own = p.buffer(*b).layout.storage_numel();
-        let extent = p.donated_extent.iter().filter(|(x, _)| x == b).map(|(_, e)| *e).fold(own, i64::max);
-        let _ = writeln!(m, "    {name} = owned_storage({name}, {extent})");
+    // donated inputs that results are written over: a private copy where a view shares the
+    // storage or it is too short
+    for &(b, extent) in &p.donated_writes {
+        let _ = writeln!(m, "    {0} = owned_storage({0}, {extent})", p.buffer(b).name);
     }
     match flag_device {
         Some(_) if gpu_flag => m.push_str("    _index_error = _INDEX_CHECK.begin() if index_flag is None else index_flag\n"),
