@@ -441,6 +441,12 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
         return row
     try:
         timed = interleaved(runners, opts.reps, opts.warmup, opts.device)
+        if "ferrocore" in runners:
+            # CUDA graph events up to the end of the timed calls: did they replay?
+            import ferrocore
+
+            t = ferrocore.metrics.total
+            row.ferrocore.update({k: v for k, v in t.items() if k.startswith("cudagraph_")})
         row.runtime_ms = {k: v[0] for k, v in timed.items()}
         row.host_ms = {k: v[1] for k, v in timed.items()}
         # the timed calls were replays (CUDA graphs) or steady-state calls: check one again

@@ -6,6 +6,8 @@ the CPU with a stand-in for the captured graph; the CUDA tests record real graph
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -58,15 +60,15 @@ class _StandInGraph:
             dst.copy_(src)
 
 
-def _stand_in_runner(fn):
-    runner = cudagraphs.CudaGraphRunner(lambda args: fn(args), "graph_test", torch.device("cpu"))
+def _stand_in_runner(fn, copied=(), saved=()):
+    runner = cudagraphs.CudaGraphRunner(lambda args: fn(args), "graph_test", torch.device("cpu"), copied=copied, saved=saved)
 
-    def record(args):
+    def capture(static, kw):
         # pool outputs are new memory; an input returned as an output stays the input
-        outs = [t if any(t is a for a in args) else t.clone() for t in fn(list(args))]
-        return cudagraphs._Recording(_StandInGraph(fn, list(args), outs), outs, cudagraphs._output_plan(outs, args))
+        outs = [t if any(t is a for a in static) else t.clone() for t in fn(list(static))]
+        return _StandInGraph(fn, list(static), outs), outs
 
-    runner._record = record
+    runner._capture = capture
     return runner
 
 
@@ -116,6 +118,43 @@ def test_new_input_addresses_record_again():
     assert d["cudagraph_recordings"] == len(xs) and len(runner.recordings) == cudagraphs.MAX_KEYS
 
 
+def test_copied_inputs_replay_at_new_addresses():
+    # a batch is copied into the recording's buffer: new batches replay, parameters are keyed
+    runner = _stand_in_runner(lambda a: [a[0] * a[1], a[0]], copied=[0])
+    w = torch.arange(3.0)
+    before = _counts()
+    runner([torch.ones(3), w])
+    for i in range(4):
+        x = torch.full((3,), float(i))
+        out = runner([x, w])
+        torch.testing.assert_close(out[0], x * w)
+        assert out[1].data_ptr() == x.data_ptr()  # an input returned is the caller's tensor
+        del out
+    d = _delta(before)
+    assert (d["cudagraph_recordings"], d["cudagraph_replays"]) == (1, 3), d
+    runner([torch.ones(3), torch.arange(3.0)])  # a parameter elsewhere: recorded again
+    assert _delta(before)["cudagraph_recordings"] == 2
+
+
+def test_a_saved_copied_input_is_the_recordings_copy():
+    # a forward saves its batch for the backward: handed out as the recording's copy (one address
+    # for the backward's recording), and never overwritten while autograd holds it
+    runner = _stand_in_runner(lambda a: [a[0] * 2, a[0]], copied=[0], saved=[1])
+    before = _counts()
+    runner([torch.ones(3)])
+    x = torch.full((3,), 5.0)
+    first = runner([x])
+    assert first[1].data_ptr() != x.data_ptr()
+    torch.testing.assert_close(first[1], x)
+    again = runner([torch.full((3,), 7.0)])  # `first` holds the copy: generation 2
+    torch.testing.assert_close(first[1], x)
+    torch.testing.assert_close(again[0], torch.full((3,), 14.0))
+    assert _delta(before)["cudagraph_recordings"] == 2
+    del first, again
+    runner([torch.full((3,), 9.0)])
+    assert _delta(before)["cudagraph_replays"] == 1
+
+
 @cuda
 def test_reduce_overhead_replays_cuda_graphs():
     torch._dynamo.reset()
@@ -151,14 +190,27 @@ def test_reduce_overhead_random_ops_draw_anew_each_replay():
 
 
 @cuda
-def test_reduce_overhead_training_graphs_run_plainly(capfd):
+def test_reduce_overhead_records_forward_and_backward():
+    # a training step: the forward's saved activations stay in its pool for the backward's
+    # recording; a new batch each step replays both
     torch._dynamo.reset()
-    w = torch.randn(8, device="cuda", requires_grad=True)
-    g = torch.compile(lambda x: (x * w).sum(), backend="ferrocore", mode="reduce-overhead")
-    x = torch.randn(8, device="cuda")
-    g(x).backward()
-    torch.testing.assert_close(w.grad, x)
-    assert "runs without CUDA graphs: a training graph" in capfd.readouterr().err
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).cuda()
+    ref = copy.deepcopy(model)
+    g = torch.compile(model, backend="ferrocore", mode="reduce-overhead")
+    before = _counts()
+    for step in range(5):
+        x = torch.randn(16, 32, device="cuda")
+        loss = g(x).square().mean()
+        loss.backward()
+        expected = ref(x).square().mean()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+            p.grad, q.grad = None, None
+    d = _delta(before)
+    # steps 2..4 replay both graphs: the saved batch is the forward recording's copy
+    assert (d["cudagraph_recordings"], d["cudagraph_replays"]) == (2, 6), d
 
 
 @cuda

@@ -71,8 +71,8 @@ def test_a_module_naming_a_hazard_is_not_recorded():
         CUDAGRAPH_UNSAFE = "ATen fallback torch.ops.aten.foo.default of unknown capture safety"
 
     cuda = torch.device("cuda:0")
-    assert "unknown capture safety" in cg.blocker(Module, cuda, [], False, False)
-    assert cg.blocker(object(), cuda, [], False, False) is None
+    assert "unknown capture safety" in cg.blocker(Module, cuda, [], False)
+    assert cg.blocker(object(), cuda, [], False) is None
 
 
 @pytest.mark.parametrize("shapes", [((6, 13), (21, 13)), ((32, 64), (50, 64))])

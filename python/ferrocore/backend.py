@@ -37,7 +37,7 @@ AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
 def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
     """Dynamo backend. `options=` (a dict) overrides env options; `mode="reduce-overhead"`
-    records GPU inference graphs as CUDA graphs, "max-autotune-no-cudagraphs" times each Triton
+    records GPU graphs (inference, forward and backward) as CUDA graphs, "max-autotune-no-cudagraphs" times each Triton
     kernel's candidate configurations, "max-autotune" does both; other arguments are ignored."""
     overrides = dict(kwargs.get("options") or {})
     if kwargs.get("mode") in CUDAGRAPH_MODES:
@@ -49,7 +49,8 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
     def forward(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=False)
-        return _compile(graph, state.take(), overrides, strides, training=True, free_layout=_saved_outputs(graph))
+        saved = _saved_outputs(graph)
+        return _compile(graph, state.take(), overrides, strides, free_layout=_free_layout(saved), saved=saved)
 
     def inference(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=True)
@@ -57,7 +58,7 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
-        return _compile(graph, state.take(), overrides, training=True, donated=_donated_inputs())
+        return _compile(graph, state.take(), overrides, donated=_donated_inputs(), backward=True)
 
     compiled = aot_autograd(
         # writes into inputs (batch-norm running statistics) stay in the graph as `copy_`,
@@ -75,15 +76,21 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
 def _saved_outputs(graph: torch.fx.GraphModule) -> list:
     """Positions of a forward graph's outputs that only its backward reads (saved activations,
-    after the mutated inputs and user outputs): their layout is ferrocore's to choose, and AOT
-    autograd compiles the backward for the strides the forward reports (`_report_output_strides`)."""
+    after the mutated inputs and user outputs)."""
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
     returns = getattr(meta, "num_forward_returns", None)
-    if returns is None or getattr(ctx, "output_strides", None) is None:
+    if returns is None:
         return []
     outs = torch.utils._pytree.arg_tree_leaves(*graph.graph.output_node().args)
     return list(range(returns, len(outs)))
+
+
+def _free_layout(saved: list) -> list:
+    """The saved activations whose layout is ferrocore's to choose: AOT autograd compiles the
+    backward for the strides the forward reports (`_report_output_strides`)."""
+    ctx = torch._guards.TracingContext.try_get()
+    return saved if ctx is not None and getattr(ctx, "output_strides", None) is not None else []
 
 
 def _report_output_strides(result: dict) -> None:
@@ -184,6 +191,38 @@ def _donated_inputs() -> list:
     return list(getattr(meta, "bw_donated_idxs", None) or [])
 
 
+def _copied_inputs(gm: torch.fx.GraphModule, backward: bool) -> list:
+    """Inputs a CUDA graph copies into buffers of its own before each replay instead of reading
+    them where they live: a forward's or inference graph's inputs other than parameters and
+    buffers (AOT autograd's `static_input_indices`: a new batch each step still replays), a
+    backward's incoming gradients. Inputs the graph writes into are read where they live. None
+    outside torch.compile (`compile_graph`)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if backward:
+        copied = {i for i, n in enumerate(placeholders) if n.name.startswith("tangents")}
+    else:
+        ctx = torch._guards.TracingContext.try_get()
+        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+        static = getattr(meta, "static_input_indices", None)
+        if static is None:
+            return []
+        copied = set(range(len(placeholders))) - set(static)
+    return sorted(i for i in copied if not _written(placeholders[i]))
+
+
+def _written(placeholder: torch.fx.Node) -> bool:
+    """Whether an op of the graph writes into this input (its schema marks the argument)."""
+    for user in placeholder.users:
+        schema = getattr(user.target, "_schema", None)
+        if schema is None:
+            continue
+        passed = list(zip(schema.arguments, user.args)) + [(a, user.kwargs[a.name]) for a in schema.arguments
+                                                           if a.name in user.kwargs]
+        if any(v is placeholder and a.alias_info is not None and a.alias_info.is_write for a, v in passed):
+            return True
+    return False
+
+
 def _needs_grad(example_inputs) -> bool:
     """Whether AOT autograd will trace a joint graph (as its own test does)."""
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
@@ -240,7 +279,8 @@ class _AotClock:
 
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
-             training: bool = False, free_layout: list | None = None, donated: list | None = None) -> Callable:
+             free_layout: list | None = None, donated: list | None = None, backward: bool = False,
+             saved: list | None = None) -> Callable:
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -321,7 +361,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         from . import cudagraphs
 
         inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        why = cudagraphs.blocker(module, device, inputs_meta, training, bool(host_scalars))
+        why = cudagraphs.blocker(module, device, inputs_meta, bool(host_scalars))
         if why is not None:
             graphed = False
             print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
@@ -343,7 +383,8 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             return inner(args, **kw)
 
     if graphed:
-        call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False))
+        call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False),
+                                          copied=_copied_inputs(gm, backward), saved=saved or ())
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
 

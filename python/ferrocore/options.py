@@ -40,7 +40,7 @@ def build_options(overrides: dict | None = None) -> dict:
         "debug_dir": _abspath(debug_dir) if debug_dir else None,
         "cxx": os.environ.get("CXX") or "g++",
         "backend": (os.environ.get("FERROCORE_BACKEND") or "auto").strip().lower(),
-        # CUDA graphs for GPU inference graphs (mode="reduce-overhead"); read by the front only
+        # CUDA graphs for GPU graphs (mode="reduce-overhead"); read by the front only
         "cudagraphs": _flag(os.environ.get("FERROCORE_CUDAGRAPHS", "")),
         # time each Triton kernel's candidate configurations (mode="max-autotune"); front only
         "autotune": _flag(os.environ.get("FERROCORE_AUTOTUNE", "")),

@@ -508,6 +508,66 @@ fn long_variances_take_one_pass_for_the_gpu() {
     assert!(schedule(lower_graph(&g).unwrap().program).unwrap().decisions.iter().all(|d| !d.starts_with("welford:")));
 }
 
+#[test]
+fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
+    // a scalar sum and a relu of the same 65536 elements: one program would loop over all of
+    // the relu's elements in the sum's kernel; beside a row sum (256 programs) it joins
+    let doc = G::new()
+        .input("y", &[256, 256], "float32")
+        .call("s", "aten.sum.default", &n("y"), &meta(&[], "float32"))
+        .call("r", "aten.relu.default", &n("y"), &meta(&[256, 256], "float32"))
+        .output(&["s", "r"]);
+    let s = schedule(lower_graph(&parse_graph(&doc).unwrap()).unwrap().program).unwrap();
+    assert_eq!(s.kernel_count(), 2, "{}", s.text());
+    assert!(s.decisions.iter().any(|d| d.contains("would loop over 65536 elements in each of the kernel's 1 programs")), "{:?}", s.decisions);
+    let rows = G::new()
+        .input("y", &[256, 256], "float32")
+        .call("s", "aten.sum.dim_IntList", &over("y", 1, false), &meta(&[256], "float32"))
+        .call("r", "aten.relu.default", &n("y"), &meta(&[256, 256], "float32"))
+        .output(&["s", "r"]);
+    let s = schedule(lower_graph(&parse_graph(&rows).unwrap()).unwrap().program).unwrap();
+    assert_eq!(s.kernel_count(), 1, "{}", s.text());
+}
+
+#[test]
+fn a_returned_value_of_a_temporary_is_computed_with_it() {
+    // r = relu(x) feeds a GEMM and a returned bf16 copy (a saved activation): the copy, lowered
+    // last, joins relu's kernel, so the float32 temporary dies at the GEMM, not at the end
+    let doc = G::new()
+        .input("x", &[256, 512], "float32")
+        .input("w", &[512, 64], "float32")
+        .call("r", "aten.relu.default", &n("x"), &meta(&[256, 512], "float32"))
+        .call("g", "aten.mm.default", &format!("{},{}", n("r"), n("w")), &meta(&[256, 64], "float32"))
+        .call("h", "aten._to_copy.default", &n("r"), &meta(&[256, 512], "bfloat16"))
+        .output(&["g", "h"]);
+    let (s, module) = wrapper_module(&doc);
+    assert_eq!(s.kernel_count(), 1, "{}", s.text());
+    let launch = module.find("(c_ptr(x)").unwrap_or(usize::MAX);
+    let mm = module.find("torch.mm(").unwrap_or(0);
+    assert!(launch < mm, "the copy runs before the GEMM:\n{module}");
+}
+
+#[test]
+fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
+    // a weight gradient g.T @ h, read only by the last step, runs after the kernel that also
+    // reads g (g stays alive until then anyway): its result is not live across that kernel
+    let doc = G::new()
+        .input("g", &[64, 100], "float32")
+        .input("h", &[64, 32], "float32")
+        .input("w", &[100, 32], "float32")
+        .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")), &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"))
+        .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
+        .call("k", "aten.relu.default", &n("g"), &meta(&[64, 100], "float32"))
+        .call("dx", "aten.mm.default", &format!("{},{}", n("k"), n("w")), &meta(&[64, 32], "float32"))
+        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dw")), &meta(&[100, 32], "float32"))
+        .output(&["dx", "dw2"]);
+    let (s, module) = wrapper_module(&doc);
+    assert!(s.decisions.iter().any(|d| d.starts_with("order: ") && d.contains("runs 1 steps later")), "{:?}", s.decisions);
+    let relu = module.find("(c_ptr(g)").unwrap_or(usize::MAX);
+    let dw = module.find("torch.mm(reinterpret(g").or_else(|| module.find("torch.mm(g")).unwrap_or(0);
+    assert!(relu < dw, "relu(g) runs before the weight gradient:\n{module}");
+}
+
 /// The schedule and wrapper module of a graph (C++ kernels) lowered with `opts`.
 fn wrapper_module_with(doc: &str, opts: &ferrocore::lowering::LowerOptions) -> (ferrocore::scheduler::Schedule, String) {
     let g = parse_graph(doc).unwrap();

@@ -6,6 +6,7 @@
 
 mod complex;
 mod inplace;
+mod order;
 mod plan;
 pub mod simplify;
 mod split;
@@ -182,6 +183,7 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
             }
         }
     }
+    decisions.extend(order::sink_library_calls(&program, &mut items));
     let storage = plan_storage(&program, &items, &mut decisions);
     let mut schedule = Schedule { program, items, storage, decisions };
     let reused = inplace::reuse_dying_buffers(&mut schedule);
@@ -231,7 +233,8 @@ fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
 }
 
 /// The earlier kernel node `n` joins, if any: the one it shares the most data with among the
-/// last `FUSION_WINDOW` slots and (for a small output) the kernels writing what it reads; else,
+/// last `FUSION_WINDOW` slots and (for a small or returned output) the kernels writing what it
+/// reads; else,
 /// for a small node, the kernel just before it when that one is small too. Also says whether
 /// some fusion was tried and rejected (each rejection is logged).
 fn choose_kernel(
@@ -259,9 +262,13 @@ fn choose_kernel(
         earliest = earliest.max(last + 1);
     }
     let small = output_bytes(p, n) <= SMALL_OUTPUT_BYTES;
+    let is_returned = returned[node.output.0 as usize];
     let lo = slots.len().saturating_sub(FUSION_WINDOW);
     let mut candidates: Vec<usize> = (lo..slots.len()).collect();
-    if small {
+    // graph outputs are lowered last: a saved activation computed at the end of a forward from
+    // a temporary kept that temporary alive through the whole forward (MobileNetV3's float32
+    // batch-norm outputs, 67 MB of peak); in the kernel that writes the temporary it need not
+    if small || is_returned {
         candidates.extend(reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).filter(|&si| si < lo));
         candidates.sort_unstable();
         candidates.dedup();
@@ -269,8 +276,12 @@ fn choose_kernel(
     // a large graph output lowered last would, in a kernel that also writes a large temporary,
     // be live together with it; in a kernel of its own it runs once the temporary has died
     // (GPT-style logits saved for the backward beside the log-softmax the loss reads)
-    let large_temp = |m: usize| !returned[p.nodes[m].output.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES;
-    let keep_apart = returned[node.output.0 as usize] && !small;
+    // (a temporary the output reads lives until the output's kernel either way)
+    let large_temp = |m: usize| {
+        let out = p.nodes[m].output;
+        !returned[out.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES && !reads.contains(&out)
+    };
+    let keep_apart = is_returned && !small;
     let mut best: Option<Choice> = None;
     let mut rejected = false;
     let mut try_join = |si: usize, members: &[usize], score: i64, decisions: &mut Vec<String>| -> Option<KernelPlan> {

@@ -42,6 +42,13 @@ pub struct KernelPlan {
     pub local_reads: Vec<(usize, BufferId, LocalRead)>,
 }
 
+/// A kernel with a reduction runs one program per outer index; with fewer programs than this a
+/// GPU's multiprocessors mostly idle.
+const FEW_PROGRAMS: i64 = 128;
+/// Elements a pointwise node may loop over in each program of such a kernel: a loss's scalar
+/// reduction once took in Llama's 4M-element embedding output, one program for 4 ms.
+const SERIAL_ELEMENTS: i64 = 4096;
+
 fn split_point(dims: &[i64], n: i64) -> Option<(Vec<i64>, Vec<i64>, Vec<(usize, i64, i64)>)> {
     // outer pieces, inner pieces, and per dim (dim, outer part, inner part)
     let mut outer = Vec::new();
@@ -130,6 +137,10 @@ impl KernelPlan {
             let (subst, inner, is_red) = if n.reduction_ranges.is_empty() {
                 let (s, inner) = node_subst(&n.ranges, outer, 1)
                     .ok_or_else(|| format!("{name}'s ranges {:?} do not split at the kernel's outer size {outer}", n.ranges))?;
+                let work: i64 = inner.iter().product();
+                if reduction_n.is_some() && outer < FEW_PROGRAMS && work > SERIAL_ELEMENTS {
+                    return Err(format!("{name} would loop over {work} elements in each of the kernel's {outer} programs"));
+                }
                 (s, inner, false)
             } else {
                 if n.ranges.iter().product::<i64>() != outer {
