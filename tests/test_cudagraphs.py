@@ -89,7 +89,7 @@ def test_replay_never_overwrites_a_held_output():
     torch.testing.assert_close(a[0], torch.arange(4.0) * 10)
     torch.testing.assert_close(b[0], (torch.arange(4.0) + 1) * 10)
     torch.testing.assert_close(c[0], (torch.arange(4.0) + 2) * 10)
-    assert a[1].data_ptr() == x.data_ptr() and a[1] is not x  # an input output is the caller's memory
+    assert a[1] is x  # an output that is an input is the caller's tensor, as a plain call returns it
     view = a[0][1:]  # a view keeps generation 1's outputs alive
     del a, first
     x.add_(1)
@@ -134,6 +134,18 @@ def test_copied_inputs_replay_at_new_addresses():
     assert (d["cudagraph_recordings"], d["cudagraph_replays"]) == (1, 3), d
     runner([torch.ones(3), torch.arange(3.0)])  # a parameter elsewhere: recorded again
     assert _delta(before)["cudagraph_recordings"] == 2
+
+
+def test_a_recording_keeps_no_output_that_views_an_input():
+    # a loss graph saving its logits input: a reference from the recording would hold the
+    # caller's storage (and the recording that handed it out) for ever
+    runner = _stand_in_runner(lambda a: [a[0] * 2, a[0]])
+    x = torch.arange(4.0)
+    runner([x])
+    out = runner([x])
+    (rec,) = next(iter(runner.recordings.values()))
+    assert rec.static_outputs[0] is not None and rec.static_outputs[1] is None
+    assert out[1].data_ptr() == x.data_ptr()
 
 
 def test_a_saved_copied_input_is_the_recordings_copy():

@@ -112,8 +112,8 @@ class _Recording:
             if kind == "value":
                 out.append(entry[1])
             elif kind == "input":
-                _, j, size, stride, delta = entry
-                out.append(args[j].as_strided(size, stride, args[j].storage_offset() + delta))
+                _, j, size, stride, delta, itself = entry
+                out.append(args[j] if itself else args[j].as_strided(size, stride, args[j].storage_offset() + delta))
             else:
                 _, key, ptr, nbytes, device, meta = entry
                 st = storages.get(key)
@@ -213,6 +213,11 @@ class CudaGraphRunner:
             self.broken = str(e)
             self._log(f"runs without CUDA graphs: {self.broken}")
             return None
+        # the pool's outputs stay referenced (their memory is the recording's); an output that
+        # views an input must not be: it would hold the caller's storage, and with it the
+        # recording that handed that storage out (a loss graph saving its logits input kept
+        # the model's forward recording from ever replaying)
+        outs = [None if entry[0] == "input" else o for o, entry in zip(outs, plan)]
         return _Recording(graph, outs, plan, flag, copies)
 
     def _capture(self, static: list, kw: dict):
@@ -264,8 +269,9 @@ def _output_plan(outs, args, copied=frozenset(), saved=frozenset()) -> list:
             j = inputs[base]
             if args[j].dtype != o.dtype:
                 raise _Unrecordable(f"an output views input {j} as another dtype")
-            # rebuilt from the caller's tensor at each replay, at the same distance into it
-            plan.append(("input", j, size, stride, offset - args[j].storage_offset()))
+            # rebuilt from the caller's tensor at each replay, at the same distance into it (the
+            # tensor itself where the call returned it: a parameter saved for the backward)
+            plan.append(("input", j, size, stride, offset - args[j].storage_offset(), o is args[j]))
             continue
         key = keys.setdefault(base, len(keys))
         meta = {"size": size, "stride": stride, "storage_offset": offset, "dtype": o.dtype}

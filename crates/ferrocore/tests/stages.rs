@@ -532,14 +532,17 @@ fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
 #[test]
 fn a_returned_value_of_a_temporary_is_computed_with_it() {
     // r = relu(x) feeds a GEMM and a returned bf16 copy (a saved activation): the copy, lowered
-    // last, joins relu's kernel, so the float32 temporary dies at the GEMM, not at the end
+    // last, joins relu's kernel (which also writes q, another GEMM's operand), so the float32
+    // temporary dies at the GEMM, not at the end
     let doc = G::new()
-        .input("x", &[256, 512], "float32")
+        .input("x", &[512, 512], "float32")
         .input("w", &[512, 64], "float32")
-        .call("r", "aten.relu.default", &n("x"), &meta(&[256, 512], "float32"))
-        .call("g", "aten.mm.default", &format!("{},{}", n("r"), n("w")), &meta(&[256, 64], "float32"))
-        .call("h", "aten._to_copy.default", &n("r"), &meta(&[256, 512], "bfloat16"))
-        .output(&["g", "h"]);
+        .call("r", "aten.relu.default", &n("x"), &meta(&[512, 512], "float32"))
+        .call("q", "aten.neg.default", &n("x"), &meta(&[512, 512], "float32"))
+        .call("g", "aten.mm.default", &format!("{},{}", n("r"), n("w")), &meta(&[512, 64], "float32"))
+        .call("f", "aten.mm.default", &format!("{},{}", n("q"), n("w")), &meta(&[512, 64], "float32"))
+        .call("h", "aten._to_copy.default", &n("r"), &meta(&[512, 512], "bfloat16"))
+        .output(&["g", "f", "h"]);
     let (s, module) = wrapper_module(&doc);
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
     let launch = module.find("(c_ptr(x)").unwrap_or(usize::MAX);

@@ -275,12 +275,10 @@ fn choose_kernel(
     }
     // a large graph output lowered last would, in a kernel that also writes a large temporary,
     // be live together with it; in a kernel of its own it runs once the temporary has died
-    // (GPT-style logits saved for the backward beside the log-softmax the loss reads)
-    // (a temporary the output reads lives until the output's kernel either way)
-    let large_temp = |m: usize| {
-        let out = p.nodes[m].output;
-        !returned[out.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES && !reads.contains(&out)
-    };
+    // (GPT-style logits saved for the backward beside the log-softmax the loss reads), unless
+    // it reads a large temporary of that kernel, which apart would live until the output's kernel
+    let large_temp = |m: usize| !returned[p.nodes[m].output.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES;
+    let frees_temp = |members: &[usize]| members.iter().any(|&m| large_temp(m) && reads.contains(&p.nodes[m].output));
     let keep_apart = is_returned && !small;
     let mut best: Option<Choice> = None;
     let mut rejected = false;
@@ -307,7 +305,7 @@ fn choose_kernel(
         if score == 0 || best.as_ref().is_some_and(|b| b.score >= score) {
             continue;
         }
-        if keep_apart && members.iter().any(|&m| large_temp(m)) {
+        if keep_apart && members.iter().any(|&m| large_temp(m)) && !frees_temp(members) {
             let name = &p.buffer(node.output).name;
             decisions.push(format!("no fusion: {name} into kernel #{si}: a large output beside a large temporary (peak memory)"));
             continue;
