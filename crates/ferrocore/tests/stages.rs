@@ -532,15 +532,16 @@ fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
 #[test]
 fn a_returned_value_of_a_temporary_is_computed_with_it() {
     // r = relu(x) feeds a GEMM and a returned bf16 copy (a saved activation): the copy, lowered
-    // last, joins relu's kernel (which also writes q, another GEMM's operand), so the float32
-    // temporary dies at the GEMM, not at the end
+    // last, joins relu's kernel (which also writes q, another GEMM's operand, smaller than r), so
+    // the float32 temporary dies at the GEMM, not at the end
     let doc = G::new()
         .input("x", &[512, 512], "float32")
         .input("w", &[512, 64], "float32")
+        .input("wb", &[512, 64], "bfloat16")
         .call("r", "aten.relu.default", &n("x"), &meta(&[512, 512], "float32"))
-        .call("q", "aten.neg.default", &n("x"), &meta(&[512, 512], "float32"))
+        .call("q", "aten._to_copy.default", &n("x"), &meta(&[512, 512], "bfloat16"))
         .call("g", "aten.mm.default", &format!("{},{}", n("r"), n("w")), &meta(&[512, 64], "float32"))
-        .call("f", "aten.mm.default", &format!("{},{}", n("q"), n("w")), &meta(&[512, 64], "float32"))
+        .call("f", "aten.mm.default", &format!("{},{}", n("q"), n("wb")), &meta(&[512, 64], "bfloat16"))
         .call("h", "aten._to_copy.default", &n("r"), &meta(&[512, 512], "bfloat16"))
         .output(&["g", "f", "h"]);
     let (s, module) = wrapper_module(&doc);
@@ -569,6 +570,21 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
     let relu = module.find("(c_ptr(g)").unwrap_or(usize::MAX);
     let dw = module.find("torch.mm(reinterpret(g").or_else(|| module.find("torch.mm(g")).unwrap_or(0);
     assert!(relu < dw, "relu(g) runs before the weight gradient:\n{module}");
+    // an input gradient g @ relu(w) stays before the weight gradient that also reads g: relu(w),
+    // larger than its result, would otherwise live longer
+    let stay = G::new()
+        .input("g", &[64, 100], "float32")
+        .input("h", &[64, 32], "float32")
+        .input("w", &[100, 32], "float32")
+        .call("k", "aten.relu.default", &n("w"), &meta(&[100, 32], "float32"))
+        .call("dx", "aten.mm.default", &format!("{},{}", n("g"), n("k")), &meta(&[64, 32], "float32"))
+        .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")), &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"))
+        .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
+        .call("dx2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dx")), &meta(&[64, 32], "float32"))
+        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dw")), &meta(&[100, 32], "float32"))
+        .output(&["dx2", "dw2"]);
+    let (s, _) = wrapper_module(&stay);
+    assert!(!s.decisions.iter().any(|d| d.starts_with("order: ")), "{:?}", s.decisions);
 }
 
 /// The schedule and wrapper module of a graph (C++ kernels) lowered with `opts`.

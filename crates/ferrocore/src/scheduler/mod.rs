@@ -110,6 +110,8 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
     let mut producer: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
     // and which items read each graph input (a write into an input waits for all of them)
     let mut input_readers: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
+    // and which kernels read each buffer (where a graph output may join far back)
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
     let is_input = |b: BufferId| matches!(program.buffer(b).source, BufferSource::Input(_));
     let returned = returned_buffers(&program);
     let mut slots: Vec<Slot> = Vec::new();
@@ -123,6 +125,7 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
                     if is_input(b) {
                         input_readers[b.0 as usize].push(slots.len());
                     }
+                    readers[b.0 as usize].push(slots.len());
                 }
                 slots.push(Slot::Extern(e));
             }
@@ -132,12 +135,14 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
                 if node.is_scatter() {
                     decisions.push(format!("scatter: {out_name} updates its buffer at computed indices; a kernel of its own"));
                 }
-                let (best, rejected) = choose_kernel(&program, &slots, &producer, &input_readers, &returned, n, &mut decisions);
+                let near = Neighbours { producer: &producer, input_readers: &input_readers, readers: &readers };
+                let (best, rejected) = choose_kernel(&program, &slots, &near, &returned, n, &mut decisions);
                 let slot = best.as_ref().map_or(slots.len(), |c| c.slot);
                 for (b, _) in node.reads() {
                     if is_input(b) {
                         input_readers[b.0 as usize].push(slot);
                     }
+                    readers[b.0 as usize].push(slot);
                 }
                 match best {
                     Some(Choice { slot: si, score, plan }) => {
@@ -233,15 +238,21 @@ fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
 }
 
 /// The earlier kernel node `n` joins, if any: the one it shares the most data with among the
-/// last `FUSION_WINDOW` slots and (for a small or returned output) the kernels writing what it
-/// reads; else,
-/// for a small node, the kernel just before it when that one is small too. Also says whether
-/// some fusion was tried and rejected (each rejection is logged).
+/// last `FUSION_WINDOW` slots and (for a small or returned output) the kernels writing or
+/// reading what it reads; else, for a small node, the kernel just before it when that one is
+/// small too. Also says whether some fusion was tried and rejected (each rejection is logged).
+/// Per buffer, the slots that write it, the slots that read it if it is a graph input, and the
+/// kernels that read it.
+struct Neighbours<'a> {
+    producer: &'a [Vec<usize>],
+    input_readers: &'a [Vec<usize>],
+    readers: &'a [Vec<usize>],
+}
+
 fn choose_kernel(
     p: &LoopProgram,
     slots: &[Slot],
-    producer: &[Vec<usize>],
-    input_readers: &[Vec<usize>],
+    near: &Neighbours,
     returned: &[bool],
     n: usize,
     decisions: &mut Vec<String>,
@@ -254,11 +265,12 @@ fn choose_kernel(
     }
     let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
     // earliest slot this node may run in: after every producer of what it reads
+    let producer = near.producer;
     let mut earliest = reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).max().unwrap_or(0);
     // a write into a graph input runs after every other kernel that reads the input, and after
     // earlier writes of it
     let out = node.output.0 as usize;
-    if let Some(last) = input_readers[out].iter().chain(&producer[out]).copied().max() {
+    if let Some(last) = near.input_readers[out].iter().chain(&producer[out]).copied().max() {
         earliest = earliest.max(last + 1);
     }
     let small = output_bytes(p, n) <= SMALL_OUTPUT_BYTES;
@@ -269,16 +281,27 @@ fn choose_kernel(
     // a temporary kept that temporary alive through the whole forward (MobileNetV3's float32
     // batch-norm outputs, 67 MB of peak); in the kernel that writes the temporary it need not
     if small || is_returned {
-        candidates.extend(reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).filter(|&si| si < lo));
+        let far = reads.iter().flat_map(|b| producer[b.0 as usize].iter().chain(&near.readers[b.0 as usize]).copied());
+        candidates.extend(far.filter(|&si| si < lo));
         candidates.sort_unstable();
         candidates.dedup();
     }
     // a large graph output lowered last would, in a kernel that also writes a large temporary,
     // be live together with it; in a kernel of its own it runs once the temporary has died
     // (GPT-style logits saved for the backward beside the log-softmax the loss reads), unless
-    // it reads a large temporary of that kernel, which apart would live until the output's kernel
+    // joining frees more: the large temporaries it reads die with their other readers instead of
+    // living until the output's kernel
     let large_temp = |m: usize| !returned[p.nodes[m].output.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES;
-    let frees_temp = |members: &[usize]| members.iter().any(|&m| large_temp(m) && reads.contains(&p.nodes[m].output));
+    let read_set: HashSet<BufferId> = reads.iter().copied().collect();
+    let freed: i64 = read_set
+        .iter()
+        .filter(|b| !returned[b.0 as usize] && !matches!(p.buffer(**b).source, BufferSource::Input(_)))
+        .map(|b| p.buffer(*b).layout.numel() * p.buffer(*b).layout.dtype.itemsize() as i64)
+        .filter(|&bytes| bytes > SMALL_OUTPUT_BYTES)
+        .sum();
+    let beside = |members: &[usize]| -> i64 {
+        members.iter().filter(|&&m| large_temp(m) && !read_set.contains(&p.nodes[m].output)).map(|&m| output_bytes(p, m)).sum()
+    };
     let keep_apart = is_returned && !small;
     let mut best: Option<Choice> = None;
     let mut rejected = false;
@@ -305,7 +328,7 @@ fn choose_kernel(
         if score == 0 || best.as_ref().is_some_and(|b| b.score >= score) {
             continue;
         }
-        if keep_apart && members.iter().any(|&m| large_temp(m)) && !frees_temp(members) {
+        if keep_apart && beside(members) > 0 && freed <= beside(members) {
             let name = &p.buffer(node.output).name;
             decisions.push(format!("no fusion: {name} into kernel #{si}: a large output beside a large temporary (peak memory)"));
             continue;

@@ -1,16 +1,12 @@
 //! Pass `order`: library calls whose results are read much later run later. A GEMM's result
-//! exists from its call on; when its large operands stay alive until some later step anyway,
-//! running it right after that step leaves the steps in between the memory of its result.
+//! exists from its call on; when its operands stay alive until some later step anyway, running
+//! it right after that step leaves the steps in between the memory of its result.
 //! GPT-2's backward computed the LM head's weight gradient (73.6 MB, read only at the end, where
 //! the tied embedding's gradient joins it) before the input gradient's padded weight copy (73.6
 //! MB), so both were live at the backward's peak.
 
 use super::Item;
 use crate::loop_ir::*;
-
-/// An operand at most this large may live longer for a call to move (its cost is bounded by the
-/// result's size, see `sink_library_calls`).
-const SMALL_OPERAND_BYTES: i64 = 16 << 20;
 
 fn bytes(p: &LoopProgram, b: BufferId) -> i64 {
     let l = &p.buffer(b).layout;
@@ -32,9 +28,9 @@ fn writes(p: &LoopProgram, it: &Item) -> Vec<BufferId> {
 }
 
 /// Moves each library call (not an ATen fallback) to just after the last later step that reads
-/// one of its large operands, when no step in between touches its result or writes what it
-/// reads, and its result outweighs the small operands that then live longer. Returns the
-/// decisions.
+/// one of its operands, when no step in between touches its result or writes what it reads, and
+/// its result outweighs the operands that then live longer (the input gradient's GEMM stays
+/// before the weight gradient's: its padded weight copy dies with it). Returns the decisions.
 pub fn sink_library_calls(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
     let mut decisions = Vec::new();
     let returned: Vec<BufferId> = p
@@ -61,8 +57,8 @@ pub fn sink_library_calls(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String>
             continue;
         }
         let operands = call.input_buffers();
-        // the last step that reads a large operand; the first that touches the result
-        let large = |b: &BufferId| bytes(p, *b) > SMALL_OPERAND_BYTES || matches!(p.buffer(*b).source, BufferSource::Input(_));
+        // the last later step that reads one of its operands (those live until then anyway), up
+        // to the first that touches the result or writes an operand
         let mut target = i;
         for (j, it) in items.iter().enumerate().skip(i + 1) {
             let (r, w) = (reads(p, it), writes(p, it));
@@ -70,23 +66,22 @@ pub fn sink_library_calls(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String>
             if barrier || r.iter().chain(&w).any(|b| outs.contains(b)) || w.iter().any(|b| operands.contains(b)) {
                 break;
             }
-            if r.iter().any(|b| operands.contains(b) && large(b)) {
+            if r.iter().any(|b| operands.contains(b)) {
                 target = j;
             }
         }
         let result: i64 = outs.iter().map(|b| bytes(p, *b)).sum();
-        // small operands read by no step up to the target now live until the call
-        let longer: i64 = operands
-            .iter()
-            .filter(|b| !large(b) && !items[i + 1..=target].iter().any(|it| reads(p, it).contains(b)))
-            .map(|b| bytes(p, *b))
-            .sum();
+        // operands read by no step up to the target would now live until the call
+        let mut longer_ops: Vec<BufferId> = operands.iter().copied().filter(|b| !items[i + 1..=target].iter().any(|it| reads(p, it).contains(b))).collect();
+        longer_ops.sort_by_key(|b| b.0);
+        longer_ops.dedup();
+        let longer: i64 = longer_ops.iter().map(|b| bytes(p, *b)).sum();
         if target > i && result > longer {
             let item = items.remove(i);
             items.insert(target, item);
             moved.push(e);
             let name = &p.buffer(outs[0]).name;
-            decisions.push(format!("order: {name} ({} by {}) runs {} steps later, after the last step that reads its large operands", call.callee, call.origin, target - i));
+            decisions.push(format!("order: {name} ({} by {}) runs {} steps later, after the last step that reads its operands", call.callee, call.origin, target - i));
             continue; // items[i] is now the step that followed
         }
         i += 1;
