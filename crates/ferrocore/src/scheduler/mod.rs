@@ -232,9 +232,13 @@ fn returned_buffers(p: &LoopProgram) -> Vec<bool> {
     returned
 }
 
-fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
-    let l = &p.buffer(p.nodes[node].output).layout;
+fn buffer_bytes(p: &LoopProgram, b: BufferId) -> i64 {
+    let l = &p.buffer(b).layout;
     l.numel() * l.dtype.itemsize() as i64
+}
+
+fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
+    buffer_bytes(p, p.nodes[node].output)
 }
 
 /// The earlier kernel node `n` joins, if any: the one it shares the most data with among the
@@ -296,7 +300,7 @@ fn choose_kernel(
     let freed: i64 = read_set
         .iter()
         .filter(|b| !returned[b.0 as usize] && !matches!(p.buffer(**b).source, BufferSource::Input(_)))
-        .map(|b| p.buffer(*b).layout.numel() * p.buffer(*b).layout.dtype.itemsize() as i64)
+        .map(|b| buffer_bytes(p, *b))
         .filter(|&bytes| bytes > SMALL_OUTPUT_BYTES)
         .sum();
     let beside = |members: &[usize]| -> i64 {

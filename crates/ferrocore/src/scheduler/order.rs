@@ -5,13 +5,8 @@
 //! the tied embedding's gradient joins it) before the input gradient's padded weight copy (73.6
 //! MB), so both were live at the backward's peak.
 
-use super::Item;
+use super::{buffer_bytes, Item};
 use crate::loop_ir::*;
-
-fn bytes(p: &LoopProgram, b: BufferId) -> i64 {
-    let l = &p.buffer(b).layout;
-    l.numel() * l.dtype.itemsize() as i64
-}
 
 fn reads(p: &LoopProgram, it: &Item) -> Vec<BufferId> {
     match it {
@@ -70,12 +65,12 @@ pub fn sink_library_calls(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String>
                 target = j;
             }
         }
-        let result: i64 = outs.iter().map(|b| bytes(p, *b)).sum();
+        let result: i64 = outs.iter().map(|b| buffer_bytes(p, *b)).sum();
         // operands read by no step up to the target would now live until the call
         let mut longer_ops: Vec<BufferId> = operands.iter().copied().filter(|b| !items[i + 1..=target].iter().any(|it| reads(p, it).contains(b))).collect();
         longer_ops.sort_by_key(|b| b.0);
         longer_ops.dedup();
-        let longer: i64 = longer_ops.iter().map(|b| bytes(p, *b)).sum();
+        let longer: i64 = longer_ops.iter().map(|b| buffer_bytes(p, *b)).sum();
         if target > i && result > longer {
             let item = items.remove(i);
             items.insert(target, item);
