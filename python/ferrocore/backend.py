@@ -37,8 +37,9 @@ AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 
 def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
     """Dynamo backend. `options=` (a dict) overrides env options; `mode="reduce-overhead"`
-    records GPU graphs (inference, forward and backward) as CUDA graphs, "max-autotune-no-cudagraphs" times each Triton
-    kernel's candidate configurations, "max-autotune" does both; other arguments are ignored."""
+    records GPU graphs (inference, forward and backward) as CUDA graphs,
+    "max-autotune-no-cudagraphs" times each Triton kernel's candidate configurations,
+    "max-autotune" does both; other arguments are ignored."""
     overrides = dict(kwargs.get("options") or {})
     if kwargs.get("mode") in CUDAGRAPH_MODES:
         overrides.setdefault("cudagraphs", True)

@@ -35,6 +35,7 @@ from collections import OrderedDict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .backend import is_dense
 from .metrics import metrics
 
 # A tensor over a storage from a dict of its metadata, in one C++ call (a replay hands out every
@@ -240,8 +241,6 @@ class CudaGraphRunner:
 
 def _copyable(t) -> bool:
     """Whether a buffer of the same strides can hold a copy of `t` (no element seen twice)."""
-    from .backend import is_dense
-
     return isinstance(t, torch.Tensor) and is_dense(t.shape, t.stride())
 
 

@@ -222,7 +222,7 @@ struct Choice {
 }
 
 /// Per buffer: whether the graph returns it.
-fn returned_buffers(p: &LoopProgram) -> Vec<bool> {
+pub(super) fn returned_buffers(p: &LoopProgram) -> Vec<bool> {
     let mut returned = vec![false; p.buffers.len()];
     for o in &p.outputs {
         if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
@@ -241,18 +241,18 @@ fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
     buffer_bytes(p, p.nodes[node].output)
 }
 
-/// The earlier kernel node `n` joins, if any: the one it shares the most data with among the
-/// last `FUSION_WINDOW` slots and (for a small or returned output) the kernels writing or
-/// reading what it reads; else, for a small node, the kernel just before it when that one is
-/// small too. Also says whether some fusion was tried and rejected (each rejection is logged).
 /// Per buffer, the slots that write it, the slots that read it if it is a graph input, and the
-/// kernels that read it.
+/// slots that read it.
 struct Neighbours<'a> {
     producer: &'a [Vec<usize>],
     input_readers: &'a [Vec<usize>],
     readers: &'a [Vec<usize>],
 }
 
+/// The earlier kernel node `n` joins, if any: the one it shares the most data with among the
+/// last `FUSION_WINDOW` slots and (for a small or returned output) the kernels writing or
+/// reading what it reads; else, for a small node, the kernel just before it when that one is
+/// small too. Also says whether some fusion was tried and rejected (each rejection is logged).
 fn choose_kernel(
     p: &LoopProgram,
     slots: &[Slot],
@@ -295,18 +295,19 @@ fn choose_kernel(
     // (GPT-style logits saved for the backward beside the log-softmax the loss reads), unless
     // joining frees more: the large temporaries it reads die with their other readers instead of
     // living until the output's kernel
+    let keep_apart = is_returned && !small;
     let large_temp = |m: usize| !returned[p.nodes[m].output.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES;
-    let read_set: HashSet<BufferId> = reads.iter().copied().collect();
+    let read_set: HashSet<BufferId> = if keep_apart { reads.iter().copied().collect() } else { HashSet::new() };
     let freed: i64 = read_set
         .iter()
         .filter(|b| !returned[b.0 as usize] && !matches!(p.buffer(**b).source, BufferSource::Input(_)))
         .map(|b| buffer_bytes(p, *b))
         .filter(|&bytes| bytes > SMALL_OUTPUT_BYTES)
         .sum();
+    // bytes of the kernel's large temporaries the output does not read
     let beside = |members: &[usize]| -> i64 {
         members.iter().filter(|&&m| large_temp(m) && !read_set.contains(&p.nodes[m].output)).map(|&m| output_bytes(p, m)).sum()
     };
-    let keep_apart = is_returned && !small;
     let mut best: Option<Choice> = None;
     let mut rejected = false;
     let mut try_join = |si: usize, members: &[usize], score: i64, decisions: &mut Vec<String>| -> Option<KernelPlan> {
@@ -332,7 +333,8 @@ fn choose_kernel(
         if score == 0 || best.as_ref().is_some_and(|b| b.score >= score) {
             continue;
         }
-        if keep_apart && beside(members) > 0 && freed <= beside(members) {
+        let apart = keep_apart && { let b = beside(members); b > 0 && freed <= b };
+        if apart {
             let name = &p.buffer(node.output).name;
             decisions.push(format!("no fusion: {name} into kernel #{si}: a large output beside a large temporary (peak memory)"));
             continue;
