@@ -109,3 +109,56 @@ def test_a_donated_input_is_copied_before_it_is_written_when_its_storage_is_shar
     assert owned_storage(corner, 24) is corner
     roomy = owned_storage(corner, 32)
     assert roomy is not corner and torch.equal(roomy, corner) and roomy.untyped_storage().nbytes() >= 32 * 4
+
+
+def test_a_training_max_pool_saves_int8_window_offsets(monkeypatch):
+    from ferrocore import backend
+
+    graphs = []
+    compile_graph = backend._compile
+
+    def spy(gm, *args, **kwargs):
+        graphs.append(gm)
+        return compile_graph(gm, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "_compile", spy)
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    cases = [
+        (F.max_pool2d, (2, 8, 17, 19), dict(kernel_size=3, stride=2, padding=1), False),
+        (F.max_pool2d, (2, 8, 16, 16), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), True),
+        (F.max_pool2d, (2, 4, 9, 7), dict(kernel_size=(3, 2), stride=(1, 2), padding=(1, 0)), False),
+        (F.max_pool3d, (1, 3, 5, 6, 7), dict(kernel_size=2, stride=2, padding=1), False),
+    ]
+    for pool, shape, kw, channels_last in cases:
+        x = torch.randn(shape)
+        x[0, 0, :4, :4] = 1.0  # ties: the first tap in scan order wins
+        x[0, 1, :3, :3] = float("-inf")  # a window of -inf: its first valid tap
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        x.requires_grad_()
+
+        def f(t, with_indices):
+            values, indices = pool(t, return_indices=True, **kw)
+            loss = (values * torch.arange(values.numel(), dtype=values.dtype).view(values.shape)).sum()
+            return (loss, indices) if with_indices else loss
+
+        ref_loss, ref_indices = f(x, True)
+        ref_grad = torch.autograd.grad(ref_loss, x)[0]
+        for with_indices in (False, True):
+            torch._dynamo.reset()
+            graphs.clear()
+            out = torch.compile(f, backend="ferrocore")(x, with_indices)
+            loss = out[0] if with_indices else out
+            torch.testing.assert_close(loss, ref_loss)
+            torch.testing.assert_close(torch.autograd.grad(loss, x)[0], ref_grad)
+            assert ferrocore.metrics.last["fallbacks"] == 0
+            forward, backward = graphs
+            targets = {str(n.target) for n in forward.graph.nodes if n.op == "call_function"}
+            assert "prims._low_memory_max_pool_with_offsets.default" in targets, targets
+            saved = {n.meta["val"].dtype for n in backward.graph.nodes if n.op == "placeholder"}
+            if with_indices:
+                assert out[1].dtype == torch.int64 and torch.equal(out[1], ref_indices)
+            else:
+                # the backward takes the window offsets as bytes, not ATen's int64 indices
+                assert saved == {torch.float32, torch.int8}, saved

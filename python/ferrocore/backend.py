@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import operator
 import sys
 import time
@@ -259,7 +260,31 @@ def _decompositions(training: bool = False) -> dict:
             aten._native_batch_norm_legit_no_training, aten.native_batch_norm,
             aten._batch_norm_with_update, aten._batch_norm_with_update_functional, aten._batch_norm_no_update,
         ]))
+        table[aten.max_pool2d_with_indices.default] = functools.partial(_max_pool_saving_offsets, dims=2)
+        table[aten.max_pool3d_with_indices.default] = functools.partial(_max_pool_saving_offsets, dims=3)
     return table
+
+
+def _max_pool_saving_offsets(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False, *, dims):
+    """Max pooling whose argmax is the int8 offset of the tap within its window, turned into
+    ATen's indices by a separate op the partitioner may recompute: the forward of a training
+    graph then saves a byte per pooled element instead of an int64 (ResNet's stem pool)."""
+    import torch._inductor.inductor_prims  # noqa: F401  registers the two prims
+
+    def spread(v, default):
+        v = [v] if isinstance(v, int) else list(v)
+        return default if not v else v * dims if len(v) == 1 else v
+
+    kernel = spread(kernel_size, None)
+    stride = spread(stride, kernel)
+    padding = spread(padding, [0] * dims)
+    dilation = spread(dilation, [1] * dims)
+    prims = torch.ops.prims
+    if math.prod(kernel) > torch.iinfo(torch.int8).max or not hasattr(prims, "_low_memory_max_pool_with_offsets"):
+        return NotImplemented
+    values, offsets = prims._low_memory_max_pool_with_offsets(x, kernel, stride, padding, dilation, ceil_mode)
+    indices = prims._low_memory_max_pool_offsets_to_indices(offsets, kernel, x.shape[-dims:], stride, padding, dilation)
+    return values, indices
 
 
 class _AotClock:

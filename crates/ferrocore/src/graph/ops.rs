@@ -188,6 +188,10 @@ aten_ops! {
     AdaptiveAvgPool2d => "aten._adaptive_avg_pool2d.default", 2..=2;
     AvgPool3d => "aten.avg_pool3d.default", 2..=7;
     MaxPool3dWithIndices => "aten.max_pool3d_with_indices.default", 2..=6;
+    // max pooling whose argmax is the int8 offset within the window (what a training graph
+    // saves), and the conversion of such offsets back to indices within the input plane
+    MaxPoolWithOffsets => "prims._low_memory_max_pool_with_offsets.default", 6..=6;
+    MaxPoolOffsetsToIndices => "prims._low_memory_max_pool_offsets_to_indices.default", 6..=6;
     AdaptiveAvgPool3d => "aten._adaptive_avg_pool3d.default", 2..=2;
     AdaptiveMaxPool2d => "aten.adaptive_max_pool2d.default", 2..=2;
     AdaptiveMaxPool3d => "aten.adaptive_max_pool3d.default", 2..=2;

@@ -424,7 +424,8 @@ impl<'g> Ctx<'g> {
             Trilinear => t(self.lower_trilinear()?),
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d | AvgPool3d | MaxPool3dWithIndices | AdaptiveAvgPool3d
-            | AdaptiveMaxPool2d | AdaptiveMaxPool3d | FractionalMaxPool2d | FractionalMaxPool3d => self.lower_pool(op)?,
+            | AdaptiveMaxPool2d | AdaptiveMaxPool3d | FractionalMaxPool2d | FractionalMaxPool3d | MaxPoolWithOffsets => self.lower_pool(op)?,
+            MaxPoolOffsetsToIndices => t(self.lower_max_pool_offsets_to_indices()?),
             AvgPool2dBackward | AdaptiveAvgPool2dBackward | AvgPool3dBackward | AdaptiveAvgPool3dBackward => {
                 t(self.lower_avg_pool_backward(op)?)
             }

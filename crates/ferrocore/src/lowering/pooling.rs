@@ -69,6 +69,8 @@ impl Ctx<'_> {
         let nd = match op {
             A::AvgPool3d | A::MaxPool3dWithIndices | A::FractionalMaxPool3d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d | A::AvgPool3dBackward
             | A::AdaptiveAvgPool3dBackward => 3,
+            // the prim pools as many trailing dims as its kernel has
+            A::MaxPoolWithOffsets => self.ints_arg(arg0, "kernel_size")?.map_or(2, |k| k.len()),
             _ => 2,
         };
         let rank = in_size.len();
@@ -164,9 +166,10 @@ impl Ctx<'_> {
         // the window dims, appended after the output dims
         let taps: i64 = pool.kernel().iter().product();
         let unroll = taps <= MAX_UNROLLED_TAPS && matches!(pool.kind, PoolKind::Max | PoolKind::Avg { .. });
+        let index_dtype = metas.get(1).map_or(DType::I64, |m| m.dtype);
         let build = |cx: &mut Self, what: Reduce| -> TensorValue {
             let reduction_ranges = if unroll { Vec::new() } else { pool.kernel() };
-            let dtype = if what == Reduce::ArgMax { DType::I64 } else { acc };
+            let dtype = if matches!(what, Reduce::ArgMax(_)) { index_dtype } else { acc };
             let layout = cx.fresh_layout(&dims, dtype, x.device.clone());
             // the output loops follow the layout (channels innermost in a channels-last graph)
             let order = loop_order(&layout);
@@ -184,46 +187,59 @@ impl Ctx<'_> {
                 for d in 0..sp {
                     base = base.add(&out_idx[d].scale(xs[d]));
                 }
-                // one tap: (in-window, value in the accumulation type, flat index in the plane
-                // for an argmax)
-                let with_flat = what == Reduce::ArgMax;
+                // one tap: (in-window, value in the accumulation type, the argmax's index of
+                // the tap: within the input plane (volume) or within the window, row-major)
                 let tap = |bx: &mut Bx, k: &[IndexExpr]| -> (ValueId, ValueId, ValueId) {
                     let (valid, positions) = pool.taps(bx, &out_idx[..sp], &out_idx[sp..], k);
                     let terms = positions.iter().enumerate().map(|(k, p)| (*p, xs[sp + k])).collect();
                     let v = bx.body.load_indirect(buf, base.clone(), terms, xdt);
                     let v = bx.body.cast(v, acc);
-                    // the index within the input plane (volume), row-major
-                    let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
-                    for (k, p) in positions.iter().enumerate().filter(|_| with_flat) {
-                        let inner: i64 = in_size[sp + k + 1..].iter().product();
-                        let c = bx.body.constant(Scalar::Int(inner), DType::I64);
-                        let t = bx.body.binary(BinaryOp::Mul, *p, c);
-                        flat = bx.body.binary(BinaryOp::Add, flat, t);
-                    }
-                    (valid, v, flat)
+                    let index = match what {
+                        Reduce::ArgMax(ArgIndex::Plane) => {
+                            let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
+                            for (k, p) in positions.iter().enumerate() {
+                                let inner: i64 = in_size[sp + k + 1..].iter().product();
+                                let c = bx.body.constant(Scalar::Int(inner), DType::I64);
+                                let t = bx.body.binary(BinaryOp::Mul, *p, c);
+                                flat = bx.body.binary(BinaryOp::Add, flat, t);
+                            }
+                            flat
+                        }
+                        Reduce::ArgMax(ArgIndex::Window) => bx.body.index(window_offset(k, &pool.kernel()), DType::I64),
+                        _ => bx.body.constant(Scalar::Int(0), DType::I64),
+                    };
+                    (valid, v, index)
                 };
                 let lowest = if acc.is_float() { Scalar::Float(f64::NEG_INFINITY) } else { Scalar::Int(acc.int_range().0) };
                 let result = if unroll {
                     let offsets = window_offsets(&pool.kernel());
                     match what {
-                        Reduce::Max | Reduce::ArgMax => {
-                            // ATen's scan: a tap replaces the best when greater or NaN
+                        Reduce::Max | Reduce::ArgMax(_) => {
+                            // ATen's scan: a tap replaces the best when greater or NaN; the
+                            // argmax starts at the window's first valid tap (a window of -inf)
+                            let argmax = matches!(what, Reduce::ArgMax(_));
                             let mut best = bx.body.constant(lowest, acc);
                             let mut arg = bx.body.constant(Scalar::Int(0), DType::I64);
+                            let mut seen = bx.body.constant(Scalar::Bool(false), DType::Bool);
                             for k in &offsets {
-                                let (valid, v, flat) = tap(&mut bx, k);
+                                let (valid, v, index) = tap(&mut bx, k);
                                 let mut better = bx.body.binary(BinaryOp::Gt, v, best);
                                 if acc.is_float() {
                                     let nan = bx.body.unary(UnaryOp::IsNan, v);
                                     better = bx.body.binary(BinaryOp::LogicalOr, better, nan);
                                 }
+                                if argmax {
+                                    let first = bx.body.unary(UnaryOp::LogicalNot, seen);
+                                    better = bx.body.binary(BinaryOp::LogicalOr, better, first);
+                                    seen = bx.body.binary(BinaryOp::LogicalOr, seen, valid);
+                                }
                                 let take = bx.body.binary(BinaryOp::LogicalAnd, valid, better);
                                 best = bx.body.where_(take, v, best);
-                                if what == Reduce::ArgMax {
-                                    arg = bx.body.where_(take, flat, arg);
+                                if argmax {
+                                    arg = bx.body.where_(take, index, arg);
                                 }
                             }
-                            if what == Reduce::ArgMax { arg } else { best }
+                            if argmax { arg } else { best }
                         }
                         Reduce::Mean => {
                             let z = bx.body.constant(Scalar::Int(0), acc);
@@ -238,12 +254,12 @@ impl Ctx<'_> {
                     }
                 } else {
                     let kvars: Vec<IndexExpr> = (0..pool.nd).map(|k| IndexExpr::var(Var((rank + k) as u32))).collect();
-                    let (valid, v, flat) = tap(&mut bx, &kvars);
+                    let (valid, v, index) = tap(&mut bx, &kvars);
                     match what {
-                        Reduce::ArgMax => {
+                        Reduce::ArgMax(_) => {
                             let low = bx.body.constant(lowest, acc);
                             let m = bx.body.where_(valid, v, low);
-                            bx.body.arg_reduce(ReduceOp::ArgMax, m, flat)
+                            bx.body.arg_reduce(ReduceOp::ArgMax, m, index)
                         }
                         Reduce::Max => {
                             let low = bx.body.constant(lowest, acc);
@@ -266,8 +282,9 @@ impl Ctx<'_> {
         };
         match pool.kind {
             PoolKind::Max | PoolKind::Adaptive { max: true } | PoolKind::Fractional => {
+                let arg = if op == AtenOp::MaxPoolWithOffsets { ArgIndex::Window } else { ArgIndex::Plane };
                 let vals = build(self, Reduce::Max);
-                let idx = build(self, Reduce::ArgMax);
+                let idx = build(self, Reduce::ArgMax(arg));
                 let v = self.cast_to(vals, &out);
                 let i = match metas.get(1) {
                     Some(im) => self.cast_to(idx, im),
@@ -317,6 +334,47 @@ impl Ctx<'_> {
         Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
     }
 
+    /// _low_memory_max_pool_offsets_to_indices(offsets, kernel_size, input_size, stride, padding,
+    /// dilation): each window offset back to ATen's index within the input plane (volume); the
+    /// backward of a training graph computes it from the saved int8 offsets.
+    pub(super) fn lower_max_pool_offsets_to_indices(&mut self) -> LResult<TensorValue> {
+        let offsets = self.tensor_arg(0, "self")?;
+        let [kernel, input, stride, pad, dil] = [(1, "kernel_size"), (2, "input_size"), (3, "stride"), (4, "padding"), (5, "dilation")]
+            .map(|(i, key)| self.ints_arg(i, key).map(Option::unwrap_or_default));
+        let (kernel, input, stride, pad, dil) = (kernel?, input?, stride?, pad?, dil?);
+        let nd = kernel.len();
+        let rank = offsets.size.len();
+        if nd == 0 || rank < nd || [&input, &stride, &pad, &dil].iter().any(|v| v.len() != nd) {
+            return malformed(format!("offsets_to_indices over {nd} dims of a rank-{rank} tensor with input {input:?}, stride {stride:?}, padding {pad:?}, dilation {dil:?}"));
+        }
+        let sp = rank - nd;
+        let size = offsets.size.clone();
+        let device = offsets.device.clone();
+        Ok(TensorValue::lazy(size, DType::I64, device, 1, 4 * nd, move |bx, idx| {
+            let raw = offsets.load(bx, idx);
+            let mut rest = bx.body.cast(raw, DType::I64);
+            // taps per dim, innermost first
+            let mut taps = vec![rest; nd];
+            for d in (1..nd).rev() {
+                let k = bx.body.constant(Scalar::Int(kernel[d]), DType::I64);
+                taps[d] = bx.body.binary(BinaryOp::Remainder, rest, k);
+                rest = bx.body.binary(BinaryOp::FloorDiv, rest, k);
+            }
+            taps[0] = rest;
+            let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
+            for d in 0..nd {
+                let start = bx.body.index(idx[sp + d].scale(stride[d]).add_const(-pad[d]), DType::I64);
+                let step = bx.body.constant(Scalar::Int(dil[d]), DType::I64);
+                let k = bx.body.binary(BinaryOp::Mul, taps[d], step);
+                let pos = bx.body.binary(BinaryOp::Add, start, k);
+                let inner = bx.body.constant(Scalar::Int(input[d + 1..].iter().product()), DType::I64);
+                let t = bx.body.binary(BinaryOp::Mul, pos, inner);
+                flat = bx.body.binary(BinaryOp::Add, flat, t);
+            }
+            flat
+        }))
+    }
+
     fn cast_to(&mut self, tv: TensorValue, m: &TensorMeta) -> TensorValue {
         if tv.dtype == m.dtype {
             return tv;
@@ -332,7 +390,25 @@ impl Ctx<'_> {
 enum Reduce {
     Mean,
     Max,
-    ArgMax,
+    ArgMax(ArgIndex),
+}
+
+/// What a max pool's argmax counts.
+#[derive(Clone, Copy, PartialEq)]
+enum ArgIndex {
+    /// positions in the input plane (volume), row-major: ATen's indices
+    Plane,
+    /// taps of the window, row-major: the int8 offsets a training graph saves
+    Window,
+}
+
+/// The row-major number of tap `k` in a window of `kernel` taps per dim.
+fn window_offset(k: &[IndexExpr], kernel: &[i64]) -> IndexExpr {
+    let mut flat = IndexExpr::zero();
+    for (d, kd) in k.iter().enumerate() {
+        flat = flat.add(&kd.scale(kernel[d + 1..].iter().product()));
+    }
+    flat
 }
 
 /// Windows of at most this many taps are unrolled into pointwise code (3x3 and 5x5 pools).
