@@ -277,7 +277,7 @@ def profile(runner: Runner, calls: int = 3) -> dict | None:
         launches += 1
         top[e.name] = top.get(e.name, 0.0) + us / 1e3 / calls
     out = {"ms": ms, "kernel_ms": sum(ms.values()), "launches": launches / calls}
-    out["top"] = sorted(((round(v, 4), category(k), k[:90]) for k, v in top.items()), reverse=True)[:40]
+    out["top"] = sorted(((round(v, 4), category(k), k[:90]) for k, v in top.items()), reverse=True)[:80]
     return out
 
 

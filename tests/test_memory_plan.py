@@ -140,7 +140,7 @@ def test_a_training_max_pool_saves_int8_window_offsets(monkeypatch):
 
         def f(t, with_indices):
             values, indices = pool(t, return_indices=True, **kw)
-            loss = (values * torch.arange(values.numel(), dtype=values.dtype).view(values.shape)).sum()
+            loss = (values * torch.arange(values.numel(), dtype=values.dtype, device=values.device).view(values.shape)).sum()
             return (loss, indices) if with_indices else loss
 
         ref_loss, ref_indices = f(x, True)
@@ -162,3 +162,20 @@ def test_a_training_max_pool_saves_int8_window_offsets(monkeypatch):
             else:
                 # the backward takes the window offsets as bytes, not ATen's int64 indices
                 assert saved == {torch.float32, torch.int8}, saved
+
+
+def test_a_relu_takes_the_storage_of_the_gemm_result_it_reads_last(capfd):
+    # the GEMM's [64, 48] result dies in the relu over its [4, 16, 48] view: the relu's result
+    # (a graph output, in its own shape) lives in the GEMM's storage
+    torch.manual_seed(0)
+    a, w = torch.randn(64, 32), torch.randn(32, 48)
+
+    def f(x, y):
+        return torch.relu((x @ y).view(4, 16, 48))
+
+    want = f(a, w)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="ferrocore", options={"logs": "fusion"})(a, w)
+    torch.testing.assert_close(got, want)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    assert "is written into" in capfd.readouterr().err

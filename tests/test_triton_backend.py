@@ -110,6 +110,15 @@ def test_long_variances_take_one_pass(interpreted):
     assert src.count("    # group ") == 2 and src.count("for r0offset in range(0, 9000, 1024)") == 1, src
 
 
+def test_split_variances_read_their_input_once(interpreted):
+    # the chunks' Welford M2 and sum in one loop over the input; no second pass that reads the
+    # mean back
+    src = "".join(Path(p).read_text() for p in interpreted["split_variances"]["modules"])
+    assert "ferro_welford)" in src
+    first_stages = [k for k in src.split("@triton.jit") if "for r0offset in range(" in k]
+    assert first_stages and all("_acc_m2 = tl.where(" in k for k in first_stages), src
+
+
 def test_transposes_take_2d_tiles(interpreted):
     # a read contiguous along rows and one along columns: 64 x 64 tiles, each access coalesced
     src = "".join(Path(p).read_text() for p in interpreted["transpose_tiled"]["modules"])

@@ -135,6 +135,18 @@ def _():
     return f, (randn(256, 9000) * 3 + 50, randn(9000, seed=1))
 
 
+@case("split_variances", atol=2e-3, rtol=1e-3)
+def _():
+    # few columns over many rows (a batch norm's statistics): each chunk of the split takes its
+    # sum and Welford M2 in one pass over the data, the combine adds the M2s and the chunk
+    # means' deviations from the mean (an offset mean tests its stability)
+    def f(x, y):
+        return x.var(0), torch.var_mean(x, 0, correction=0), F.batch_norm(y, None, None, training=True)
+
+    y = (randn(32, 16, 16, 16, seed=1) * 2 + 5).to(memory_format=torch.channels_last)
+    return f, (randn(4096, 64) * 3 + 50, y)
+
+
 @case("split_reductions", atol=1e-3)
 def _():
     # few outputs, long reductions: two stages. 100003 is prime (the last chunk is masked);

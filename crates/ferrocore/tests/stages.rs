@@ -736,3 +736,23 @@ fn a_gradient_read_by_two_padded_gemms_is_padded_once() {
         assert!(!module.contains("empty_strided((64, 100)"), "no unpadded copy of the gradient:\n{module}");
     }
 }
+
+#[test]
+fn a_split_variance_reads_its_input_once() {
+    // a batch norm's statistics: 64 columns over 4096 rows, split over the rows; each chunk
+    // takes its Welford M2 and its sum in one pass, the combine adds them up by Chan's formula
+    let doc = G::new()
+        .input("x", &[4096, 64], "float32")
+        .call("v", "aten.var.correction", &over("x", 0, false), &meta(&[64], "float32"))
+        .output(&["v"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
+    s.program.verify().unwrap();
+    assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("Welford M2")), "{:?}", s.decisions);
+    let src = TritonBackend { cpu_tensors: true }.render(&s).unwrap().source;
+    let src = src.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    // one kernel reads x: the chunks' M2s and the mean's and the variance's chunk sums together
+    let over_x: Vec<&str> = src.split("@triton.jit").filter(|k| k.contains("in_ptr0 + (") && k.contains("for r0offset in range(")).collect();
+    assert_eq!(over_x.len(), 1, "{src}");
+    assert!(over_x[0].contains("ferro_welford"), "{}", over_x[0]);
+}

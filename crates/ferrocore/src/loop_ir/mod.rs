@@ -178,6 +178,23 @@ impl ExternCall {
         self.args.iter().chain(self.kwargs.iter().map(|(_, a)| a)).for_each(|a| walk(a, &mut out));
         out
     }
+
+    /// Whether the call's results are always new tensors of their own, never views of its
+    /// arguments (GEMMs, convolutions, fused attention): their storage is the program's to
+    /// reuse once they die.
+    pub fn returns_new_storage(&self) -> bool {
+        const FRESH: [&str; 8] = [
+            "torch.ops.aten.mm.",
+            "torch.ops.aten.addmm.",
+            "torch.ops.aten.bmm.",
+            "torch.ops.aten.baddbmm.",
+            "torch.ops.aten.convolution.",
+            "torch.ops.aten.convolution_backward.",
+            "torch.ops.aten._scaled_dot_product_",
+            "torch.ops.aten._flash_attention",
+        ];
+        !self.fallback && FRESH.iter().any(|f| self.callee.starts_with(f))
+    }
 }
 
 /// A graph output as the wrapper returns it.

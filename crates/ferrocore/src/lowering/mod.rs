@@ -590,12 +590,35 @@ impl<'g> Ctx<'g> {
         }
         // the running estimate counts a buffer once per path to it; the body counts it once
         if ops > MAX_INLINE_OPS || (users > 1 && over(reads, ops) && over_measured(tv, &over)) {
+            if let Some(t) = self.realize_before_widening(id, tv) {
+                return Lowered::Tensor(t);
+            }
             if let Some(t) = self.realize_row_padded(id, tv) {
                 return Lowered::Tensor(t);
             }
             return Lowered::Tensor(self.realize(tv));
         }
         l
+    }
+
+    /// A widening float conversion (`_to_copy` of a bfloat16 value to float32: a batch norm's
+    /// backward upcasts its incoming gradient) realized as its narrow source, the conversion
+    /// recomputed in each reader: the same values at half the bytes written and read.
+    fn realize_before_widening(&mut self, id: NodeId, tv: &TensorValue) -> Option<TensorValue> {
+        let node = self.graph.node(id);
+        let NodeKind::Call { target: Target::Aten(AtenOp::ToCopy), args, .. } = &node.kind else { return None };
+        let Some(Arg::Node(src)) = args.first() else { return None };
+        let narrow = self.tensor_of(*src).ok()?;
+        let widens = narrow.dtype.is_float() && tv.dtype.is_float() && narrow.dtype.itemsize() < tv.dtype.itemsize();
+        if !widens || narrow.size != tv.size || narrow.device != tv.device || !matches!(narrow.src, Src::Lazy { .. }) {
+            return None;
+        }
+        let stored = self.realized_node(*src, false).ok()?;
+        let dt = tv.dtype;
+        Some(TensorValue::lazy(tv.size.clone(), dt, tv.device.clone(), 1, 1, move |bx, idx| {
+            let v = stored.load(bx, idx);
+            bx.body.cast(v, dt)
+        }))
     }
 
     /// Makes a node's value a buffer view (for extern calls), updating the node's value so

@@ -68,7 +68,7 @@ impl Ctx<'_> {
         use AtenOp as A;
         let nd = match op {
             A::AvgPool3d | A::MaxPool3dWithIndices | A::FractionalMaxPool3d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d | A::AvgPool3dBackward
-            | A::AdaptiveAvgPool3dBackward => 3,
+            | A::AdaptiveAvgPool3dBackward | A::MaxPool3dWithIndicesBackward => 3,
             // the prim pools as many trailing dims as its kernel has
             A::MaxPoolWithOffsets => self.ints_arg(arg0, "kernel_size")?.map_or(2, |k| k.len()),
             _ => 2,
@@ -169,7 +169,9 @@ impl Ctx<'_> {
         let index_dtype = metas.get(1).map_or(DType::I64, |m| m.dtype);
         let build = |cx: &mut Self, what: Reduce| -> TensorValue {
             let reduction_ranges = if unroll { Vec::new() } else { pool.kernel() };
-            let dtype = if matches!(what, Reduce::ArgMax(_)) { index_dtype } else { acc };
+            // computed in the accumulation type, stored in the result's (a bfloat16 pool writes
+            // bfloat16, not a float32 buffer and a conversion of it)
+            let dtype = if matches!(what, Reduce::ArgMax(_)) { index_dtype } else { out.dtype };
             let layout = cx.fresh_layout(&dims, dtype, x.device.clone());
             // the output loops follow the layout (channels innermost in a channels-last graph)
             let order = loop_order(&layout);
@@ -334,6 +336,96 @@ impl Ctx<'_> {
         Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
     }
 
+    /// max_pool2d/3d_with_indices_backward as a gather, as ATen's CUDA kernel computes it: each
+    /// input element sums, in float, the gradients of the few windows that cover it and chose
+    /// it. No atomics and no zeroed buffer; the result is a lazy value in the input's layout that
+    /// fuses into its readers (a batch norm's backward). None where the windows overlap too much
+    /// (dilation, more than `MAX_COVERING` covering windows): the scatter form then.
+    pub(super) fn max_pool_backward_gather(&mut self, op: AtenOp) -> LResult<Option<TensorValue>> {
+        let grad = self.tensor_arg(0, "grad_output")?;
+        let x = self.tensor_arg(1, "self")?;
+        let indices = self.tensor_arg(7, "indices")?;
+        let out = self.out_meta()?.clone();
+        if indices.size != grad.size || grad.size.len() != x.size.len() {
+            return Ok(None);
+        }
+        let pool = self.pool_geometry(op, &x.size, &grad.size, 2)?;
+        // covering windows per dim: outputs o with o·s - p <= i <= o·s - p + k - 1
+        let cover: Vec<i64> = pool.wins.iter().map(|w| (w.kernel - 1) / w.stride + 1).collect();
+        if pool.wins.iter().any(|w| w.dilation != 1) || cover.iter().product::<i64>() > MAX_COVERING {
+            return Ok(None);
+        }
+        let rank = x.size.len();
+        let sp = rank - pool.nd;
+        let (dt, acc) = (out.dtype, out.dtype.compute());
+        let wins = pool.wins.clone();
+        let reads = 2 * cover.iter().product::<i64>() as usize;
+        Ok(Some(TensorValue::lazy(x.size.clone(), dt, x.device.clone(), reads, 4 * reads, move |bx, idx| {
+            let r = bx.ranges.clone();
+            // per dim, the covering outputs in ascending order: (in-range and covering, the
+            // output index wrapped into range so that a load stays in bounds)
+            let mut per_dim: Vec<Vec<(ValueId, IndexExpr)>> = Vec::new();
+            for (d, w) in wins.iter().enumerate() {
+                let i = &idx[sp + d];
+                let last = i.add_const(w.pad).floordiv(w.stride, &r);
+                let mut cands = Vec::new();
+                for j in (0..cover[d]).rev() {
+                    let o = last.add_const(-j);
+                    let ov = bx.body.index(o.clone(), DType::I64);
+                    let end = bx.body.constant(Scalar::Int(w.output), DType::I64);
+                    let valid = and_in_range(bx, None, ov, end);
+                    // i - (o·s - p) <= k - 1
+                    let reach = bx.body.index(i.add_const(w.pad).sub(&o.scale(w.stride)), DType::I64);
+                    let kmax = bx.body.constant(Scalar::Int(w.kernel - 1), DType::I64);
+                    let inside = bx.body.binary(BinaryOp::Le, reach, kmax);
+                    let valid = bx.body.binary(BinaryOp::LogicalAnd, valid, inside);
+                    cands.push((valid, o.modulo(w.output, &r)));
+                }
+                per_dim.push(cands);
+            }
+            // this element's index within its plane (volume), as the indices count
+            let mut flat = IndexExpr::zero();
+            for d in 0..wins.len() {
+                flat = flat.add(&idx[sp + d].scale(wins[d + 1..].iter().map(|w| w.input).product()));
+            }
+            let me = bx.body.index(flat, DType::I64);
+            let zero = bx.body.constant(Scalar::Int(0), acc);
+            let mut sum = zero;
+            // every combination of covering outputs, the last dim fastest (ATen's order)
+            let total: usize = per_dim.iter().map(|c| c.len()).product();
+            for flat_pick in 0..total {
+                let mut rest = flat_pick;
+                let mut pick = vec![0; per_dim.len()];
+                for d in (0..per_dim.len()).rev() {
+                    pick[d] = rest % per_dim[d].len();
+                    rest /= per_dim[d].len();
+                }
+                let mut at: Vec<IndexExpr> = idx[..sp].to_vec();
+                let mut valid: Option<ValueId> = None;
+                for (d, &c) in pick.iter().enumerate() {
+                    let (v, o) = &per_dim[d][c];
+                    at.push(o.clone());
+                    valid = Some(match valid {
+                        Some(u) => bx.body.binary(BinaryOp::LogicalAnd, u, *v),
+                        None => *v,
+                    });
+                }
+                let chosen = indices.load(bx, &at);
+                let chosen = bx.body.cast(chosen, DType::I64);
+                let hit = bx.body.binary(BinaryOp::Eq, chosen, me);
+                let hit = match valid {
+                    Some(v) => bx.body.binary(BinaryOp::LogicalAnd, v, hit),
+                    None => hit,
+                };
+                let g = grad.load(bx, &at);
+                let g = bx.body.cast(g, acc);
+                let g = bx.body.where_(hit, g, zero);
+                sum = bx.body.binary(BinaryOp::Add, sum, g);
+            }
+            bx.body.cast(sum, dt)
+        })))
+    }
+
     /// _low_memory_max_pool_offsets_to_indices(offsets, kernel_size, input_size, stride, padding,
     /// dilation): each window offset back to ATen's index within the input plane (volume); the
     /// backward of a training graph computes it from the saved int8 offsets.
@@ -410,6 +502,9 @@ fn window_offset(k: &[IndexExpr], kernel: &[i64]) -> IndexExpr {
     }
     flat
 }
+
+/// A max pool's backward gathers from at most this many covering windows per element.
+const MAX_COVERING: i64 = 9;
 
 /// Windows of at most this many taps are unrolled into pointwise code (3x3 and 5x5 pools).
 const MAX_UNROLLED_TAPS: i64 = 25;

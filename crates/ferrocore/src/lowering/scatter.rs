@@ -401,6 +401,9 @@ impl Ctx<'_> {
 
     /// max_pool2d/3d_with_indices_backward: gradients added at the recorded argmax of each window.
     pub(super) fn lower_max_pool_backward(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        if let Some(gathered) = self.max_pool_backward_gather(op)? {
+            return Ok(gathered);
+        }
         let grad = self.tensor_arg(0, "grad_output")?;
         let x = self.tensor_arg(1, "self")?;
         let indices = self.tensor_arg(7, "indices")?;

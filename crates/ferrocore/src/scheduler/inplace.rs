@@ -1,6 +1,7 @@
 //! In-place results: a kernel output takes over the storage of a buffer that dies in the same
 //! kernel, when the one node that reads it does so at exactly the element it writes (a
-//! gradient summed into a dying partial sum, a pointwise chain over a dying activation). The
+//! gradient summed into a dying partial sum, a pointwise chain over a dying activation, a relu
+//! over the GEMM result it reads last). The
 //! output is renamed to the dying buffer everywhere, so the wrapper allocates nothing for it and
 //! the peak holds one buffer where it held two.
 
@@ -24,7 +25,14 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
             let out = s.program.nodes[kn.node].output;
             let Some(store) = kn.body.store.as_ref().filter(|st| !st.is_scatter()) else { continue };
             let p = &s.program;
-            let owned = |b: BufferId| p.buffer(b).source == BufferSource::Computed && s.storage[b.0 as usize] == Storage::Allocated;
+            let owned = |b: BufferId| {
+                let ours = match p.buffer(b).source {
+                    BufferSource::Computed => true,
+                    BufferSource::Extern { call, .. } => p.externs[call].returns_new_storage(),
+                    BufferSource::Input(_) => false,
+                };
+                ours && s.storage[b.0 as usize] == Storage::Allocated
+            };
             // other writers of `out`: only fills of a padded result's padding may stay (below)
             let fills: Vec<usize> = p.nodes.iter().enumerate().filter(|(j, n)| n.output == out && *j != kn.node).map(|(j, _)| j).collect();
             if !owned(out) || writers[out.0 as usize].len() != 1 + fills.len() || renames.iter().any(|(_, x)| *x == out) {
@@ -37,7 +45,7 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
                     && last_use[x.0 as usize] == Some(i)
                     && written_here[x.0 as usize] != Some(i)
                     && writers[x.0 as usize].iter().all(|&w| w < i)
-                    && storage_fits(p, x, out, &fills)
+                    && storage_fits(p, x, out, &fills) != Fit::No
                     && !renames.iter().any(|(_, y)| *y == x)
                     && reads_only_at(&kn.body, x, &store.index)
                     && k.plan.nodes.iter().enumerate().all(|(q, other)| q == pos || !reads(&other.body, x))
@@ -47,6 +55,11 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
             }
         }
         for (out, x) in renames {
+            if storage_fits(&s.program, x, out, &[]) == Fit::Reshaped {
+                // whole-tensor uses of `out` keep its shape: views of `x`'s storage
+                let layout = s.program.buffer(out).layout.clone();
+                view_whole_uses(&mut s.program, out, &layout);
+            }
             decisions.push(format!(
                 "in place: {} is written into {} (its last reader, element for element)",
                 s.program.buffer(out).name,
@@ -88,10 +101,13 @@ fn uses(s: &Schedule) -> (Vec<Option<usize>>, Vec<Vec<usize>>, Vec<bool>) {
                 }
             }
             Item::Extern(e) => {
-                // a library call may return a view of what it is given: that storage stays its own
+                // a library call may return a view of what it is given: that storage stays its
+                // own, unless the call always returns new tensors (a GEMM's result may then
+                // take the relu after it in place)
+                let fresh = p.externs[*e].returns_new_storage();
                 for b in p.externs[*e].input_buffers().into_iter().chain(p.externs[*e].outputs.iter().copied()) {
                     last[b.0 as usize] = Some(i);
-                    pinned[b.0 as usize] = true;
+                    pinned[b.0 as usize] |= !fresh;
                 }
             }
         }
@@ -107,17 +123,61 @@ fn uses(s: &Schedule) -> (Vec<Option<usize>>, Vec<Vec<usize>>, Vec<bool>) {
     (last, writers, pinned)
 }
 
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Fit {
+    No,
+    /// `out` is `x`'s layout (or, for a donated input, its padded rows around `x`)
+    Same,
+    /// `out` has another shape over the same storage (a relu's [B, T, F] over the GEMM result
+    /// [B·T, F] it reads element for element): its whole-tensor uses become views of `x`
+    Reshaped,
+}
+
 /// Whether `out` (and the fills of its padding, `fills`) can live in `x`'s storage: the same
-/// layout, or for a donated input the unpadded corner of `out`'s padded rows.
-fn storage_fits(p: &LoopProgram, x: BufferId, out: BufferId, fills: &[usize]) -> bool {
+/// layout, the same bytes in another shape, or for a donated input the unpadded corner of
+/// `out`'s padded rows.
+fn storage_fits(p: &LoopProgram, x: BufferId, out: BufferId, fills: &[usize]) -> Fit {
     let (xl, ol) = (&p.buffer(x).layout, &p.buffer(out).layout);
     if fills.is_empty() && xl == ol {
-        return true;
+        return Fit::Same;
     }
-    p.donated.contains(&x)
+    if fills.is_empty() && reshaped(xl, ol) {
+        return Fit::Reshaped;
+    }
+    let corner = p.donated.contains(&x)
         && corner_of(xl, ol)
         && !used_whole(p, out)
-        && fills.iter().all(|&j| !reads(&p.nodes[j].body, x) && writes_outside(&p.nodes[j], xl, ol))
+        && fills.iter().all(|&j| !reads(&p.nodes[j].body, x) && writes_outside(&p.nodes[j], xl, ol));
+    if corner { Fit::Same } else { Fit::No }
+}
+
+/// Both layouts are dense row-major orders of the same number of elements of one dtype and
+/// device (so an element's storage position is its flat index in either).
+fn reshaped(x: &Layout, out: &Layout) -> bool {
+    let dense = |l: &Layout| l.offset == 0 && l.stride == contiguous_strides(&l.size);
+    x.dtype == out.dtype && x.device == out.device && dense(x) && dense(out)
+        && x.size.iter().product::<i64>() == out.size.iter().product::<i64>()
+}
+
+/// Library-call arguments and graph outputs that take `b` whole now take a view of it with
+/// `layout` (still naming `b`; the rename that follows points them at the new storage).
+fn view_whole_uses(p: &mut LoopProgram, b: BufferId, layout: &Layout) {
+    let view = || ExternArg::View { buf: b, size: layout.size.clone(), stride: layout.stride.clone(), offset: layout.offset };
+    fn walk(a: &mut ExternArg, b: BufferId, view: &dyn Fn() -> ExternArg) {
+        match a {
+            ExternArg::Buffer(x) if *x == b => *a = view(),
+            ExternArg::List(items) => items.iter_mut().for_each(|i| walk(i, b, view)),
+            _ => {}
+        }
+    }
+    for x in p.externs.iter_mut() {
+        x.args.iter_mut().chain(x.kwargs.iter_mut().map(|(_, a)| a)).for_each(|a| walk(a, b, &view));
+    }
+    for o in p.outputs.iter_mut() {
+        if matches!(o, OutputValue::Buffer(x) if *x == b) {
+            *o = OutputValue::View { buf: b, size: layout.size.clone(), stride: layout.stride.clone(), offset: layout.offset };
+        }
+    }
 }
 
 /// `x` is the leading corner of `out` (same strides, no larger): the unpadded view of padded

@@ -75,24 +75,34 @@ pub fn split_reductions(p: &mut LoopProgram, config: &SplitConfig) -> Vec<String
     let mut decisions = Vec::new();
     let steps = p.steps.clone();
     let mut new_steps = Vec::with_capacity(steps.len());
+    // variances are matched against their mean nodes before those are split themselves
+    let mut one_pass_splits: Vec<Option<Split>> = (0..p.nodes.len()).map(|n| plan_welford_split(p, n, config)).collect();
     for step in steps {
         if let Step::Node(n) = step {
-            if let Some(Split { first, second, splits, part_size, outer }) = plan_split(p, n, config) {
+            let welford = one_pass_splits[n].take();
+            let one_pass = welford.is_some();
+            if let Some(Split { firsts, second, splits, part_size, outer }) = welford.or_else(|| plan_split(p, n, config)) {
                 let (output, ranges, origins) = (p.nodes[n].output, p.nodes[n].ranges.clone(), p.nodes[n].origins.clone());
                 let total: i64 = p.nodes[n].reduction_ranges.iter().product();
-                let dtype = first.body.dtype(first.body.store.as_ref().map_or(ValueId(0), |s| s.value));
                 let device = p.buffer(output).layout.device.clone();
-                let partial = p.add_buffer(Layout::contiguous(&part_size, dtype, device), BufferSource::Computed);
+                let mut partials = Vec::new();
+                for first in firsts {
+                    let dtype = first.body.dtype(first.body.store.as_ref().map_or(ValueId(0), |s| s.value));
+                    let partial = p.add_buffer(Layout::contiguous(&part_size, dtype, device.clone()), BufferSource::Computed);
+                    partials.push(partial);
+                    p.nodes.push(LoopNode { output: partial, origins: origins.clone(), ..first });
+                    new_steps.push(Step::Node(p.nodes.len() - 1));
+                }
+                let names: Vec<&str> = partials.iter().map(|b| p.buffer(*b).name.as_str()).collect();
                 decisions.push(format!(
-                    "split: {} reduces {total} elements into {} rows{}: {splits} partial reductions each ({}), then a combine",
+                    "split: {} reduces {total} elements into {} rows{}: {splits} partial reductions each ({}), then a combine{}",
                     p.buffer(output).name,
                     ranges.iter().product::<i64>(),
                     if outer { " (over an outer dim: the split index outermost)" } else { "" },
-                    p.buffer(partial).name
+                    names.join(", "),
+                    if one_pass { " (a variance: each chunk's sum and Welford M2 in one pass, combined by Chan's formula)" } else { "" }
                 ));
-                p.nodes.push(LoopNode { output: partial, origins: origins.clone(), ..first });
-                new_steps.push(Step::Node(p.nodes.len() - 1));
-                p.nodes[n] = LoopNode { output, ranges, reduction_ranges: vec![splits], body: second(partial), origins };
+                p.nodes[n] = LoopNode { output, ranges, reduction_ranges: vec![splits], body: second(&partials), origins };
             }
         }
         new_steps.push(step);
@@ -101,13 +111,13 @@ pub fn split_reductions(p: &mut LoopProgram, config: &SplitConfig) -> Vec<String
     decisions
 }
 
-type SecondStage = Box<dyn FnOnce(BufferId) -> LoopBody>;
+type SecondStage = Box<dyn FnOnce(&[BufferId]) -> LoopBody>;
 
-/// A planned split: the first stage (its output buffer still the original's), a builder of the
-/// second stage's body given the partial buffer, the number of chunks, the partial buffer's size
-/// and whether the reduction runs over an outer dim.
+/// A planned split: the first stages (each storing one partial per chunk; their outputs still
+/// the original's), a builder of the second stage's body given the partial buffers, the number
+/// of chunks, the partial buffers' size and whether the reduction runs over an outer dim.
 struct Split {
-    first: LoopNode,
+    firsts: Vec<LoopNode>,
     second: SecondStage,
     splits: i64,
     part_size: Vec<i64>,
@@ -117,33 +127,115 @@ struct Split {
 /// The split of node `n`, or None when the node is not worth or not able to split.
 fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> {
     let node = &p.nodes[n];
-    let body = &node.body;
-    let store = body.store.as_ref()?;
-    if store.is_scatter() || node.reduction_ranges.is_empty() {
+    let (rid, op, operand) = single_reduction(&node.body)?;
+    if matches!(op, ReduceOp::WelfordM2) {
         return None;
     }
-    // exactly one reduction, nothing that reports or scans
+    let shape = SplitShape::of(node, config, false)?;
+    let (first, part) = first_stage(node, rid, op, operand, &shape)?;
+    let live = epilogue(node, rid)?;
+    // The second stage copies the live epilogue, the reduction now over the partials.
+    let old = node.body.clone();
+    let dtype = first.body.dtype(first.body.store.as_ref().map_or(ValueId(0), |s| s.value));
+    let part_index = part.index.clone();
+    let second: SecondStage = Box::new(move |partials: &[BufferId]| {
+        second_stage(&old, &live, rid, |sb| {
+            let loaded = sb.load(partials[0], part_index, dtype);
+            sb.reduce(op, loaded)
+        })
+    });
+    Some(Split { firsts: vec![first], second, splits: shape.splits, part_size: part.size, outer: shape.outer })
+}
+
+/// A variance's second pass `Σ(a - mean)²` over a reduction the split pass divides evenly:
+/// each chunk takes its sum and its Welford M2 of `a` in one pass over the data, and the
+/// combine adds the chunks' M2s and their means' deviations from the full mean
+/// (`Σ M2ₖ + n·(Sₖ/n - mean)²`, Chan's formula for equal chunks). Without it the variance
+/// would read its input a second time after the mean.
+fn plan_welford_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> {
+    let (mean_buf, mean_index, body) = super::welford::one_pass_form(p, n)?;
+    let node = LoopNode { body, ..p.nodes[n].clone() };
+    let (rid, _, operand) = single_reduction(&node.body)?;
+    let shape = SplitShape::of(&node, config, true)?;
+    let (m2s, part) = first_stage(&node, rid, ReduceOp::WelfordM2, operand, &shape)?;
+    let (sums, _) = first_stage(&node, rid, ReduceOp::Sum, operand, &shape)?;
+    let live = epilogue(&node, rid)?;
+    let old = node.body.clone();
+    let dtype = m2s.body.dtype(m2s.body.store.as_ref().map_or(ValueId(0), |s| s.value));
+    let mean_dtype = p.buffer(mean_buf).layout.dtype;
+    let chunk = shape.chunk;
+    let part_index = part.index.clone();
+    let second: SecondStage = Box::new(move |partials: &[BufferId]| {
+        second_stage(&old, &live, rid, |sb| {
+            let m2 = sb.load(partials[0], part_index.clone(), dtype);
+            let sum = sb.load(partials[1], part_index, dtype);
+            let mean = sb.load(mean_buf, mean_index, mean_dtype);
+            let mean = sb.cast(mean, dtype);
+            let n = sb.constant(Scalar::Int(chunk), dtype);
+            let chunk_mean = sb.binary(BinaryOp::TrueDiv, sum, n);
+            let d = sb.binary(BinaryOp::Sub, chunk_mean, mean);
+            let dd = sb.binary(BinaryOp::Mul, d, d);
+            let weighted = sb.binary(BinaryOp::Mul, dd, n);
+            let term = sb.binary(BinaryOp::Add, m2, weighted);
+            sb.reduce(ReduceOp::Sum, term)
+        })
+    });
+    Some(Split { firsts: vec![m2s, sums], second, splits: shape.splits, part_size: part.size, outer: shape.outer })
+}
+
+/// The body's one reduction (value id, op, operand), None when it has none, several, or
+/// anything that reports or scans.
+fn single_reduction(body: &LoopBody) -> Option<(ValueId, ReduceOp, ValueId)> {
     let mut reduce = None;
     for (i, e) in body.exprs.iter().enumerate() {
         match e {
-            Expr::Reduce(op, x) if reduce.is_none() && !matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin | ReduceOp::WelfordM2) => {
+            Expr::Reduce(op, x) if reduce.is_none() && !matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin) => {
                 reduce = Some((ValueId(i as u32), *op, *x))
             }
             Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..) | Expr::CheckIndex { .. } => return None,
             _ => {}
         }
     }
-    let (rid, op, operand) = reduce?;
-    let rows: i64 = node.ranges.iter().product();
-    let total: i64 = node.reduction_ranges.iter().product();
-    let outer = is_outer_reduction(node);
-    let want = config.splits(rows, total, outer)?;
-    // an exact divisor near the wish needs no mask; else the last chunk is masked
-    let splits = (want / 2..=want).rev().find(|s| *s >= 2 && total % s == 0).unwrap_or(want);
-    let chunk = (total + splits - 1) / splits;
-    let masked = chunk * splits != total;
+    reduce
+}
 
-    // Second stage: what the store needs after the reduction, over kept variables only.
+/// How a node's reduction divides: chunks, their length, whether the last one is masked and
+/// whether it runs over an outer dim.
+struct SplitShape {
+    splits: i64,
+    chunk: i64,
+    masked: bool,
+    outer: bool,
+}
+
+impl SplitShape {
+    /// None when the node is not worth splitting, or (`exact`) does not divide evenly.
+    fn of(node: &LoopNode, config: &SplitConfig, exact: bool) -> Option<SplitShape> {
+        let store = node.body.store.as_ref()?;
+        if store.is_scatter() || node.reduction_ranges.is_empty() {
+            return None;
+        }
+        let rows: i64 = node.ranges.iter().product();
+        let total: i64 = node.reduction_ranges.iter().product();
+        let outer = is_outer_reduction(node);
+        let want = config.splits(rows, total, outer)?;
+        // an exact divisor near the wish needs no mask; else the last chunk is masked
+        let exact_split = (want / 2..=want).rev().find(|s| *s >= 2 && total % s == 0);
+        let splits = match exact_split {
+            Some(s) => s,
+            None if exact => return None,
+            None => want,
+        };
+        let chunk = (total + splits - 1) / splits;
+        Some(SplitShape { splits, chunk, masked: chunk * splits != total, outer })
+    }
+}
+
+/// The live values of the epilogue after reduction `rid` (what the store needs), or None when
+/// the epilogue reads the reduction's own variables or stores by them.
+fn epilogue(node: &LoopNode, rid: ValueId) -> Option<Vec<bool>> {
+    let body = &node.body;
+    let store = body.store.as_ref()?;
     let nk = node.ranges.len();
     let live = body.live_from(store.value, &|v| (v == rid).then(Vec::new));
     for (i, e) in body.exprs.iter().enumerate() {
@@ -158,11 +250,26 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> 
     if store.index.uses_vars_from(nk) {
         return None;
     }
+    Some(live)
+}
 
-    // First stage: variables [kept..., s, r] ([s, kept..., r] over an outer dim, so that
-    // neighbouring programs read neighbouring outputs); the original reduction variables are
-    // recovered from the flat position s·chunk + r (taken modulo the total when the last chunk
-    // is masked, so that the masked lanes still load in bounds).
+/// Where a first stage stores: the partial buffer's size and the second stage's index into it.
+struct Partial {
+    size: Vec<i64>,
+    index: IndexExpr,
+}
+
+/// The first stage of a split: `op` of `operand` over each chunk, stored into a partial buffer
+/// `[kept..., S]` (`[S, kept...]` over an outer dim), its output still the original's.
+fn first_stage(node: &LoopNode, rid: ValueId, op: ReduceOp, operand: ValueId, shape: &SplitShape) -> Option<(LoopNode, Partial)> {
+    let body = &node.body;
+    let nk = node.ranges.len();
+    let SplitShape { splits, chunk, masked, outer } = *shape;
+    let total: i64 = node.reduction_ranges.iter().product();
+    // Variables [kept..., s, r] ([s, kept..., r] over an outer dim, so that neighbouring
+    // programs read neighbouring outputs); the original reduction variables are recovered from
+    // the flat position s·chunk + r (taken modulo the total when the last chunk is masked, so
+    // that the masked lanes still load in bounds).
     let (s_var, kept_var) = if outer { (0u32, 1u32) } else { (nk as u32, 0u32) };
     let mut first_ranges = node.ranges.clone();
     first_ranges.insert(s_var as usize, splits);
@@ -199,40 +306,31 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> 
     let part_strides = contiguous_strides(&part_size);
     let first_index = (0..=nk).fold(IndexExpr::zero(), |acc, v| acc.add(&IndexExpr::var(Var(v as u32)).scale(part_strides[v])));
     fb.set_store(first_index, partial_value);
-    let first = LoopNode {
-        output: node.output,
-        ranges: part_size.clone(),
-        reduction_ranges: vec![chunk],
-        body: fb,
-        origins: Vec::new(),
-    };
+    let first = LoopNode { output: node.output, ranges: part_size.clone(), reduction_ranges: vec![chunk], body: fb, origins: Vec::new() };
     // the second stage's variables are [kept..., s]
-    let part_index = (0..nk)
-        .fold(IndexExpr::var(Var(nk as u32)).scale(part_strides[s_var as usize]), |acc, v| {
-            acc.add(&IndexExpr::var(Var(v as u32)).scale(part_strides[v + kept_var as usize]))
-        });
-
-    // The second stage copies the live epilogue, the reduction now over the partials.
-    let old = body.clone();
-    let dtype = first.body.dtype(partial_value);
-    let second: SecondStage = Box::new(move |partial: BufferId| {
-        let mut sb = LoopBody::default();
-        let mut map: Vec<Option<ValueId>> = vec![None; old.exprs.len()];
-        let loaded = sb.load(partial, part_index, dtype);
-        let combined = sb.reduce(op, loaded);
-        let combined = sb.cast(combined, old.dtype(rid));
-        map[rid.0 as usize] = Some(combined);
-        for (i, e) in old.exprs.iter().enumerate() {
-            if live[i] && i != rid.0 as usize {
-                map[i] = sb.push_copy(e, old.dtypes[i], &|v| map[v.0 as usize]);
-            }
-        }
-        let st = old.store.as_ref().expect("a reduction stores its result");
-        let value = map[st.value.0 as usize].expect("the stored value is live");
-        sb.set_store(st.index.clone(), value);
-        sb
+    let index = (0..nk).fold(IndexExpr::var(Var(nk as u32)).scale(part_strides[s_var as usize]), |acc, v| {
+        acc.add(&IndexExpr::var(Var(v as u32)).scale(part_strides[v + kept_var as usize]))
     });
-    Some(Split { first, second, splits, part_size, outer })
+    Some((first, Partial { size: part_size, index }))
+}
+
+/// A second stage: `combine` builds the reduction over the partials (variables [kept..., s]);
+/// the live epilogue of `old` follows it, as in the unsplit node.
+fn second_stage(old: &LoopBody, live: &[bool], rid: ValueId, combine: impl FnOnce(&mut LoopBody) -> ValueId) -> LoopBody {
+    let mut sb = LoopBody::default();
+    let mut map: Vec<Option<ValueId>> = vec![None; old.exprs.len()];
+    let combined = combine(&mut sb);
+    let combined = sb.cast(combined, old.dtype(rid));
+    map[rid.0 as usize] = Some(combined);
+    for (i, e) in old.exprs.iter().enumerate() {
+        if live[i] && i != rid.0 as usize {
+            map[i] = sb.push_copy(e, old.dtypes[i], &|v| map[v.0 as usize]);
+        }
+    }
+    let st = old.store.as_ref().expect("a reduction stores its result");
+    let value = map[st.value.0 as usize].expect("the stored value is live");
+    sb.set_store(st.index.clone(), value);
+    sb
 }
 
 /// The value that leaves a combine unchanged, for masked lanes.

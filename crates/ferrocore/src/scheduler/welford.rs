@@ -6,9 +6,10 @@
 
 use super::split::{is_outer_reduction, SplitConfig};
 use crate::loop_ir::*;
+use crate::symbolic::IndexExpr;
 
 /// Rewrites every variance's second pass over more than `min_len` elements, except those the
-/// split pass will split (a Welford M2 does not combine from partial sums). One decision each.
+/// split pass will split (it takes their chunks' Welford M2s and sums itself). One decision each.
 pub fn welford_variances(p: &mut LoopProgram, min_len: i64, split: Option<&SplitConfig>) -> Vec<String> {
     let mut decisions = Vec::new();
     for n in 0..p.nodes.len() {
@@ -18,7 +19,7 @@ pub fn welford_variances(p: &mut LoopProgram, min_len: i64, split: Option<&Split
         if len <= min_len || split.is_some_and(|c| c.splits(rows, len, is_outer_reduction(node)).is_some()) {
             continue;
         }
-        let Some((mean_buf, body)) = rewrite(p, n) else { continue };
+        let Some((mean_buf, _, body)) = one_pass_form(p, n) else { continue };
         decisions.push(format!(
             "welford: {} takes its variance in one pass over {len} elements (no longer reads {})",
             p.buffer(p.nodes[n].output).name,
@@ -29,10 +30,10 @@ pub fn welford_variances(p: &mut LoopProgram, min_len: i64, split: Option<&Split
     decisions
 }
 
-/// The mean buffer the node stops reading and its new body, when node `n` is a variance's
-/// second pass `Σ(a - mean[kept])²` whose mean node computes `Σa' / c` with `a'` the same
-/// expression as `a`, over the same loops.
-fn rewrite(p: &LoopProgram, n: usize) -> Option<(BufferId, LoopBody)> {
+/// The mean buffer the node stops reading, the index it read it at and its new body, when node
+/// `n` is a variance's second pass `Σ(a - mean[kept])²` whose mean node computes `Σa' / c` (or
+/// `Σa' · (1/c)`) with `a'` the same expression as `a`, over the same loops.
+pub(super) fn one_pass_form(p: &LoopProgram, n: usize) -> Option<(BufferId, IndexExpr, LoopBody)> {
     let node = &p.nodes[n];
     let body = &node.body;
     let store = body.store.as_ref().filter(|s| !s.is_scatter())?;
@@ -57,8 +58,13 @@ fn rewrite(p: &LoopProgram, n: usize) -> Option<(BufferId, LoopBody)> {
         return None;
     }
     let mst = mean.body.store.as_ref().filter(|s| !s.is_scatter() && s.index == *mean_index)?;
-    let Expr::Binary(BinaryOp::TrueDiv, s, c) = mean.body.expr(mst.value) else { return None };
-    let (Expr::Reduce(ReduceOp::Sum, a2), Expr::Constant(_)) = (mean.body.expr(*s), mean.body.expr(*c)) else { return None };
+    // Σa' / c, or Σa' · (1/c) where c is a power of two
+    let s = match mean.body.expr(mst.value) {
+        Expr::Binary(BinaryOp::TrueDiv | BinaryOp::Mul, s, c) if matches!(mean.body.expr(*c), Expr::Constant(_)) => *s,
+        Expr::Binary(BinaryOp::Mul, c, s) if matches!(mean.body.expr(*c), Expr::Constant(_)) => *s,
+        _ => return None,
+    };
+    let Expr::Reduce(ReduceOp::Sum, a2) = mean.body.expr(s) else { return None };
     if !same(&mean.body, *a2, body, *a) {
         return None;
     }
@@ -79,7 +85,7 @@ fn rewrite(p: &LoopProgram, n: usize) -> Option<(BufferId, LoopBody)> {
         };
     }
     out.set_store(store.index.clone(), map[store.value.0 as usize]?);
-    Some((*mean_buf, out))
+    Some((*mean_buf, mean_index.clone(), out))
 }
 
 /// Whether `x` of `b1` and `y` of `b2` compute the same value (the same expression tree).

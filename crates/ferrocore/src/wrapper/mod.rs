@@ -104,6 +104,12 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
                 steps.push(HostStep::Alloc(*b));
             }
         }
+        // a library call's results exist once it returns (a kernel may write into one in place)
+        if let Item::Extern(e) = it {
+            for b in &p.externs[*e].outputs {
+                allocated[b.0 as usize] = true;
+            }
+        }
         if let Item::Kernel(_) = it {
             for b in &defs[i] {
                 if !allocated[b.0 as usize] {
