@@ -179,3 +179,20 @@ def test_a_relu_takes_the_storage_of_the_gemm_result_it_reads_last(capfd):
     torch.testing.assert_close(got, want)
     assert got.shape == want.shape and got.stride() == want.stride()
     assert "is written into" in capfd.readouterr().err
+
+
+def test_a_returned_result_in_a_gemm_results_storage_is_never_taken_again():
+    # the relu's result lives in the first GEMM's storage and is returned: the sum that reads it
+    # last must not take that storage too
+    torch.manual_seed(0)
+    a, w, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(48, 48)
+
+    def f(x, y, z):
+        r = torch.relu((x @ y).view(4, 16, 48))
+        return r, r + (r.view(64, 48) @ z).view(4, 16, 48)
+
+    want = f(a, w, w2)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="ferrocore")(a, w, w2)
+    for g, t in zip(got, want):
+        torch.testing.assert_close(g, t)

@@ -13,7 +13,7 @@ use crate::symbolic::IndexExpr;
 pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
     let mut decisions = Vec::new();
     let n = s.program.buffers.len();
-    let (mut last_use, writers, pinned) = uses(s);
+    let (mut last_use, writers, mut pinned) = uses(s);
     let mut written_here = vec![None; n];
     for i in 0..s.items.len() {
         let Item::Kernel(k) = &s.items[i] else { continue };
@@ -66,6 +66,8 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
                 s.program.buffer(x).name
             ));
             last_use[x.0 as usize] = last_use[out.0 as usize].max(Some(i));
+            // `x` now holds what `out` held: a graph output's storage is never taken again
+            pinned[x.0 as usize] |= pinned[out.0 as usize];
             if s.program.donated.contains(&x) {
                 let extent = s.program.buffer(out).layout.storage_numel().max(s.program.buffer(x).layout.storage_numel());
                 match s.program.donated_writes.iter_mut().find(|(b, _)| *b == x) {
