@@ -2,6 +2,7 @@
 activations as it goes), results written in place of a buffer that dies in the same kernel,
 values realized once, and training graphs decomposed so the partitioner saves less."""
 
+import pytest
 import torch
 
 import ferrocore
@@ -34,17 +35,23 @@ def test_compiled_call_takes_over_its_argument_list():
     assert args == [], "the boxed call clears the list so that inputs can be freed early"
 
 
-def test_training_gradients_with_decomposed_softmax_and_norms(monkeypatch):
+@pytest.fixture
+def compiled_graphs(monkeypatch) -> list:
+    """The FX graphs handed to ferrocore's compiler, in order (forward, then backward)."""
     from ferrocore import backend
 
-    seen = []
+    graphs = []
     compile_graph = backend._compile
 
     def spy(gm, *args, **kwargs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        graphs.append(gm)
         return compile_graph(gm, *args, **kwargs)
 
     monkeypatch.setattr(backend, "_compile", spy)
+    return graphs
+
+
+def test_training_gradients_with_decomposed_softmax_and_norms(compiled_graphs):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(),
                                 torch.nn.Linear(32, 10))
@@ -63,6 +70,7 @@ def test_training_gradients_with_decomposed_softmax_and_norms(monkeypatch):
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
     # the training graphs reached ferrocore decomposed: no opaque normalization or softmax left
+    seen = [str(n.target) for gm in compiled_graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert seen and not any("layer_norm" in t or "softmax" in t for t in seen), seen
 
 
@@ -111,17 +119,8 @@ def test_a_donated_input_is_copied_before_it_is_written_when_its_storage_is_shar
     assert roomy is not corner and torch.equal(roomy, corner) and roomy.untyped_storage().nbytes() >= 32 * 4
 
 
-def test_a_training_max_pool_saves_int8_window_offsets(monkeypatch):
-    from ferrocore import backend
-
-    graphs = []
-    compile_graph = backend._compile
-
-    def spy(gm, *args, **kwargs):
-        graphs.append(gm)
-        return compile_graph(gm, *args, **kwargs)
-
-    monkeypatch.setattr(backend, "_compile", spy)
+def test_a_training_max_pool_saves_int8_window_offsets(compiled_graphs):
+    graphs = compiled_graphs
     F = torch.nn.functional
     torch.manual_seed(0)
     cases = [

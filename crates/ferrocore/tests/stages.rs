@@ -283,6 +283,20 @@ fn scatter_add_is_a_copy_then_an_atomic_scatter_kernel() {
 }
 
 /// Lowered, scheduled for Triton and rendered by the Triton backend: the kernels without the prelude.
+/// `doc` scheduled as for a GPU (reduction splits and one-pass variances on).
+fn gpu_schedule(doc: &str) -> ferrocore::scheduler::Schedule {
+    let g = parse_graph(doc).unwrap();
+    let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
+    s.program.verify().unwrap();
+    s
+}
+
+/// The Triton kernels of a schedule, without the prelude.
+fn triton_source(s: &ferrocore::scheduler::Schedule) -> String {
+    let src = TritonBackend { cpu_tensors: true }.render(s).unwrap().source;
+    src.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string()
+}
+
 fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) {
     let g = parse_graph(doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
@@ -438,13 +452,11 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
         .call("sum_1", "aten.sum.dim_IntList", &over("y", 0, false), &meta(&[3], "float16"))
         .output(&["mean", "sum_1"]);
     let g = parse_graph(&doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
-    s.program.verify().unwrap();
+    let s = gpu_schedule(&doc);
     let decisions: Vec<&String> = s.decisions.iter().filter(|d| d.starts_with("split")).collect();
     assert_eq!(decisions.len(), 2, "{:?}", s.decisions);
     assert_eq!(s.kernel_count(), 4, "{}", s.text());
-    let src = TritonBackend { cpu_tensors: true }.render(&s).unwrap().source;
-    let src = src.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    let src = triton_source(&s);
     // no split without a GPU's split config (the C++ backend's rows are whole)
     let whole = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
     assert_eq!(whole.kernel_count(), 2);
@@ -476,10 +488,9 @@ fn split_column_sums_read_along_the_columns() {
         .input("y", &[262144, 64], "bfloat16")
         .call("s", "aten.sum.dim_IntList", &over("y", 0, false), &meta(&[64], "bfloat16"))
         .output(&["s"]);
-    let g = parse_graph(&doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
+    let s = gpu_schedule(&doc);
     assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("outer dim")), "{:?}", s.decisions);
-    let src = TritonBackend { cpu_tensors: true }.render(&s).unwrap().source;
+    let src = triton_source(&s);
     let first = src.split("@triton.jit").find(|k| k.contains("range(0, ")).unwrap_or_else(|| panic!("no looped first stage:\n{src}"));
     // column tiles of XBLOCK outputs by 128 rows, the rows looped: lanes read along the columns
     assert!(first.contains("reduction over [1024] (looped)"), "{first}");
@@ -745,12 +756,9 @@ fn a_split_variance_reads_its_input_once() {
         .input("x", &[4096, 64], "float32")
         .call("v", "aten.var.correction", &over("x", 0, false), &meta(&[64], "float32"))
         .output(&["v"]);
-    let g = parse_graph(&doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
-    s.program.verify().unwrap();
+    let s = gpu_schedule(&doc);
     assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("Welford M2")), "{:?}", s.decisions);
-    let src = TritonBackend { cpu_tensors: true }.render(&s).unwrap().source;
-    let src = src.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    let src = triton_source(&s);
     // one kernel reads x: the chunks' M2s and the mean's and the variance's chunk sums together
     let over_x: Vec<&str> = src.split("@triton.jit").filter(|k| k.contains("in_ptr0 + (") && k.contains("for r0offset in range(")).collect();
     assert_eq!(over_x.len(), 1, "{src}");

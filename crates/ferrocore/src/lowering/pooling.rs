@@ -392,18 +392,11 @@ impl Ctx<'_> {
             let zero = bx.body.constant(Scalar::Int(0), acc);
             let mut sum = zero;
             // every combination of covering outputs, the last dim fastest (ATen's order)
-            let total: usize = per_dim.iter().map(|c| c.len()).product();
-            for flat_pick in 0..total {
-                let mut rest = flat_pick;
-                let mut pick = vec![0; per_dim.len()];
-                for d in (0..per_dim.len()).rev() {
-                    pick[d] = rest % per_dim[d].len();
-                    rest /= per_dim[d].len();
-                }
+            for pick in row_major(&cover) {
                 let mut at: Vec<IndexExpr> = idx[..sp].to_vec();
                 let mut valid: Option<ValueId> = None;
                 for (d, &c) in pick.iter().enumerate() {
-                    let (v, o) = &per_dim[d][c];
+                    let (v, o) = &per_dim[d][c as usize];
                     at.push(o.clone());
                     valid = Some(match valid {
                         Some(u) => bx.body.binary(BinaryOp::LogicalAnd, u, *v),
@@ -511,9 +504,14 @@ const MAX_UNROLLED_TAPS: i64 = 25;
 
 /// Every offset of a window of `kernel` taps per dim, row-major.
 fn window_offsets(kernel: &[i64]) -> Vec<Vec<IndexExpr>> {
+    row_major(kernel).into_iter().map(|o| o.into_iter().map(IndexExpr::constant).collect()).collect()
+}
+
+/// Every index tuple of `counts` per dim, the last dim fastest.
+fn row_major(counts: &[i64]) -> Vec<Vec<i64>> {
     let mut out = vec![Vec::new()];
-    for &k in kernel {
-        out = out.into_iter().flat_map(|o: Vec<IndexExpr>| (0..k).map(move |i| [o.clone(), vec![IndexExpr::constant(i)]].concat())).collect();
+    for &k in counts {
+        out = out.into_iter().flat_map(|o: Vec<i64>| (0..k).map(move |i| [o.clone(), vec![i]].concat())).collect();
     }
     out
 }

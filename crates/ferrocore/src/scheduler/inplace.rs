@@ -20,7 +20,7 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
         for kn in &k.plan.nodes {
             written_here[s.program.nodes[kn.node].output.0 as usize] = Some(i);
         }
-        let mut renames: Vec<(BufferId, BufferId)> = Vec::new();
+        let mut renames: Vec<(BufferId, BufferId, Fit)> = Vec::new();
         for (pos, kn) in k.plan.nodes.iter().enumerate() {
             let out = s.program.nodes[kn.node].output;
             let Some(store) = kn.body.store.as_ref().filter(|st| !st.is_scatter()) else { continue };
@@ -35,27 +35,28 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
             };
             // other writers of `out`: only fills of a padded result's padding may stay (below)
             let fills: Vec<usize> = p.nodes.iter().enumerate().filter(|(j, n)| n.output == out && *j != kn.node).map(|(j, _)| j).collect();
-            if !owned(out) || writers[out.0 as usize].len() != 1 + fills.len() || renames.iter().any(|(_, x)| *x == out) {
+            if !owned(out) || writers[out.0 as usize].len() != 1 + fills.len() || renames.iter().any(|(_, x, _)| *x == out) {
                 continue;
             }
-            let dying = p.nodes[kn.node].reads().into_iter().map(|(b, _)| b).find(|&x| {
-                (owned(x) || p.donated.contains(&x))
+            let dying = p.nodes[kn.node].reads().into_iter().map(|(b, _)| b).find_map(|x| {
+                let candidate = (owned(x) || p.donated.contains(&x))
                     && x != out
                     && !pinned[x.0 as usize]
                     && last_use[x.0 as usize] == Some(i)
                     && written_here[x.0 as usize] != Some(i)
                     && writers[x.0 as usize].iter().all(|&w| w < i)
-                    && storage_fits(p, x, out, &fills) != Fit::No
-                    && !renames.iter().any(|(_, y)| *y == x)
+                    && !renames.iter().any(|(_, y, _)| *y == x)
                     && reads_only_at(&kn.body, x, &store.index)
-                    && k.plan.nodes.iter().enumerate().all(|(q, other)| q == pos || !reads(&other.body, x))
+                    && k.plan.nodes.iter().enumerate().all(|(q, other)| q == pos || !reads(&other.body, x));
+                let fit = if candidate { storage_fits(p, x, out, &fills) } else { Fit::No };
+                (fit != Fit::No).then_some((x, fit))
             });
-            if let Some(x) = dying {
-                renames.push((out, x));
+            if let Some((x, fit)) = dying {
+                renames.push((out, x, fit));
             }
         }
-        for (out, x) in renames {
-            if storage_fits(&s.program, x, out, &[]) == Fit::Reshaped {
+        for (out, x, fit) in renames {
+            if fit == Fit::Reshaped {
                 // whole-tensor uses of `out` keep its shape: views of `x`'s storage
                 let layout = s.program.buffer(out).layout.clone();
                 view_whole_uses(&mut s.program, out, &layout);

@@ -153,10 +153,11 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> 
 /// (`Σ M2ₖ + n·(Sₖ/n - mean)²`, Chan's formula for equal chunks). Without it the variance
 /// would read its input a second time after the mean.
 fn plan_welford_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> {
+    // the split's shape first (cheap, and the same for the one-pass form: same loops and loads)
+    let shape = SplitShape::of(&p.nodes[n], config, true)?;
     let (mean_buf, mean_index, body) = super::welford::one_pass_form(p, n)?;
     let node = LoopNode { body, ..p.nodes[n].clone() };
     let (rid, _, operand) = single_reduction(&node.body)?;
-    let shape = SplitShape::of(&node, config, true)?;
     let (m2s, part) = first_stage(&node, rid, ReduceOp::WelfordM2, operand, &shape)?;
     let (sums, _) = first_stage(&node, rid, ReduceOp::Sum, operand, &shape)?;
     let live = epilogue(&node, rid)?;
