@@ -80,7 +80,7 @@ def parse_args(argv=None):
     ap.add_argument("--memory-breakdown", action="store_true",
                     help="record the CUDA allocator's history for one call: what is live at the peak, and where it was allocated")
     ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
-                    help="also profile the host side of CALLS calls (cProfile, default mode): where host time goes")
+                    help="also profile the host side of CALLS calls (cProfile, every mode): where host time goes")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--report", nargs="*", default=None, metavar="JSON",
                     help="print the tables of earlier runs' --json files (several: one table set) and exit")
@@ -326,7 +326,7 @@ def host_profile(runner: Runner, calls: int, dev: str) -> list:
     prof.disable()
     sync(dev)
     stats = pstats.Stats(prof).stats
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:15]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:20]
     return [(round(tt / calls * 1e3, 4), round(nc / calls, 1), f"{Path(f).name}:{line}({fn})")
             for (f, line, fn), (_, nc, tt, _, _) in rows]
 
@@ -465,7 +465,7 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
                     row.profile[k] = p
             if opts.memory_breakdown and opts.device.startswith("cuda") and mode == "default":
                 row.memory[k] = memory_breakdown(r)
-            if opts.host_profile and mode == "default" and k != "eager":
+            if opts.host_profile and k != "eager":
                 row.host_profile[k] = host_profile(r, opts.host_profile, opts.device)
     except Exception as e:  # noqa: BLE001
         row.notes.append(f"measurement FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
@@ -614,7 +614,7 @@ def host_table(rows: list) -> str:
     lines = ["| model | backend | host ms per call (cProfile's own time) | calls | function |", "|---|---|---|---|---|"]
     for r in rows:
         for k, top in r.host_profile.items():
-            for ms, calls, fn in top[:10]:
+            for ms, calls, fn in top:
                 lines.append(f"| {r.model} | {k} | {ms:.3f} | {calls:g} | `{fn}` |")
     return "\n".join(lines)
 

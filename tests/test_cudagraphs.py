@@ -104,6 +104,67 @@ def test_replay_never_overwrites_a_held_output():
     torch.testing.assert_close(b[0], (torch.arange(4.0) + 1) * 10)
 
 
+def test_an_output_autograd_saved_keeps_its_recording():
+    # a forward's saved activation lives on only inside autograd's saved variables (no Python
+    # reference): its recording replays again only after the backward has run
+    runner = _stand_in_runner(lambda a: [a[0] * 2], saved=[0])
+
+    class Step(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            (act,) = runner([x.detach()])
+            ctx.save_for_backward(act)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            (act,) = ctx.saved_tensors
+            return g * act
+
+    x = torch.arange(3.0, requires_grad=True)
+    runner([x.detach()])  # warm-up
+    before = _counts()
+    first = Step.apply(x).sum()  # records generation 1; its activation is saved
+    second = Step.apply(x + 1).sum()  # generation 1 is held by `first`'s graph: generation 2
+    assert _delta(before)["cudagraph_recordings"] == 2
+    first.backward()
+    torch.testing.assert_close(x.grad, torch.arange(3.0) * 2)
+    del first
+    third = Step.apply(x).sum()  # generation 1 is free again
+    assert _delta(before)["cudagraph_replays"] == 1
+    second.backward(), third.backward()
+    torch.testing.assert_close(x.grad, torch.arange(3.0) * 2 + (torch.arange(3.0) + 1) * 2 + torch.arange(3.0) * 2)
+
+
+def test_a_gradient_handed_out_becomes_grad_without_a_copy():
+    # autograd moves a gradient nobody else references into `.grad`; there it holds the
+    # recording until the next zero_grad
+    runner = _stand_in_runner(lambda a: [a[0] * 3], copied=[0])  # an incoming gradient is copied
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return runner([g.contiguous()])[0]
+
+    w = torch.ones(4, requires_grad=True)
+    runner([torch.ones(4)])  # warm-up
+    before = _counts()
+    Scale.apply(w).sum().backward()
+    (rec,) = next(iter(runner.recordings.values()))
+    assert w.grad.data_ptr() == rec.static_outputs[0].data_ptr()
+    assert not rec.free()
+    w.grad = None
+    assert rec.free()
+    Scale.apply(w).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((4,), 3.0))
+    d = _delta(before)
+    assert (d["cudagraph_recordings"], d["cudagraph_replays"]) == (1, 1), d
+
+
 def test_new_input_addresses_record_again():
     runner = _stand_in_runner(lambda a: [a[0] + a[1]])
     before = _counts()

@@ -9,8 +9,10 @@ its own memory pool. Two rules keep that from ever giving a wrong answer:
   address sets; beyond that, the call runs the plain compiled wrapper). The other inputs (a
   batch, a backward's incoming gradients: `copied`, as the front names them) are copied into
   buffers of the recording's own before each replay, so that a new batch each step replays.
-- Outputs handed to the caller are aliases of the pool. A recording is replayed only when no
-  alias it handed out is still alive; otherwise a second recording of the same inputs (its own
+- Outputs handed to the caller are aliases of the pool (each a `detach` of the recording's own
+  output tensor: no new storage per replay). A recording is replayed only when the use count of
+  every pool storage is back to what the recording alone holds, so that no alias it handed out
+  is still alive (a tensor, a view, a `.grad`, a saved activation autograd holds); otherwise a second recording of the same inputs (its own
   pool) is replayed, and when every recording's outputs are still held, the call runs the
   plain wrapper, which allocates fresh outputs. A later replay never overwrites memory the
   caller can still read.
@@ -38,9 +40,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .backend import is_dense
 from .metrics import metrics
 
-# A tensor over a storage from a dict of its metadata, in one C++ call (a replay hands out every
-# saved activation of a forward this way).
-_CUDA_TENSOR = getattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None)
+# How many tensors (and Python storage objects) reference a storage, through a weak reference.
+_use_count = torch._C._storage_Use_Count
+_data_ptr = torch.Tensor.data_ptr
 
 # Distinct input address sets recorded per graph, and recordings per address set.
 MAX_KEYS = 8
@@ -69,14 +71,18 @@ def blocker(module, device, inputs_meta, host_scalars: bool) -> str | None:
 
 
 class _Recording:
-    """One captured graph, its pool's outputs, what the last replay handed out, and its
-    index-check flag with the event after its last replay."""
+    """One captured graph, the pool's outputs it hands out, and its index-check flag with the
+    event after its last replay."""
 
-    __slots__ = ("graph", "static_outputs", "plan", "handed", "flag", "seen", "replayed", "copies")
+    __slots__ = ("graph", "static_outputs", "plan", "held", "_weak", "flag", "seen", "replayed", "copies")
 
     def __init__(self, graph, static_outputs, plan, flag=None, copies=()):
         self.graph, self.static_outputs, self.plan = graph, static_outputs, plan
-        self.handed: list = []
+        # the pool's storages: weak references (`cdata`, kept alive by `_weak`) and the use counts
+        # they have when nobody else holds them, counted at the first replay, once the
+        # recording's own temporaries are gone
+        self.held: tuple | None = None
+        self._weak: list = []
         self.flag, self.replayed = flag, None
         # the flag as the last replay left it, copied to pinned host memory behind the replay:
         # reading the device flag would wait for every launch queued since (a backward's check
@@ -86,7 +92,13 @@ class _Recording:
         self.copies = copies
 
     def free(self) -> bool:
-        return all(ref.expired() for ref in self.handed)
+        """Whether no tensor over the pool's outputs lives outside this recording: a handed-out
+        tensor, a view of one, a gradient autograd moved into `.grad`, a saved activation held
+        by autograd (all of them reference the storage)."""
+        if self.held is None:
+            return True
+        refs, alone = self.held
+        return list(map(_use_count, refs)) == alone
 
     def check_indices(self) -> None:
         """Raises IndexError when a finished replay saw an out-of-range index (never waits)."""
@@ -106,28 +118,35 @@ class _Recording:
         return self.hand_out(args)
 
     def hand_out(self, args) -> list:
-        storages = {}
+        """The call's outputs: each pool output as a new tensor over the recording's own (a
+        `detach`, no new storage: one C++ call each), each input view rebuilt from the caller's
+        tensor."""
+        if self.held is None:
+            self._weak = _storage_refs(self.static_outputs)
+            refs = [ref.cdata for ref in self._weak]
+            self.held = (refs, list(map(_use_count, refs)))
         out = []
-        for entry in self.plan:
+        for entry, static in zip(self.plan, self.static_outputs):
             kind = entry[0]
-            if kind == "value":
+            if kind == "pool":
+                out.append(static.detach())
+            elif kind == "value":
                 out.append(entry[1])
-            elif kind == "input":
+            else:
                 _, j, size, stride, delta, itself = entry
                 out.append(args[j] if itself else args[j].as_strided(size, stride, args[j].storage_offset() + delta))
-            else:
-                _, key, ptr, nbytes, device, meta = entry
-                st = storages.get(key)
-                if st is None:
-                    # a storage of its own over the pool's bytes: its lifetime is the caller's
-                    st = storages[key] = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-                if device.type == "cuda" and _CUDA_TENSOR is not None:
-                    out.append(_CUDA_TENSOR(meta, st))
-                else:
-                    out.append(torch.empty((0,), dtype=meta["dtype"], device=device).set_(
-                        st, meta["storage_offset"], meta["size"], meta["stride"]))
-        self.handed = [StorageWeakRef(s) for s in storages.values()]
         return out
+
+
+def _storage_refs(static_outputs) -> list:
+    """A weak reference to each storage under the pool's outputs (the Python storage objects
+    made here are gone when it returns: their references would count)."""
+    refs = {}
+    for o in static_outputs:
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            refs.setdefault(st.data_ptr(), StorageWeakRef(st))
+    return list(refs.values())
 
 
 class CudaGraphRunner:
@@ -172,8 +191,12 @@ class CudaGraphRunner:
 
     def _key(self, args) -> tuple:
         """The addresses of the inputs read in place; the layouts of those copied."""
-        return tuple((tuple(a.shape), a.stride(), a.dtype) if j in self.copied and _copyable(a) else a.data_ptr()
-                     for j, a in enumerate(args))
+        key = list(map(_data_ptr, args))
+        for j in self.copied:
+            if j < len(args) and _copyable(args[j]):
+                a = args[j]
+                key[j] = (tuple(a.shape), a.stride(), a.dtype)
+        return tuple(key)
 
     def _plain(self, args, why: str):
         self._log(f"a call runs without its CUDA graph: {why}")
@@ -249,30 +272,27 @@ class _Unrecordable(Exception):
 
 
 def _output_plan(outs, args, copied=frozenset(), saved=frozenset()) -> list:
-    """How each output is rebuilt after a replay: a plain value, a view of an input, or a view
-    of the pool's bytes (outputs sharing a storage share one storage again). A saved activation
+    """How each output is handed out after a replay: a plain value, a view of an input, or the
+    pool's output (the static output's own storage and layout). A saved activation
     that is a copied input is a view of the recording's copy, like pool memory: the backward's
     recording then finds it at the same address at every step."""
     inputs = {}
     for j, a in enumerate(args):
         inputs.setdefault(a.untyped_storage().data_ptr(), j)
-    plan, keys = [], {}
+    plan = []
     for i, o in enumerate(outs):
         if not isinstance(o, torch.Tensor):
             plan.append(("value", o))
             continue
-        st = o.untyped_storage()
-        base = st.data_ptr()
-        size, stride, offset = tuple(o.shape), tuple(o.stride()), o.storage_offset()
+        base = o.untyped_storage().data_ptr()
         if base in inputs and not (inputs[base] in copied and i in saved):
             j = inputs[base]
             if args[j].dtype != o.dtype:
                 raise _Unrecordable(f"an output views input {j} as another dtype")
             # rebuilt from the caller's tensor at each replay, at the same distance into it (the
             # tensor itself where the call returned it: a parameter saved for the backward)
-            plan.append(("input", j, size, stride, offset - args[j].storage_offset(), o is args[j]))
+            plan.append(("input", j, tuple(o.shape), tuple(o.stride()), o.storage_offset() - args[j].storage_offset(),
+                         o is args[j]))
             continue
-        key = keys.setdefault(base, len(keys))
-        meta = {"size": size, "stride": stride, "storage_offset": offset, "dtype": o.dtype}
-        plan.append(("pool", key, base, st.nbytes(), o.device, meta))
+        plan.append(("pool",))
     return plan
