@@ -180,6 +180,25 @@ def test_a_relu_takes_the_storage_of_the_gemm_result_it_reads_last(capfd):
     assert "is written into" in capfd.readouterr().err
 
 
+def test_a_result_takes_the_gemm_results_storage_beside_a_mask_of_it(capfd):
+    # the doubled GEMM result and a mask of the GEMM result share one kernel: the mask reads each
+    # element before the doubling overwrites it in the GEMM's storage
+    torch.manual_seed(0)
+    a, w = torch.randn(64, 32), torch.randn(32, 48)
+
+    def f(x, y):
+        h = x @ y
+        return (h * 2).view(4, 16, 48), h > 1
+
+    want = f(a, w)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="ferrocore", options={"logs": "fusion"})(a, w)
+    for g, t in zip(got, want):
+        torch.testing.assert_close(g, t)
+        assert g.shape == t.shape and g.stride() == t.stride() and g.dtype == t.dtype
+    assert "is written into" in capfd.readouterr().err
+
+
 def test_a_returned_result_in_a_gemm_results_storage_is_never_taken_again():
     # the relu's result lives in the first GEMM's storage and is returned: the sum that reads it
     # last must not take that storage too

@@ -119,6 +119,15 @@ def test_split_variances_read_their_input_once(interpreted):
     assert first_stages and all("_acc_m2 = tl.where(" in k for k in first_stages), src
 
 
+def test_in_place_writes_follow_the_other_reads(interpreted):
+    # one kernel reads the GEMM result for the mask, then writes the doubled values over it
+    src = "".join(Path(p).read_text() for p in interpreted["in_place_beside_a_mask"]["modules"])
+    (kernel,) = [k for k in src.split("@triton.jit")[1:] if "def triton_poi" in k]
+    stores = re.findall(r"tl\.store\((\w+) ", kernel)
+    loads = re.findall(r"tl\.load\((\w+) ", kernel)
+    assert loads == ["out_ptr0"] and stores == ["out_ptr1", "out_ptr0"], kernel
+
+
 def test_transposes_take_2d_tiles(interpreted):
     # a read contiguous along rows and one along columns: 64 x 64 tiles, each access coalesced
     src = "".join(Path(p).read_text() for p in interpreted["transpose_tiled"]["modules"])

@@ -147,6 +147,19 @@ def _():
     return f, (randn(4096, 64) * 3 + 50, y)
 
 
+@case("in_place_beside_a_mask", atol=1e-4)
+def _():
+    # the doubled GEMM result takes the GEMM's storage; the mask of the GEMM result in the same
+    # kernel reads each element before the doubling overwrites it
+    w = randn(32, 48, seed=1)
+
+    def f(x):
+        h = x @ w
+        return (h * 2).view(4, 16, 48), h > 1
+
+    return f, (randn(64, 32),)
+
+
 @case("split_reductions", atol=1e-3)
 def _():
     # few outputs, long reductions: two stages. 100003 is prime (the last chunk is masked);

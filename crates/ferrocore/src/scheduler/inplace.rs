@@ -1,10 +1,12 @@
 //! In-place results: a kernel output takes over the storage of a buffer that dies in the same
-//! kernel, when the one node that reads it does so at exactly the element it writes (a
-//! gradient summed into a dying partial sum, a pointwise chain over a dying activation, a relu
-//! over the GEMM result it reads last). The
-//! output is renamed to the dying buffer everywhere, so the wrapper allocates nothing for it and
-//! the peak holds one buffer where it held two.
+//! kernel, when every node that reads it does so at exactly the element it writes (a gradient
+//! summed into a dying partial sum, a pointwise chain over a dying activation, a relu over the
+//! GEMM result it reads last). Other readers of the dying buffer in the same loop are emitted
+//! before the writer (moved ahead of it when they do not depend on what they pass: the saved
+//! `relu <= 0` mask beside the relu). The output is renamed to the dying buffer everywhere, so
+//! the wrapper allocates nothing for it and the peak holds one buffer where it held two.
 
+use super::plan::KernelPlan;
 use super::{Item, Schedule, Storage};
 use crate::loop_ir::*;
 use crate::symbolic::IndexExpr;
@@ -20,7 +22,9 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
         for kn in &k.plan.nodes {
             written_here[s.program.nodes[kn.node].output.0 as usize] = Some(i);
         }
-        let mut renames: Vec<(BufferId, BufferId, Fit)> = Vec::new();
+        let mut renames: Vec<(BufferId, BufferId, Fit, usize)> = Vec::new();
+        // a group's emission order with readers moved ahead of an in-place writer (one per kernel)
+        let mut reorder: Option<(usize, Vec<usize>)> = None;
         for (pos, kn) in k.plan.nodes.iter().enumerate() {
             let out = s.program.nodes[kn.node].output;
             let Some(store) = kn.body.store.as_ref().filter(|st| !st.is_scatter()) else { continue };
@@ -35,7 +39,7 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
             };
             // other writers of `out`: only fills of a padded result's padding may stay (below)
             let fills: Vec<usize> = p.nodes.iter().enumerate().filter(|(j, n)| n.output == out && *j != kn.node).map(|(j, _)| j).collect();
-            if !owned(out) || writers[out.0 as usize].len() != 1 + fills.len() || renames.iter().any(|(_, x, _)| *x == out) {
+            if !owned(out) || writers[out.0 as usize].len() != 1 + fills.len() || renames.iter().any(|(_, x, _, _)| *x == out) {
                 continue;
             }
             let dying = p.nodes[kn.node].reads().into_iter().map(|(b, _)| b).find_map(|x| {
@@ -45,17 +49,28 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
                     && last_use[x.0 as usize] == Some(i)
                     && written_here[x.0 as usize] != Some(i)
                     && writers[x.0 as usize].iter().all(|&w| w < i)
-                    && !renames.iter().any(|(_, y, _)| *y == x)
-                    && reads_only_at(&kn.body, x, &store.index)
-                    && k.plan.nodes.iter().enumerate().all(|(q, other)| q == pos || !reads(&other.body, x));
-                let fit = if candidate { storage_fits(p, x, out, &fills) } else { Fit::No };
-                (fit != Fit::No).then_some((x, fit))
+                    && !renames.iter().any(|(_, y, _, _)| *y == x)
+                    && reads_only_at(&kn.body, x, &store.index);
+                let order = if candidate { readers_first(p, &k.plan, pos, x, &store.index) } else { None };
+                let order = order.filter(|o| o.is_none() || reorder.is_none())?;
+                let fit = storage_fits(p, x, out, &fills);
+                (fit != Fit::No).then_some((x, fit, order))
             });
-            if let Some((x, fit)) = dying {
-                renames.push((out, x, fit));
+            if let Some((x, fit, order)) = dying {
+                if order.is_some() {
+                    reorder = order;
+                }
+                renames.push((out, x, fit, pos));
             }
         }
-        for (out, x, fit) in renames {
+        if let Some((g, order)) = reorder {
+            let Item::Kernel(k) = &mut s.items[i] else { unreachable!() };
+            k.plan.groups[g].nodes = order;
+        }
+        // moving readers ahead of one writer may have moved another writer ahead of its readers
+        let Item::Kernel(k) = &s.items[i] else { unreachable!() };
+        renames.retain(|&(_, x, _, pos)| others_read_first(&k.plan, pos, x));
+        for (out, x, fit, _) in renames {
             if fit == Fit::Reshaped {
                 // whole-tensor uses of `out` keep its shape: views of `x`'s storage
                 let layout = s.program.buffer(out).layout.clone();
@@ -235,6 +250,52 @@ fn used_whole(p: &LoopProgram, b: BufferId) -> bool {
     }
     p.externs.iter().any(|x| x.args.iter().chain(x.kwargs.iter().map(|(_, a)| a)).any(|a| whole(a, b)))
         || p.outputs.iter().any(|o| matches!(o, OutputValue::Buffer(x) if *x == b))
+}
+
+/// Whether the other nodes of `pos`'s kernel that read `x` can all be emitted before it, each
+/// reading `x` at `index` in the same pointwise loop: None when not; Some(None) when they already
+/// are; Some((group, order)) with the group's emission order that moves the later ones ahead of
+/// `pos` (each may move when it reads nothing that `pos` or the nodes it passes write, and they
+/// read nothing it writes).
+fn readers_first(p: &LoopProgram, plan: &KernelPlan, pos: usize, x: BufferId, index: &IndexExpr) -> Option<Option<(usize, Vec<usize>)>> {
+    let g = plan.nodes[pos].group;
+    let readers: Vec<usize> = (0..plan.nodes.len()).filter(|&q| q != pos && reads(&plan.nodes[q].body, x)).collect();
+    if readers.is_empty() {
+        return Some(None);
+    }
+    let pointwise = !plan.groups[g].reduction;
+    let same_loop = |q: usize| plan.nodes[q].group == g && plan.nodes[q].ranges == plan.nodes[pos].ranges;
+    if !pointwise || !readers.iter().all(|&q| same_loop(q) && reads_only_at(&plan.nodes[q].body, x, index)) {
+        return None;
+    }
+    let order = &plan.groups[g].nodes;
+    let at = order.iter().position(|&q| q == pos)?;
+    let (moving, staying): (Vec<usize>, Vec<usize>) = order[at..].iter().partition(|q| readers.contains(q));
+    if moving.is_empty() {
+        return Some(None);
+    }
+    let output = |q: usize| p.nodes[plan.nodes[q].node].output;
+    for &m in &moving {
+        let passed = order[at..].iter().take_while(|&&q| q != m).filter(|q| !moving.contains(q));
+        for &q in passed {
+            if reads(&plan.nodes[m].body, output(q)) || reads(&plan.nodes[q].body, output(m)) || output(q) == output(m) {
+                return None;
+            }
+        }
+    }
+    let mut new_order = order[..at].to_vec();
+    new_order.extend(moving);
+    new_order.extend(staying);
+    Some(Some((g, new_order)))
+}
+
+/// Every other node of the kernel that reads `x` is emitted before `pos`, in its group.
+fn others_read_first(plan: &KernelPlan, pos: usize, x: BufferId) -> bool {
+    let order = &plan.groups[plan.nodes[pos].group].nodes;
+    let at = order.iter().position(|&q| q == pos);
+    (0..plan.nodes.len()).filter(|&q| q != pos && reads(&plan.nodes[q].body, x)).all(|q| {
+        plan.nodes[q].group == plan.nodes[pos].group && order.iter().position(|&r| r == q) < at
+    })
 }
 
 fn reads(body: &LoopBody, x: BufferId) -> bool {
