@@ -87,6 +87,28 @@ def test_max_pool_and_embedding_backward():
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("dims, kernel, stride, padding, ceil", [
+    (2, 3, 2, 1, False), (2, 2, 2, 0, True), (2, (3, 2), (1, 2), (1, 0), False), (2, 3, 3, 1, True), (3, 2, 2, 1, False),
+])
+def test_max_pool_gradients_from_saved_window_offsets(dims, kernel, stride, padding, ceil):
+    # training saves int8 window offsets; the backward's gather compares each covering window's
+    # offset with the element's own tap in it (ties: the first tap, as ATen)
+    torch.manual_seed(0)
+    size = (2, 3) + (7, 9, 5)[:dims]
+    x = torch.randn(size).round(decimals=1).requires_grad_()  # rounding makes ties
+    pool = F.max_pool2d if dims == 2 else F.max_pool3d
+
+    def fn(t):
+        y = pool(t * 2, kernel, stride=stride, padding=padding, ceil_mode=ceil)
+        return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+
+    expected = torch.autograd.grad(fn(x), x)[0]
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(x), x)[0]
+    torch.testing.assert_close(got, expected)
+    assert ferrocore.metrics.last["fallbacks"] == 0
+
+
 def test_scatter_index_out_of_range_raises():
     fn = torch.compile(lambda t, i: torch.scatter_add(t, 0, i, torch.ones_like(i, dtype=t.dtype)), backend="ferrocore")
     x = torch.zeros(4)

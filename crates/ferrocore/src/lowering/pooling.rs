@@ -359,27 +359,37 @@ impl Ctx<'_> {
         let sp = rank - pool.nd;
         let (dt, acc) = (out.dtype, out.dtype.compute());
         let wins = pool.wins.clone();
+        // a training graph's indices come from the saved window offsets: compare those with
+        // this element's offset in each covering window (small integers, no index arithmetic)
+        let offsets = self.window_offsets_behind(7, &wins)?;
         let reads = 2 * cover.iter().product::<i64>() as usize;
         Ok(Some(TensorValue::lazy(x.size.clone(), dt, x.device.clone(), reads, 4 * reads, move |bx, idx| {
             let r = bx.ranges.clone();
+            // window positions and taps fit in 32 bits whatever the tensor's size
+            let small = DType::I32;
             // per dim, the covering outputs in ascending order: (in-range and covering, the
-            // output index wrapped into range so that a load stays in bounds)
-            let mut per_dim: Vec<Vec<(ValueId, IndexExpr)>> = Vec::new();
+            // output index wrapped into range so that a load stays in bounds, this element's
+            // tap in that window)
+            let mut per_dim: Vec<Vec<(ValueId, IndexExpr, IndexExpr)>> = Vec::new();
             for (d, w) in wins.iter().enumerate() {
                 let i = &idx[sp + d];
                 let last = i.add_const(w.pad).floordiv(w.stride, &r);
                 let mut cands = Vec::new();
                 for j in (0..cover[d]).rev() {
                     let o = last.add_const(-j);
-                    let ov = bx.body.index(o.clone(), DType::I64);
-                    let end = bx.body.constant(Scalar::Int(w.output), DType::I64);
-                    let valid = and_in_range(bx, None, ov, end);
-                    // i - (o·s - p) <= k - 1
-                    let reach = bx.body.index(i.add_const(w.pad).sub(&o.scale(w.stride)), DType::I64);
-                    let kmax = bx.body.constant(Scalar::Int(w.kernel - 1), DType::I64);
+                    let ov = bx.body.index(o.clone(), small);
+                    let zero = bx.body.constant(Scalar::Int(0), small);
+                    let end = bx.body.constant(Scalar::Int(w.output), small);
+                    let ge = bx.body.binary(BinaryOp::Ge, ov, zero);
+                    let lt = bx.body.binary(BinaryOp::Lt, ov, end);
+                    let valid = bx.body.binary(BinaryOp::LogicalAnd, ge, lt);
+                    // the tap i - (o·s - p) <= k - 1
+                    let tap = i.add_const(w.pad).sub(&o.scale(w.stride));
+                    let reach = bx.body.index(tap.clone(), small);
+                    let kmax = bx.body.constant(Scalar::Int(w.kernel - 1), small);
                     let inside = bx.body.binary(BinaryOp::Le, reach, kmax);
                     let valid = bx.body.binary(BinaryOp::LogicalAnd, valid, inside);
-                    cands.push((valid, o.modulo(w.output, &r)));
+                    cands.push((valid, o.modulo(w.output, &r), tap));
                 }
                 per_dim.push(cands);
             }
@@ -388,24 +398,38 @@ impl Ctx<'_> {
             for d in 0..wins.len() {
                 flat = flat.add(&idx[sp + d].scale(wins[d + 1..].iter().map(|w| w.input).product()));
             }
-            let me = bx.body.index(flat, DType::I64);
+            let me = if offsets.is_none() { Some(bx.body.index(flat, DType::I64)) } else { None };
             let zero = bx.body.constant(Scalar::Int(0), acc);
             let mut sum = zero;
             // every combination of covering outputs, the last dim fastest (ATen's order)
             for pick in row_major(&cover) {
                 let mut at: Vec<IndexExpr> = idx[..sp].to_vec();
                 let mut valid: Option<ValueId> = None;
+                // this element's offset in the picked window (taps row-major over the kernel)
+                let mut offset = IndexExpr::zero();
                 for (d, &c) in pick.iter().enumerate() {
-                    let (v, o) = &per_dim[d][c as usize];
+                    let (v, o, tap) = &per_dim[d][c as usize];
                     at.push(o.clone());
+                    offset = offset.add(&tap.scale(wins[d + 1..].iter().map(|w| w.kernel).product()));
                     valid = Some(match valid {
                         Some(u) => bx.body.binary(BinaryOp::LogicalAnd, u, *v),
                         None => *v,
                     });
                 }
-                let chosen = indices.load(bx, &at);
-                let chosen = bx.body.cast(chosen, DType::I64);
-                let hit = bx.body.binary(BinaryOp::Eq, chosen, me);
+                let hit = match (&offsets, me) {
+                    (Some(offsets), _) => {
+                        let chosen = offsets.load(bx, &at);
+                        let chosen = bx.body.cast(chosen, small);
+                        let mine = bx.body.index(offset, small);
+                        bx.body.binary(BinaryOp::Eq, chosen, mine)
+                    }
+                    (None, Some(me)) => {
+                        let chosen = indices.load(bx, &at);
+                        let chosen = bx.body.cast(chosen, DType::I64);
+                        bx.body.binary(BinaryOp::Eq, chosen, me)
+                    }
+                    (None, None) => unreachable!(),
+                };
                 let hit = match valid {
                     Some(v) => bx.body.binary(BinaryOp::LogicalAnd, v, hit),
                     None => hit,
@@ -417,6 +441,25 @@ impl Ctx<'_> {
             }
             bx.body.cast(sum, dt)
         })))
+    }
+
+    /// The int8 window offsets argument `i` is computed from (by
+    /// `_low_memory_max_pool_offsets_to_indices` with the windows `wins`), or None when it is an
+    /// index tensor of another origin.
+    fn window_offsets_behind(&self, i: usize, wins: &[Window]) -> LResult<Option<TensorValue>> {
+        let Some(Arg::Node(n)) = self.arg(i, "indices") else { return Ok(None) };
+        let node = self.graph.node(*n);
+        let NodeKind::Call { target: Target::Aten(AtenOp::MaxPoolOffsetsToIndices), .. } = &node.kind else { return Ok(None) };
+        let ints = |j: usize| match node.arg(j, "") {
+            Some(Arg::List(items)) => items.iter().map(|a| if let Arg::Int(v) = a { Some(*v) } else { None }).collect::<Option<Vec<i64>>>(),
+            _ => None,
+        };
+        let same = |j: usize, f: fn(&Window) -> i64| ints(j).is_some_and(|v| v == wins.iter().map(f).collect::<Vec<_>>());
+        let matches = same(1, |w| w.kernel) && same(2, |w| w.input) && same(3, |w| w.stride) && same(4, |w| w.pad) && same(5, |w| w.dilation);
+        match node.arg(0, "") {
+            Some(Arg::Node(src)) if matches => self.tensor_of(*src).map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// _low_memory_max_pool_offsets_to_indices(offsets, kernel_size, input_size, stride, padding,
