@@ -12,10 +12,10 @@ its own memory pool. Two rules keep that from ever giving a wrong answer:
 - Outputs handed to the caller are aliases of the pool (each a `detach` of the recording's own
   output tensor: no new storage per replay). A recording is replayed only when the use count of
   every pool storage is back to what the recording alone holds, so that no alias it handed out
-  is still alive (a tensor, a view, a `.grad`, a saved activation autograd holds); otherwise a second recording of the same inputs (its own
-  pool) is replayed, and when every recording's outputs are still held, the call runs the
-  plain wrapper, which allocates fresh outputs. A later replay never overwrites memory the
-  caller can still read.
+  is still alive (a tensor, a view, a `.grad`, a saved activation autograd holds); otherwise a
+  second recording of the same inputs (its own pool) is replayed, and when every recording's
+  outputs are still held, the call runs the plain wrapper, which allocates fresh outputs. A
+  later replay never overwrites memory the caller can still read.
 
 A graph whose kernels check gather indices records its call with a flag of its own (the module's
 `INDEX_FLAG`); a replay does not wait for it: the flag is read once the replay is done, at a later

@@ -47,7 +47,7 @@ pub(super) fn clamp_index(bx: &mut Bx, i: ValueId, hi: i64) -> ValueId {
 
 /// `0 <= i < end`, and-ed onto the conditions gathered so far.
 pub(super) fn and_in_range(bx: &mut Bx, so_far: Option<ValueId>, i: ValueId, end: ValueId) -> ValueId {
-    let zero = bx.body.constant(Scalar::Int(0), DType::I64);
+    let zero = bx.body.constant(Scalar::Int(0), bx.body.dtype(i));
     let ge = bx.body.binary(BinaryOp::Ge, i, zero);
     let lt = bx.body.binary(BinaryOp::Lt, i, end);
     let ok = bx.body.binary(BinaryOp::LogicalAnd, ge, lt);

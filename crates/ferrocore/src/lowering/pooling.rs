@@ -378,11 +378,8 @@ impl Ctx<'_> {
                 for j in (0..cover[d]).rev() {
                     let o = last.add_const(-j);
                     let ov = bx.body.index(o.clone(), small);
-                    let zero = bx.body.constant(Scalar::Int(0), small);
                     let end = bx.body.constant(Scalar::Int(w.output), small);
-                    let ge = bx.body.binary(BinaryOp::Ge, ov, zero);
-                    let lt = bx.body.binary(BinaryOp::Lt, ov, end);
-                    let valid = bx.body.binary(BinaryOp::LogicalAnd, ge, lt);
+                    let valid = and_in_range(bx, None, ov, end);
                     // the tap i - (o·s - p) <= k - 1
                     let tap = i.add_const(w.pad).sub(&o.scale(w.stride));
                     let reach = bx.body.index(tap.clone(), small);
@@ -398,7 +395,6 @@ impl Ctx<'_> {
             for d in 0..wins.len() {
                 flat = flat.add(&idx[sp + d].scale(wins[d + 1..].iter().map(|w| w.input).product()));
             }
-            let me = if offsets.is_none() { Some(bx.body.index(flat, DType::I64)) } else { None };
             let zero = bx.body.constant(Scalar::Int(0), acc);
             let mut sum = zero;
             // every combination of covering outputs, the last dim fastest (ATen's order)
@@ -416,20 +412,14 @@ impl Ctx<'_> {
                         None => *v,
                     });
                 }
-                let hit = match (&offsets, me) {
-                    (Some(offsets), _) => {
-                        let chosen = offsets.load(bx, &at);
-                        let chosen = bx.body.cast(chosen, small);
-                        let mine = bx.body.index(offset, small);
-                        bx.body.binary(BinaryOp::Eq, chosen, mine)
-                    }
-                    (None, Some(me)) => {
-                        let chosen = indices.load(bx, &at);
-                        let chosen = bx.body.cast(chosen, DType::I64);
-                        bx.body.binary(BinaryOp::Eq, chosen, me)
-                    }
-                    (None, None) => unreachable!(),
+                // the picked window chose this element: its offset is this element's tap there,
+                // or its index is this element's flat index
+                let (chosen, mine) = match &offsets {
+                    Some(offsets) => (offsets.load(bx, &at), bx.body.index(offset, small)),
+                    None => (indices.load(bx, &at), bx.body.index(flat.clone(), DType::I64)),
                 };
+                let chosen = bx.body.cast(chosen, bx.body.dtype(mine));
+                let hit = bx.body.binary(BinaryOp::Eq, chosen, mine);
                 let hit = match valid {
                     Some(v) => bx.body.binary(BinaryOp::LogicalAnd, v, hit),
                     None => hit,
