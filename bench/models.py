@@ -459,7 +459,7 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
             mb = peak_mb(r, opts.device)
             if mb is not None:
                 row.peak_mb[k] = mb
-            if opts.device.startswith("cuda") and not opts.no_profile and mode == "default":
+            if opts.device.startswith("cuda") and not opts.no_profile:
                 p = profile(r)
                 if p is not None:
                     row.profile[k] = p

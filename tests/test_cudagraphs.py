@@ -7,9 +7,11 @@ the CPU with a stand-in for the captured graph; the CUDA tests record real graph
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import ferrocore
 from ferrocore import cudagraphs, options
@@ -50,23 +52,30 @@ def test_cpu_graph_runs_without_cuda_graphs(capfd):
 
 class _StandInGraph:
     """Replays `fn` into the static outputs it produced at 'capture', like a CUDA graph replay
-    writing into its pool."""
+    writing into its pool; it reads its inputs where they were at capture without keeping them
+    alive, as a graph reads addresses."""
 
     def __init__(self, fn, args, outs):
-        self.fn, self.args, self.outs = fn, args, outs
+        self.fn, self.outs = fn, outs
+        self.args = [(StorageWeakRef(a.untyped_storage()), a.storage_offset(), a.shape, a.stride(), a.dtype) for a in args]
 
     def replay(self):
-        for dst, src in zip(self.outs, self.fn(self.args)):
+        args = [torch.empty(0, dtype=dt).set_(torch.UntypedStorage._new_with_weak_ptr(ref.cdata), off, size, stride)
+                for ref, off, size, stride, dt in self.args]
+        for dst, src in zip(self.outs, self.fn(args)):
             dst.copy_(src)
 
 
-def _stand_in_runner(fn, copied=(), saved=()):
-    runner = cudagraphs.CudaGraphRunner(lambda args: fn(args), "graph_test", torch.device("cpu"), copied=copied, saved=saved)
+def _stand_in_runner(fn, copied=(), saved=(), **kw):
+    runner = cudagraphs.CudaGraphRunner(lambda args, **k: fn(args, **k), "graph_test", torch.device("cpu"), copied=copied,
+                                        saved=saved, **kw)
 
     def capture(static, kw):
-        # pool outputs are new memory; an input returned as an output stays the input
-        outs = [t if any(t is a for a in static) else t.clone() for t in fn(list(static))]
-        return _StandInGraph(fn, list(static), outs), outs
+        # pool outputs are new memory; an input returned as an output (or written over) stays
+        # the input
+        outs = [t if any(t.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() for a in static) else t.clone()
+                for t in fn(list(static), **kw)]
+        return _StandInGraph(functools.partial(fn, **kw), list(static), outs), outs
 
     runner._capture = capture
     return runner
@@ -163,6 +172,47 @@ def test_a_gradient_handed_out_becomes_grad_without_a_copy():
     torch.testing.assert_close(w.grad, torch.full((4,), 3.0))
     d = _delta(before)
     assert (d["cudagraph_recordings"], d["cudagraph_replays"]) == (1, 1), d
+
+
+def test_a_backward_overwrites_its_forward_recordings_saved_activation_in_place():
+    # a donated saved activation is the forward recording's pool memory, which that recording
+    # references: the backward's capture is told so (`held`), and writes an intermediate over it
+    # without a copy
+    from ferrocore.runtime import owned_storage
+
+    written = []
+
+    def bw(a, held=None):
+        t = owned_storage(a[0], 4, held).mul_(a[1])
+        written.append(t.data_ptr())
+        return [t * 3]
+
+    family = cudagraphs.Family()
+    forward = _stand_in_runner(lambda a: [a[0] * 2], copied=[0], saved=[0], family=family)
+    backward = _stand_in_runner(bw, copied=[1], donated_writes=True, family=family)
+
+    class Scaled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            (act,) = forward([x.detach()])
+            ctx.save_for_backward(act)
+            return x * 6
+
+        @staticmethod
+        def backward(ctx, g):
+            (act,) = ctx.saved_tensors
+            return backward([act, g.contiguous()])[0]
+
+    before = _counts()
+    for step in range(4):
+        x = (torch.arange(4.0) + step).requires_grad_()
+        Scaled.apply(x).sum().backward()
+        torch.testing.assert_close(x.grad, (torch.arange(4.0) + step) * 6)
+    d = _delta(before)
+    assert (d["cudagraph_recordings"], d["cudagraph_replays"]) == (2, 4), d
+    # the backward's capture (its second call) wrote into the forward recording's output
+    (rec,) = next(iter(forward.recordings.values()))
+    assert written[1] == rec.static_outputs[0].data_ptr()
 
 
 def test_new_input_addresses_record_again():

@@ -99,6 +99,31 @@ def test_a_backward_writes_into_donated_saved_activations(capfd):
     torch.testing.assert_close(w.grad, 2 * want)
 
 
+def test_a_cuda_graph_recordings_references_count_only_where_no_returned_result_takes_the_storage():
+    # `held` (the forward recording's references to its pool) is discounted for a donated GEMM
+    # result that an intermediate takes (tanh's gradient, read by the next GEMM); not where a
+    # gradient the graph returns takes it (`s`'s): `.grad` would then keep the forward's
+    # recording from replaying
+    import ferrocore
+
+    torch.manual_seed(0)
+    a, w = torch.randn(64, 32), torch.randn(32, 48, requires_grad=True)
+    s = torch.randn(64, 48, requires_grad=True)
+    for f, expect in ((lambda t: (torch.tanh(t @ w) * s).sum(), "mm = owned_storage(mm, 3072, held)"),
+                      (lambda t: ((t @ w) * s).sum(), "mm = owned_storage(mm, 3072)")):
+        torch._dynamo.reset()
+        w.grad = s.grad = None
+        f(a).backward()
+        want = [w.grad.clone(), s.grad.clone()]
+        w.grad = s.grad = None
+        torch.compile(f, backend="ferrocore")(a).backward()
+        torch.testing.assert_close([w.grad, s.grad], want)
+        source = open(ferrocore.metrics.last["module_path"]).read()
+        writes = [line.strip() for line in source.splitlines() if "= owned_storage(" in line]
+        assert writes == [expect]
+        assert ("DONATED_WRITES = True" in source) == expect.endswith("held)")
+
+
 def test_a_donated_input_is_copied_before_it_is_written_when_its_storage_is_shared_or_short():
     from ferrocore.runtime import owned_storage
 

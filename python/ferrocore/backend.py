@@ -48,11 +48,16 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         overrides.setdefault("autotune", True)
     state = _AotClock()
     user_strides = _user_output_strides(gm)
+    from . import cudagraphs  # (it imports this module)
+
+    # the forward's and backward's CUDA-graph runners see each other's recordings
+    family = cudagraphs.Family()
 
     def forward(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=False)
         saved = _saved_outputs(graph)
-        return _compile(graph, state.take(), overrides, strides, free_layout=_free_layout(saved), saved=saved)
+        return _compile(graph, state.take(), overrides, strides, free_layout=_free_layout(saved), saved=saved,
+                        family=family)
 
     def inference(graph, inputs):
         strides = _visible_output_strides(graph, user_strides, inference=True)
@@ -60,7 +65,7 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
-        return _compile(graph, state.take(), overrides, donated=_donated_inputs(), backward=True)
+        return _compile(graph, state.take(), overrides, donated=_donated_inputs(), backward=True, family=family)
 
     compiled = aot_autograd(
         # writes into inputs (batch-norm running statistics) stay in the graph as `copy_`,
@@ -306,7 +311,7 @@ class _AotClock:
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
              free_layout: list | None = None, donated: list | None = None, backward: bool = False,
-             saved: list | None = None) -> Callable:
+             saved: list | None = None, family=None) -> Callable:
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -410,7 +415,8 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
 
     if graphed:
         call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False),
-                                          copied=_copied_inputs(gm, backward), saved=saved or ())
+                                          copied=_copied_inputs(gm, backward), saved=saved or (),
+                                          donated_writes=getattr(module, "DONATED_WRITES", False), family=family)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
 

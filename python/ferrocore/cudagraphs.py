@@ -149,12 +149,39 @@ def _storage_refs(static_outputs) -> list:
     return list(refs.values())
 
 
+class Family:
+    """The runners of one compiled function's graphs (its forward and its backward). A backward
+    that writes results over donated saved activations finds them in its forward recording's
+    pool, which keeps a reference to each of its outputs: its capture is told of them (`held`),
+    so that they are overwritten in place as in a plain call, not copied first."""
+
+    def __init__(self):
+        self.runners: list = []
+
+    def held(self) -> dict:
+        """Storage data pointer -> how many of the recordings' own output tensors reference it."""
+        held: dict = {}
+        for runner in self.runners:
+            for gens in runner.recordings.values():
+                for rec in gens:
+                    for o in rec.static_outputs:
+                        if isinstance(o, torch.Tensor):
+                            ptr = o.untyped_storage().data_ptr()
+                            held[ptr] = held.get(ptr, 0) + 1
+        return held
+
+
 class CudaGraphRunner:
     """Wraps a compiled graph's boxed `call(args)`: the first call runs it plainly (kernels load,
     library handles initialize), later calls replay a recording for the inputs' addresses."""
 
-    def __init__(self, call, name: str, device: torch.device, index_flag: bool = False, copied=(), saved=()):
+    def __init__(self, call, name: str, device: torch.device, index_flag: bool = False, copied=(), saved=(),
+                 donated_writes: bool = False, family: Family | None = None):
         self.call, self.name, self.device = call, name, device
+        # the call takes `held` (it writes over donated inputs) and the runners it shares them with
+        self.donated_writes = donated_writes
+        self.family = family if family is not None else Family()
+        self.family.runners.append(self)
         self.copied = frozenset(copied)
         # outputs only autograd reads (a forward's saved activations)
         self.saved = frozenset(saved)
@@ -220,8 +247,11 @@ class CudaGraphRunner:
                 static[j].copy_(args[j])
                 copies.append((j, static[j]))
         flag = torch.zeros((1,), dtype=torch.int32, device=self.device) if self.index_flag else None
+        kw = {"index_flag": flag} if self.index_flag else {}
+        if self.donated_writes:
+            kw["held"] = self.family.held()
         try:
-            graph, outs = self._capture(static, {"index_flag": flag} if self.index_flag else {})
+            graph, outs = self._capture(static, kw)
         except Exception as e:  # noqa: BLE001  (capture is illegal for something in the graph)
             self.broken = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             self._log(f"runs without CUDA graphs: {self.broken}")

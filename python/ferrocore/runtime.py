@@ -89,14 +89,17 @@ except ImportError:
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def owned_storage(t: torch.Tensor, extent: int) -> torch.Tensor:
+def owned_storage(t: torch.Tensor, extent: int, held: dict | None = None) -> torch.Tensor:
     """`t`, or a copy of it in storage of its own: a donated input that the program overwrites
     after its last read must not be seen changing through another view of its storage (a
     forward may save two views of one buffer), and must hold `extent` elements from its data
-    pointer (a padded result written over the unpadded view of a padded one)."""
+    pointer (a padded result written over the unpadded view of a padded one). `held` (storage
+    data pointer -> count) names references a CUDA-graph recording keeps to the storage of its
+    own outputs, which it rewrites at each replay and never reads: they do not make it shared."""
     storage = t.untyped_storage()
     # the storage object made to ask holds a reference of its own
-    shared = _storage_use_count is None or _storage_use_count(storage._cdata) > 2
+    refs = 2 + (held.get(storage.data_ptr(), 0) if held else 0)
+    shared = _storage_use_count is None or _storage_use_count(storage._cdata) > refs
     if not shared and storage.nbytes() >= (t.storage_offset() + extent) * t.element_size():
         return t
     own = torch.empty((extent,), dtype=t.dtype, device=t.device)

@@ -225,9 +225,20 @@ pub struct LoopProgram {
     /// Inputs whose storage the program may write once it has read them for the last time
     /// (`Graph::donated_inputs`; the wrapper copies one whose storage something else shares).
     pub donated: Vec<BufferId>,
-    /// Donated inputs that results are written over (once each), with the elements its storage
-    /// must hold from its data pointer (more than its view where a padded result takes it).
-    pub donated_writes: Vec<(BufferId, i64)>,
+    /// Donated inputs that results are written over (once each).
+    pub donated_writes: Vec<DonatedWrite>,
+}
+
+/// A donated input whose storage results take over.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DonatedWrite {
+    pub buffer: BufferId,
+    /// Elements its storage must hold from its data pointer (more than its view where a padded
+    /// result takes it).
+    pub extent: i64,
+    /// A buffer that may outlive the call (a graph output, or one a library call may return a
+    /// view of) ends up in its storage.
+    pub escapes: bool,
 }
 
 impl LoopProgram {

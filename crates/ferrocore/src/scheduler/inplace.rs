@@ -83,12 +83,16 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
             ));
             last_use[x.0 as usize] = last_use[out.0 as usize].max(Some(i));
             // `x` now holds what `out` held: a graph output's storage is never taken again
-            pinned[x.0 as usize] |= pinned[out.0 as usize];
+            let escapes = pinned[out.0 as usize];
+            pinned[x.0 as usize] |= escapes;
             if s.program.donated.contains(&x) {
                 let extent = s.program.buffer(out).layout.storage_numel().max(s.program.buffer(x).layout.storage_numel());
-                match s.program.donated_writes.iter_mut().find(|(b, _)| *b == x) {
-                    Some((_, e)) => *e = (*e).max(extent),
-                    None => s.program.donated_writes.push((x, extent)),
+                match s.program.donated_writes.iter_mut().find(|w| w.buffer == x) {
+                    Some(w) => {
+                        w.extent = w.extent.max(extent);
+                        w.escapes |= escapes;
+                    }
+                    None => s.program.donated_writes.push(DonatedWrite { buffer: x, extent, escapes }),
                 }
             }
             rename(s, out, x);

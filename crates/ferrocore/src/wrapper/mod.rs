@@ -324,8 +324,23 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         crate::graph::Device::Cuda(i) => Some(i),
         crate::graph::Device::Cpu => None,
     });
-    let params = if flag_device.is_some() { "args, index_flag=None" } else { "args" };
-    let inner = if flag_device.is_some() { "args, index_flag" } else { "args" };
+    // a CUDA graph's capture passes `held`: references to donated inputs' storages that its
+    // recordings hold (`runtime.owned_storage` discounts them where no result that outlives the
+    // call takes the storage: it would keep the recording from replaying)
+    let donated = p.donated_writes.iter().any(|w| !w.escapes);
+    if donated {
+        m.push_str("\n# call(args, held) writes results over donated inputs (see runtime.owned_storage)\nDONATED_WRITES = True\n");
+    }
+    let mut params = String::from("args");
+    let mut inner = String::from("args");
+    if flag_device.is_some() {
+        params.push_str(", index_flag=None");
+        inner.push_str(", index_flag");
+    }
+    if donated {
+        params.push_str(", held=None");
+        inner.push_str(", held");
+    }
     match (kernels.language, cuda) {
         (KernelLanguage::Triton, Some(i)) if !kernels.launches.is_empty() => {
             let _ = write!(m, "\n\ndef call({params}):\n    with torch.cuda.device({i}):\n        return _call({inner})\n\n\ndef _call({inner}):\n");
@@ -350,8 +365,9 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     }
     // donated inputs that results are written over: a private copy where a view shares the
     // storage or it is too short
-    for &(b, extent) in &p.donated_writes {
-        let _ = writeln!(m, "    {0} = owned_storage({0}, {extent})", p.buffer(b).name);
+    for w in &p.donated_writes {
+        let held = if w.escapes { "" } else { ", held" };
+        let _ = writeln!(m, "    {0} = owned_storage({0}, {1}{held})", p.buffer(w.buffer).name, w.extent);
     }
     match flag_device {
         Some(_) if gpu_flag => m.push_str("    _index_error = _INDEX_CHECK.begin() if index_flag is None else index_flag\n"),
