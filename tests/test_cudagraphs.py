@@ -60,8 +60,9 @@ class _StandInGraph:
         self.args = [(StorageWeakRef(a.untyped_storage()), a.storage_offset(), a.shape, a.stride(), a.dtype) for a in args]
 
     def replay(self):
-        args = [torch.empty(0, dtype=dt).set_(torch.UntypedStorage._new_with_weak_ptr(ref.cdata), off, size, stride)
-                for ref, off, size, stride, dt in self.args]
+        storages = [torch.UntypedStorage._new_with_weak_ptr(ref.cdata) for ref, *_ in self.args]
+        args = [torch.empty(0, dtype=dt, device=st.device).set_(st, off, size, stride)
+                for st, (_, off, size, stride, dt) in zip(storages, self.args)]
         for dst, src in zip(self.outs, self.fn(args)):
             dst.copy_(src)
 

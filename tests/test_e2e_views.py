@@ -111,6 +111,34 @@ def test_cat_3d_middle_dim_and_stack():
     check(lambda a: torch.stack([a, a * 2, -a], dim=1), a)
 
 
+def test_a_cats_only_pointwise_reader_is_computed_by_its_pieces(capfd, monkeypatch):
+    # a masked fill over a concatenated gradient (Mixtral's experts) and rotary embedding's
+    # rotated half read through a transpose: each piece's writer computes the reader over its
+    # piece, and the concatenation is never stored
+    torch.manual_seed(0)
+    mask = torch.rand(64, 1) > 0.5
+    a, b, c = randn(64, 48), randn(64, 48), randn(64, 48)
+
+    def masked(a, b, c, mask):
+        return torch.where(mask, 0.0, torch.cat([a * b, torch.nn.functional.silu(c)], dim=1))
+
+    def rope(q, cos, sin):
+        rotated = torch.cat([-q[..., 32:], q[..., :32]], dim=-1)
+        return (q * cos + rotated * sin).transpose(1, 2)
+
+    def two_readers(a, b):
+        x = torch.cat([a, b * 2], dim=0)
+        return x.exp(), x + 1
+
+    q, cos, sin = randn(2, 4, 16, 64), randn(16, 64), randn(16, 64)
+    monkeypatch.setenv("FERROCORE_LOGS", "fusion")
+    for f, args, kernels in ((masked, (a, b, c, mask), 2), (rope, (q, cos, sin), 2), (two_readers, (a, b), None)):
+        torch._dynamo.reset()
+        check(f, *args, expect_kernels=kernels)
+        merged = "cat read in place" in capfd.readouterr().err
+        assert merged == (f is not two_readers), f.__name__
+
+
 # ------------------------------------------------------------------------------------------------
 # Outputs: multiple, aliasing inputs, views of intermediates.
 

@@ -5,6 +5,7 @@
 //! Every decision is logged with its reason.
 
 mod complex;
+mod concat;
 mod inplace;
 mod order;
 mod plan;
@@ -93,6 +94,7 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
     if opts.complex_as_real {
         decisions.extend(complex_as_real(&mut program));
     }
+    decisions.extend(concat::inline_concat_readers(&mut program));
     for i in 0..program.nodes.len() {
         program.nodes[i] = simplify::simplify_loops(&program.nodes[i]);
     }
