@@ -98,14 +98,19 @@ fn merged_writers(p: &LoopProgram, uses: &Uses, n: usize, at: usize) -> Option<(
         return None;
     }
     let reads = node.reads();
-    let (buf, index) = reads.iter().find(|(b, _)| pieces_of(p, uses, *b).is_some())?.clone();
-    let only_reader = uses.readers[buf.0 as usize].iter().all(|&m| m == n) && !uses.escapes[buf.0 as usize];
-    if buf == node.output || reads.iter().filter(|(b, _)| *b == buf).count() > 1 || !only_reader {
-        return None;
-    }
+    // the largest concatenation `n` alone reads, element for element (rotary embeddings read
+    // their `cos` table, a cat many nodes read, beside the rotated half)
+    let (buf, dims) = reads.iter().filter_map(|(buf, index)| {
+        let only_reader = uses.readers[buf.0 as usize].iter().all(|&m| m == n) && !uses.escapes[buf.0 as usize];
+        if *buf == node.output || !only_reader || reads.iter().filter(|(b, _)| b == buf).count() > 1 {
+            return None;
+        }
+        pieces_of(p, uses, *buf)?;
+        // which dim of the concatenation each of `n`'s variables steps along
+        Some((*buf, dims_of(index, &node.ranges, &p.buffer(*buf).layout)?))
+    })
+    .max_by_key(|(buf, _)| p.buffer(*buf).layout.size.iter().product::<i64>())?;
     let layout = &p.buffer(buf).layout;
-    // which dim of the concatenation each of `n`'s variables steps along
-    let dims = dims_of(&index, &node.ranges, layout)?;
     let writer_ids = &uses.writers[buf.0 as usize];
     let first = p.steps.iter().position(|s| matches!(s, Step::Node(m) if writer_ids.contains(m)))?;
     let written: Vec<BufferId> = p.steps[first..at]
