@@ -126,6 +126,36 @@ def test_a_padded_linear_adds_its_bias_in_the_gemm_and_returns_the_padded_view(c
     assert "torch.addmm(" in err, "the bias is added by the library call"
 
 
+def test_a_padded_gemm_reads_an_operand_that_needs_no_padding_in_place():
+    # an LM head over a layer norm saved for the backward: only the weight and the bias are
+    # padded, and the GEMM reads the saved normalized rows themselves (a copy of them was live
+    # beside BERT's logits GEMM)
+    import ferrocore
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(24, 37).bfloat16()
+    ln = torch.nn.LayerNorm(24).bfloat16()
+    x = torch.randn(2, 8, 24, dtype=torch.bfloat16, requires_grad=True)
+
+    def f(x):
+        return head(ln(x).view(16, 24)).float().square().mean()
+
+    f(x).backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in (*head.parameters(), *ln.parameters())]
+    x.grad = None
+    for p in (*head.parameters(), *ln.parameters()):
+        p.grad = None
+    torch._dynamo.reset()
+    loss = torch.compile(f, backend="ferrocore", options={"pad_mm": "always"})(x)
+    forward = open(ferrocore.metrics.last["module_path"]).read()
+    loss.backward()
+    got = [x.grad] + [p.grad for p in (*head.parameters(), *ln.parameters())]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+    rows = [line for line in forward.splitlines() if "empty_strided((16, 24)" in line]
+    assert len(rows) == 1, rows
+
+
 def test_measured_padding_pads_exactly_the_named_gemm():
     def two(a, b, c):
         return a @ b, a @ c

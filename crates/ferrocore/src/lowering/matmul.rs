@@ -165,6 +165,11 @@ impl Ctx<'_> {
                 tv = t;
             }
         }
+        if tv.size == size {
+            // nothing to pad: the operand as an unpadded GEMM takes it (a copy of BERT's last
+            // hidden state was live beside the logits GEMM, 6 MB of the training peak)
+            return self.extern_tensor(n, false);
+        }
         if let Some((buf, st, off)) = tv.strided() {
             if let Some(arg) = self.padded_view(buf, &st, off, &tv.size, size) {
                 return Ok(arg);
