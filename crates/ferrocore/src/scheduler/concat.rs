@@ -100,17 +100,17 @@ fn merged_writers(p: &LoopProgram, uses: &Uses, n: usize, at: usize) -> Option<(
     let reads = node.reads();
     // the largest concatenation `n` alone reads, element for element (rotary embeddings read
     // their `cos` table, a cat many nodes read, beside the rotated half)
-    let (buf, dims) = reads.iter().filter_map(|(buf, index)| {
+    let best = reads.iter().filter_map(|(buf, index)| {
         let only_reader = uses.readers[buf.0 as usize].iter().all(|&m| m == n) && !uses.escapes[buf.0 as usize];
         if *buf == node.output || !only_reader || reads.iter().filter(|(b, _)| b == buf).count() > 1 {
             return None;
         }
-        pieces_of(p, uses, *buf)?;
+        let pieces = pieces_of(p, uses, *buf)?;
         // which dim of the concatenation each of `n`'s variables steps along
-        Some((*buf, dims_of(index, &node.ranges, &p.buffer(*buf).layout)?))
+        Some((*buf, pieces, dims_of(index, &node.ranges, &p.buffer(*buf).layout)?))
     })
-    .max_by_key(|(buf, _)| p.buffer(*buf).layout.size.iter().product::<i64>())?;
-    let layout = &p.buffer(buf).layout;
+    .max_by_key(|(buf, _, _)| p.buffer(*buf).layout.size.iter().product::<i64>())?;
+    let (buf, pieces, dims) = best;
     let writer_ids = &uses.writers[buf.0 as usize];
     let first = p.steps.iter().position(|s| matches!(s, Step::Node(m) if writer_ids.contains(m)))?;
     let written: Vec<BufferId> = p.steps[first..at]
@@ -122,12 +122,11 @@ fn merged_writers(p: &LoopProgram, uses: &Uses, n: usize, at: usize) -> Option<(
         .filter(|b| *b != buf)
         .collect();
     let mut merged = Vec::new();
-    for &w in writer_ids {
+    for (w, piece) in pieces {
         let writer = &p.nodes[w];
         if writer.reads().iter().any(|(b, _)| written.contains(b)) {
             return None;
         }
-        let piece = piece_of(&writer.ranges, &writer.body.store.as_ref()?.index, layout)?;
         merged.push((w, merge(writer, node, buf, &dims, piece)?));
     }
     Some((buf, merged))
@@ -168,33 +167,34 @@ fn merge(writer: &LoopNode, reader: &LoopNode, buf: BufferId, dims: &[Option<usi
     Some(LoopNode { output: reader.output, ranges: writer.ranges.clone(), reduction_ranges: vec![], body, origins: [writer.origins.clone(), reader.origins.clone()].concat() })
 }
 
-/// The pieces a computed buffer is written in, sorted by offset, when two or more pointwise
-/// writers store into disjoint slices along one dim that together cover it.
-fn pieces_of(p: &LoopProgram, uses: &Uses, b: BufferId) -> Option<Vec<Piece>> {
+/// The writers of a computed buffer and the piece each fills, sorted by offset, when two or
+/// more pointwise writers store into disjoint slices along one dim that together cover it.
+fn pieces_of(p: &LoopProgram, uses: &Uses, b: BufferId) -> Option<Vec<(usize, Piece)>> {
     let layout = &p.buffer(b).layout;
     if p.buffer(b).source != BufferSource::Computed || !is_dense(&layout.size, &layout.stride) {
         return None;
     }
     let mut pieces = Vec::new();
-    for node in uses.writers[b.0 as usize].iter().map(|&m| &p.nodes[m]) {
+    for &m in &uses.writers[b.0 as usize] {
+        let node = &p.nodes[m];
         let store = node.body.store.as_ref()?;
         if store.is_scatter() || !node.reduction_ranges.is_empty() || node.ranges.len() != layout.size.len() {
             return None;
         }
-        pieces.push(piece_of(&node.ranges, &store.index, layout)?);
+        pieces.push((m, piece_of(&node.ranges, &store.index, layout)?));
     }
-    if pieces.len() < 2 || pieces.iter().any(|q| q.dim != pieces[0].dim) {
+    if pieces.len() < 2 || pieces.iter().any(|(_, q)| q.dim != pieces[0].1.dim) {
         return None;
     }
-    pieces.sort_by_key(|q| q.offset);
+    pieces.sort_by_key(|(_, q)| q.offset);
     let mut end = 0;
-    for q in &pieces {
+    for (_, q) in &pieces {
         if q.offset != end {
             return None;
         }
         end += q.len;
     }
-    (end == layout.size[pieces[0].dim]).then_some(pieces)
+    (end == layout.size[pieces[0].1.dim]).then_some(pieces)
 }
 
 /// Which slice a writer looping over `ranges` and storing at `index` fills: the same shape as
