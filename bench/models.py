@@ -16,7 +16,9 @@ torch.compile mode (both compilers in the same mode), per backend:
 - compile: the first call's time (caches start empty for each model: the first task and mode
   of a model compiles cold, later ones may reuse kernels; with --cache-dir, caches an earlier
   run filled);
-- peak memory (GPU): the most memory allocated during one call above what was allocated before;
+- peak memory (GPU): the most memory requested during one call above what was requested before
+  (the allocator's `requested_bytes`: what the program asked for, not the cached blocks that
+  served it, whose sizes depend on what ran earlier in the process);
 - on CUDA, the GPU time per call by category (GEMM, convolution, attention, generated kernels,
   copies, other) and launches per call, from torch.profiler.
 
@@ -226,10 +228,10 @@ def peak_mb(runner: Runner, dev: str) -> float | None:
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = torch.cuda.memory_stats()["requested_bytes.all.current"]
     runner.step()
     torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return (torch.cuda.memory_stats()["requested_bytes.all.peak"] - base) / 2**20
 
 
 CATEGORIES = ("gemm", "conv", "attention", "generated", "copies", "other")

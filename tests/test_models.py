@@ -24,6 +24,20 @@ DEVICE = str(torch.get_default_device()) if torch.get_default_device().type != "
 CONV_MODELS = ("resnet50", "mobilenet_v3", "efficientnet_b0", "convnext_t")
 
 
+@pytest.fixture(autouse=True)
+def no_tf32():
+    # float32 on a GPU: cuDNN and cuBLAS round operands to TF32 by default, and eager's NCHW
+    # convolutions and the compiled NHWC ones get different algorithms, so a gradient that
+    # cancels (MobileNetV3's, EfficientNet's) differs by TF32's rounding, not by the compiler's
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    # the context manager: another test module may have frozen cuDNN's global flags
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False):
+        yield
+    matmul.allow_tf32 = saved
+
+
 def run(name: str, task: str) -> "bench.Row":
     opts = bench.parse_args(["--device", DEVICE, "--size", "tiny", "--dtype", "float32", "--reps", "1",
                              "--warmup", "0", "--no-profile", "--modes", "default", "--tasks", task,

@@ -227,6 +227,13 @@ def _():
     return (lambda a, i: a[i] + 1), (randn(8, 4), torch.tensor([[-1, 2], [0, -8]]))
 
 
+@case("softmax_over_a_gathered_row")
+def _():
+    # the gathered index depends on the reduction axis alone: its bounds check is one row wide
+    # inside a kernel of [rows, reduction] tiles (GPT-2's position lookups beside its softmax)
+    return (lambda x, table: torch.softmax(x + table[torch.arange(32)], dim=-1)), (randn(128, 32), randn(40, seed=1))
+
+
 @case("gather_out_of_range", raises=IndexError)
 def _():
     return (lambda a, i: torch.index_select(a, 0, i) + 1), (randn(8, 5), torch.tensor([1, 8]))

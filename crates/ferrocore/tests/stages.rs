@@ -764,3 +764,21 @@ fn a_split_variance_reads_its_input_once() {
     assert_eq!(over_x.len(), 1, "{src}");
     assert!(over_x[0].contains("ferro_welford"), "{}", over_x[0]);
 }
+
+#[test]
+fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() {
+    // a bias gradient summed from g, returned and read by nothing else, runs after the weight
+    // gradient's GEMM that also reads g: its result is not live across the GEMM
+    let doc = G::new()
+        .input("g", &[64, 100], "float32")
+        .input("h", &[64, 32], "float32")
+        .call("db", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("g")), &meta(&[100], "float32"))
+        .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")), &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"))
+        .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
+        .output(&["db", "dw"]);
+    let (s, module) = wrapper_module(&doc);
+    assert!(s.decisions.iter().any(|d| d.starts_with("order: ") && d.contains("(a kernel) runs 1 steps later")), "{:?}", s.decisions);
+    let sum = module.find("(c_ptr(g)").unwrap_or(0);
+    let dw = module.find("torch.mm(").unwrap_or(usize::MAX);
+    assert!(dw < sum, "the weight gradient runs before the bias gradient's kernel:\n{module}");
+}

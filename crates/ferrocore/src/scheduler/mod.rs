@@ -190,7 +190,7 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
             }
         }
     }
-    decisions.extend(order::sink_library_calls(&program, &mut items));
+    decisions.extend(order::sink_steps(&program, &mut items));
     let storage = plan_storage(&program, &items, &mut decisions);
     let mut schedule = Schedule { program, items, storage, decisions };
     let reused = inplace::reuse_dying_buffers(&mut schedule);

@@ -638,8 +638,11 @@ impl OpsHandler for BodyEmitter<'_> {
         match self.err_ptr {
             Some(_) if self.cse.contains_key(&flagged) => {}
             Some(err) => {
-                let zero = format!("{bad}.to(tl.int32) * 0");
-                self.push_line(section, &format!("tl.store({err} + {zero}, {zero} + 1, {bad} & {mask})"));
+                // pointer, value and mask all shaped like the masked flag: a flag of one axis
+                // (a reduction index) under a 2-D mask would leave the pointer narrower
+                let hit = format!("({bad} & {mask})");
+                let zero = format!("{hit}.to(tl.int32) * 0");
+                self.push_line(section, &format!("tl.store({err} + {zero}, {zero} + 1, {hit})"));
                 self.cse.insert(flagged, (bad.clone(), section));
             }
             None => return self.unsupported("index check without an error flag".into()),
