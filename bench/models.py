@@ -283,35 +283,43 @@ def profile(runner: Runner, calls: int = 3) -> dict | None:
     return out
 
 
-def memory_breakdown(runner: Runner, top: int = 12) -> list:
-    """The largest blocks live at the peak of one call (allocated during it), each with the
-    innermost Python frame that allocated it: (MB, 'file:line(function)')."""
+def live_at_peak(step) -> tuple[int, list, dict | None]:
+    """Runs `step` once with the CUDA allocator's history recorded: the peak of the bytes
+    allocated during it, the allocation events live at that peak, and the event that reached it."""
     gc.collect()
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=400000, stacks="python")
     try:
-        runner.step()
+        step()
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    live, peak, now, at_peak = {}, 0, 0, {}
+    live, peak, now, at_peak, peak_ev = {}, 0, 0, {}, None
     for ev in snap["device_traces"][torch.cuda.current_device()]:
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             now += ev["size"]
             if now > peak:
-                peak, at_peak = now, dict(live)
+                peak, at_peak, peak_ev = now, dict(live), ev
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             now -= live.pop(ev["addr"])["size"]
+    return peak, list(at_peak.values()), peak_ev
 
-    def where(ev) -> str:
-        frames = [f for f in ev.get("frames", []) if f.get("filename", "").endswith(".py")]
-        f = next((f for f in frames if "/torch/" not in f["filename"]), frames[0] if frames else None)
-        return f"{Path(f['filename']).name}:{f['line']}({f['name']})" if f else "?"
 
-    rows = sorted(at_peak.values(), key=lambda e: -e["size"])[:top]
-    return [(round(peak / 2**20, 1), "peak")] + [(round(e["size"] / 2**20, 1), where(e)) for e in rows]
+def allocated_at(ev) -> str:
+    """The innermost Python frame outside torch that made an allocation: 'file:line(function)'."""
+    frames = [f for f in ev.get("frames", []) if f.get("filename", "").endswith(".py")]
+    f = next((f for f in frames if "/torch/" not in f["filename"]), frames[0] if frames else None)
+    return f"{Path(f['filename']).name}:{f['line']}({f['name']})" if f else "?"
+
+
+def memory_breakdown(runner: Runner, top: int = 12) -> list:
+    """The largest blocks live at the peak of one call (allocated during it), each with the
+    innermost Python frame that allocated it: (MB, 'file:line(function)')."""
+    peak, blocks, _ = live_at_peak(runner.step)
+    rows = sorted(blocks, key=lambda e: -e["size"])[:top]
+    return [(round(peak / 2**20, 1), "peak")] + [(round(e["size"] / 2**20, 1), allocated_at(e)) for e in rows]
 
 
 def host_profile(runner: Runner, calls: int, dev: str) -> list:

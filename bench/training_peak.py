@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_zoo  # noqa: E402
+import models  # noqa: E402
 
 import ferrocore  # noqa: E402,F401  (registers the backend)
 
@@ -76,39 +77,11 @@ def main() -> None:
               f"{grad_mb():.1f} MB; absolute peak {stats['allocated_bytes.all.peak'] / 2**20:.2f} allocated, "
               f"{stats['requested_bytes.all.peak'] / 2**20:.2f} requested", flush=True)
         if opts.blocks:
-            at_peak[backend] = live_at_peak(step)
+            _, blocks, peak_ev = models.live_at_peak(step)
+            at_peak[backend] = ([(e["size"], models.allocated_at(e)) for e in blocks],
+                                models.allocated_at(peak_ev) if peak_ev else "?")
     if opts.blocks:
         compare_blocks(at_peak)
-
-
-def live_at_peak(step) -> tuple[list, str]:
-    """The blocks allocated during one step and live at its peak, as (bytes, where allocated),
-    and where the allocation that reached the peak came from."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(max_entries=400000, stacks="python")
-    try:
-        step()
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    live, peak, now, at_peak, peak_ev = {}, 0, 0, {}, None
-    for ev in snap["device_traces"][torch.cuda.current_device()]:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev
-            now += ev["size"]
-            if now > peak:
-                peak, at_peak, peak_ev = now, dict(live), ev
-        elif ev["action"] == "free_completed" and ev["addr"] in live:
-            now -= live.pop(ev["addr"])["size"]
-    return [(e["size"], where(e)) for e in at_peak.values()], where(peak_ev) if peak_ev else "?"
-
-
-def where(ev) -> str:
-    frames = [f for f in ev.get("frames", []) if f.get("filename", "").endswith(".py")]
-    f = next((f for f in frames if "/torch/" not in f["filename"]), frames[0] if frames else None)
-    return f"{Path(f['filename']).name}:{f['line']}({f['name']})" if f else "?"
 
 
 def compare_blocks(at_peak: dict) -> None:

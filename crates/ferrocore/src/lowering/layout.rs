@@ -175,8 +175,8 @@ impl Ctx<'_> {
         match self.arg(2, "bias") {
             Some(Arg::Node(_)) => {
                 let bias = self.tensor_arg(2, "bias")?;
-                if bias.size.len() != 1 || bias.size[0] != self.out_meta()?.shape.get(1).copied().unwrap_or(-1) {
-                    return malformed(format!("convolution bias of size {:?} for a result of {:?}", bias.size, self.out_meta()?.shape));
+                if bias.size.len() != 1 || Some(&bias.size[0]) != out.shape.get(1) {
+                    return malformed(format!("convolution bias of size {:?} for a result of {:?}", bias.size, out.shape));
                 }
                 Ok(Some(bias))
             }

@@ -24,16 +24,17 @@ fn touches(p: &LoopProgram, it: &Item) -> (Vec<BufferId>, Vec<BufferId>) {
 /// fallback) whose results the graph does not return, or a kernel whose results no other step
 /// reads and of which the graph returns some (a parameter's gradient summed early in the
 /// backward: BERT's decoder bias gradient sat beside its weight gradient's GEMM, the backward's
-/// peak); the others live in its registers.
-fn sinking_results(p: &LoopProgram, items: &[Item], touched: &[(Vec<BufferId>, Vec<BufferId>)], i: usize, returned: &[bool]) -> Option<Vec<BufferId>> {
-    let mut outs = touched[i].1.clone();
+/// peak); the others live in its registers. `steps_reading` counts, per buffer, the steps that
+/// read it.
+fn sinking_results(p: &LoopProgram, item: &Item, (reads, writes): &(Vec<BufferId>, Vec<BufferId>), returned: &[bool], steps_reading: &[usize]) -> Option<Vec<BufferId>> {
+    let mut outs = writes.clone();
     outs.sort_by_key(|b| b.0);
     outs.dedup();
-    match &items[i] {
+    match item {
         Item::Extern(e) if !p.externs[*e].fallback && !outs.iter().any(|b| returned[b.0 as usize]) => Some(outs),
         Item::Extern(_) => None,
         Item::Kernel(_) => {
-            let read_elsewhere = |b: &BufferId| touched.iter().enumerate().any(|(j, (r, _))| j != i && r.contains(b));
+            let read_elsewhere = |b: &BufferId| steps_reading[b.0 as usize] > usize::from(reads.contains(b));
             if outs.iter().any(read_elsewhere) {
                 return None;
             }
@@ -57,7 +58,14 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
     let mut moved: Vec<bool> = vec![false; items.len()];
     // what each step allocates if it may sink; a kernel of returned results does not hold a GEMM
     // back: it sinks after the GEMM, not the GEMM after it
-    let mut sinking: Vec<Option<Vec<BufferId>>> = (0..items.len()).map(|i| sinking_results(p, items, &touched, i, &returned)).collect();
+    let mut steps_reading = vec![0usize; p.buffers.len()];
+    for (reads, _) in &touched {
+        let mut seen = reads.clone();
+        seen.sort_by_key(|b| b.0);
+        seen.dedup();
+        seen.iter().for_each(|b| steps_reading[b.0 as usize] += 1);
+    }
+    let mut sinking: Vec<Option<Vec<BufferId>>> = items.iter().zip(&touched).map(|(it, t)| sinking_results(p, it, t, &returned, &steps_reading)).collect();
     let gradient_kernel = |items: &[Item], sinking: &[Option<Vec<BufferId>>], j: usize| matches!(items[j], Item::Kernel(_)) && sinking[j].is_some();
     let mut i = 0;
     while i < items.len() {
