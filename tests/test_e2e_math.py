@@ -38,3 +38,38 @@ def test_square_cube_and_reciprocal_powers_are_bit_identical_to_eager():
             text = open(ferrocore.metrics.last["module_path"]).read()
             kernel = text[text.index("_poi_fused"):]  # after the prelude (C++ or Triton)
             assert "pow(" not in kernel
+
+
+def test_products_are_rounded_before_the_subtraction_as_eager_does():
+    # no FMA contraction in the C++ kernels: with x = 1 + 2^-12, x*x rounds to 1 + 2^-11 in
+    # float32 (a tie to even), so x*x - (1 + 2^-11) is 0 in eager; a fused multiply-add gives 2^-24
+    x = torch.full((16,), 1.0 + 2.0**-12)
+    c = torch.full((16,), 1.0 + 2.0**-11)
+    fn = lambda t, u: t * t - u  # noqa: E731
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ferrocore")(x, c)
+    assert torch.equal(got, fn(x, c)), got
+
+
+def test_variance_of_mixed_precision_products_matches_eager_exactly():
+    # float32 * float64 promotes to float64; the one-element variance is 0/0 (NaN in eager, inf
+    # when the mean's subtraction was fused with the product), and the variance of constant data
+    # is exactly 0 (1.4e-17 when fused)
+    one_x, one_y = torch.tensor([0.3]), torch.tensor([0.7], dtype=torch.float64)
+    const_x, const_y = torch.full((7,), 0.3), torch.full((7,), 0.7, dtype=torch.float64)
+    fns = [
+        lambda x, y: torch.var(x * y, dim=0),
+        lambda x, y: torch.var(x * y),
+        lambda x, y: torch.std(x * y, dim=0),
+        lambda x, y: torch.std(x * y),
+        lambda x, y: torch.var_mean(x * y, dim=0),
+        lambda x, y: torch.var_mean(x * y),
+    ]
+    for i, fn in enumerate(fns):
+        for x, y in ((one_x, one_y), (const_x, const_y)):
+            torch._dynamo.reset()
+            got, want = torch.compile(fn, backend="ferrocore")(x, y), fn(x, y)
+            got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and g.shape == w.shape
+                assert torch.equal(g, w) or (g.isnan().all() and w.isnan().all()), (i, x.numel(), g, w)

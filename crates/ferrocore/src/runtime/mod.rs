@@ -11,8 +11,20 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 // -fno-math-errno lets math calls vectorize (libmvec) and sqrt inline; NaN/inf semantics stay IEEE.
-pub const CXX_FLAGS: &[&str] =
-    &["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-finite-math-only"];
+// -ffp-contract=off: `a * b - c` rounds the product as eager does (g++ fuses it into an FMA by
+// default under -march=native: var of constant data then gives 1e-17, not 0); explicit
+// `std::fma` in the prelude still compiles to the FMA instruction.
+pub const CXX_FLAGS: &[&str] = &[
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+    "-fno-math-errno",
+    "-fno-finite-math-only",
+    "-ffp-contract=off",
+];
 /// Libraries linked after the source.
 pub const CXX_LIBS: &[&str] = &["-lmvec", "-lm"];
 
