@@ -3,6 +3,8 @@ clamp, casts, factories (full, *_like, arange), broadcasting and type promotion.
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,6 +140,45 @@ def test_int_true_div_floor_div_and_remainder():
     a = torch.randint(-50, 50, (8, 16))
     b = torch.randint(1, 7, (8, 16)) * torch.randint(0, 2, (8, 16)).mul(2).sub(1)
     check(lambda a, b: (a / b, a // b, a % b, torch.fmod(a, b)), a, b)
+
+
+INT_TYPES = [torch.int64, torch.int32, torch.int16, torch.int8]
+
+
+def _minimum_by_minus_one(dtype):
+    m = torch.iinfo(dtype).min
+    a = torch.tensor([m, m, m + 1, 7, -7, m, 5], dtype=dtype)
+    b = torch.tensor([-1, 1, -1, -1, 2, 3, -1], dtype=dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", INT_TYPES, ids=str)
+def test_integer_division_of_the_minimum_by_minus_one(dtype):
+    # the quotient overflows: eager wraps it to the minimum and the remainders are 0 (x86's idiv
+    # traps: the C++ kernels died of SIGFPE)
+    a, b = _minimum_by_minus_one(dtype)
+    check(
+        lambda a, b: (a // b, a % b, torch.fmod(a, b), torch.div(a, b, rounding_mode="floor"), torch.remainder(a, b)),
+        a,
+        b,
+    )
+    check(lambda a: (a // -1, a % -1, torch.fmod(a, -1)), a, allow_constant=True)
+
+
+@pytest.mark.parametrize("dtype", INT_TYPES, ids=str)
+def test_integer_truncating_division_of_the_minimum_by_minus_one_wraps(dtype):
+    # CPU eager traps (SIGFPE) on int32 and int64 here, so the expectation is written out: the
+    # wrapped quotient, which eager gives for int16/int8 and for floor division
+    a, b = _minimum_by_minus_one(dtype)
+    bits = torch.iinfo(dtype).bits
+
+    def wrap(q):
+        return (q + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1)
+
+    want = [wrap(abs(x) // abs(y) * (1 if (x < 0) == (y < 0) else -1)) for x, y in zip(a.tolist(), b.tolist())]
+    torch._dynamo.reset()
+    got = torch.compile(lambda a, b: torch.div(a, b, rounding_mode="trunc"), backend="ferrocore")(a, b)
+    assert got.dtype == dtype and got.tolist() == want
 
 
 def test_float_floor_div_and_remainder():
@@ -316,6 +357,30 @@ def test_cast_to_bool():
 def test_int64_to_int32_wraps():
     x = torch.tensor([2**31 - 1, 2**31, 2**32 + 5, -(2**31) - 1, 7, -7], dtype=torch.int64)
     check(lambda x: (x + 1).to(torch.int32), x)
+
+
+NON_FINITE_AND_OUT_OF_RANGE = [
+    float("nan"), float("inf"), float("-inf"), 1e10, -1e10, 3e9, -3e9, 70000.0, -70000.0, 300.0,
+    -300.0, 200.0, -129.0, 255.9, -1.5, 0.5, 0.0, 9.3e18, -9.3e18, 2.0**63, -(2.0**63), 2.0**31,
+    -(2.0**31) - 1, -(2.0**31), 2.0**31 - 1, -(2.0**31) - 0.5,
+]
+
+
+@pytest.mark.cpu_only("x86 CPU eager's conversions; the Triton casts were compared with CUDA eager on an H100 by hand")
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="measured on x86 only")
+@pytest.mark.parametrize("src", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_float_to_int_of_nan_inf_and_out_of_range_values_matches_x86_eager(src):
+    # NaN, +-inf and out-of-range values into int64/int32 give the minimum, int16/int8 the low
+    # bits of the int32 conversion, uint8 those of the int64 one; a constant NaN too (g++ folded
+    # the undefined conversion of a constant to 0)
+    x = torch.tensor(NON_FINITE_AND_OUT_OF_RANGE, dtype=torch.float64).to(src).repeat(5)
+    targets = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    check(lambda t: tuple((t * 1).to(d) for d in targets), x)
+    check(
+        lambda t: tuple(torch.full_like(t, v).to(d) for v in (float("nan"), float("inf"), float("-inf"), -300.5) for d in targets),
+        x,
+        allow_constant=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------------

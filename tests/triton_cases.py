@@ -377,6 +377,38 @@ def _():
     ), (randn(6, 33), randn(6, 33, seed=1) + 3)
 
 
+@case("integer_division_of_the_minimum_by_minus_one")
+def _():
+    # the minimum divided by -1 overflows: eager's quotient wraps to the minimum and remainders
+    # are 0 (LLVM's sdiv/srem are undefined there; Triton keeps 8- and 16-bit operands narrow)
+    def f(*xs):
+        out = []
+        for a, b in zip(xs[::2], xs[1::2]):
+            out += [a // b, a % b, torch.fmod(a, b), torch.div(a, b, rounding_mode="floor")]
+            if a.dtype in (torch.int16, torch.int8):  # int32/int64: CPU eager traps (SIGFPE)
+                out.append(torch.div(a, b, rounding_mode="trunc"))
+        return tuple(out)
+
+    args = []
+    for dt in (torch.int64, torch.int32, torch.int16, torch.int8):
+        m = torch.iinfo(dt).min
+        args += [torch.tensor([m, m, m + 1, 7, -7, m, 5], dtype=dt), torch.tensor([-1, 1, -1, -1, 2, 3, -1], dtype=dt)]
+    # uint8 has no -1: 255 is an ordinary divisor
+    args += [torch.tensor([200, 255, 0, 7], dtype=torch.uint8), torch.tensor([255, 255, 255, 2], dtype=torch.uint8)]
+    return f, tuple(args)
+
+
+@case("float_to_int_of_nan_inf_and_out_of_range_values")
+def _():
+    # int8/int16 keep the low bits of the int32 conversion, uint8 those of the int64 one (as
+    # eager); under the interpreter the wide conversions give x86's minimum, as CPU eager does
+    vals = [float("nan"), float("inf"), float("-inf"), 1e10, -1e10, 3e9, 70000.0, -70000.0, 300.0, -300.0, 255.9,
+            -1.5, 0.0, 2.0**63, -(2.0**31) - 1]
+    targets = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+    return (lambda a, b: tuple((t * 1).to(d) for t in (a, b) for d in targets)), (
+        torch.tensor(vals), torch.tensor(vals, dtype=torch.float64))
+
+
 @case("scans")
 def _():
     # along the last dim, along dim 0 (strided lines), integer and product scans, fused epilogues

@@ -58,6 +58,18 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
     if to == DType::C32 {
         return format!("ferro_round_chalf(static_cast<std::complex<float>>({v}))");
     }
+    if from.is_float() {
+        // x86 CPU eager: int32 and int64 saturate to the minimum; int8/int16 keep the low bits
+        // of the int32 conversion and uint8 those of the int64 one (c10 casts to uint8 through
+        // int64)
+        match to {
+            DType::I64 => return format!("ferro_f2i<int64_t>({v})"),
+            DType::I32 => return format!("ferro_f2i<int32_t>({v})"),
+            DType::I16 | DType::I8 => return format!("static_cast<{}>(ferro_f2i<int32_t>({v}))", c_type(to)),
+            DType::U8 => return format!("static_cast<uint8_t>(ferro_f2i<int64_t>({v}))"),
+            _ => {}
+        }
+    }
     match to {
         DType::Bool => format!("({v} != 0)"),
         DType::F16 => format!("ferro_round_half(static_cast<float>({v}))"),

@@ -89,17 +89,47 @@ template <typename T> static inline T ferro_ipow(T base, T exp) {
 }
 static inline int64_t ferro_floordiv(int64_t a, int64_t b) { int64_t q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
 static inline int64_t ferro_mod(int64_t a, int64_t b) { int64_t r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+// Float -> int32/int64 as CPU eager gives it on x86 (its casts compile to cvttss2si/cvttsd2si,
+// whose answer out of range is the most negative value): NaN, +-inf and values whose truncation
+// leaves the range give the minimum. Written without C++'s undefined conversion (which g++ folds
+// to 0 or the maximum for a constant). Narrower targets: `cast_expr` keeps the low bits of these.
+template <typename I, typename F> static inline I ferro_f2i(F x) {
+  static_assert(sizeof(I) == 4 || sizeof(I) == 8, "int32 or int64");
+  // -2^31 or -2^63, exact in float and double; `lo - 1` is exact only for double and int32, where
+  // (lo - 1, lo) truncates to lo. No std::trunc: g++ 12 does not vectorize a loop that calls it.
+  const F lo = F(std::numeric_limits<I>::min());
+  bool in_range = ((x >= lo) | (x > lo - F(1))) & (x < -lo);  // false for NaN
+  I v = static_cast<I>(in_range ? x : F(0));
+  return in_range ? v : std::numeric_limits<I>::min();
+}
 template <typename T> static inline T ferro_sign(T x) { return (T)((T(0) < x) - (x < T(0))); }
 #pragma omp declare reduction(ferro_fmax : float : omp_out = ferro_max(omp_out, omp_in)) initializer(omp_priv = -INFINITY)
 #pragma omp declare reduction(ferro_fmin : float : omp_out = ferro_min(omp_out, omp_in)) initializer(omp_priv = INFINITY)
 #pragma omp declare reduction(ferro_dmax : double : omp_out = ferro_max(omp_out, omp_in)) initializer(omp_priv = -INFINITY)
 #pragma omp declare reduction(ferro_dmin : double : omp_out = ferro_min(omp_out, omp_in)) initializer(omp_priv = INFINITY)
 // Integer division and modulo: ATen raises on a zero divisor; a kernel must not trap, so it
-// yields 0 there (documented in ARCHITECTURE.md).
-template <typename T> static inline T ferro_floordiv_i(T a, T b) { if (b == 0) return 0; T q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
-template <typename T> static inline T ferro_truncdiv_i(T a, T b) { return b == 0 ? 0 : a / b; }
-template <typename T> static inline T ferro_mod_i(T a, T b) { if (b == 0) return 0; T r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
-template <typename T> static inline T ferro_fmod_i(T a, T b) { return b == 0 ? 0 : a % b; }
+// yields 0 there (documented in ARCHITECTURE.md). The minimum divided by -1 overflows (x86's
+// idiv traps: SIGFPE); eager's quotient wraps to the minimum and its remainder is 0, so a -1
+// divisor negates with wrap-around and leaves remainder 0. (8- and 16-bit operands promote to
+// int and never overflow; the guard costs nothing there.)
+template <typename T> static inline bool ferro_is_minus_one(T b) { return std::is_signed<T>::value && b == T(-1); }
+template <typename T> static inline T ferro_neg_wrap(T a) {
+  using U = typename std::make_unsigned<T>::type;
+  return static_cast<T>(static_cast<U>(U(0) - static_cast<U>(a)));
+}
+template <typename T> static inline T ferro_floordiv_i(T a, T b) {
+  if (b == 0) return 0;
+  if (ferro_is_minus_one(b)) return ferro_neg_wrap(a);
+  T q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+template <typename T> static inline T ferro_truncdiv_i(T a, T b) { return b == 0 ? 0 : (ferro_is_minus_one(b) ? ferro_neg_wrap(a) : a / b); }
+template <typename T> static inline T ferro_mod_i(T a, T b) {
+  if (b == 0 || ferro_is_minus_one(b)) return 0;
+  T r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+template <typename T> static inline T ferro_fmod_i(T a, T b) { return (b == 0 || ferro_is_minus_one(b)) ? 0 : a % b; }
 template <typename T> static inline T ferro_lshift(T a, T b) {
   if (b < 0 || b >= (T)(sizeof(T) * 8)) return 0;
   return (T)((typename std::make_unsigned<T>::type)a << b);

@@ -54,10 +54,20 @@ fn ty(dt: DType) -> &'static str {
 }
 
 /// `v` (computed as `from`) as a value of `to`: half types are rounded to their precision and
-/// computed on in float32.
+/// computed on in float32. Floats into int8/int16 keep the low bits of the int32 conversion and
+/// into uint8 those of the int64 one, as ATen's casts do (c10 casts to uint8 through int64): on
+/// the GPU the wide conversion saturates (PTX `cvt.rzi`, as CUDA eager), where a direct narrow
+/// one would saturate to the narrow range; the interpreter (numpy) gives x86's minimum instead.
 pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
     if from == to {
         return v.to_string();
+    }
+    if from.is_float() {
+        match to {
+            DType::I16 | DType::I8 => return format!("{v}.to(tl.int32).to({})", ty(to)),
+            DType::U8 => return format!("{v}.to(tl.int64).to(tl.uint8)"),
+            _ => {}
+        }
     }
     match to {
         DType::Bool => format!("({v} != 0)"),

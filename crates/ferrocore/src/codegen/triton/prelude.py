@@ -88,32 +88,48 @@ def ferro_argmin(va, ia, vb, ib):
 
 
 @triton.jit
+def ferro_minus_one(b):
+    # the divisor whose quotient can overflow (minimum // -1); unsigned types have none
+    if b.dtype.is_int_signed():
+        return b == -1
+    else:
+        return b != b
+
+
+# Integer division: a zero divisor gives 0 (no trap). A -1 divisor negates with wrap-around and
+# leaves remainder 0, so the minimum divided by -1 gives eager's minimum (sdiv would overflow:
+# undefined in LLVM; Triton does not promote 8- and 16-bit operands as C does).
+@triton.jit
 def ferro_floordiv_i(a, b):
-    safe = tl.where(b == 0, 1, b)
+    minus_one = ferro_minus_one(b)
+    safe = tl.where((b == 0) | minus_one, 1, b)
     q = a // safe
     r = a % safe
     q = tl.where((r != 0) & ((r < 0) != (safe < 0)), q - 1, q)
-    return tl.where(b == 0, 0, q)
+    return tl.where(b == 0, 0, tl.where(minus_one, -a, q))
 
 
 @triton.jit
 def ferro_mod_i(a, b):
-    safe = tl.where(b == 0, 1, b)
+    special = (b == 0) | ferro_minus_one(b)
+    safe = tl.where(special, 1, b)
     r = a % safe
     r = tl.where((r != 0) & ((r < 0) != (safe < 0)), r + safe, r)
-    return tl.where(b == 0, 0, r)
+    return tl.where(special, 0, r)
 
 
 @triton.jit
 def ferro_truncdiv_i(a, b):
-    safe = tl.where(b == 0, 1, b)
-    return tl.where(b == 0, 0, a // safe)
+    minus_one = ferro_minus_one(b)
+    safe = tl.where((b == 0) | minus_one, 1, b)
+    return tl.where(b == 0, 0, tl.where(minus_one, -a, a // safe))
 
 
 @triton.jit
 def ferro_fmod_i(a, b):
-    safe = tl.where(b == 0, 1, b)
-    return tl.where(b == 0, 0, a % safe)
+    special = (b == 0) | ferro_minus_one(b)
+    safe = tl.where(special, 1, b)
+    return tl.where(special, 0, a % safe)
 
 
 @triton.jit
