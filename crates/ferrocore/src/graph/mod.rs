@@ -3,8 +3,10 @@
 //! loops or kernels; malformed input is an `ImportError` naming the node, never a panic.
 
 pub mod dtype;
+pub mod names;
 pub mod ops;
 pub mod parse;
+mod schema;
 
 pub use dtype::{promote_types, result_type, Category, DType, Device, Operand};
 pub use ops::AtenOp;
