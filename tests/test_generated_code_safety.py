@@ -219,3 +219,14 @@ def test_float_arguments_at_the_edges_reach_kernels_and_library_calls_exactly(tm
             assert torch.equal(y.isnan(), want.isnan()), (target, v)
             ok = ~want.isnan()
             assert torch.equal(y[ok], want[ok]) and torch.equal(y[ok].signbit(), want[ok].signbit()), (target, v, y, want)
+
+
+def test_schema_argument_table_matches_torch():
+    """The kwarg keys the importer accepts per ATen op are torch's schema names: the generated
+    table (crates/ferrocore/src/graph/schema.rs) is up to date with ops.rs and this torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gen_schema_args.py"
+    assert subprocess.run([sys.executable, str(script), "--check"]).returncode == 0, f"run {script}"

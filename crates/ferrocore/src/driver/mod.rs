@@ -124,7 +124,8 @@ pub struct CompileError {
 
 impl fmt::Display for CompileError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
+        // messages quote graph text (a string argument): no control or bidi character gets out raw
+        f.write_str(&crate::graph::names::printable(&self.message))
     }
 }
 impl std::error::Error for CompileError {}

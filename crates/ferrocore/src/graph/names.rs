@@ -37,11 +37,20 @@ fn err(node: Option<&str>, message: String) -> ImportError {
     ImportError { node: node.map(str::to_string), message }
 }
 
-/// Shows a rejected name in an error message: escaped, and cut short.
+/// Shows a rejected name in an error message: cut short (`ImportError` escapes it).
 fn shown(s: &str) -> String {
     let cut: String = s.chars().take(80).collect();
     let more = if cut.len() < s.len() { "..." } else { "" };
-    format!("{}{more}", cut.escape_default())
+    format!("{cut}{more}")
+}
+
+/// Text with control, format (bidi, zero-width, BOM) and separator characters written as
+/// `\u{..}` escapes: what an error message may quote from the graph.
+pub fn printable(s: &str) -> String {
+    let hidden = |c: char| {
+        c.is_control() || matches!(c, '\u{ad}' | '\u{200b}'..='\u{200f}' | '\u{2028}'..='\u{202e}' | '\u{2060}'..='\u{206f}' | '\u{feff}' | '\u{fff9}'..='\u{fffb}')
+    };
+    s.chars().map(|c| if hidden(c) { c.escape_unicode().to_string() } else { c.to_string() }).collect()
 }
 
 fn check_name(what: &str, s: &str, max: usize, node: Option<&str>) -> Result<(), ImportError> {
