@@ -5,6 +5,7 @@
 //! other: what they share lives here.
 
 pub mod cpp;
+pub mod literal;
 pub mod triton;
 
 use crate::loop_ir::{BufferId, Expr};

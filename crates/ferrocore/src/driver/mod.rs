@@ -124,7 +124,8 @@ pub struct CompileError {
 
 impl fmt::Display for CompileError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
+        // messages quote graph text (a string argument): no control or bidi character gets out raw
+        f.write_str(&crate::graph::names::printable(&self.message))
     }
 }
 impl std::error::Error for CompileError {}
@@ -166,7 +167,7 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     let graph = st.time("import", || parse_graph(graph_json)).map_err(|e| CompileError { stage: "import", message: e.to_string() })?;
     if let Some(d) = &options.debug_dir {
         let key = runtime::sha256_hex(graph_json.as_bytes());
-        st.dump_dir = Some(d.join(format!("{}_{}", graph.name, &key[..10])));
+        st.dump_dir = Some(d.join(format!("{}_{}", file_component(&graph.name), &key[..10])));
     }
     st.emit("graph", || graph.to_string());
     let lower_options = LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm };
@@ -235,7 +236,7 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         cache_hit = lib.cache_hit;
     }
     let key = runtime::sha256_hex(module.as_bytes());
-    let module_path = options.cache_dir.join("graphs").join(&key[..2]).join(format!("{}_{}.py", sanitize(&graph.name), &key[..16]));
+    let module_path = options.cache_dir.join("graphs").join(&key[..2]).join(format!("{}_{}.py", file_component(&graph.name), &key[..16]));
     if !module_path.exists() {
         runtime::write_atomic(&module_path, module.as_bytes()).map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
     }
@@ -275,6 +276,10 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     })
 }
 
-fn sanitize(s: &str) -> String {
-    s.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect()
+/// A graph name as one safe component of a file name (the importer accepts only identifiers;
+/// this holds whatever it is given): ASCII letters, digits and `_` (no `/`, `.`, NUL), at most
+/// 64 characters, never empty.
+fn file_component(name: &str) -> String {
+    let s: String = name.chars().take(64).map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();
+    if s.is_empty() { "graph".into() } else { s }
 }

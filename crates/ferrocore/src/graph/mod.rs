@@ -3,8 +3,10 @@
 //! loops or kernels; malformed input is an `ImportError` naming the node, never a panic.
 
 pub mod dtype;
+pub mod names;
 pub mod ops;
 pub mod parse;
+mod schema;
 
 pub use dtype::{promote_types, result_type, Category, DType, Device, Operand};
 pub use ops::AtenOp;
@@ -186,9 +188,11 @@ pub struct ImportError {
 
 impl fmt::Display for ImportError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // the graph's own text, quoted in a message, must not break or disguise the line
+        let shown = names::printable;
         match &self.node {
-            Some(n) => write!(f, "graph import: node '{n}': {}", self.message),
-            None => write!(f, "graph import: {}", self.message),
+            Some(n) => write!(f, "graph import: node '{}': {}", shown(n), shown(&self.message)),
+            None => write!(f, "graph import: {}", shown(&self.message)),
         }
     }
 }

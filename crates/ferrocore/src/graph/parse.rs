@@ -108,6 +108,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
         }
         Some(_) => return Err(err(None, "padded_matmuls must map node names to reasons")),
     }
+    super::names::check_names(&g)?;
     Ok(g)
 }
 
@@ -220,5 +221,6 @@ fn parse_arg(v: &Value, by_name: &HashMap<String, NodeId>, node: &str) -> Result
 /// `namespace.op.overload`, each part an identifier: what `torch.ops.<name>` can resolve.
 pub fn is_op_name(name: &str) -> bool {
     let parts: Vec<&str> = name.split('.').collect();
-    parts.len() == 3 && parts.iter().all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+    // a keyword cannot follow a `.` in Python source
+    parts.len() == 3 && parts.iter().all(|p| super::names::is_identifier(p) && !super::names::is_python_keyword(p))
 }

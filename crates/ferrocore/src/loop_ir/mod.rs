@@ -141,9 +141,27 @@ pub enum ExternArg {
     Buffer(BufferId),
     /// A strided view of a buffer (size, stride, storage offset).
     View { buf: BufferId, size: Vec<i64>, stride: Vec<i64>, offset: i64 },
-    /// A Python literal (already rendered), e.g. `1.0`, `[0, 1]`, `torch.float32`, `None`.
-    Literal(String),
+    /// A constant (the wrapper writes it as a Python literal).
+    Literal(Literal),
     List(Vec<ExternArg>),
+}
+
+/// A constant argument of an extern call, kept as a value: the wrapper writes it through its
+/// literal writer, so no text from the graph is ever pasted into the module.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Literal {
+    None,
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Str(String),
+    DType(DType),
+    Device(Device),
+    /// A torch layout / memory format by attribute name (`strided`, `channels_last`).
+    Layout(String),
+    MemoryFormat(String),
+    /// A size, written as a tuple.
+    Shape(Vec<i64>),
 }
 
 #[derive(Clone, Debug)]
@@ -248,10 +266,53 @@ impl LoopProgram {
     pub fn add_buffer(&mut self, layout: Layout, source: BufferSource) -> BufferId {
         let id = BufferId(self.buffers.len() as u32);
         let name = match source {
-            BufferSource::Input(i) => self.input_names.get(i).cloned().unwrap_or_else(|| format!("arg{i}")),
+            BufferSource::Input(i) => input_buffer_name(i, self.input_names.get(i).map_or("", String::as_str)),
             _ => format!("buf{}", id.0),
         };
         self.buffers.push(Buffer { name, layout, source });
         id
     }
 }
+
+/// The name of input `i`'s buffer in generated code: the graph's name where it is an identifier
+/// no generated name can be (readable output), else `arg{i}`. Generated names are `buf{n}`,
+/// `arg{n}`, kernels and launchers (`cpp_*`, `triton_*`, `launch_*`), C++ locals (`loc_*`),
+/// module-private names (`_*`) and those listed in `RESERVED`.
+pub fn input_buffer_name(i: usize, graph_name: &str) -> String {
+    let generated = |prefix: &str| graph_name.strip_prefix(prefix).is_some_and(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()));
+    let plain = crate::graph::names::is_identifier(graph_name)
+        && !graph_name.starts_with('_')
+        && !generated("buf")
+        && !generated("arg")
+        && !["cpp_", "triton_", "launch_", "loc_"].iter().any(|p| graph_name.starts_with(p))
+        && !crate::graph::names::is_python_keyword(graph_name)
+        && !RESERVED.contains(&graph_name);
+    if plain { graph_name.to_string() } else { format!("arg{i}") }
+}
+
+/// Names the wrapper module and the kernels take for themselves, and Python's builtins (which
+/// the module calls: `float('nan')`, `IndexError`) and C++'s keywords.
+const RESERVED: &[&str] = &[
+    // the wrapper module's own names
+    "torch", "triton", "tl", "math", "ferrocore", "call", "args", "index_flag", "held", "reinterpret", "restride", "load_kernels",
+    "c_ptr", "owned_storage", "empty_strided_cuda", "GpuIndexCheck", "TritonLaunch", "KERNEL_SOURCE", "TRITON_KERNELS",
+    "TRITON_LAUNCHERS", "CUDAGRAPH_UNSAFE", "INDEX_FLAG", "DONATED_WRITES", "make_inputs", "benchmark_compiled_module", "benchmark",
+    "reps", "libdevice", "x0", "xindex", "xmask", "xoffset", "yoffset", "pid", "rindex", "rmask", "XBLOCK", "RBLOCK",
+    // Python builtins
+    "abs", "aiter", "all", "anext", "any", "ascii", "bin", "bool", "breakpoint", "bytearray", "bytes", "callable", "chr",
+    "classmethod", "compile", "complex", "copyright", "credits", "delattr", "dict", "dir", "divmod", "enumerate", "eval", "exec",
+    "exit", "filter", "float", "format", "frozenset", "getattr", "globals", "hasattr", "hash", "help", "hex", "id", "input", "int",
+    "isinstance", "issubclass", "iter", "len", "license", "list", "locals", "map", "max", "memoryview", "min", "next", "object",
+    "oct", "open", "ord", "pow", "print", "property", "quit", "range", "repr", "reversed", "round", "set", "setattr", "slice",
+    "sorted", "staticmethod", "str", "sum", "super", "tuple", "vars", "zip", "ArithmeticError", "AssertionError",
+    "AttributeError", "BaseException", "Exception", "IndexError", "KeyError", "LookupError", "MemoryError", "NameError",
+    "NotImplemented", "NotImplementedError", "OSError", "OverflowError", "RuntimeError", "StopIteration", "SyntaxError",
+    "SystemExit", "TypeError", "ValueError", "ZeroDivisionError", "Ellipsis",
+    // C++ keywords and names the kernels use
+    "alignas", "alignof", "asm", "auto", "bitand", "bitor", "case", "catch", "char", "class", "compl", "const", "constexpr",
+    "const_cast", "decltype", "default", "delete", "do", "double", "dynamic_cast", "enum", "explicit", "export", "extern",
+    "friend", "goto", "inline", "long", "mutable", "namespace", "new", "noexcept", "nullptr", "operator", "private", "protected",
+    "public", "register", "reinterpret_cast", "short", "signed", "sizeof", "static", "static_assert", "static_cast", "struct",
+    "switch", "template", "this", "thread_local", "throw", "typedef", "typeid", "typename", "union", "unsigned", "using",
+    "virtual", "void", "volatile", "wchar_t", "std", "main", "true", "false", "and", "or", "not", "xor",
+];

@@ -111,7 +111,7 @@ impl LoopProgram {
             ExternArg::View { buf, size, stride, offset } => {
                 format!("reinterpret({}, {size:?}, {stride:?}, {offset})", self.buffer(*buf).name)
             }
-            ExternArg::Literal(s) => s.clone(),
+            ExternArg::Literal(l) => l.to_string(),
             ExternArg::List(items) => format!("[{}]", items.iter().map(|i| self.fmt_extern_arg(i)).collect::<Vec<_>>().join(", ")),
         }
     }
@@ -155,5 +155,26 @@ impl fmt::Display for LoopProgram {
             })
             .collect();
         writeln!(f, "return ({})", outs.join(", "))
+    }
+}
+
+/// The IR text of a constant (the wrapper writes its own Python through `codegen::literal`).
+impl fmt::Display for Literal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Literal::None => f.write_str("None"),
+            Literal::Int(i) => write!(f, "{i}"),
+            Literal::Float(x) if x.is_nan() => f.write_str("float('nan')"),
+            Literal::Float(x) if x.is_infinite() => f.write_str(if *x > 0.0 { "float('inf')" } else { "float('-inf')" }),
+            Literal::Float(x) => write!(f, "{x:?}"),
+            Literal::Bool(b) => f.write_str(if *b { "True" } else { "False" }),
+            Literal::Str(s) => write!(f, "{s:?}"),
+            Literal::DType(d) => write!(f, "torch.{d}"),
+            Literal::Device(d) => write!(f, "torch.device('{d}')"),
+            Literal::Layout(l) => write!(f, "torch.{l}"),
+            Literal::MemoryFormat(m) => write!(f, "torch.{m}"),
+            Literal::Shape(s) if s.len() == 1 => write!(f, "({},)", s[0]),
+            Literal::Shape(s) => write!(f, "({})", s.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")),
+        }
     }
 }

@@ -38,7 +38,7 @@ impl Ctx<'_> {
                 self.extern_tensor(*n, exact)?
             }
             Arg::List(items) => ExternArg::List(items.iter().map(|i| self.extern_arg(i, exact)).collect::<LResult<_>>()?),
-            other => ExternArg::Literal(py_literal(other)),
+            other => ExternArg::Literal(literal_of(other)),
         })
     }
 
@@ -216,22 +216,18 @@ fn loader_of(tv: &TensorValue) -> LoadFn {
     Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| t.load(bx, idx))
 }
 
-/// Python source for a literal argument.
-pub fn py_literal(a: &Arg) -> String {
+/// A constant argument as the wrapper will write it (lists are `ExternArg::List`s).
+fn literal_of(a: &Arg) -> Literal {
     match a {
-        Arg::None => "None".into(),
-        Arg::Int(i) => i.to_string(),
-        Arg::Float(f) if f.is_nan() => "float('nan')".into(),
-        Arg::Float(f) if f.is_infinite() => if *f > 0.0 { "float('inf')".into() } else { "float('-inf')".into() },
-        Arg::Float(f) => format!("{f:?}"),
-        Arg::Bool(b) => if *b { "True".into() } else { "False".into() },
-        Arg::Str(s) => format!("{s:?}"),
-        Arg::List(items) => format!("[{}]", items.iter().map(py_literal).collect::<Vec<_>>().join(", ")),
-        Arg::DType(d) => format!("torch.{d}"),
-        Arg::Device(d) => format!("torch.device('{d}')"),
-        Arg::Layout(l) => format!("torch.{l}"),
-        Arg::MemoryFormat(m) => format!("torch.{m}"),
-        Arg::Node(_) => "None".into(),
+        Arg::None | Arg::Node(_) | Arg::List(_) => Literal::None,
+        Arg::Int(i) => Literal::Int(*i),
+        Arg::Float(f) => Literal::Float(*f),
+        Arg::Bool(b) => Literal::Bool(*b),
+        Arg::Str(s) => Literal::Str(s.clone()),
+        Arg::DType(d) => Literal::DType(*d),
+        Arg::Device(d) => Literal::Device(d.clone()),
+        Arg::Layout(l) => Literal::Layout(l.clone()),
+        Arg::MemoryFormat(m) => Literal::MemoryFormat(m.clone()),
     }
 }
 

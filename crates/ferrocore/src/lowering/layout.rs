@@ -127,7 +127,7 @@ impl Ctx<'_> {
         for (i, a) in args.iter().enumerate() {
             eargs.push(match a {
                 Arg::Node(n) if nhwc_call && activations.contains(&i) => self.channels_last_arg(*n)?,
-                Arg::Node(_) if i == 2 && bias.is_some() => ExternArg::Literal("None".into()),
+                Arg::Node(_) if i == 2 && bias.is_some() => ExternArg::Literal(Literal::None),
                 _ => self.extern_arg(a, false)?,
             });
         }

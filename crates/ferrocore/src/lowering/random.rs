@@ -11,11 +11,11 @@ impl Ctx<'_> {
         let call = self.prog.externs.len();
         let layout = Layout { size: vec![], stride: vec![], offset: 0, dtype: DType::I64, device: device.clone() };
         let buf = self.prog.add_buffer(layout, BufferSource::Extern { call, item: None });
-        let lit = |s: &str| ExternArg::Literal(s.to_string());
+        let lit = ExternArg::Literal;
         self.prog.externs.push(ExternCall {
             callee: "torch.randint".into(),
-            args: vec![lit("-9223372036854775808"), lit("9223372036854775807"), lit("()")],
-            kwargs: vec![("dtype".into(), lit("torch.int64")), ("device".into(), lit(&format!("'{device}'")))],
+            args: vec![lit(Literal::Int(i64::MIN)), lit(Literal::Int(i64::MAX)), lit(Literal::Shape(vec![]))],
+            kwargs: vec![("dtype".into(), lit(Literal::DType(DType::I64))), ("device".into(), lit(Literal::Str(device.to_string())))],
             outputs: vec![buf],
             fallback: false,
             origin: self.node_name(),

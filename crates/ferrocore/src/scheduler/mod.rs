@@ -387,7 +387,7 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &s
         for o in &p.nodes[m].origins {
             // FX names like `add_3` -> `add`
             let base = o.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').to_string();
-            let base: String = base.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+            let base: String = base.chars().take(32).map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
             if !base.is_empty() && !words.contains(&base) {
                 words.push(base);
             }

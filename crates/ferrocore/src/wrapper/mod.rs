@@ -2,6 +2,8 @@
 //! and its rendering as a readable Python module (`call(args)` plus a `__main__` that times
 //! itself), like Inductor's output code. It does not generate kernels; it launches them.
 
+pub use crate::codegen::literal::py_str;
+use crate::codegen::literal::{py_bool, py_comment, py_float, py_int, py_source_str};
 use crate::codegen::{KernelLanguage, LaunchShape, RenderedKernels};
 use crate::graph::DType;
 use crate::loop_ir::*;
@@ -171,26 +173,6 @@ fn used_buffers(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
     used
 }
 
-/// A Python string literal for any text: printable ASCII as is, everything else escaped.
-pub fn py_str(s: &str) -> String {
-    let mut out = String::from("'");
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\'' => out.push_str("\\'"),
-            ' '..='~' => out.push(c),
-            c if (c as u32) < 0x10000 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => {
-                let _ = write!(out, "\\U{:08x}", c as u32);
-            }
-        }
-    }
-    out.push('\'');
-    out
-}
-
 fn py_tuple(v: &[i64]) -> String {
     match v.len() {
         1 => format!("({},)", v[0]),
@@ -215,8 +197,37 @@ fn extern_arg_py(p: &LoopProgram, a: &ExternArg) -> String {
             p.buffer(*buf).name.clone()
         }
         ExternArg::View { buf, size, stride, offset } => view_py(p, *buf, size, stride, *offset),
-        ExternArg::Literal(s) => s.clone(),
+        ExternArg::Literal(l) => literal_py(l),
         ExternArg::List(items) => format!("[{}]", items.iter().map(|i| extern_arg_py(p, i)).collect::<Vec<_>>().join(", ")),
+    }
+}
+
+/// A constant argument as Python source.
+fn literal_py(l: &Literal) -> String {
+    // torch's layouts and memory formats are attributes of `torch` (the importer accepts only those)
+    let torch_attr = |name: &str| {
+        if crate::graph::names::is_identifier(name) { format!("torch.{name}") } else { format!("getattr(torch, {})", py_str(name)) }
+    };
+    match l {
+        Literal::None => "None".into(),
+        Literal::Int(i) => py_int(*i),
+        Literal::Float(f) => py_float(*f),
+        Literal::Bool(b) => py_bool(*b),
+        Literal::Str(s) => py_str(s),
+        Literal::DType(d) => dtype_py(*d),
+        Literal::Device(d) => format!("torch.device({})", py_str(&d.to_string())),
+        Literal::Layout(name) | Literal::MemoryFormat(name) => torch_attr(name),
+        Literal::Shape(s) => py_tuple(s),
+    }
+}
+
+/// `key=value` of a call, or `**{'key': value}` where the key is no Python identifier (an ATen
+/// argument named like a keyword, `from`).
+fn kwarg_py(key: &str, value: String) -> String {
+    if crate::graph::names::is_identifier(key) && !crate::graph::names::is_python_keyword(key) {
+        format!("{key}={value}")
+    } else {
+        format!("**{{{}: {value}}}", py_str(key))
     }
 }
 
@@ -238,7 +249,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     let used = used_buffers(s, kernels);
     let mut m = String::new();
     let fallbacks = p.externs.iter().filter(|e| e.fallback).count();
-    let _ = writeln!(m, "# ferrocore output code for graph '{graph_name}'");
+    let _ = writeln!(m, "# ferrocore output code for graph {}", py_str(graph_name));
     let _ = writeln!(m, "# kernels: {}, extern calls: {}, ATen fallbacks: {fallbacks}", kernels.launches.len(), p.externs.len() - fallbacks);
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
     match kernels.language {
@@ -246,9 +257,8 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, owned_storage, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
                 // the string must equal the compiled source byte for byte: it is the cache key
-                m.push_str("KERNEL_SOURCE = r'''");
-                m.push_str(&kernels.source);
-                m.push_str("'''\n\n_lib = load_kernels(KERNEL_SOURCE)\n");
+                let _ = writeln!(m, "KERNEL_SOURCE = {}", py_source_str(&kernels.source));
+                m.push_str("\n_lib = load_kernels(KERNEL_SOURCE)\n");
                 for l in &kernels.launches {
                     let _ = writeln!(m, "{0} = _lib.{0}", l.name);
                 }
@@ -316,7 +326,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     if let Some(d) = flag_device {
         m.push_str("\n# call(args, index_flag) leaves reading the index-check flag to the caller\nINDEX_FLAG = True\n");
         if gpu_flag {
-            let _ = writeln!(m, "_INDEX_CHECK = GpuIndexCheck('{d}')");
+            let _ = writeln!(m, "_INDEX_CHECK = GpuIndexCheck({})", py_str(&d.to_string()));
         }
     }
     // Triton launches on the current device: run CUDA graphs under their device
@@ -372,7 +382,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     match flag_device {
         Some(_) if gpu_flag => m.push_str("    _index_error = _INDEX_CHECK.begin() if index_flag is None else index_flag\n"),
         Some(d) => {
-            let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device='{d}') if index_flag is None else index_flag");
+            let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device={}) if index_flag is None else index_flag", py_str(&d.to_string()));
         }
         None => {}
     }
@@ -385,7 +395,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
                     // on the current device (the call runs under it): torch's allocator, no argument parsing
                     let _ = writeln!(m, "    {name} = empty_strided_cuda({size}, {stride}, {dtype})");
                 } else {
-                    let _ = writeln!(m, "    {name} = torch.empty_strided({size}, {stride}, dtype={dtype}, device='{}')", l.device);
+                    let _ = writeln!(m, "    {name} = torch.empty_strided({size}, {stride}, dtype={dtype}, device={})", py_str(&l.device.to_string()));
                 }
             }
             HostStep::Reuse { buf, from } => {
@@ -425,9 +435,9 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
             HostStep::Extern(e) => {
                 let x = &p.externs[*e];
                 let mut args: Vec<String> = x.args.iter().map(|a| extern_arg_py(p, a)).collect();
-                args.extend(x.kwargs.iter().map(|(k, v)| format!("{k}={}", extern_arg_py(p, v))));
+                args.extend(x.kwargs.iter().map(|(k, v)| kwarg_py(k, extern_arg_py(p, v))));
                 let note = match &x.reason {
-                    Some(r) => format!("  # fallback: {r}"),
+                    Some(r) => format!("  # fallback: {}", py_comment(r)),
                     None => String::new(),
                 };
                 let call = format!("{}({})", callee_py(&x.callee), args.join(", "));
@@ -484,7 +494,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         };
         let gen = match l.device {
             crate::graph::Device::Cpu => gen,
-            d => format!("{gen}.to('{d}')"),
+            d => format!("{gen}.to({})", py_str(&d.to_string())),
         };
         let _ = writeln!(m, "        {gen}.as_strided({}, {}),", py_tuple(&l.size), py_tuple(&l.stride));
     }

@@ -101,19 +101,7 @@ pub fn store_conv(v: &str, dt: DType) -> String {
 }
 
 fn float_lit(f: f64, dt: DType) -> String {
-    let ty = c_type(dt);
-    if f.is_nan() {
-        return format!("std::numeric_limits<{ty}>::quiet_NaN()");
-    }
-    if f.is_infinite() {
-        let s = if f > 0.0 { "" } else { "-" };
-        return format!("{s}std::numeric_limits<{ty}>::infinity()");
-    }
-    let mut s = format!("{f:e}");
-    if ty == "float" {
-        s = format!("static_cast<float>({s})");
-    }
-    s
+    crate::codegen::literal::cpp_float(f, c_type(dt))
 }
 
 /// One accumulator of a reduction loop; arg reductions also carry the running best value.
@@ -283,7 +271,7 @@ impl OpsHandler for BodyEmitter<'_> {
     fn constant(&mut self, value: Scalar, dtype: DType) -> String {
         let e = match value {
             Scalar::Bool(b) => b.to_string(),
-            Scalar::Int(i) => format!("static_cast<{}>({i}LL)", c_type(dtype)),
+            Scalar::Int(i) => crate::codegen::literal::cpp_int(i, c_type(dtype)),
             Scalar::Float(f) => float_lit(f, dtype),
         };
         self.emit(dtype, e, &[])

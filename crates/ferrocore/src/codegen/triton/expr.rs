@@ -88,13 +88,7 @@ pub fn store_conv(v: &str, dt: DType) -> String {
 }
 
 pub fn float_lit(f: f64) -> String {
-    if f.is_nan() {
-        "float(\"nan\")".into()
-    } else if f.is_infinite() {
-        if f > 0.0 { "float(\"inf\")".into() } else { "float(\"-inf\")".into() }
-    } else {
-        format!("{f:?}")
-    }
+    crate::codegen::literal::py_float(f)
 }
 
 /// The identity of a reduction for values of `dt`, as a Python literal.

@@ -1,0 +1,1 @@
+"""Probes the lead runs for issue notes: each module has `run() -> list[str]`."""
