@@ -563,10 +563,7 @@ def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> C
         )
         fn = compiled.get(key)
         if fn is None:
-            if len(compiled) >= SPECIALIZATION_LIMIT:
-                fn = compiled[key] = _eager_beyond_limit(gm, timings)
-            else:
-                fn = compiled[key] = _specialize(gm, list(args), dict(timings), overrides)
+            fn = _specialization(compiled, key, gm, args, timings, overrides)
         return fn(args)
 
     call._boxed_call = True
@@ -576,6 +573,33 @@ def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> C
 # Static compilations kept per symbolic graph. Data-dependent sizes (`partition`) can make every
 # call a new signature; past this many, new signatures run eagerly instead of recompiling.
 SPECIALIZATION_LIMIT = 32
+
+
+def _specialization(compiled: dict, key: tuple, gm: torch.fx.GraphModule, args: list, timings: dict,
+                    overrides: dict) -> Callable:
+    """The compilation for a new input signature, made under torch's compile lock: `make_fx`
+    (as dynamo's own tracing) patches module-level state of torch.fx (`CURRENT_PATCHER`), so
+    two traces at once in different threads break each other, and dynamo traces under this
+    lock. A thread that waited for the lock finds a signature another one compiled meanwhile:
+    each signature is compiled once. The lock is reentrant (a trace that calls a compiled
+    function in the same thread does not wait for itself)."""
+    with _compile_lock:
+        fn = compiled.get(key)
+        if fn is None:
+            if len(compiled) >= SPECIALIZATION_LIMIT:
+                fn = _eager_beyond_limit(gm, timings)
+            else:
+                fn = _specialize(gm, list(args), dict(timings), overrides)
+            compiled[key] = fn
+    return fn
+
+
+try:
+    from torch._dynamo.convert_frame import compile_lock as _compile_lock
+except ImportError:  # a torch without it: a lock of ferrocore's own
+    import threading
+
+    _compile_lock = threading.RLock()
 
 
 def _eager_beyond_limit(gm: torch.fx.GraphModule, timings: dict) -> Callable:

@@ -471,3 +471,63 @@ class Autotuner:
         data = {"key": key, "best": list(best),
                 "timings_ms": [[list(c), round(t, 6)] for c, t in sorted(timings.items(), key=lambda kv: kv[1])]}
         write_json_atomic(path, data)
+
+
+class InputMismatch(RuntimeError):
+    """A compiled module was called with an input unlike the one it was compiled for (its
+    kernels would read out of bounds or the wrong bytes)."""
+
+
+def _check_size_stride_grouped(tensors, sizes, strides, op_name=None) -> None:
+    for t, size, stride in zip(tensors, sizes, strides, strict=True):
+        if tuple(t.shape) != tuple(size) or tuple(t.stride()) != tuple(stride):
+            raise AssertionError(f"expected size {size} stride {stride}, got {tuple(t.shape)} {t.stride()}")
+
+
+# (tensors, sizes, strides, op name): AssertionError unless each tensor has its size and stride;
+# torch's C++ check where it has one (what Inductor's wrappers call): one call for all inputs
+try:
+    from torch._C._dynamo.guards import assert_size_stride_grouped
+except ImportError:
+    assert_size_stride_grouped = _check_size_stride_grouped
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    return f"{str(t.dtype).removeprefix('torch.')} on {t.device}, size {tuple(t.shape)}, stride {t.stride()}"
+
+
+def input_mismatch(specs, inputs) -> InputMismatch:
+    """The error for inputs that failed a module's check (`wrapper/checks.rs`): names the first
+    input whose size, stride, dtype or device differ from what the module was compiled for.
+    `specs`: the module's INPUTS, (name, size, stride, dtype, device) per input."""
+    for i, ((name, size, stride, dtype, device), t) in enumerate(zip(specs, inputs)):
+        if isinstance(t, torch.Tensor) and (tuple(t.shape), t.stride(), t.dtype, t.device) == (
+                size, stride, dtype, torch.device(device)):
+            continue
+        want = f"{str(dtype).removeprefix('torch.')} on {device}, size {size}, stride {stride}"
+        return InputMismatch(f"ferrocore: input {i} ({name}) of the compiled graph: expected {want}; got {_describe(t)}")
+    return InputMismatch("ferrocore: the inputs differ from those the graph was compiled for")
+
+
+def check_storage_view(t: torch.Tensor, size, stride, offset: int, storage_offset: int | None) -> None:
+    """Raises eager's error when the as_strided view (size, stride) starting `offset` elements
+    from `t`'s data lies outside `t`'s storage. `storage_offset`: the storage offset of `t` the
+    view was compiled for, where the view names an absolute storage position."""
+    start = t.storage_offset()
+    if storage_offset is not None and start != storage_offset:
+        raise InputMismatch(f"ferrocore: an input viewed by as_strided at an explicit storage offset was compiled "
+                            f"for storage offset {storage_offset}; got {start}")
+    start += offset
+    itemsize = t.element_size()
+    have = t.untyped_storage().nbytes()
+    if 0 in size:
+        return
+    need = (start + 1 + sum((n - 1) * s for n, s in zip(size, stride))) * itemsize
+    if start < 0:
+        raise RuntimeError(f"Tensor: invalid storage offset {start}")
+    if need > have:
+        raise RuntimeError(f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {start}, and "
+                           f"itemsize {itemsize} requiring a storage size of {need} are out of bounds for storage "
+                           f"of size {have}")

@@ -12,7 +12,7 @@ use crate::loop_ir::OutputValue;
 use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
 use crate::runtime;
 use crate::scheduler::schedule_for;
-use crate::wrapper::{plan_host, render_module};
+use crate::wrapper::{plan_host, render_module_with};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::PathBuf;
@@ -34,6 +34,9 @@ pub struct Options {
     pub conv_layout: ConvLayout,
     /// Which unaligned 16-bit GEMMs run on padded operands (`measured`, `always`, `never`).
     pub pad_mm: PadMm,
+    /// Whether compiled modules check their inputs' sizes, strides, dtypes and devices at each
+    /// call (`wrapper/checks.rs`); off only for a measured hot path whose callers guarantee them.
+    pub check_inputs: bool,
 }
 
 /// The kernel backend: by the graph's device (CUDA tensors -> Triton, CPU -> C++), or forced.
@@ -76,6 +79,7 @@ impl Default for Options {
             backend: BackendChoice::Auto,
             conv_layout: ConvLayout::Auto,
             pad_mm: PadMm::Measured,
+            check_inputs: true,
         }
     }
 }
@@ -225,7 +229,7 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     };
     let module = st.time("wrapper", || {
         let plan = plan_host(&sched, &kernels);
-        render_module(&sched, &kernels, &plan, &graph.name)
+        render_module_with(&sched, &kernels, &plan, &graph.name, options.check_inputs)
     });
     st.emit("output_code", || module.clone());
     let mut cache_hit = false;

@@ -245,6 +245,21 @@ pub struct LoopProgram {
     pub donated: Vec<BufferId>,
     /// Donated inputs that results are written over (once each).
     pub donated_writes: Vec<DonatedWrite>,
+    /// `as_strided` views of inputs: the wrapper checks at run time that each lies within its
+    /// input's storage (only then is the storage's size known).
+    pub input_storage_views: Vec<InputStorageView>,
+}
+
+/// An `as_strided` view of a graph input, in elements from the input's data pointer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InputStorageView {
+    pub input: BufferId,
+    pub size: Vec<i64>,
+    pub stride: Vec<i64>,
+    pub offset: i64,
+    /// The input's storage offset the view was compiled for, where the view names its storage
+    /// offset (an absolute position in the storage, not one relative to the input).
+    pub storage_offset: Option<i64>,
 }
 
 /// A donated input whose storage results take over.

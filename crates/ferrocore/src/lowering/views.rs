@@ -334,31 +334,69 @@ impl Ctx<'_> {
                     }),
                 )
             }
-            _ => {
-                let size = self.ints_arg(1, "size")?.unwrap_or_default();
-                let stride = self.ints_arg(2, "stride")?.unwrap_or_default();
-                if size.len() != stride.len() {
-                    return malformed("as_strided size and stride differ in rank");
-                }
-                // as_strided addresses the storage: find where this tensor's data starts in it
-                let tv = self.realize(&x);
-                let Src::View { buf, .. } = tv.src else { return malformed("realize produced no buffer") };
-                let base = match self.prog.buffer(buf).source {
-                    BufferSource::Input(i) => {
-                        let id = self.graph.inputs[i];
-                        self.graph.node(id).meta.tensor().map_or(0, |t| t.storage_offset)
-                    }
-                    BufferSource::Computed => 0,
-                    BufferSource::Extern { .. } => return unsupported("as_strided of an extern result (storage offset unknown)"),
-                };
-                let offset = self.int_arg(3, "storage_offset")?.unwrap_or(base) - base;
-                let l = Layout { size: size.clone(), stride, offset, dtype: tv.dtype, device: tv.device.clone() };
-                view_of_layout(buf, &l)
-            }
+            _ => self.lower_as_strided(&x)?,
         };
         if tv.size != out.shape {
             return malformed(format!("{} produced shape {:?}, metadata says {:?}", op.name(), tv.size, out.shape));
         }
         Ok(tv)
+    }
+}
+
+impl Ctx<'_> {
+    /// as_strided: a view of the operand's storage. Its storage offset is absolute (the
+    /// operand's own where none is given); the view is placed relative to the buffer the
+    /// operand lives in. A view of an input is checked against the input's storage at run time
+    /// (`LoopProgram::input_storage_views`); one that reaches outside a computed buffer runs
+    /// through ATen, which raises eager's error.
+    fn lower_as_strided(&mut self, x: &TensorValue) -> LResult<TensorValue> {
+        let size = self.ints_arg(1, "size")?.unwrap_or_default();
+        let stride = self.ints_arg(2, "stride")?.unwrap_or_default();
+        if size.len() != stride.len() {
+            return malformed("as_strided size and stride differ in rank");
+        }
+        if size.iter().chain(&stride).any(|&v| v < 0) {
+            return malformed(format!("as_strided with a negative size or stride: {size:?} / {stride:?}"));
+        }
+        let operand_offset = match self.arg(0, "self") {
+            Some(Arg::Node(n)) => self.graph.node(*n).meta.tensor().map_or(0, |t| t.storage_offset),
+            _ => 0,
+        };
+        let explicit = self.int_arg(3, "storage_offset")?;
+        let tv = self.realize(x);
+        let Src::View { buf, index } = &tv.src else { return malformed("realize produced no buffer") };
+        let buf = *buf;
+        // where the operand's first element lies in its buffer
+        let zeros = vec![IndexExpr::zero(); tv.size.len()];
+        let Some(first) = index(&zeros, &tv.size).as_constant() else {
+            return unsupported("as_strided of a view whose first element is not at a constant position");
+        };
+        // the storage position of the buffer's element 0
+        let buffer_start = match self.prog.buffer(buf).source {
+            BufferSource::Input(i) => self.graph.node(self.graph.inputs[i]).meta.tensor().map_or(0, |t| t.storage_offset),
+            BufferSource::Computed => operand_offset - first,
+            BufferSource::Extern { .. } => return unsupported("as_strided of an extern result (storage offset unknown)"),
+        };
+        let offset = explicit.unwrap_or(operand_offset) - buffer_start;
+        let l = Layout { size: size.clone(), stride: stride.clone(), offset, dtype: tv.dtype, device: tv.device.clone() };
+        let reach = l.storage_numel();
+        match self.prog.buffer(buf).source {
+            BufferSource::Input(_) => {
+                let view = InputStorageView { input: buf, size, stride, offset, storage_offset: explicit.map(|_| buffer_start) };
+                if !self.prog.input_storage_views.contains(&view) {
+                    self.prog.input_storage_views.push(view);
+                }
+            }
+            _ if reach > 0 && (offset < 0 || reach > self.prog.buffer(buf).layout.storage_numel()) => {
+                return unsupported(format!(
+                    "as_strided view (size {:?}, stride {:?}, offset {offset}) reaches outside the {} elements of its operand's storage",
+                    l.size,
+                    l.stride,
+                    self.prog.buffer(buf).layout.storage_numel()
+                ));
+            }
+            _ => {}
+        }
+        Ok(view_of_layout(buf, &l))
     }
 }

@@ -11,6 +11,8 @@ use crate::scheduler::{Item, Schedule, Storage};
 use std::collections::HashMap;
 use std::fmt::Write;
 
+mod checks;
+
 /// One step of the host plan.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HostStep {
@@ -243,8 +245,14 @@ fn callee_py(callee: &str) -> &str {
     }
 }
 
-/// Renders the plan as a Python module.
+/// Renders the plan as a Python module whose `call` checks its inputs.
 pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, graph_name: &str) -> String {
+    render_module_with(s, kernels, plan, graph_name, true)
+}
+
+/// Renders the plan as a Python module; `check_inputs`: whether `call` checks its inputs'
+/// sizes, strides, dtypes and devices (`checks.rs`).
+pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, graph_name: &str, check_inputs: bool) -> String {
     let p = &s.program;
     let used = used_buffers(s, kernels);
     let mut m = String::new();
@@ -341,6 +349,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     if donated {
         m.push_str("\n# call(args, held) writes results over donated inputs (see runtime.owned_storage)\nDONATED_WRITES = True\n");
     }
+    m.push_str(&checks::render_input_specs(p, check_inputs));
     let mut params = String::from("args");
     let mut inner = String::from("args");
     if flag_device.is_some() {
@@ -373,6 +382,7 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
         // the list would keep every input alive until the call returns
         m.push_str("    args.clear()\n");
     }
+    m.push_str(&checks::render_input_checks(p, check_inputs));
     // donated inputs that results are written over: a private copy where a view shares the
     // storage or it is too short
     for w in &p.donated_writes {

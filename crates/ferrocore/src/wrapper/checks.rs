@@ -1,0 +1,78 @@
+//! The checks a wrapper module runs on its inputs before any kernel reads them: kernels are
+//! compiled for one size, stride, dtype and device per input, and read out of bounds (or the
+//! wrong bytes) given anything else. Sizes and strides go through torch's C++
+//! `assert_size_stride_grouped` (one call for all inputs, as Inductor's wrappers do), dtypes
+//! and devices through one tuple comparison each; a failure is explained by
+//! `runtime.input_mismatch`. `Options::check_inputs` turns these off. Views that `as_strided`
+//! takes of an input's storage are always checked (`runtime.check_storage_view`): eager raises
+//! for one that reaches outside the storage, and only the call knows the storage's size.
+//! This file renders Python text; it decides nothing about the plan.
+
+use super::{py_str, py_tuple};
+use crate::loop_ir::LoopProgram;
+use std::fmt::Write;
+
+/// The helpers the input checks call and the module-level constants they compare against
+/// (rendered before `call`).
+pub fn render_input_specs(p: &LoopProgram, check_inputs: bool) -> String {
+    let checked = check_inputs && !p.inputs.is_empty();
+    let mut m = String::new();
+    match (checked, p.input_storage_views.is_empty()) {
+        (false, true) => return m,
+        (false, false) => m.push_str("\nfrom ferrocore.runtime import check_storage_view\n"),
+        (true, true) => m.push_str("\nfrom ferrocore.runtime import assert_size_stride_grouped, input_mismatch\n"),
+        (true, false) => m.push_str("\nfrom ferrocore.runtime import assert_size_stride_grouped, check_storage_view, input_mismatch\n"),
+    }
+    if !checked {
+        return m;
+    }
+    m.push_str("# the inputs this module was compiled for: (name, size, stride, dtype, device)\nINPUTS = (\n");
+    for b in &p.inputs {
+        let buf = p.buffer(*b);
+        let l = &buf.layout;
+        let _ = writeln!(
+            m,
+            "    ({}, {}, {}, torch.{}, '{}'),",
+            py_str(&buf.name),
+            py_tuple(&l.size),
+            py_tuple(&l.stride),
+            l.dtype.torch_name(),
+            l.device
+        );
+    }
+    m.push_str(")\n_INPUT_SIZES = tuple(i[1] for i in INPUTS)\n_INPUT_STRIDES = tuple(i[2] for i in INPUTS)\n");
+    m.push_str("_INPUT_DTYPES = tuple(i[3] for i in INPUTS)\n");
+    m.push_str("_INPUT_DEVICES = tuple(torch.device(i[4]) for i in INPUTS)\n");
+    m
+}
+
+/// Lines of `call` (after the inputs are unpacked into their names) that check them.
+pub fn render_input_checks(p: &LoopProgram, check_inputs: bool) -> String {
+    let mut m = String::new();
+    let names: Vec<&str> = p.inputs.iter().map(|b| p.buffer(*b).name.as_str()).collect();
+    if check_inputs && !names.is_empty() {
+        let tuple = |parts: Vec<String>| if parts.len() == 1 { format!("({},)", parts[0]) } else { format!("({})", parts.join(", ")) };
+        let inputs = tuple(names.iter().map(|n| n.to_string()).collect());
+        let dtypes = tuple(names.iter().map(|n| format!("{n}.dtype")).collect());
+        let devices = tuple(names.iter().map(|n| format!("{n}.device")).collect());
+        let _ = write!(
+            m,
+            "    try:\n        assert_size_stride_grouped({inputs}, _INPUT_SIZES, _INPUT_STRIDES, 'input')\n        \
+             _inputs_match = {dtypes} == _INPUT_DTYPES and {devices} == _INPUT_DEVICES\n    \
+             except Exception:\n        _inputs_match = False\n    \
+             if not _inputs_match:\n        raise input_mismatch(INPUTS, {inputs})\n"
+        );
+    }
+    for v in &p.input_storage_views {
+        let storage_offset = v.storage_offset.map_or("None".to_string(), |o| o.to_string());
+        let _ = writeln!(
+            m,
+            "    check_storage_view({}, {}, {}, {}, {storage_offset})",
+            p.buffer(v.input).name,
+            py_tuple(&v.size),
+            py_tuple(&v.stride),
+            v.offset
+        );
+    }
+    m
+}
