@@ -68,6 +68,13 @@ def test_masked_scatter():
     check(lambda t, m, s: t.masked_scatter(m, s), x, torch.rand(7) > 0.5, torch.randn(6, 10))
 
 
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0)], ids=str)
+def test_masked_scatter_of_an_empty_tensor(shape):
+    # found by the fuzzer: the running count over a size-0 mask divided its index by 0
+    x = torch.randn(shape)
+    check(lambda t, m, s: (t.masked_scatter(m, s), s * 2), x, torch.rand(shape) > 0.5, torch.randn(4))
+
+
 def test_max_pool_and_embedding_backward():
     x = torch.randn(2, 3, 8, 8, requires_grad=True)
     fn = lambda t: F.max_pool2d(t, 3, stride=2, padding=1).sum()

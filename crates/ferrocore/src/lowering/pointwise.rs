@@ -406,6 +406,10 @@ impl Ctx<'_> {
             _ => (self.opt_pw(1, "min")?, self.opt_pw(2, "max")?),
         };
         let out = self.out_meta()?.clone();
+        // An integer bound past the type's range on its own side bounds nothing (eager keeps
+        // uint8's values under min=-1); cast to the type it would wrap (-1 -> 255).
+        let lo = lo.filter(|b| !int_bound_beyond(b, out.dtype, false));
+        let hi = hi.filter(|b| !int_bound_beyond(b, out.dtype, true));
         let mut inputs = vec![x];
         inputs.extend(lo.clone());
         inputs.extend(hi.clone());
@@ -547,4 +551,15 @@ impl Ctx<'_> {
             }
         })
     }
+}
+
+/// Whether a scalar clamp bound lies past an integer `dtype`'s range on the side it bounds
+/// (above the largest value for a max, below the smallest for a min).
+fn int_bound_beyond(bound: &PwIn, dtype: DType, is_max: bool) -> bool {
+    let PwIn::Scalar(Scalar::Int(v)) = bound else { return false };
+    if !dtype.is_integral() || dtype == DType::Bool {
+        return false;
+    }
+    let (min, max) = dtype.int_range();
+    if is_max { *v > max } else { *v < min }
 }

@@ -567,7 +567,11 @@ fn selected_before(bx: &mut Bx, count: BufferId, idx: &[IndexExpr], mstride: &[i
 pub(super) fn unravel(flat: &IndexExpr, shape: &[i64]) -> Vec<IndexExpr> {
     let strides = contiguous_strides(shape);
     let numel: i64 = shape.iter().product();
-    let ranges = [numel.max(1)];
+    if numel == 0 {
+        // no element to address (a size-0 dim would be a modulo by 0)
+        return vec![IndexExpr::zero(); shape.len()];
+    }
+    let ranges = [numel];
     shape.iter().zip(&strides).map(|(&n, &s)| flat.floordiv(s, &ranges).modulo(n, &ranges)).collect()
 }
 

@@ -1,0 +1,188 @@
+"""Worker processes, batches, attribution of a batch's failure to its programs, totals.
+
+A batch of programs is compiled as one graph in a worker process. A program that fails inside
+a batch is run again alone, and a failure of the whole batch (compile error, crash, timeout,
+graph fallback) is bisected, so that every failure is attributed to one program; one that
+passes alone is `batch_only:<class>` (an interaction between programs in one graph).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .program import Program
+
+BENCH = Path(__file__).resolve().parent.parent
+# classes that say nothing about one program of a batch: the batch is bisected
+BATCH_WIDE = ("compile_error", "runtime_error", "dynamo", "crash", "timeout", "graph_fallback", "harness_error")
+OK = ("pass", "invalid")
+
+
+class WorkerDied(Exception):
+    def __init__(self, cls: str, detail: str):
+        super().__init__(detail)
+        self.cls, self.detail = cls, detail
+
+
+class Worker:
+    """One worker process, restarted after a crash or a timeout."""
+
+    def __init__(self, backend: str, device: str, threads: int, timeout: float):
+        self.args = ["--backend", backend, "--device", device, "--threads", str(threads)]
+        self.timeout = timeout
+        self.proc = None
+        self.log = None
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(BENCH), env.get("PYTHONPATH", "")])
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", "fuzzer.worker", *self.args], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def run(self, programs: list) -> dict:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        request = json.dumps({"programs": [p.to_dict() for p in programs]}) + "\n"
+        try:
+            self.proc.stdin.write(request)
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout * len(programs) ** 0.5)
+        line = self.proc.stdout.readline() if ready else ""
+        if line:
+            return json.loads(line)
+        return self._died(bool(ready))
+
+    def _died(self, exited: bool):
+        if not exited:
+            self.proc.kill()
+        code = self.proc.wait()
+        self.log.seek(0)
+        tail = self.log.read()[-2500:].decode(errors="replace")
+        self.proc = None
+        if not exited:
+            raise WorkerDied("timeout", f"no result after {self.timeout:.0f} s\n{tail}")
+        name = signal.Signals(-code).name if code < 0 else f"exit status {code}"
+        raise WorkerDied("crash", f"worker died ({name})\n{tail}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def run_group(worker: Worker, programs: list) -> list:
+    """Results per program, each failure attributed to one program (see the module doc)."""
+    try:
+        reply = worker.run(programs)
+        results, seconds = reply["results"], reply["seconds"]
+    except WorkerDied as died:
+        results, seconds = [{"class": died.cls, "detail": died.detail}] * len(programs), 0.0
+    for r in results:
+        r.setdefault("fallback_ops", [])
+        r["seconds"] = seconds / len(programs)
+    if len(programs) == 1:
+        return results
+    if any(r["class"] in BATCH_WIDE for r in results):
+        half = len(programs) // 2
+        parts = run_group(worker, programs[:half]) + run_group(worker, programs[half:])
+        if all(r["class"] in OK for r in parts):  # only the whole batch fails
+            cls = next(r for r in results if r["class"] in BATCH_WIDE)
+            return [dict(cls, **{"class": f"batch_only:{cls['class']}"}) for _ in programs]
+        return parts
+    alone = {k: run_group(worker, [programs[k]])[0] for k, r in enumerate(results) if r["class"] not in OK}
+    return _mark(results, [alone.get(k, r) for k, r in enumerate(results)])
+
+
+def _mark(batch: list, alone: list) -> list:
+    """A program that failed in the batch but passes alone: `batch_only:<class>`."""
+    out = []
+    for b, a in zip(batch, alone):
+        if b["class"] not in OK and a["class"] == "pass" and b["class"] not in BATCH_WIDE:
+            a = dict(b, **{"class": f"batch_only:{b['class']}"})
+        out.append(a)
+    return out
+
+
+class Totals:
+    def __init__(self):
+        self.programs = 0
+        self.ops = 0
+        self.classes: Counter = Counter()
+        self.fallback_ops: Counter = Counter()
+        self.graph_fallbacks: Counter = Counter()  # reason -> programs
+        self.failures: list = []  # (program, result)
+        self.seconds = 0.0
+        self.lock = threading.Lock()
+
+    def add(self, programs: list, results: list) -> None:
+        with self.lock:
+            for p, r in zip(programs, results):
+                self.programs += 1
+                self.ops += len(p.ops)
+                self.classes[r["class"]] += 1
+                self.fallback_ops.update(r.get("fallback_ops") or [])
+                if r["class"] == "graph_fallback":  # coverage lost, not a wrong result
+                    self.graph_fallbacks[r["detail"][:200]] += 1
+                elif r["class"] not in OK and not r["class"].startswith(("deviation:", "pending:")):
+                    self.failures.append((p, r))
+
+    def passed(self) -> int:
+        return self.classes["pass"]
+
+
+def run_fuzz(programs_iter, *, backend: str, device: str, jobs: int, batch: int, threads: int = 1,
+             timeout: float = 300.0, progress=None) -> Totals:
+    """Runs every program (an iterable of Program) in batches over `jobs` workers."""
+    totals = Totals()
+    local = threading.local()
+    workers: list = []
+
+    def work(group: list) -> None:
+        if not hasattr(local, "worker"):
+            local.worker = Worker(backend, device, threads, timeout)
+            workers.append(local.worker)
+        totals.add(group, run_group(local.worker, group))
+        if progress:
+            progress(totals)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(work, g) for g in _chunks(programs_iter, batch)]
+        for f in futures:
+            f.result()
+    for w in workers:
+        w.close()
+    totals.seconds = time.perf_counter() - start
+    return totals
+
+
+def _chunks(it, n: int):
+    group = []
+    for p in it:
+        group.append(p)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def check_one(worker: Worker, program: Program) -> dict:
+    return run_group(worker, [program])[0]

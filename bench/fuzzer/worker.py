@@ -1,0 +1,65 @@
+"""A worker process: reads one JSON request per line on stdin ({"programs": [...]}), runs them
+as one compiled graph (check.run_programs) and writes one JSON line of results. Anything else
+the process prints goes to stderr, so a crash in a kernel never corrupts the protocol.
+
+    python -m fuzzer.worker --backend cpp --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+
+def _setup(backend: str, device: str, threads: int) -> None:
+    """Settings that must precede importing torch and triton."""
+    if backend == "triton" and device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    if backend != "auto":
+        os.environ["FERROCORE_BACKEND"] = backend
+    os.environ["RUST_BACKTRACE"] = "0"  # an internal error's message, not pages of frames
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="cpp")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    _setup(args.backend, args.device, args.threads)
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # prints of torch, g++ or a kernel go to stderr
+    sys.stdout = sys.stderr
+    warnings.simplefilter("ignore")
+
+    import torch
+
+    from .check import run_programs
+    from .program import Program
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for line in sys.stdin:
+        request = json.loads(line)
+        programs = [Program.from_dict(p) for p in request["programs"]]
+        start = time.perf_counter()
+        try:
+            results = run_programs(programs, args.backend, args.device)
+        except Exception as e:  # noqa: BLE001 - a bug of the fuzzer itself, reported as such
+            import traceback
+
+            detail = "".join(traceback.format_exception(e))[-3000:]
+            results = [{"class": "harness_error", "detail": detail}] * len(programs)
+        reply = {"results": results, "seconds": time.perf_counter() - start}
+        protocol.write(json.dumps(reply) + "\n")
+        protocol.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The differential fuzzer (`bench/fuzz.py`, `bench/fuzzer/`, docs/fuzzing.md): programs are the
+same in every process, they cover the op families, dtypes and layouts they claim, the comparison
+names planted bugs by class, the minimizer shrinks a planted failure, and a short fixed-seed run
+of the C++ backend and of the Triton backend under the interpreter finds no failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+from fuzzer import compare  # noqa: E402
+from fuzzer.check import run_programs  # noqa: E402
+from fuzzer.generate import generate  # noqa: E402
+from fuzzer.minimize import minimize  # noqa: E402
+from fuzzer.program import DTYPES, Input, Op, Program  # noqa: E402
+from fuzzer.runner import run_fuzz  # noqa: E402
+
+CI_SEED = 20
+CPP_COUNT = 96
+TRITON_COUNT = 24
+
+
+def test_program_i_of_seed_s_is_the_same_in_every_process():
+    here = [generate(5, i).repro() for i in range(25)]
+    assert here == [generate(5, i).repro() for i in range(25)]
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from fuzzer.generate import generate; "
+            "print(json.dumps([generate(5, i).repro() for i in range(25)]))")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code, str(BENCH)], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == here
+    assert len(set(here)) == len(here)
+
+
+def test_programs_cover_the_op_families_dtypes_and_layouts():
+    programs = [generate(CI_SEED, i) for i in range(300)]
+    text = "".join(p.function_source() for p in programs)
+    for needle in ("torch.floor_divide", "torch.remainder", "torch.bitwise_left_shift", "torch.bitwise_xor",
+                   "torch.where", "torch.clamp", ".to(torch.", "torch.sum", "torch.mean", "torch.amax",
+                   "torch.argmax", "torch.prod", "torch.var", "torch.std", "torch.logsumexp", "torch.cumsum",
+                   "keepdim=True", ".permute(", ".transpose(", ".reshape(", ".expand(", "::", ".select(",
+                   ".unsqueeze(", ".squeeze(", ".flip(", ".narrow(", ".diagonal(", ".as_strided(",
+                   "torch.index_select", "torch.gather", "torch.take_along_dim", "torch.scatter(",
+                   "torch.scatter_add", "torch.scatter_reduce", "torch.index_add", "accumulate=True",
+                   ".masked_fill(", ".masked_scatter(", "torch.cat", "torch.stack", "F.pad", ".clone()"):
+        assert needle in text, needle
+    inputs = [i for p in programs for i in p.inputs]
+    assert {i.dtype for i in inputs} == set(DTYPES)
+    assert {i.layout for i in inputs} == {"contiguous", "transposed", "sliced", "expanded"}
+    assert any(0 in i.shape for i in inputs) and any(1 in i.shape for i in inputs)
+    assert any(i.values == "special" for i in inputs)
+    assert any(op.mutates for p in programs for op in p.ops), "no in-place op on an input"
+    assert any("[{m}]" in op.code for p in programs for op in p.ops), "no boolean-mask indexing"
+
+
+# ------------------------------------------------------------------------------------------------
+# Planted bugs: dynamo backends that run the captured graph wrongly, one way each.
+
+
+def _planted(rewrite=None, outputs=None, clone_inputs=False):
+    def backend(gm, example_inputs):
+        if rewrite:
+            for node in gm.graph.nodes:
+                rewrite(node)
+            gm.recompile()
+
+        def run(*args):
+            args = [a.clone() if clone_inputs and isinstance(a, torch.Tensor) else a for a in args]
+            out = gm(*args)
+            return type(out)(outputs(o) for o in out) if outputs else out
+
+        return run
+
+    return backend
+
+
+def _sin_to_cos(node):
+    if node.target is torch.sin:
+        node.target = torch.cos
+
+
+def _program(ops, outputs, shape=(3, 4), dtype="float32", layout="contiguous"):
+    return Program(inputs=[Input("x0", list(shape), dtype, seed=1, layout=layout)], ops=ops, outputs=outputs)
+
+
+SIN = Op("{t} = torch.sin({a})", {"a": "x0"}, target="v1")
+PLANTED = {
+    "mismatch:value": (_program([SIN], ["v1"]), _planted(rewrite=_sin_to_cos)),
+    "mismatch:dtype": (_program([SIN], ["v1"]), _planted(outputs=lambda o: o.double())),
+    "mismatch:stride": (_program([SIN], ["v1"]), _planted(outputs=lambda o: o.t().contiguous().t())),
+    "mismatch:shape": (_program([SIN], ["v1"]), _planted(outputs=lambda o: o[:2])),
+    "mismatch:mutation": (
+        _program([Op("{a}.mul_(3)", {"a": "x0"}, mutates="a"), Op("{t} = {a} + 1", {"a": "x0"}, target="v1")], ["v1"]),
+        _planted(clone_inputs=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("cls", sorted(PLANTED))
+def test_a_planted_bug_is_named_by_its_class(cls):
+    program, backend = PLANTED[cls]
+    assert run_programs([program], "cpp", "cpu", compiler=backend)[0]["class"] == cls
+    assert run_programs([program], "cpp", "cpu", compiler="aot_eager")[0]["class"] == "pass"
+
+
+def test_rounding_deviations_need_eager_to_be_as_far_from_float64():
+    ref = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    eager = torch.tensor([1.0, 2.1, 3.0])
+    assert compare.explained_by_rounding(eager, torch.tensor([1.0, 1.8, 3.0]), ref) == "deviation:rounding"
+    assert compare.explained_by_rounding(eager, torch.tensor([1.0, 2.5, 3.0]), ref) is None
+    assert compare.explained_by_rounding(eager, torch.tensor([1.0, 2.1, 3.1]), ref) is None
+    # a comparison flips only where eager itself disagrees with float64
+    ref_b, eager_b = torch.tensor([True, False, True]), torch.tensor([True, True, True])
+    assert compare.explained_by_rounding(eager_b, torch.tensor([True, False, True]), ref_b) == "deviation:rounding_sensitive"
+    assert compare.explained_by_rounding(eager_b, torch.tensor([False, True, True]), ref_b) is None
+
+
+def test_the_minimizer_shrinks_a_planted_failure_to_the_op_that_fails():
+    base = next(p for p in (generate(CI_SEED, i) for i in range(100)) if len(p.ops) >= 5 and len(p.inputs) >= 2)
+    planted = Program.from_dict(base.to_dict())
+    planted.inputs.append(Input("x99", [5, 6], "float16", seed=7, layout="transposed"))
+    planted.ops.insert(2, Op("{t} = torch.sin({a})", {"a": "x99"}, target="v99"))
+    planted.ops.append(Op("{t} = {a} * 2", {"a": "v99"}, target="v100"))
+    planted.outputs.append("v100")
+    backend = _planted(rewrite=_sin_to_cos)
+    fails = lambda p: run_programs([p], "cpp", "cpu", compiler=backend)[0]["class"] == "mismatch:value"
+    assert fails(planted)
+    small = minimize(planted, fails, max_checks=300)
+    assert fails(small)
+    assert [op.code for op in small.ops] == ["{t} = torch.sin({a})"], small.function_source()
+    assert len(small.inputs) == 1 and small.outputs == ["v99"]
+    assert small.inputs[0].layout == "contiguous" and sum(small.inputs[0].shape) <= len(small.inputs[0].shape) + 1
+    assert "torch.sin(x" in small.repro()
+
+
+# ------------------------------------------------------------------------------------------------
+# Short runs (the long ones: bench/fuzz.py --count 10000).
+
+
+def _short_run(backend: str, count: int):
+    programs = (generate(CI_SEED, i) for i in range(count))
+    totals = run_fuzz(programs, backend=backend, device="cpu", jobs=2, batch=16, timeout=600)
+    failures = [f"{p.ident} {r['class']}: {r['detail'][:600]}\n{p.function_source()}" for p, r in totals.failures]
+    assert totals.programs == count
+    assert not failures, "\n".join(failures)
+    assert totals.classes["pass"] >= count * 0.9, totals.classes
+
+
+def test_short_run_cpp_backend():
+    _short_run("cpp", CPP_COUNT)
+
+
+def test_short_run_triton_backend_under_the_interpreter():
+    pytest.importorskip("triton")
+    _short_run("triton", TRITON_COUNT)
