@@ -5,6 +5,7 @@
 pub mod dtype;
 pub mod ops;
 pub mod parse;
+pub mod validate;
 
 pub use dtype::{promote_types, result_type, Category, DType, Device, Operand};
 pub use ops::AtenOp;
