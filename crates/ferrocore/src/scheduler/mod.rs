@@ -65,6 +65,10 @@ const FUSION_WINDOW: usize = 32;
 /// nothing worth counting). A small node that shares no data with any kernel joins the kernel
 /// before it when that one is small too: launches, not bytes, are what small kernels cost.
 const SMALL_OUTPUT_BYTES: i64 = 256 << 10;
+/// The most buffers one kernel may touch: each is a parameter of its function, and the C++
+/// wrapper calls kernels through ctypes, which takes at most 1024 arguments (2,000 small
+/// outputs side by side once made a kernel of 4,000 that no call could reach).
+const MAX_KERNEL_BUFFERS: usize = 512;
 
 /// What a kernel backend asks of the scheduler.
 #[derive(Clone, Copy, Debug)]
@@ -400,8 +404,18 @@ fn choose_kernel(
     };
     let mut best: Option<Choice> = None;
     let mut rejected = false;
+    let new_buffers = {
+        let mut fresh: HashSet<BufferId> = reads.iter().copied().collect();
+        fresh.insert(node.output);
+        fresh
+    };
     let mut try_join = |si: usize, k: &KernelSlot, score: i64, decisions: &mut Vec<String>| -> Option<Joined> {
-        match k.plan.join(p, &k.members, n, near.placed) {
+        let joined = if k.touched.len() + new_buffers.iter().filter(|b| !k.touched.contains(b)).count() > MAX_KERNEL_BUFFERS {
+            Err(format!("the kernel would take more than {MAX_KERNEL_BUFFERS} buffers"))
+        } else {
+            k.plan.join(p, &k.members, n, near.placed)
+        };
+        match joined {
             Ok(joined) => Some(joined),
             Err(why) => {
                 rejected = true;
