@@ -47,6 +47,16 @@ def test_kernel_count_multiple_outputs_share_one_kernel():
     check(lambda x: (x.exp() + 1, x.exp() * 2), torch.randn(32, 48), expect_kernels=1)
 
 
+def test_many_small_outputs_fuse_into_kernels_a_call_can_take():
+    # 1,100 small results of one input would fuse into one kernel of 1,101 buffer
+    # parameters; a C++ kernel is called through ctypes (at most 1024 arguments): kernels take
+    # at most 512 buffers
+    def many(x):
+        return [x[i] * (i + 1) for i in range(1100)]
+
+    check(many, torch.randn(1100, 4))
+
+
 @pytest.mark.ferrocore_only
 @pytest.mark.cpu_only("asserts the C++ compile cache")
 def test_warm_cache_hit(tmp_path, monkeypatch):

@@ -71,3 +71,106 @@ def test_float8_and_complex_arithmetic_fall_back_with_right_values():
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(fn, backend="ferrocore")(c), fn(c))
     assert ferrocore.metrics.last["fallbacks"] == 3
+
+
+def _compile(nodes, tmp_path):
+    return _ferrocore.compile_graph(_graph(nodes), json.dumps({"cache_dir": str(tmp_path)}))
+
+
+def _input(name, shape, stride=None, offset=0, dtype="float32"):
+    meta = _meta(shape, dtype)
+    if stride is not None:
+        meta["tensor"]["stride"] = stride
+    meta["tensor"]["storage_offset"] = offset
+    return {"name": name, "kind": "placeholder", "meta": meta}
+
+
+@pytest.mark.parametrize(
+    "shape, stride, offset, why",
+    [
+        ([2**62, 4], [4, 1], 0, "more than 2\\^62 bytes"),  # numel wraps in int64
+        ([3, 4], [-4, 1], 0, "negative stride"),
+        ([3, 4], [4, 1], -2, "negative storage offset"),
+        ([2, 4], [2**62, 1], 0, "stride past 2\\^62"),  # index overflow in generated code
+        ([2], [1], 2**62 - 1, "past 2\\^62 bytes"),
+    ],
+)
+def test_impossible_tensor_metadata_names_the_node(shape, stride, offset, why, tmp_path):
+    nodes = [_input("x", shape, stride, offset), {"name": "output", "kind": "output", "args": [{"node": "x"}]}]
+    with pytest.raises(ferrocore.FerrocoreError, match=f"graph import: node 'x': .*{why}"):
+        _compile(nodes, tmp_path)
+
+
+def test_size_zero_tensor_with_any_stride_is_accepted(tmp_path):
+    # torch.empty_strided((0, 4), (2**62, 1)) exists: a tensor without elements addresses nothing
+    nodes = [_input("x", [0, 4], [2**62, 1]),
+             {"name": "y", "kind": "call_function", "target": "aten.mul.Tensor", "args": [{"node": "x"}, {"int": 2}],
+              "meta": _meta([0, 4])},
+             {"name": "output", "kind": "output", "args": [{"node": "y"}]}]
+    result = json.loads(_compile(nodes, tmp_path))
+    assert result["graph_fallback"] is None
+
+
+@pytest.mark.parametrize("size", [[-1, -1], [-2, 6], [4, 3]])
+def test_view_size_that_cannot_give_the_metadata_names_the_node(size, tmp_path):
+    nodes = [_input("x", [2, 6]),
+             {"name": "bad_view", "kind": "call_function", "target": "aten.view.default",
+              "args": [{"node": "x"}, {"list": [{"int": d} for d in size]}], "meta": _meta([3, 4])},
+             {"name": "output", "kind": "output", "args": [{"node": "bad_view"}]}]
+    with pytest.raises(ferrocore.FerrocoreError, match="node 'bad_view'.*view size"):
+        _compile(nodes, tmp_path)
+
+
+def test_view_size_with_one_inferred_dim_is_accepted(tmp_path):
+    nodes = [_input("x", [2, 6]),
+             {"name": "v", "kind": "call_function", "target": "aten.view.default",
+              "args": [{"node": "x"}, {"list": [{"int": 3}, {"int": -1}]}], "meta": _meta([3, 4])},
+             {"name": "output", "kind": "output", "args": [{"node": "v"}]}]
+    assert json.loads(_compile(nodes, tmp_path))["graph_fallback"] is None
+
+
+@pytest.mark.parametrize("step, why", [({"int": 0}, "step must be nonzero"), ({"float": 0.0}, "step must be nonzero"),
+                                       ({"float": "nan"}, "must be finite")])
+def test_arange_with_zero_or_nan_step_names_the_node(step, why, tmp_path):
+    nodes = [{"name": "bad_arange", "kind": "call_function", "target": "aten.arange.start_step",
+              "args": [{"int": 0}, {"int": 10}, step], "meta": _meta([10])},
+             {"name": "output", "kind": "output", "args": [{"node": "bad_arange"}]}]
+    with pytest.raises(ferrocore.FerrocoreError, match=f"node 'bad_arange'.*{why}"):
+        _compile(nodes, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "target, dtypes, other, out",
+    [
+        ("aten.add.Tensor", ("float32", "float32"), None, "int64"),
+        ("aten.mul.Tensor", ("int32", "int64"), None, "int32"),
+        ("aten.lt.Tensor", ("float32", "float32"), None, "float32"),
+        ("aten.div.Tensor", ("int64", "int64"), None, "int64"),
+        ("aten.add.Tensor", ("float16",), {"float": 1.5}, "float32"),
+    ],
+)
+def test_binary_result_dtype_contradicting_promotion_names_the_node(target, dtypes, other, out, tmp_path):
+    nodes = [_input(f"x{i}", [4], dtype=d) for i, d in enumerate(dtypes)]
+    args = [{"node": f"x{i}"} for i in range(len(dtypes))] + ([other] if other else [])
+    nodes += [{"name": "bad_op", "kind": "call_function", "target": target, "args": args, "meta": _meta([4], out)},
+              {"name": "output", "kind": "output", "args": [{"node": "bad_op"}]}]
+    with pytest.raises(ferrocore.FerrocoreError, match="node 'bad_op'.*contradicts the operands' promotion"):
+        _compile(nodes, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "target, dtypes, other, out",
+    [
+        ("aten.add.Tensor", ("float32", "float16"), None, "float32"),
+        ("aten.div.Tensor", ("int64", "int64"), None, "float32"),
+        ("aten.div.Tensor", ("int64", "int64"), None, "float64"),  # under torch.set_default_dtype(float64)
+        ("aten.mul.Tensor", ("int64",), {"float": 0.5}, "float32"),
+        ("aten.eq.Tensor", ("int64", "float32"), None, "bool"),
+    ],
+)
+def test_binary_result_dtype_following_promotion_is_accepted(target, dtypes, other, out, tmp_path):
+    nodes = [_input(f"x{i}", [4], dtype=d) for i, d in enumerate(dtypes)]
+    args = [{"node": f"x{i}"} for i in range(len(dtypes))] + ([other] if other else [])
+    nodes += [{"name": "y", "kind": "call_function", "target": target, "args": args, "meta": _meta([4], out)},
+              {"name": "output", "kind": "output", "args": [{"node": "y"}]}]
+    assert json.loads(_compile(nodes, tmp_path))["graph_fallback"] is None

@@ -782,3 +782,52 @@ fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() 
     let dw = module.find("torch.mm(").unwrap_or(usize::MAX);
     assert!(dw < sum, "the weight gradient runs before the bias gradient's kernel:\n{module}");
 }
+
+/// A graph of `n` float32 inputs `x{i}` of `size` elements each, the calls `make(i)` adds, and the
+/// outputs it names.
+fn wide_graph(n: usize, size: i64, calls: impl Fn(G, usize) -> G, outputs: &[String]) -> String {
+    let mut g = G::new();
+    for i in 0..n {
+        g = g.input(&format!("x{i}"), &[size], "float32");
+    }
+    for i in 0..n {
+        g = calls(g, i);
+    }
+    let names: Vec<&str> = outputs.iter().map(String::as_str).collect();
+    g.output(&names)
+}
+
+/// Fusion's work on wide graphs grows with the nodes, not with the size of the kernels they join:
+/// each join used to plan the whole kernel again (10,000 small outputs side by side in one
+/// kernel: 50 million node placements, minutes), and the passes after fusion scanned every later
+/// step per step. The time these take is measured by `bench/wide_graphs.py`.
+#[test]
+fn wide_graphs_schedule_with_work_linear_in_their_width() {
+    const N: usize = 10_000;
+    let schedule_of = |doc: &str| schedule(lower_graph(&parse_graph(doc).unwrap()).unwrap().program).unwrap();
+    // 10,000 small results side by side, each node placed about once, in kernels of at most 512
+    // buffers (256 nodes reading one and writing one)
+    let outs: Vec<String> = (0..N).map(|i| format!("y{i}")).collect();
+    let doc = wide_graph(N, 4, |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[4], "float32")), &outs);
+    let s = schedule_of(&doc);
+    assert_eq!(s.kernel_count(), N.div_ceil(256));
+    assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
+    // 10,000 large results (a kernel each, each may sink past the others: pass `order`)
+    let doc = wide_graph(N, 70_000, |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[70_000], "float32")), &outs);
+    let s = schedule_of(&doc);
+    assert_eq!(s.kernel_count(), N);
+    assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
+    // a 10,000-way cat (a copy kernel per piece, each a writer of one buffer: pass `in place`)
+    // and its relu, computed by the pieces' kernels (pass `concat`)
+    let args: Vec<String> = (0..N).map(|i| n(&format!("x{i}"))).collect();
+    let cat = |g: G, i: usize| if i + 1 < N { g } else {
+        g.call("cat", "aten.cat.default", &format!(r#"{{"list":[{}]}}"#, args.join(",")), &meta(&[4 * N as i64], "float32"))
+            .call("relu", "aten.relu.default", &n("cat"), &meta(&[4 * N as i64], "float32"))
+    };
+    let s = schedule_of(&wide_graph(N, 4, cat, &["cat".to_string(), "relu".to_string()]));
+    assert_eq!(s.kernel_count(), N + 1);
+    let s = schedule_of(&wide_graph(N, 4, cat, &["relu".to_string()]));
+    assert_eq!(s.kernel_count(), N);
+    assert!(s.decisions.iter().any(|d| d.starts_with("cat read in place:") && d.contains("computed by the 10000 writers")), "{:?}", &s.decisions[..4]);
+    assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
+}

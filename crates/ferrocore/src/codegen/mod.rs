@@ -10,6 +10,7 @@ pub mod triton;
 
 use crate::loop_ir::{BufferId, Expr};
 use crate::scheduler::{FusedKernel, LocalRead, Schedule, Storage};
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 /// The language of a rendered source unit; the wrapper loads each differently.
@@ -132,23 +133,25 @@ pub trait KernelBackend {
 pub fn kernel_buffers(s: &Schedule, k: &FusedKernel) -> (Vec<BufferId>, Vec<BufferId>) {
     let p = &s.program;
     let plan = &k.plan;
+    // sets beside the ordered lists: a kernel of thousands of nodes (a graph's thousands of small
+    // outputs) lists its buffers in time linear in its size
     let mut written: Vec<BufferId> = Vec::new();
+    let mut written_set: HashSet<BufferId> = HashSet::new();
     for kn in &plan.nodes {
         let b = p.nodes[kn.node].output;
-        if s.storage[b.0 as usize] == Storage::Allocated && !written.contains(&b) {
+        if s.storage[b.0 as usize] == Storage::Allocated && written_set.insert(b) {
             written.push(b);
         }
     }
-    let local_kind = |pos: usize, b: BufferId| -> Option<LocalRead> {
-        plan.local_reads.iter().find(|(r, bb, _)| *r == pos && *bb == b).map(|(_, _, k)| *k)
-    };
+    let local_kinds: HashMap<(usize, BufferId), LocalRead> = plan.local_reads.iter().rev().map(|(r, b, k)| ((*r, *b), *k)).collect();
     let mut read: Vec<BufferId> = Vec::new();
+    let mut read_set: HashSet<BufferId> = HashSet::new();
     for (pos, kn) in plan.nodes.iter().enumerate() {
         for e in &kn.body.exprs {
             if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
                 let direct = matches!(e, Expr::Load { .. });
-                let from_memory = !direct || !matches!(local_kind(pos, *buf), Some(LocalRead::Scalar | LocalRead::Forwarded));
-                if from_memory && !written.contains(buf) && !read.contains(buf) {
+                let from_memory = !direct || !matches!(local_kinds.get(&(pos, *buf)), Some(LocalRead::Scalar | LocalRead::Forwarded));
+                if from_memory && !written_set.contains(buf) && read_set.insert(*buf) {
                     read.push(*buf);
                 }
             }

@@ -7,6 +7,7 @@ pub mod names;
 pub mod ops;
 pub mod parse;
 mod schema;
+pub mod validate;
 
 pub use dtype::{promote_types, result_type, Category, DType, Device, Operand};
 pub use ops::AtenOp;

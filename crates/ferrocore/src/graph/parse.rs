@@ -109,6 +109,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
         Some(_) => return Err(err(None, "padded_matmuls must map node names to reasons")),
     }
     super::names::check_names(&g)?;
+    super::validate::check_metadata(&g)?;
     Ok(g)
 }
 

@@ -64,3 +64,44 @@ fn type_promotion_follows_torch() {
     assert_eq!(result_type(&[t(F16), z(F32)]), F16);
     assert_eq!(result_type(&[t(Bool), Operand::Scalar(Category::Int)]), I64);
 }
+
+/// A placeholder `x` with this tensor metadata, returned.
+fn graph_with_input(shape: &str, stride: &str, offset: i64, dtype: &str) -> String {
+    doc(&format!(
+        r#"{{"name":"x","kind":"placeholder","meta":{{"tensor":{{"shape":{shape},"stride":{stride},"storage_offset":{offset},"dtype":"{dtype}","device":"cpu"}}}}}},{{"name":"output","kind":"output","args":[{{"node":"x"}}]}}"#
+    ))
+}
+
+#[test]
+fn impossible_tensor_metadata_is_rejected_naming_the_node() {
+    let rejected = |shape: &str, stride: &str, offset: i64, why: &str| {
+        let e = parse_graph(&graph_with_input(shape, stride, offset, "float32")).unwrap_err().to_string();
+        assert!(e.starts_with("graph import: node 'x': ") && e.contains(why), "{shape} {stride} {offset}: {e}");
+    };
+    // 2^62 * 4 elements: the element count wraps in i64
+    rejected("[4611686018427387904,4]", "[4,1]", 0, "more than 2^62 bytes");
+    // the count fits but its bytes do not (2^61 float32 elements)
+    rejected("[2305843009213693952]", "[1]", 0, "more than 2^62 bytes");
+    rejected("[3,4]", "[-4,1]", 0, "negative stride");
+    rejected("[3,4]", "[4,1]", -1, "negative storage offset");
+    // an element offset past any index arithmetic: 2^62 * 1
+    rejected("[2,4]", "[4611686018427387904,1]", 0, "2^62");
+    rejected("[3,2]", "[1152921504606846976,1]", 0, "past 2^62 bytes");
+    rejected("[1,4]", "[4611686018427387904,1]", 0, "stride past 2^62");
+    rejected("[2]", "[1]", 4611686018427387903, "past 2^62 bytes");
+}
+
+#[test]
+fn extreme_but_possible_tensor_metadata_is_accepted() {
+    for (shape, stride, offset, dtype) in [
+        // size-0 tensors address nothing: torch allows any strides
+        ("[0,4]", "[4611686018427387904,1]", 0, "float32"),
+        ("[4611686018427387904,0]", "[0,1]", 0, "bool"),
+        ("[]", "[]", 7, "float64"),
+        // a broadcast (stride 0) and the largest storage of bytes
+        ("[1024,4]", "[0,1]", 0, "float32"),
+        ("[4611686018427387904]", "[1]", 0, "uint8"),
+    ] {
+        assert!(parse_graph(&graph_with_input(shape, stride, offset, dtype)).is_ok(), "{shape} {stride} {offset} {dtype}");
+    }
+}

@@ -53,6 +53,22 @@ impl Ctx<'_> {
         if out.shape.len() != 1 {
             return malformed("arange result must be 1-D");
         }
+        // as ATen: a zero step is an error, and so are non-finite bounds
+        let end = match op {
+            AtenOp::Arange => num(self.arg(0, "end"), Scalar::Int(0))?,
+            _ => num(self.arg(1, "end"), Scalar::Int(0))?,
+        };
+        let value = |s: Scalar| match s {
+            Scalar::Int(v) => v as f64,
+            Scalar::Float(v) => v,
+            Scalar::Bool(v) => f64::from(u8::from(v)),
+        };
+        if value(step) == 0.0 {
+            return malformed("arange step must be nonzero");
+        }
+        if [start, end, step].iter().any(|&s| !value(s).is_finite()) {
+            return malformed(format!("arange bounds must be finite, got start {}, end {}, step {}", value(start), value(end), value(step)));
+        }
         let dt = out.dtype;
         // ATen computes start + i*step in double for floating results, in int64 for integers.
         let acc = if dt.is_float() { DType::F64 } else { DType::I64 };

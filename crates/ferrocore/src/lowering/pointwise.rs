@@ -252,6 +252,7 @@ impl Ctx<'_> {
         let out = self.out_meta()?.clone();
         let size = self.out_shape_of(&[a.clone(), b.clone()])?;
         let rt = result_type(&[a.operand(), b.operand()]);
+        check_binary_dtype(op, rt, &[a.operand(), b.operand()], out.dtype)?;
         // Comparisons and logical ops compute in the promoted type; the rest in the result type.
         let compute = match op {
             A::EqTensor | A::EqScalar | A::NeTensor | A::NeScalar | A::LtTensor | A::LtScalar | A::LeTensor
@@ -562,4 +563,27 @@ fn int_bound_beyond(bound: &PwIn, dtype: DType, is_max: bool) -> bool {
     }
     let (min, max) = dtype.int_range();
     if is_max { *v > max } else { *v < min }
+}
+
+/// The result dtype of a binary op follows torch's promotion of its operands (`graph::dtype`):
+/// comparisons and logical ops give bool, true division and atan2 a float, the others the
+/// promoted type. Where the promoted type is a float that no float tensor chose (an integer
+/// tensor with a float scalar), torch's default dtype decides it: any float is accepted.
+fn check_binary_dtype(op: AtenOp, promoted: DType, operands: &[Operand], out: DType) -> LResult<()> {
+    use AtenOp as A;
+    let float_tensor = operands.iter().any(|o| matches!(o, Operand::Tensor { dtype, .. } if dtype.is_float()));
+    let as_promoted = |d: DType| out == d || (!float_tensor && d.is_float() && out.is_float());
+    let ok = match op {
+        A::EqTensor | A::EqScalar | A::NeTensor | A::NeScalar | A::LtTensor | A::LtScalar | A::LeTensor | A::LeScalar
+        | A::GtTensor | A::GtScalar | A::GeTensor | A::GeScalar | A::LogicalAnd | A::LogicalOr | A::LogicalXor => out == DType::Bool,
+        A::DivTensor | A::DivScalar | A::Atan2 => if promoted.is_float() { as_promoted(promoted) } else { out.is_float() },
+        // without a rounding mode these divide truly
+        A::DivTensorMode | A::DivScalarMode => as_promoted(promoted) || out.is_float(),
+        _ => as_promoted(promoted),
+    };
+    if ok {
+        Ok(())
+    } else {
+        malformed(format!("result dtype {out} contradicts the operands' promotion ({promoted}) for {}", op.name()))
+    }
 }

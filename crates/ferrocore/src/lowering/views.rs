@@ -28,6 +28,28 @@ pub fn apply_view(tv: &TensorValue, size: Vec<i64>, reindex: ReindexFn) -> Tenso
 
 /// Reshape by flattening the index and splitting it again; the simplifier removes the
 /// division and modulo whenever the reshape only merges or splits contiguous dims.
+/// A view's size argument (at most one -1, inferred from `numel`; no other negative size) names
+/// the shape its result's metadata has.
+fn check_view_size(size: &[i64], numel: i64, out_shape: &[i64]) -> LResult<()> {
+    let inferred = size.iter().filter(|&&d| d == -1).count();
+    if inferred > 1 || size.iter().any(|&d| d < -1) {
+        return malformed(format!("view size {size:?}: only one size may be -1 and none other negative"));
+    }
+    let known: i128 = size.iter().filter(|&&d| d != -1).map(|&d| d as i128).product();
+    let resolved: Vec<i64> = if inferred == 1 {
+        if known == 0 || numel as i128 % known != 0 {
+            return malformed(format!("view size {size:?} does not fit {numel} elements"));
+        }
+        size.iter().map(|&d| if d == -1 { (numel as i128 / known) as i64 } else { d }).collect()
+    } else {
+        size.to_vec()
+    };
+    if resolved != out_shape {
+        return malformed(format!("view size {size:?} gives {resolved:?}, but the metadata says {out_shape:?}"));
+    }
+    Ok(())
+}
+
 pub fn reshape(tv: &TensorValue, new_size: Vec<i64>) -> LResult<TensorValue> {
     let old = tv.size.clone();
     if old.iter().product::<i64>() != new_size.iter().product::<i64>() {
@@ -150,7 +172,13 @@ impl Ctx<'_> {
         let rank = x.size.len();
         let out_shape = self.out_meta()?.shape.clone();
         let tv = match op {
-            A::View | A::UnsafeView | A::Reshape => reshape(&x, out_shape.clone())?,
+            A::View | A::UnsafeView | A::Reshape => {
+                // (a size list holding symbols was specialized away; only plain ints are checked)
+                if let Ok(Some(size)) = self.ints_arg(1, if op == A::Reshape { "shape" } else { "size" }) {
+                    check_view_size(&size, x.size.iter().product(), &out_shape)?;
+                }
+                reshape(&x, out_shape.clone())?
+            }
             A::Alias => x,
             A::Permute => {
                 let dims = self.ints_arg(1, "dims")?.unwrap_or_default();

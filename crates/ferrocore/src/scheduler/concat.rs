@@ -8,6 +8,7 @@
 use crate::loop_ir::*;
 use crate::lowering::is_dense;
 use crate::symbolic::{IndexExpr, Var};
+use std::collections::{HashMap, HashSet};
 
 /// One writer's part of a buffer written in pieces: `[offset, offset + len)` along `dim`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,10 +34,12 @@ pub fn inline_concat_readers(p: &mut LoopProgram) -> Vec<String> {
                     p.buffer(buf).name,
                     p.buffer(buf).name
                 ));
+                let mut merged = vec![false; p.nodes.len()];
+                writers.iter().for_each(|(w, _)| merged[*w] = true);
                 let mut steps = Vec::with_capacity(p.steps.len());
                 for (j, &step) in p.steps.iter().enumerate() {
                     match step {
-                        Step::Node(m) if writers.iter().any(|(w, _)| *w == m) => {}
+                        Step::Node(m) if merged[m] => {}
                         _ if j == i => steps.extend(writers.iter().map(|(w, _)| Step::Node(*w))),
                         _ => steps.push(step),
                     }
@@ -98,11 +101,13 @@ fn merged_writers(p: &LoopProgram, uses: &Uses, n: usize, at: usize) -> Option<(
         return None;
     }
     let reads = node.reads();
+    let mut times_read: HashMap<BufferId, usize> = HashMap::new();
+    reads.iter().for_each(|(b, _)| *times_read.entry(*b).or_default() += 1);
     // the largest concatenation `n` alone reads, element for element (rotary embeddings read
     // their `cos` table, a cat many nodes read, beside the rotated half)
     let best = reads.iter().filter_map(|(buf, index)| {
         let only_reader = uses.readers[buf.0 as usize].iter().all(|&m| m == n) && !uses.escapes[buf.0 as usize];
-        if *buf == node.output || !only_reader || reads.iter().filter(|(b, _)| b == buf).count() > 1 {
+        if *buf == node.output || !only_reader || times_read[buf] > 1 {
             return None;
         }
         let pieces = pieces_of(p, uses, *buf)?;
@@ -111,9 +116,10 @@ fn merged_writers(p: &LoopProgram, uses: &Uses, n: usize, at: usize) -> Option<(
     })
     .max_by_key(|(buf, _, _)| p.buffer(*buf).layout.size.iter().product::<i64>())?;
     let (buf, pieces, dims) = best;
-    let writer_ids = &uses.writers[buf.0 as usize];
-    let first = p.steps.iter().position(|s| matches!(s, Step::Node(m) if writer_ids.contains(m)))?;
-    let written: Vec<BufferId> = p.steps[first..at]
+    let mut writes_buf = vec![false; p.nodes.len()];
+    uses.writers[buf.0 as usize].iter().for_each(|&m| writes_buf[m] = true);
+    let first = p.steps.iter().position(|s| matches!(s, Step::Node(m) if writes_buf[*m]))?;
+    let written: HashSet<BufferId> = p.steps[first..at]
         .iter()
         .flat_map(|s| match *s {
             Step::Node(m) => vec![p.nodes[m].output],

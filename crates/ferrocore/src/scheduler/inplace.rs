@@ -16,6 +16,11 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
     let mut decisions = Vec::new();
     let n = s.program.buffers.len();
     let (mut last_use, writers, mut pinned) = uses(s);
+    // per buffer, the program's nodes that write it (kept up to date through renames)
+    let mut node_writers: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (j, node) in s.program.nodes.iter().enumerate() {
+        node_writers[node.output.0 as usize].push(j);
+    }
     let mut written_here = vec![None; n];
     for i in 0..s.items.len() {
         let Item::Kernel(k) = &s.items[i] else { continue };
@@ -38,8 +43,10 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
                 ours && s.storage[b.0 as usize] == Storage::Allocated
             };
             // other writers of `out`: only fills of a padded result's padding may stay (below)
-            let fills: Vec<usize> = p.nodes.iter().enumerate().filter(|(j, n)| n.output == out && *j != kn.node).map(|(j, _)| j).collect();
-            if !owned(out) || writers[out.0 as usize].len() != 1 + fills.len() || renames.iter().any(|(_, x, _, _)| *x == out) {
+            let fills = || -> Vec<usize> { node_writers[out.0 as usize].iter().copied().filter(|&j| j != kn.node).collect() };
+            // (the node itself is one of the writers)
+            let fill_count = node_writers[out.0 as usize].len().saturating_sub(1);
+            if !owned(out) || writers[out.0 as usize].len() != 1 + fill_count || renames.iter().any(|(_, x, _, _)| *x == out) {
                 continue;
             }
             let dying = p.nodes[kn.node].reads().into_iter().map(|(b, _)| b).find_map(|x| {
@@ -53,7 +60,7 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
                     && reads_only_at(&kn.body, x, &store.index);
                 let order = if candidate { readers_first(p, &k.plan, pos, x, &store.index) } else { None };
                 let order = order.filter(|o| o.is_none() || reorder.is_none())?;
-                let fit = storage_fits(p, x, out, &fills);
+                let fit = storage_fits(p, x, out, &fills());
                 (fit != Fit::No).then_some((x, fit, order))
             });
             if let Some((x, fit, order)) = dying {
@@ -96,6 +103,9 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
                 }
             }
             rename(s, out, x);
+            let moved = std::mem::take(&mut node_writers[out.0 as usize]);
+            node_writers[x.0 as usize].extend(moved);
+            node_writers[x.0 as usize].sort_unstable();
         }
     }
     decisions

@@ -14,12 +14,15 @@ mod split;
 mod welford;
 
 pub use plan::{KernelNode, KernelPlan, LocalRead, LoopGroup};
+use plan::{Joined, PlanBuilder};
 pub use complex::{complex_as_real, component_type};
 pub use split::{split_reductions, SplitConfig, GPU_SPLIT};
 pub use welford::welford_variances;
 
 use crate::loop_ir::*;
+use std::cell::Cell;
 use std::collections::HashSet;
+use std::fmt::Write as _;
 
 #[derive(Clone, Debug)]
 pub struct FusedKernel {
@@ -47,6 +50,10 @@ pub struct Schedule {
     pub items: Vec<Item>,
     pub storage: Vec<Storage>,
     pub decisions: Vec<String>,
+    /// How many times fusion placed a node into a kernel plan, tried or kept: its work, which
+    /// grows with the nodes and their candidates, not with the size of the kernels they join
+    /// (tests pin it on wide graphs).
+    pub placements: usize,
 }
 
 /// How far back a node looks for a kernel to join (bounds compile time on big graphs).
@@ -58,6 +65,10 @@ const FUSION_WINDOW: usize = 32;
 /// nothing worth counting). A small node that shares no data with any kernel joins the kernel
 /// before it when that one is small too: launches, not bytes, are what small kernels cost.
 const SMALL_OUTPUT_BYTES: i64 = 256 << 10;
+/// The most buffers one kernel may touch: each is a parameter of its function, and the C++
+/// wrapper calls kernels through ctypes, which takes at most 1024 arguments (2,000 small
+/// outputs side by side once made a kernel of 4,000 that no call could reach).
+const MAX_KERNEL_BUFFERS: usize = 512;
 
 /// What a kernel backend asks of the scheduler.
 #[derive(Clone, Copy, Debug)]
@@ -105,29 +116,30 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
         decisions.extend(split_reductions(&mut program, config));
     }
     // nodes with no output elements do no work
-    let empty: Vec<usize> = (0..program.nodes.len()).filter(|&i| program.nodes[i].ranges.iter().product::<i64>() == 0).collect();
-    program.steps.retain(|s| !matches!(s, Step::Node(i) if empty.contains(i)));
+    let empty: Vec<bool> = program.nodes.iter().map(|n| n.ranges.iter().product::<i64>() == 0).collect();
+    program.steps.retain(|s| !matches!(s, Step::Node(i) if empty[*i]));
 
     // Which item (by position in `slots`) produces each buffer.
-    let mut producer: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
+    let mut producer: Vec<SlotList> = vec![SlotList::default(); program.buffers.len()];
     // and which items read each graph input (a write into an input waits for all of them)
-    let mut input_readers: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
+    let mut input_readers: Vec<SlotList> = vec![SlotList::default(); program.buffers.len()];
     // and which kernels read each buffer (where a graph output may join far back)
-    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); program.buffers.len()];
+    let mut readers: Vec<SlotList> = vec![SlotList::default(); program.buffers.len()];
     let is_input = |b: BufferId| matches!(program.buffer(b).source, BufferSource::Input(_));
     let returned = returned_buffers(&program);
+    let placed = Cell::new(0);
     let mut slots: Vec<Slot> = Vec::new();
     for step in program.steps.clone() {
         match step {
             Step::Extern(e) => {
                 for b in &program.externs[e].outputs {
-                    producer[b.0 as usize].push(slots.len());
+                    producer[b.0 as usize].add(slots.len());
                 }
                 for b in program.externs[e].input_buffers() {
                     if is_input(b) {
-                        input_readers[b.0 as usize].push(slots.len());
+                        input_readers[b.0 as usize].add(slots.len());
                     }
-                    readers[b.0 as usize].push(slots.len());
+                    readers[b.0 as usize].add(slots.len());
                 }
                 slots.push(Slot::Extern(e));
             }
@@ -137,36 +149,35 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
                 if node.is_scatter() {
                     decisions.push(format!("scatter: {out_name} updates its buffer at computed indices; a kernel of its own"));
                 }
-                let near = Neighbours { producer: &producer, input_readers: &input_readers, readers: &readers };
+                let near = Neighbours { producer: &producer, input_readers: &input_readers, readers: &readers, placed: &placed };
                 let (best, rejected) = choose_kernel(&program, &slots, &near, &returned, n, &mut decisions);
                 let slot = best.as_ref().map_or(slots.len(), |c| c.slot);
                 for (b, _) in node.reads() {
                     if is_input(b) {
-                        input_readers[b.0 as usize].push(slot);
+                        input_readers[b.0 as usize].add(slot);
                     }
-                    readers[b.0 as usize].push(slot);
+                    readers[b.0 as usize].add(slot);
                 }
                 match best {
-                    Some(Choice { slot: si, score, plan }) => {
-                        if let Slot::Kernel(members, p) = &mut slots[si] {
-                            let with = members.iter().map(|m| program.buffer(program.nodes[*m].output).name.clone()).collect::<Vec<_>>().join(", ");
+                    Some(Choice { slot: si, score, joined }) => {
+                        if let Slot::Kernel(k) = &mut slots[si] {
+                            let with = member_names(&program, &k.members);
                             decisions.push(if score > 0 {
                                 format!("fuse: {out_name} into kernel #{si} with {with} (shares {score} bytes)")
                             } else {
                                 format!("fuse: {out_name} into kernel #{si} with {with} (small kernels side by side: one launch)")
                             });
-                            members.push(n);
-                            *p = plan;
+                            k.add(&program, &returned, n, joined);
                         }
-                        producer[node.output.0 as usize].push(si);
+                        producer[node.output.0 as usize].add(si);
                     }
                     None => {
-                        match KernelPlan::build(&program, &[n]) {
+                        match PlanBuilder::build(&program, &[n], &placed) {
                             Ok(plan) => {
                                 let why = if rejected { "every fusion was rejected" } else { "shares no data with an earlier kernel" };
                                 decisions.push(format!("new kernel #{}: {out_name} ({why})", slots.len()));
-                                producer[node.output.0 as usize].push(slots.len());
-                                slots.push(Slot::Kernel(vec![n], plan));
+                                producer[node.output.0 as usize].add(slots.len());
+                                slots.push(Slot::Kernel(KernelSlot::new(&program, &returned, n, plan)));
                             }
                             Err(why) => {
                                 return Err(SchedulerError { message: format!("{out_name} cannot be planned as a kernel: {why}") })
@@ -183,8 +194,9 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
     for slot in slots {
         match slot {
             Slot::Extern(e) => items.push(Item::Extern(e)),
-            Slot::Kernel(members, plan) => {
-                let name = kernel_name(&program, &members, &plan, prefix, kernel_index);
+            Slot::Kernel(k) => {
+                let plan = k.plan.into_plan();
+                let name = kernel_name(&program, &k.members, &plan, prefix, kernel_index);
                 kernel_index += 1;
                 items.push(Item::Kernel(FusedKernel { name, plan }));
             }
@@ -192,7 +204,7 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
     }
     decisions.extend(order::sink_steps(&program, &mut items));
     let storage = plan_storage(&program, &items, &mut decisions);
-    let mut schedule = Schedule { program, items, storage, decisions };
+    let mut schedule = Schedule { program, items, storage, decisions, placements: placed.get() };
     let reused = inplace::reuse_dying_buffers(&mut schedule);
     schedule.decisions.extend(reused);
     Ok(schedule)
@@ -212,15 +224,89 @@ impl std::error::Error for SchedulerError {}
 
 /// A kernel or an extern call, in schedule order, while fusion is still deciding.
 enum Slot {
-    Kernel(Vec<usize>, KernelPlan),
+    Kernel(KernelSlot),
     Extern(usize),
+}
+
+/// A kernel while fusion grows it, with what deciding whether a node joins it asks, kept up to
+/// date as nodes join: every question costs time in the joining node, not in the kernel's size.
+struct KernelSlot {
+    /// Its nodes, in order.
+    members: Vec<usize>,
+    plan: PlanBuilder,
+    /// The buffers its nodes read or write.
+    touched: HashSet<BufferId>,
+    /// Whether a node scatters (then nothing joins it).
+    scatter: bool,
+    /// Whether every node's output is small and none scatters.
+    all_small: bool,
+    /// Σ over its nodes writing a large temporary of that temporary's bytes.
+    large_temp_bytes: i64,
+}
+
+impl KernelSlot {
+    fn new(p: &LoopProgram, returned: &[bool], n: usize, plan: PlanBuilder) -> KernelSlot {
+        let mut k = KernelSlot { members: Vec::new(), plan, touched: HashSet::new(), scatter: false, all_small: true, large_temp_bytes: 0 };
+        k.note(p, returned, n);
+        k
+    }
+
+    fn add(&mut self, p: &LoopProgram, returned: &[bool], n: usize, joined: Joined) {
+        self.plan.apply(p, joined);
+        self.note(p, returned, n);
+    }
+
+    fn note(&mut self, p: &LoopProgram, returned: &[bool], n: usize) {
+        let node = &p.nodes[n];
+        self.members.push(n);
+        self.touched.insert(node.output);
+        self.touched.extend(node.reads().into_iter().map(|(b, _)| b));
+        self.scatter |= node.is_scatter();
+        self.all_small &= !node.is_scatter() && output_bytes(p, n) <= SMALL_OUTPUT_BYTES;
+        if !returned[node.output.0 as usize] && output_bytes(p, n) > SMALL_OUTPUT_BYTES {
+            self.large_temp_bytes += output_bytes(p, n);
+        }
+    }
+}
+
+/// The slots that write (or read) one buffer, and the latest of them. A slot is listed again
+/// only after another one (a buffer many nodes of one kernel read lists that kernel once).
+#[derive(Clone, Debug, Default)]
+struct SlotList {
+    slots: Vec<usize>,
+    latest: Option<usize>,
+}
+
+impl SlotList {
+    fn add(&mut self, slot: usize) {
+        if self.slots.last() != Some(&slot) {
+            self.slots.push(slot);
+        }
+        self.latest = self.latest.max(Some(slot));
+    }
+}
+
+/// The names of a kernel's outputs for the decision log, the first few of a wide kernel.
+fn member_names(p: &LoopProgram, members: &[usize]) -> String {
+    const SHOWN: usize = 8;
+    let mut s = String::new();
+    for (i, m) in members.iter().take(SHOWN).enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        s.push_str(&p.buffer(p.nodes[*m].output).name);
+    }
+    if members.len() > SHOWN {
+        let _ = write!(s, " and {} more", members.len() - SHOWN);
+    }
+    s
 }
 
 /// The kernel a node joins: its slot, the bytes it shares with it, and the joint plan.
 struct Choice {
     slot: usize,
     score: i64,
-    plan: KernelPlan,
+    joined: Joined,
 }
 
 /// Per buffer: whether the graph returns it.
@@ -246,9 +332,11 @@ fn output_bytes(p: &LoopProgram, node: usize) -> i64 {
 /// Per buffer, the slots that write it, the slots that read it if it is a graph input, and the
 /// slots that read it.
 struct Neighbours<'a> {
-    producer: &'a [Vec<usize>],
-    input_readers: &'a [Vec<usize>],
-    readers: &'a [Vec<usize>],
+    producer: &'a [SlotList],
+    input_readers: &'a [SlotList],
+    readers: &'a [SlotList],
+    /// Nodes placed into kernel plans so far.
+    placed: &'a Cell<usize>,
 }
 
 /// The earlier kernel node `n` joins, if any: the one it shares the most data with among the
@@ -272,11 +360,11 @@ fn choose_kernel(
     let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
     // earliest slot this node may run in: after every producer of what it reads
     let producer = near.producer;
-    let mut earliest = reads.iter().flat_map(|b| producer[b.0 as usize].iter().copied()).max().unwrap_or(0);
+    let mut earliest = reads.iter().filter_map(|b| producer[b.0 as usize].latest).max().unwrap_or(0);
     // a write into a graph input runs after every other kernel that reads the input, and after
     // earlier writes of it
     let out = node.output.0 as usize;
-    if let Some(last) = near.input_readers[out].iter().chain(&producer[out]).copied().max() {
+    if let Some(last) = near.input_readers[out].latest.max(producer[out].latest) {
         earliest = earliest.max(last + 1);
     }
     let small = output_bytes(p, n) <= SMALL_OUTPUT_BYTES;
@@ -287,7 +375,7 @@ fn choose_kernel(
     // a temporary kept that temporary alive through the whole forward (MobileNetV3's float32
     // batch-norm outputs, 67 MB of peak); in the kernel that writes the temporary it need not
     if small || is_returned {
-        let far = reads.iter().flat_map(|b| producer[b.0 as usize].iter().chain(&near.readers[b.0 as usize]).copied());
+        let far = reads.iter().flat_map(|b| producer[b.0 as usize].slots.iter().chain(&near.readers[b.0 as usize].slots).copied());
         candidates.extend(far.filter(|&si| si < lo));
         candidates.sort_unstable();
         candidates.dedup();
@@ -298,7 +386,6 @@ fn choose_kernel(
     // joining frees more: the large temporaries it reads die with their other readers instead of
     // living until the output's kernel
     let keep_apart = is_returned && !small;
-    let large_temp = |m: usize| !returned[p.nodes[m].output.0 as usize] && output_bytes(p, m) > SMALL_OUTPUT_BYTES;
     let read_set: HashSet<BufferId> = if keep_apart { reads.iter().copied().collect() } else { HashSet::new() };
     let freed: i64 = read_set
         .iter()
@@ -307,16 +394,29 @@ fn choose_kernel(
         .filter(|&bytes| bytes > SMALL_OUTPUT_BYTES)
         .sum();
     // bytes of the kernel's large temporaries the output does not read
-    let beside = |members: &[usize]| -> i64 {
-        members.iter().filter(|&&m| large_temp(m) && !read_set.contains(&p.nodes[m].output)).map(|&m| output_bytes(p, m)).sum()
+    let beside = |k: &KernelSlot| -> i64 {
+        let read_here: i64 = read_set
+            .iter()
+            .filter(|b| !returned[b.0 as usize] && buffer_bytes(p, **b) > SMALL_OUTPUT_BYTES)
+            .map(|b| k.plan.writer_count(*b) as i64 * buffer_bytes(p, *b))
+            .sum();
+        k.large_temp_bytes - read_here
     };
     let mut best: Option<Choice> = None;
     let mut rejected = false;
-    let mut try_join = |si: usize, members: &[usize], score: i64, decisions: &mut Vec<String>| -> Option<KernelPlan> {
-        let mut candidate = members.to_vec();
-        candidate.push(n);
-        match KernelPlan::build(p, &candidate) {
-            Ok(plan) => Some(plan),
+    let new_buffers = {
+        let mut fresh: HashSet<BufferId> = reads.iter().copied().collect();
+        fresh.insert(node.output);
+        fresh
+    };
+    let mut try_join = |si: usize, k: &KernelSlot, score: i64, decisions: &mut Vec<String>| -> Option<Joined> {
+        let joined = if k.touched.len() + new_buffers.iter().filter(|b| !k.touched.contains(b)).count() > MAX_KERNEL_BUFFERS {
+            Err(format!("the kernel would take more than {MAX_KERNEL_BUFFERS} buffers"))
+        } else {
+            k.plan.join(p, &k.members, n, near.placed)
+        };
+        match joined {
+            Ok(joined) => Some(joined),
             Err(why) => {
                 rejected = true;
                 let name = &p.buffer(node.output).name;
@@ -327,33 +427,32 @@ fn choose_kernel(
         }
     };
     for si in candidates {
-        let Slot::Kernel(members, _) = &slots[si] else { continue };
-        if si < earliest || members.iter().any(|&m| p.nodes[m].is_scatter()) {
+        let Slot::Kernel(k) = &slots[si] else { continue };
+        if si < earliest || k.scatter {
             continue;
         }
-        let score = shared_bytes(p, members, &reads);
+        let score = shared_bytes(p, &k.touched, &reads);
         if score == 0 || best.as_ref().is_some_and(|b| b.score >= score) {
             continue;
         }
-        let apart = keep_apart && { let b = beside(members); b > 0 && freed <= b };
+        let apart = keep_apart && { let b = beside(k); b > 0 && freed <= b };
         if apart {
             let name = &p.buffer(node.output).name;
             decisions.push(format!("no fusion: {name} into kernel #{si}: a large output beside a large temporary (peak memory)"));
             continue;
         }
-        if let Some(plan) = try_join(si, members, score, decisions) {
-            best = Some(Choice { slot: si, score, plan });
+        if let Some(joined) = try_join(si, k, score, decisions) {
+            best = Some(Choice { slot: si, score, joined });
         }
     }
     // small kernels that share nothing still share a launch
     if best.is_none() && small {
-        if let Some(Slot::Kernel(members, _)) = slots.last() {
+        if let Some(Slot::Kernel(k)) = slots.last() {
             let si = slots.len() - 1;
-            let all_small = members.iter().all(|&m| !p.nodes[m].is_scatter() && output_bytes(p, m) <= SMALL_OUTPUT_BYTES);
             // (one that shares data was tried above)
-            if si >= earliest && all_small && shared_bytes(p, members, &reads) == 0 {
-                if let Some(plan) = try_join(si, members, 0, decisions) {
-                    best = Some(Choice { slot: si, score: 0, plan });
+            if si >= earliest && k.all_small && shared_bytes(p, &k.touched, &reads) == 0 {
+                if let Some(joined) = try_join(si, k, 0, decisions) {
+                    best = Some(Choice { slot: si, score: 0, joined });
                 }
             }
         }
@@ -361,15 +460,9 @@ fn choose_kernel(
     (best, rejected)
 }
 
-/// Bytes of buffers the node reads that the kernel also reads or writes.
-fn shared_bytes(p: &LoopProgram, members: &[usize], reads: &[BufferId]) -> i64 {
-    let mut touched: HashSet<BufferId> = HashSet::new();
-    for &m in members {
-        touched.insert(p.nodes[m].output);
-        for (b, _) in p.nodes[m].reads() {
-            touched.insert(b);
-        }
-    }
+/// Bytes of buffers the node reads that the kernel (`touched`: what it reads or writes) also
+/// reads or writes.
+fn shared_bytes(p: &LoopProgram, touched: &HashSet<BufferId>, reads: &[BufferId]) -> i64 {
     let mut seen = HashSet::new();
     reads
         .iter()
@@ -382,8 +475,12 @@ fn shared_bytes(p: &LoopProgram, members: &[usize], reads: &[BufferId]) -> i64 {
 }
 
 fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &str, index: usize) -> String {
+    const WORDS: usize = 6;
     let mut words: Vec<String> = Vec::new();
     for &m in members {
+        if words.len() == WORDS {
+            break;
+        }
         for o in &p.nodes[m].origins {
             // FX names like `add_3` -> `add`
             let base = o.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').to_string();
@@ -393,7 +490,7 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &s
             }
         }
     }
-    words.truncate(6);
+    words.truncate(WORDS);
     let kind = if plan.groups.iter().any(|g| g.reduction) { "red" } else { "poi" };
     format!("{prefix}_{kind}_fused_{}_{index}", words.join("_"))
 }

@@ -8,6 +8,7 @@
 
 use super::{buffer_bytes, returned_buffers, Item};
 use crate::loop_ir::*;
+use std::collections::{BTreeSet, HashSet};
 
 /// The buffers a step reads and those it writes.
 fn touches(p: &LoopProgram, it: &Item) -> (Vec<BufferId>, Vec<BufferId>) {
@@ -34,7 +35,8 @@ fn sinking_results(p: &LoopProgram, item: &Item, (reads, writes): &(Vec<BufferId
         Item::Extern(e) if !p.externs[*e].fallback && !outs.iter().any(|b| returned[b.0 as usize]) => Some(outs),
         Item::Extern(_) => None,
         Item::Kernel(_) => {
-            let read_elsewhere = |b: &BufferId| steps_reading[b.0 as usize] > usize::from(reads.contains(b));
+            let read_here: HashSet<BufferId> = reads.iter().copied().collect();
+            let read_elsewhere = |b: &BufferId| steps_reading[b.0 as usize] > usize::from(read_here.contains(b));
             if outs.iter().any(read_elsewhere) {
                 return None;
             }
@@ -48,14 +50,19 @@ fn sinking_results(p: &LoopProgram, item: &Item, (reads, writes): &(Vec<BufferId
 /// operands, when no step in between touches its result or writes what it reads, and its result
 /// outweighs the operands that then live longer (the input gradient's GEMM stays before the
 /// weight gradient's: its padded weight copy dies with it). Returns the decisions.
+///
+/// Steps are visited in order. A step that has moved is a barrier to the others (two GEMMs
+/// reading one large operand would otherwise trade places forever), so the steps after the one
+/// visited are, up to the first moved one, the later steps in their first order: each question
+/// ("the first later step that writes an operand", "the last one that reads one") is a search
+/// in per-buffer lists of steps, and the cost does not grow with the steps in between (a graph
+/// returning 10,000 results has 10,000 kernels that may sink).
 pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
     let mut decisions = Vec::new();
     let returned = returned_buffers(p);
-    // (reads, writes) per step, moved with its step
-    let mut touched: Vec<(Vec<BufferId>, Vec<BufferId>)> = items.iter().map(|it| touches(p, it)).collect();
-    // a step that has moved is a barrier to the others (two GEMMs reading one large operand
-    // would otherwise trade places forever)
-    let mut moved: Vec<bool> = vec![false; items.len()];
+    let n = items.len();
+    // (reads, writes) per step, by its first position
+    let touched: Vec<(Vec<BufferId>, Vec<BufferId>)> = items.iter().map(|it| touches(p, it)).collect();
     // what each step allocates if it may sink; a kernel of returned results does not hold a GEMM
     // back: it sinks after the GEMM, not the GEMM after it
     let mut steps_reading = vec![0usize; p.buffers.len()];
@@ -65,31 +72,60 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
         seen.dedup();
         seen.iter().for_each(|b| steps_reading[b.0 as usize] += 1);
     }
-    let mut sinking: Vec<Option<Vec<BufferId>>> = items.iter().zip(&touched).map(|(it, t)| sinking_results(p, it, t, &returned, &steps_reading)).collect();
-    let gradient_kernel = |items: &[Item], sinking: &[Option<Vec<BufferId>>], j: usize| matches!(items[j], Item::Kernel(_)) && sinking[j].is_some();
-    let mut i = 0;
-    while i < items.len() {
-        let results = if moved[i] { None } else { sinking[i].clone() };
-        let Some(results) = results else {
-            i += 1;
-            continue;
-        };
-        let outs = &touched[i].1;
-        let operands: Vec<BufferId> = touched[i].0.iter().copied().filter(|b| !outs.contains(b)).collect();
-        // the last later step that reads one of its operands (those live until then anyway), up
-        // to the first that touches the result or writes an operand
-        let mut target = i;
-        for (j, (r, w)) in touched.iter().enumerate().skip(i + 1) {
-            if moved[j] || r.iter().chain(w).any(|b| outs.contains(b)) || w.iter().any(|b| operands.contains(b)) {
-                break;
-            }
-            if r.iter().any(|b| operands.contains(b)) && !gradient_kernel(items, &sinking, j) {
-                target = j;
+    let sinking: Vec<Option<Vec<BufferId>>> = items.iter().zip(&touched).map(|(it, t)| sinking_results(p, it, t, &returned, &steps_reading)).collect();
+    let gradient_kernel = |j: usize| matches!(items[j], Item::Kernel(_)) && sinking[j].is_some();
+    // per buffer, the steps (first positions, ascending) that read it, that read it and are no
+    // gradient kernel, that write it
+    let mut read_by: Vec<Vec<usize>> = vec![Vec::new(); p.buffers.len()];
+    let mut plain_read_by: Vec<Vec<usize>> = vec![Vec::new(); p.buffers.len()];
+    let mut written_by: Vec<Vec<usize>> = vec![Vec::new(); p.buffers.len()];
+    let push = |list: &mut Vec<usize>, j: usize| {
+        if list.last() != Some(&j) {
+            list.push(j);
+        }
+    };
+    for (j, (r, w)) in touched.iter().enumerate() {
+        for b in r {
+            push(&mut read_by[b.0 as usize], j);
+            if !gradient_kernel(j) {
+                push(&mut plain_read_by[b.0 as usize], j);
             }
         }
+        for b in w {
+            push(&mut written_by[b.0 as usize], j);
+        }
+    }
+    let first_after = |list: &[usize], i: usize| list.get(list.partition_point(|&j| j <= i)).copied();
+    let last_up_to = |list: &[usize], limit: usize| list[..list.partition_point(|&j| j <= limit)].last().copied();
+    // steps that have a moved step right after them (those never move), and the moved steps
+    // after each step, in order
+    let mut anchors: BTreeSet<usize> = BTreeSet::new();
+    let mut after: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut moved = vec![false; n];
+    for i in 0..n {
+        let Some(results) = &sinking[i] else { continue };
+        let outs = &touched[i].1;
+        let out_set: HashSet<BufferId> = outs.iter().copied().collect();
+        let operands: Vec<BufferId> = touched[i].0.iter().copied().filter(|b| !out_set.contains(b)).collect();
+        // the last later step that reads one of its operands (those live until then anyway), up
+        // to the first that touches the result or writes an operand, or is followed by a moved step
+        let mut limit = anchors.range(i..).next().copied().unwrap_or(n - 1);
+        for b in outs {
+            let first = [&read_by[b.0 as usize], &written_by[b.0 as usize]].iter().filter_map(|l| first_after(l, i)).min();
+            if let Some(j) = first {
+                limit = limit.min(j - 1);
+            }
+        }
+        for b in &operands {
+            if let Some(j) = first_after(&written_by[b.0 as usize], i) {
+                limit = limit.min(j - 1);
+            }
+        }
+        let target = operands.iter().filter_map(|b| last_up_to(&plain_read_by[b.0 as usize], limit)).filter(|&j| j > i).max().unwrap_or(i);
         let result: i64 = results.iter().map(|b| buffer_bytes(p, *b)).sum();
         // operands read by no step up to the target would now live until the step
-        let mut longer_ops: Vec<BufferId> = operands.iter().copied().filter(|b| !touched[i + 1..=target].iter().any(|(r, _)| r.contains(b))).collect();
+        let mut longer_ops: Vec<BufferId> =
+            operands.iter().copied().filter(|b| first_after(&read_by[b.0 as usize], i).is_none_or(|j| j > target)).collect();
         longer_ops.sort_by_key(|b| b.0);
         longer_ops.dedup();
         let longer: i64 = longer_ops.iter().map(|b| buffer_bytes(p, *b)).sum();
@@ -98,19 +134,22 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
                 Item::Extern(e) => format!("{} by {}", p.externs[*e].callee, p.externs[*e].origin),
                 Item::Kernel(_) => "a kernel".to_string(),
             };
-            let item = items.remove(i);
-            items.insert(target, item);
-            let t = touched.remove(i);
-            touched.insert(target, t);
-            moved.remove(i);
-            moved.insert(target, true);
-            let r = sinking.remove(i);
-            sinking.insert(target, r);
             let name = &p.buffer(results[0]).name;
             decisions.push(format!("order: {name} ({what}) runs {} steps later, after the last step that reads its operands", target - i));
-            continue; // items[i] is now the step that followed
+            moved[i] = true;
+            anchors.insert(target);
+            after[target].push(i);
         }
-        i += 1;
+    }
+    let mut slots: Vec<Option<Item>> = std::mem::take(items).into_iter().map(Some).collect();
+    for j in 0..n {
+        if !moved[j] {
+            items.extend(slots[j].take());
+            // a step moved later after the same one lands before those moved earlier
+            for &m in after[j].iter().rev() {
+                items.extend(slots[m].take());
+            }
+        }
     }
     decisions
 }

@@ -4,6 +4,8 @@
 
 use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Var};
+use std::cell::Cell;
+use std::collections::HashMap;
 
 #[derive(Clone, Debug)]
 pub struct LoopGroup {
@@ -112,8 +114,44 @@ impl KernelPlan {
     /// Plans `nodes` (indices into the program, in execution order) as one kernel, or says why
     /// not: iteration spaces that do not line up, or an in-kernel read that would be illegal.
     pub fn build(p: &LoopProgram, nodes: &[usize]) -> Result<KernelPlan, String> {
+        PlanBuilder::build(p, nodes, &Cell::new(0)).map(|b| b.plan)
+    }
+}
+
+/// A kernel plan grown one node at a time. Placing a node costs time in that node's body, not in
+/// the kernel's size (a graph of 10,000 small outputs fuses into one kernel, node by node), and
+/// the plan built node by node is the plan `KernelPlan::build` makes of the same nodes.
+#[derive(Clone, Debug)]
+pub(super) struct PlanBuilder {
+    plan: KernelPlan,
+    /// Per buffer, the positions (in `plan.nodes`) of the nodes that write it.
+    writers: HashMap<BufferId, Vec<usize>>,
+    /// Whether some node reduces (the outer size is then the reductions' output count).
+    reduces: bool,
+}
+
+/// One node placed after a plan's nodes, not yet added (`PlanBuilder::push`).
+#[derive(Clone, Debug)]
+pub(super) struct Placement {
+    node: KernelNode,
+    inner: Vec<i64>,
+    is_red: bool,
+    needs_new_group: bool,
+    reads_here: Vec<(BufferId, LocalRead)>,
+}
+
+/// A plan with one more node: that node's placement, or (when the node changes the kernel's outer
+/// loop: the first reduction of a pointwise kernel) a plan rebuilt over all the nodes.
+#[derive(Clone, Debug)]
+pub(super) enum Joined {
+    Appended(Placement),
+    Rebuilt(PlanBuilder),
+}
+
+impl PlanBuilder {
+    /// Plans `nodes`; `placed` counts the nodes placed (the scheduler's measure of its work).
+    pub(super) fn build(p: &LoopProgram, nodes: &[usize], placed: &Cell<usize>) -> Result<PlanBuilder, String> {
         let first = &p.nodes[*nodes.first().ok_or("no nodes")?];
-        let device = &p.buffer(first.output).layout.device;
         let reduction_n = nodes
             .iter()
             .find(|&&i| !p.nodes[i].reduction_ranges.is_empty())
@@ -125,102 +163,151 @@ impl KernelPlan {
                 if r.len() >= 2 { r[..r.len() - 1].iter().product() } else { r.iter().product() }
             }
         };
-        let mut groups: Vec<LoopGroup> = Vec::new();
-        let mut knodes: Vec<KernelNode> = Vec::new();
-        let mut local_reads = Vec::new();
-        for (pos, &i) in nodes.iter().enumerate() {
-            let n = &p.nodes[i];
-            let name = &p.buffer(n.output).name;
-            if &p.buffer(n.output).layout.device != device {
-                return Err(format!("{name} is on another device"));
-            }
-            let (subst, inner, is_red) = if n.reduction_ranges.is_empty() {
-                let (s, inner) = node_subst(&n.ranges, outer, 1)
-                    .ok_or_else(|| format!("{name}'s ranges {:?} do not split at the kernel's outer size {outer}", n.ranges))?;
-                let work: i64 = inner.iter().product();
-                if reduction_n.is_some() && outer < FEW_PROGRAMS && work > SERIAL_ELEMENTS {
-                    return Err(format!("{name} would loop over {work} elements in each of the kernel's {outer} programs"));
-                }
-                (s, inner, false)
-            } else {
-                if n.ranges.iter().product::<i64>() != outer {
-                    return Err(format!("reduction {name} has {} outputs, the kernel's outer size is {outer}", n.ranges.iter().product::<i64>()));
-                }
-                let (mut s, _) = node_subst(&n.ranges, outer, 1).ok_or_else(|| format!("{name}'s ranges do not split"))?;
-                for j in 0..n.reduction_ranges.len() {
-                    s.push(Some(IndexExpr::var(Var(1 + j as u32))));
-                }
-                (s, n.reduction_ranges.clone(), true)
-            };
-            let kranges: Vec<i64> = std::iter::once(outer).chain(inner.iter().copied()).collect();
-            let body = n.body.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &kranges));
-            // reads of buffers written earlier in this kernel
-            let mut needs_new_group = false;
-            let mut reads_here = Vec::new();
-            for e in &body.exprs {
-                if let Expr::LoadIndirect { buf, .. } = e {
-                    if knodes.iter().any(|k| p.nodes[k.node].output == *buf) {
-                        return Err(format!("{name} gathers from {}, written in this kernel", p.buffer(*buf).name));
-                    }
-                    continue;
-                }
-                let Expr::Load { buf, index } = e else { continue };
-                let writers: Vec<&KernelNode> = knodes.iter().filter(|k| p.nodes[k.node].output == *buf).collect();
-                if writers.is_empty() {
-                    continue;
-                }
-                let bname = &p.buffer(*buf).name;
-                if writers.len() > 1 {
-                    return Err(format!("{name} reads {bname}, which several nodes of the kernel write"));
-                }
-                let w = writers[0];
-                let st = &w.body.store.as_ref().ok_or("writer without a store")?.index;
-                if st != index {
-                    return Err(format!("{name} reads {bname} at {index}, which is written at {st}"));
-                }
-                if p.nodes[w.node].kind() == NodeKind::Scan {
-                    return Err(format!("{name} reads scan output {bname}, written step by step"));
-                }
-                let wg = &groups[w.group];
-                let w_red = !p.nodes[w.node].reduction_ranges.is_empty();
-                let kind = if w_red {
-                    let mut vs = Vec::new();
-                    index.vars(&mut vs);
-                    if vs.iter().any(|v| v.0 != 0) {
-                        return Err(format!("{name} reads reduction result {bname} inside its reduction loop"));
-                    }
-                    // the result exists only after its group's loop: read it from a later group
-                    needs_new_group |= w.group + 1 == groups.len();
-                    LocalRead::Scalar
-                } else if w.group + 1 == groups.len() && wg.inner == inner {
-                    LocalRead::Forwarded
-                } else if wg.inner == inner {
-                    LocalRead::Stored
-                } else {
-                    return Err(format!("{name} reads {bname} over inner loops {inner:?}, written over {:?}", wg.inner));
-                };
-                reads_here.push((*buf, kind));
-            }
-            let join = match groups.last() {
-                Some(g) => g.inner == inner && !needs_new_group,
-                None => false,
-            };
-            if !join {
-                groups.push(LoopGroup { inner: inner.clone(), reduction: is_red, nodes: Vec::new() });
-            }
-            let gi = groups.len() - 1;
-            groups[gi].reduction |= is_red;
-            groups[gi].nodes.push(pos);
-            // a forwarded read must come from this same group
-            for (buf, kind) in reads_here {
-                let kind = match kind {
-                    LocalRead::Forwarded if !join => LocalRead::Stored,
-                    k => k,
-                };
-                local_reads.push((pos, buf, kind));
-            }
-            knodes.push(KernelNode { node: i, group: gi, body, ranges: kranges });
+        let plan = KernelPlan { outer, groups: Vec::new(), nodes: Vec::new(), local_reads: Vec::new() };
+        let mut b = PlanBuilder { plan, writers: HashMap::new(), reduces: reduction_n.is_some() };
+        for &i in nodes {
+            let node = b.place(p, i, first.output, placed)?;
+            b.push(p, node);
         }
-        Ok(KernelPlan { outer, groups, nodes: knodes, local_reads })
+        Ok(b)
+    }
+
+    pub(super) fn into_plan(self) -> KernelPlan {
+        self.plan
+    }
+
+    /// How many of the plan's nodes write `b`.
+    pub(super) fn writer_count(&self, b: BufferId) -> usize {
+        self.writers.get(&b).map_or(0, Vec::len)
+    }
+
+    /// The plan of its nodes (`members`, in order) and `i` after them, or why not.
+    pub(super) fn join(&self, p: &LoopProgram, members: &[usize], i: usize, placed: &Cell<usize>) -> Result<Joined, String> {
+        if !self.reduces && !p.nodes[i].reduction_ranges.is_empty() {
+            let mut all = members.to_vec();
+            all.push(i);
+            return PlanBuilder::build(p, &all, placed).map(Joined::Rebuilt);
+        }
+        let first = self.plan.nodes.first().ok_or("no nodes")?.node;
+        self.place(p, i, p.nodes[first].output, placed).map(Joined::Appended)
+    }
+
+    /// Adds a joined node (or takes the rebuilt plan).
+    pub(super) fn apply(&mut self, p: &LoopProgram, joined: Joined) {
+        match joined {
+            Joined::Appended(placed) => self.push(p, placed),
+            Joined::Rebuilt(b) => *self = b,
+        }
+    }
+
+    /// Node `i` rewritten over the kernel's variables after the plan's nodes, with the kinds of
+    /// its reads of buffers they write; `first_output` names the kernel's device.
+    fn place(&self, p: &LoopProgram, i: usize, first_output: BufferId, placed: &Cell<usize>) -> Result<Placement, String> {
+        placed.set(placed.get() + 1);
+        let outer = self.plan.outer;
+        let device = &p.buffer(first_output).layout.device;
+        let n = &p.nodes[i];
+        let name = &p.buffer(n.output).name;
+        if &p.buffer(n.output).layout.device != device {
+            return Err(format!("{name} is on another device"));
+        }
+        let (subst, inner, is_red) = if n.reduction_ranges.is_empty() {
+            let (s, inner) = node_subst(&n.ranges, outer, 1)
+                .ok_or_else(|| format!("{name}'s ranges {:?} do not split at the kernel's outer size {outer}", n.ranges))?;
+            let work: i64 = inner.iter().product();
+            if self.reduces && outer < FEW_PROGRAMS && work > SERIAL_ELEMENTS {
+                return Err(format!("{name} would loop over {work} elements in each of the kernel's {outer} programs"));
+            }
+            (s, inner, false)
+        } else {
+            if n.ranges.iter().product::<i64>() != outer {
+                return Err(format!("reduction {name} has {} outputs, the kernel's outer size is {outer}", n.ranges.iter().product::<i64>()));
+            }
+            let (mut s, _) = node_subst(&n.ranges, outer, 1).ok_or_else(|| format!("{name}'s ranges do not split"))?;
+            for j in 0..n.reduction_ranges.len() {
+                s.push(Some(IndexExpr::var(Var(1 + j as u32))));
+            }
+            (s, n.reduction_ranges.clone(), true)
+        };
+        let kranges: Vec<i64> = std::iter::once(outer).chain(inner.iter().copied()).collect();
+        let body = n.body.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &kranges));
+        let groups = &self.plan.groups;
+        // reads of buffers written earlier in this kernel
+        let mut needs_new_group = false;
+        let mut reads_here = Vec::new();
+        for e in &body.exprs {
+            if let Expr::LoadIndirect { buf, .. } = e {
+                if self.writers.contains_key(buf) {
+                    return Err(format!("{name} gathers from {}, written in this kernel", p.buffer(*buf).name));
+                }
+                continue;
+            }
+            let Expr::Load { buf, index } = e else { continue };
+            let writers = self.writers.get(buf).map_or(&[][..], Vec::as_slice);
+            if writers.is_empty() {
+                continue;
+            }
+            let bname = &p.buffer(*buf).name;
+            if writers.len() > 1 {
+                return Err(format!("{name} reads {bname}, which several nodes of the kernel write"));
+            }
+            let w = &self.plan.nodes[writers[0]];
+            let st = &w.body.store.as_ref().ok_or("writer without a store")?.index;
+            if st != index {
+                return Err(format!("{name} reads {bname} at {index}, which is written at {st}"));
+            }
+            if p.nodes[w.node].kind() == NodeKind::Scan {
+                return Err(format!("{name} reads scan output {bname}, written step by step"));
+            }
+            let wg = &groups[w.group];
+            let w_red = !p.nodes[w.node].reduction_ranges.is_empty();
+            let kind = if w_red {
+                let mut vs = Vec::new();
+                index.vars(&mut vs);
+                if vs.iter().any(|v| v.0 != 0) {
+                    return Err(format!("{name} reads reduction result {bname} inside its reduction loop"));
+                }
+                // the result exists only after its group's loop: read it from a later group
+                needs_new_group |= w.group + 1 == groups.len();
+                LocalRead::Scalar
+            } else if w.group + 1 == groups.len() && wg.inner == inner {
+                LocalRead::Forwarded
+            } else if wg.inner == inner {
+                LocalRead::Stored
+            } else {
+                return Err(format!("{name} reads {bname} over inner loops {inner:?}, written over {:?}", wg.inner));
+            };
+            reads_here.push((*buf, kind));
+        }
+        let node = KernelNode { node: i, group: 0, body, ranges: kranges };
+        Ok(Placement { node, inner, is_red, needs_new_group, reads_here })
+    }
+
+    fn push(&mut self, p: &LoopProgram, placed: Placement) {
+        let Placement { mut node, inner, is_red, needs_new_group, reads_here } = placed;
+        let plan = &mut self.plan;
+        let pos = plan.nodes.len();
+        let join = match plan.groups.last() {
+            Some(g) => g.inner == inner && !needs_new_group,
+            None => false,
+        };
+        if !join {
+            plan.groups.push(LoopGroup { inner, reduction: is_red, nodes: Vec::new() });
+        }
+        let gi = plan.groups.len() - 1;
+        plan.groups[gi].reduction |= is_red;
+        plan.groups[gi].nodes.push(pos);
+        // a forwarded read must come from this same group
+        for (buf, kind) in reads_here {
+            let kind = match kind {
+                LocalRead::Forwarded if !join => LocalRead::Stored,
+                k => k,
+            };
+            plan.local_reads.push((pos, buf, kind));
+        }
+        node.group = gi;
+        self.writers.entry(p.nodes[node.node].output).or_default().push(pos);
+        self.reduces |= is_red;
+        plan.nodes.push(node);
     }
 }

@@ -113,6 +113,11 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     // names of in-kernel values: buffer -> C++ variable
     let mut locals: HashMap<BufferId, String> = HashMap::new();
     let mut tmp = 0usize;
+    // each node's reads of in-kernel values (looked up per node: kernels of thousands of nodes)
+    let mut local_reads_at: HashMap<usize, Vec<(BufferId, LocalRead)>> = HashMap::new();
+    for (r, b, kind) in &plan.local_reads {
+        local_reads_at.entry(*r).or_default().push((*b, *kind));
+    }
     for (gi, g) in plan.groups.iter().enumerate() {
         let mut pre = String::new();
         let mut inner = String::new();
@@ -126,16 +131,14 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let node = &p.nodes[kn.node];
             let out_buf = node.output;
             let mut replace: HashMap<BufferId, (String, Section)> = HashMap::new();
-            for (r, b, kind) in &plan.local_reads {
+            for (b, kind) in local_reads_at.get(&pos).into_iter().flatten() {
                 let section = match kind {
                     LocalRead::Scalar => Section::Pre,
                     LocalRead::Forwarded => Section::Inner,
                     LocalRead::Stored => continue,
                 };
-                if *r == pos {
-                    let name = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
-                    replace.insert(*b, (name, section));
-                }
+                let name = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
+                replace.insert(*b, (name, section));
             }
             let out_layout = &p.buffer(out_buf).layout;
             let is_red = node.kind() == NodeKind::Reduction;
