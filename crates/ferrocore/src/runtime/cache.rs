@@ -245,9 +245,8 @@ pub fn write_private_atomic(path: &Path, data: &[u8]) -> Result<(), RuntimeError
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("f");
     let tmp = dir.join(format!(".{name}.{}.tmp", super::unique_suffix()));
     let write = || -> std::io::Result<()> {
-        let mut f = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?;
-        f.write_all(data)?;
-        f.sync_data()
+        // no fsync: an entry a crash leaves short fails verification and is rebuilt
+        OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp)?.write_all(data)
     };
     if let Err(e) = write() {
         let _ = fs::remove_file(&tmp);

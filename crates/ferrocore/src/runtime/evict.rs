@@ -1,6 +1,7 @@
 //! Keeping the on-disk cache under a size: entries go oldest-used first (a hit touches the
 //! manifest, `Cache::load`), entries no manifest vouches for (an older ferrocore's, a crashed
-//! writer's) before any other. It never follows a symlink and never removes the key.
+//! writer's) before any other. It looks only into the areas ferrocore writes
+//! (`ENTRY_AREAS`), never follows a symlink and never removes the key.
 //!
 //! Why removing an entry cannot break another process using it: a loader reads the entry from
 //! one open file and maps that same file (dlopen of `/proc/self/fd/N`), so once it has opened
@@ -29,6 +30,9 @@ pub struct Eviction {
     pub removed_bytes: u64,
 }
 
+/// The root's directories that hold entries.
+pub const ENTRY_AREAS: [&str; 4] = ["cpp", "graphs", "autotune", "pad_mm"];
+
 /// Depth (below the root) of the deepest directory the current layout writes into.
 const LAYOUT_DEPTH: usize = 2;
 
@@ -46,7 +50,8 @@ pub fn evict(cache: &Cache, max_bytes: u64, stale_after: Duration) -> Result<Evi
     let mut entries: BTreeMap<PathBuf, Entry> = BTreeMap::new();
     let mut dirs = Vec::new();
     let mut report = Eviction::default();
-    walk(cache.root(), 0, super::cache::current_uid(), &mut |path, meta, depth| {
+    let uid = super::cache::current_uid();
+    let mut visit = |path: &Path, meta: &fs::Metadata, depth: usize| {
         if meta.is_dir() {
             if depth > LAYOUT_DEPTH {
                 dirs.push(path.to_path_buf());
@@ -54,9 +59,6 @@ pub fn evict(cache: &Cache, max_bytes: u64, stale_after: Duration) -> Result<Evi
             return;
         }
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if depth == 1 && name == "secret.key" {
-            return;
-        }
         report.total_bytes += meta.len();
         let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
         if name.starts_with('.') {
@@ -80,7 +82,14 @@ pub fn evict(cache: &Cache, max_bytes: u64, stale_after: Duration) -> Result<Evi
                 e.last_use = e.last_use.or(meta.modified().ok());
             }
         }
-    })?;
+    };
+    // only what ferrocore writes: anything else kept there (a Triton cache, say) is left alone
+    for area in ENTRY_AREAS {
+        let dir = cache.root().join(area);
+        if fs::symlink_metadata(&dir).is_ok_and(|m| m.is_dir() && !m.file_type().is_symlink() && m.uid() == uid) {
+            walk(&dir, 1, uid, &mut visit)?;
+        }
+    }
     let mut order: Vec<(PathBuf, Entry)> = entries.into_iter().collect();
     // unvouched entries first (those older than `stale_after`: a writer may be about to sign a
     // fresh one), then least recently used

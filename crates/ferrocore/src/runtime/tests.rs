@@ -164,8 +164,11 @@ fn eviction_removes_least_recently_used_first() {
     assert!(cache.load("graphs/00/b.py").unwrap().is_none());
     assert!(cache.load("graphs/00/a.py").unwrap().is_some() && cache.load("graphs/00/c.py").unwrap().is_some());
     assert!(dir.join("graphs/00/.b.py.123.tmp").exists(), "a young temporary file is a write in flight");
+    fs::create_dir_all(dir.join("triton")).unwrap();
+    fs::write(dir.join("triton/kernel.cubin"), b"not ours").unwrap();
     evict(&cache, 0, Duration::ZERO).unwrap();
     assert!(cache.load("graphs/00/a.py").unwrap().is_none() && dir.join("secret.key").exists());
+    assert!(dir.join("triton/kernel.cubin").exists(), "only ferrocore's own areas are evicted");
     assert!(!dir.join("graphs/00/.b.py.123.tmp").exists());
     let _ = fs::remove_dir_all(&dir);
 }
