@@ -8,6 +8,9 @@ cd "$REPO"
 
 # One C++ cache for the whole run, so each kernel is compiled once.
 export FERROCORE_CACHE_DIR="${FERROCORE_CACHE_DIR:-$REPO/.ferrocore-cache-test}"
+# ferrocore refuses a cache directory others may write into (one made by an older run under
+# umask 002, say): the test cache is the checkout's own, so make it private.
+mkdir -p "$FERROCORE_CACHE_DIR" && chmod 700 "$FERROCORE_CACHE_DIR"
 
 # The PyO3 crate's test binary links libpython: build against the venv's interpreter and let
 # the binary find the shared library at run time.

@@ -29,7 +29,6 @@ import math
 import os
 import re
 import signal
-import sys
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -867,23 +866,19 @@ def run_op_dtype(op, dtype, limit: int | None, *, timeout_s: int = SAMPLE_TIMEOU
         )
     finally:
         torch._dynamo.reset()
-        # One wrapper module per compiled graph; do not keep thousands alive.
-        for mod in [m for m in sys.modules if m.startswith("ferrocore_output_code_")]:
-            del sys.modules[mod]
         _unload_kernel_libraries(loaded_before)
     return results
 
 
 def _unload_kernel_libraries(keep: set) -> None:
-    """Unloads the kernel libraries loaded since `keep` was taken (the graphs just dropped): a
-    sweep compiles tens of thousands of graphs, and each loaded library holds a few memory
-    mappings (the kernel's limit, vm.max_map_count, is 65530 by default)."""
-    import _ctypes
+    """Unloads the kernel libraries of the graphs just dropped: a sweep compiles tens of
+    thousands of graphs, and each loaded library holds a few memory mappings (the kernel's
+    limit, vm.max_map_count, is 65530 by default). A library unloads when the last wrapper
+    module using it goes (`runtime.load_kernels`); collecting makes that now, not at the next
+    cycle. `keep` (those loaded before) stay loaded while their graphs live."""
+    import gc
 
-    from ferrocore import runtime
-
-    for path in [p for p in runtime._libraries if p not in keep]:
-        _ctypes.dlclose(runtime._libraries.pop(path)._handle)
+    gc.collect()
 
 
 def summarize(results: list[SampleResult]) -> dict:

@@ -4,7 +4,8 @@ metrics, options and the runtime helpers. The real extension is exercised by tes
 
 from __future__ import annotations
 
-import ctypes.util
+import os
+import shutil
 import importlib.util
 import json
 import sys
@@ -54,9 +55,21 @@ class FakeExtension:
             }
         )
 
-    def compile_cpp(self, source: str, options_json: str) -> str:
+    def load_cpp(self, source: str, options_json: str):
         self.cpp_options.append(json.loads(options_json))
-        return ctypes.util.find_library("m") or "libm.so.6"
+        # a library in a directory of its own, handed over open, as the real one is
+        path = self.tmp_path / "libm.so"
+        if not path.exists():
+            shutil.copy(_libm_path(), path)
+        return str(path), os.open(path, os.O_RDONLY)
+
+
+def _libm_path() -> str:
+    """The file of the libm this process has loaded."""
+    import re
+
+    found = re.search(r"(/\S*libm\.so[.0-9]*)$", Path("/proc/self/maps").read_text(), re.MULTILINE)
+    return found.group(1) if found else "/lib/x86_64-linux-gnu/libm.so.6"
 
 
 @pytest.fixture

@@ -1,1 +1,1 @@
-"""Probes the lead runs for issue notes: each module has `run() -> list[str]`."""
+"""Probes the lead runs for the closing note: each module has `run() -> list[str]`."""

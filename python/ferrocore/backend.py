@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import itertools
 import json
+import linecache
 import math
 import operator
 import sys
 import time
+import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -360,7 +362,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         _report_output_strides(result)
     start = time.perf_counter()
     with runtime.compile_options(options):
-        module = _import_module(result["module_path"], name)
+        module = _import_module(result["module_path"], name, result["module_source"])
     timings.update(result.get("timings_ms", {}))
     timings["load"] = (time.perf_counter() - start) * 1e3
     tuned = {}
@@ -729,18 +731,48 @@ def _extension():
     return _ferrocore
 
 
-def _import_module(path: str, name: str):
-    # One module name per graph: two graphs may share a cached file but must not share state.
+def _import_module(path: str, name: str, source: str):
+    """Runs the wrapper module's source as the compiler returned it, never what the cached file
+    holds by now (an edited or planted file runs nothing; Rust rewrites it). The file name is
+    the cached path, for tracebacks; `linecache` holds this very source under it, so tracebacks
+    and `inspect` (Triton reads its kernels' source) see what runs. The module is not kept in
+    `sys.modules`: it lives as long as the graph's callable, and its kernel library with it."""
     mod_name = f"ferrocore_output_code_{name}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module  # for tracebacks and inspect
+    module = types.ModuleType(mod_name)
+    module.__file__ = path
+    code = compile(source, path, "exec")
+    _hold_source(path, source, module.__dict__)
+    sys.modules[mod_name] = module  # while it runs: a module may look itself up
     try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[mod_name]
-        raise
+        exec(code, module.__dict__)
+    finally:
+        sys.modules.pop(mod_name, None)
     return module
+
+
+class _SourceLease:
+    """Kept in a wrapper module's globals: when they go, so does its source in `linecache`."""
+
+    __slots__ = ("__weakref__",)
+
+
+_held_sources: dict = {}  # path -> number of live modules run from it
+
+
+def _hold_source(path: str, source: str, module_globals: dict) -> None:
+    linecache.cache[path] = (len(source), None, source.splitlines(True), path)
+    _held_sources[path] = _held_sources.get(path, 0) + 1
+    lease = module_globals["__ferrocore_source_lease__"] = _SourceLease()
+    weakref.finalize(lease, _release_source, path)
+
+
+def _release_source(path: str) -> None:
+    left = _held_sources.get(path, 0) - 1
+    if left > 0:
+        _held_sources[path] = left
+        return
+    _held_sources.pop(path, None)
+    linecache.cache.pop(path, None)
 
 
 def _print_logs(logs) -> None:

@@ -36,7 +36,7 @@ BACKENDS = ("auto", "cpp", "triton")
 def build_options(overrides: dict | None = None) -> dict:
     debug_dir = os.environ.get("FERROCORE_DEBUG_DIR") or None
     opts = {
-        "cache_dir": _abspath(os.environ.get("FERROCORE_CACHE_DIR") or "~/.cache/ferrocore"),
+        "cache_dir": default_cache_dir(),
         "logs": parse_logs(os.environ.get("FERROCORE_LOGS", "")),
         "debug_dir": _abspath(debug_dir) if debug_dir else None,
         "cxx": os.environ.get("CXX") or "g++",
@@ -62,6 +62,24 @@ def build_options(overrides: dict | None = None) -> dict:
     if opts["conv_layout"] not in CONV_LAYOUTS:
         raise ValueError(f"ferrocore conv_layout {opts['conv_layout']!r}: expected one of {CONV_LAYOUTS}")
     return opts
+
+
+def default_cache_dir() -> str:
+    """The cache directory, as Rust's `runtime::default_cache_dir` chooses it: one per user,
+    never a shared one (`FERROCORE_CACHE_DIR`, else `$XDG_CACHE_HOME/ferrocore`, else
+    `~/.cache/ferrocore`). Rust checks on every use that it is the user's and private."""
+    explicit = os.environ.get("FERROCORE_CACHE_DIR")
+    if explicit:
+        return _abspath(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "ferrocore")
+    home = os.environ.get("HOME")
+    if home and os.path.isabs(home):
+        return os.path.join(home, ".cache", "ferrocore")
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"ferrocore-cache-{os.geteuid()}")
 
 
 def options_json(overrides: dict | None = None) -> str:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
-from .runtime import read_json, write_json_atomic
+from .runtime import read_cached_json, write_cached_json
 
 ALIGN = 8
 # padding must beat the GEMM as traced by this much to be worth its copies
@@ -67,8 +66,8 @@ def _timings(n: torch.fx.Node, a: torch.Tensor, b: torch.Tensor, cache_dir) -> t
     key_text = json.dumps([str(n.target), list(a.shape), list(a.stride()), list(b.shape), list(b.stride()),
                            str(a.dtype), torch.cuda.get_device_name(a.device), torch.__version__])
     key = hashlib.sha256(key_text.encode()).hexdigest()
-    path = Path(cache_dir) / "pad_mm" / key[:2] / f"{key}.json" if cache_dir else None
-    cached = read_json(path) if path is not None else None
+    entry = f"pad_mm/{key[:2]}/{key}.json"
+    cached = read_cached_json(cache_dir, entry) if cache_dir else None
     if cached is not None and cached.get("key") == key_text:
         return cached.get("plain_ms"), cached.get("padded_ms")
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -78,8 +77,8 @@ def _timings(n: torch.fx.Node, a: torch.Tensor, b: torch.Tensor, cache_dir) -> t
             plain, padded = _measure(n.target, a, b)
     except (RuntimeError, torch.OutOfMemoryError):
         return None, None
-    if path is not None:
-        write_json_atomic(path, {"key": key_text, "plain_ms": plain, "padded_ms": padded})
+    if cache_dir:
+        write_cached_json(cache_dir, entry, {"key": key_text, "plain_ms": plain, "padded_ms": padded})
     return plain, padded
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import itertools
 import json
 import os
 import statistics
 import sys
-import tempfile
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +20,13 @@ import torch
 
 from .options import options_json
 
-_libraries: dict = {}
+# library path -> the loaded library, while anything uses it: a wrapper module's kernels are
+# ctypes function pointers, each holding its library, so a library is unloaded (dlclose, by
+# `weakref.finalize`) only once no module of a live graph refers to it. Graphs whose C++ is
+# identical share one library.
+_libraries: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_load_ids = itertools.count()
+_load_lock = threading.Lock()
 # Options of the compile that is importing a wrapper module, so its kernels are looked up in the
 # same cache with the same compiler; None outside the backend (e.g. running output_code.py).
 _compile_options: str | None = None
@@ -35,35 +43,60 @@ def compile_options(options: str):
 
 
 def load_kernels(source: str) -> ctypes.CDLL:
-    """Compiles (or finds cached) the C++ translation unit `source` and loads it."""
+    """Compiles (or finds cached) the C++ translation unit `source` and loads it. Rust verifies
+    the cached library against its manifest and hands over an open file of the verified bytes;
+    that file is what is loaded, whatever the path names by then."""
     from . import _ferrocore
 
-    path = _ferrocore.compile_cpp(source, _compile_options or options_json())
-    lib = _libraries.get(path)
-    if lib is None:
-        lib = _libraries[path] = ctypes.CDLL(path)
+    path, fd = _ferrocore.load_cpp(source, _compile_options or options_json())
+    try:
+        with _load_lock:
+            lib = _libraries.get(path)
+            if lib is None:
+                lib = _libraries[path] = _load_open_file(path, fd)
+    finally:
+        os.close(fd)
     return lib
 
 
-def read_json(path: Path):
-    """The JSON value in `path`, or None when it is missing, truncated or corrupt."""
+def _load_open_file(path: str, fd: int) -> ctypes.CDLL:
+    """Loads the file open as `fd` under a name used once: the dynamic loader looks a name up
+    among loaded libraries before opening it, so a reused `/proc/self/fd/N` could return
+    another library still loaded under it. The name is a symlink to the descriptor, beside
+    the entry in the (checked, private) cache directory, removed once loaded."""
+    link = os.path.join(os.path.dirname(path), f".load-{os.getpid()}-{next(_load_ids)}.so")
+    os.symlink(f"/proc/self/fd/{fd}", link)
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        lib = ctypes.CDLL(link)
+    finally:
+        os.unlink(link)
+    weakref.finalize(lib, _unload, lib._handle)
+    return lib
+
+
+def _unload(handle: int) -> None:
+    import _ctypes
+
+    _ctypes.dlclose(handle)
+
+
+def read_cached_json(cache_dir, rel: str):
+    """The JSON value of cache entry `rel` (a relative path under `cache_dir`), or None when it
+    is missing, truncated, edited or not signed by this user's cache (then it is rebuilt)."""
+    from . import _ferrocore
+
+    data = _ferrocore.cache_read(str(cache_dir), rel)
+    try:
+        return json.loads(data) if data is not None else None
+    except ValueError:
         return None
 
 
-def write_json_atomic(path: Path, data) -> None:
-    """Writes `data` whole or not at all: a reader never sees half a file (best effort: a cache
-    that cannot be written is not an error)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+def write_cached_json(cache_dir, rel: str, data) -> None:
+    """Writes cache entry `rel` whole, then its manifest (0600, atomically)."""
+    from . import _ferrocore
+
+    _ferrocore.cache_write(str(cache_dir), rel, json.dumps(data).encode())
 
 
 def c_ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -446,31 +479,31 @@ class Autotuner:
             samples.append(start.elapsed_time(end) / self.calls)
         return statistics.median(samples)
 
-    def _path(self, key: str) -> Path | None:
-        return self.cache / key[:2] / f"{key}.json" if self.cache is not None else None
+    def _entry(self, key: str) -> str:
+        """The cache entry name of `key`, relative to the cache directory (`self.cache`'s parent)."""
+        return f"{self.cache.name}/{key[:2]}/{key}.json"
 
     def _cached(self, key: str, candidates: list):
-        path = self._path(key)
-        if path is None or not path.exists():
+        if self.cache is None:
+            return None
+        data = read_cached_json(self.cache.parent, self._entry(key))
+        if data is None:
             return None
         try:
-            data = json.loads(path.read_text())
             best = tuple(data["best"])
             if data.get("key") == key and best in candidates:
                 return best
-        except (OSError, ValueError, KeyError, TypeError):
+        except (KeyError, TypeError):
             pass
-        # truncated or corrupt: timed again and rewritten
-        print(f"[ferrocore:autotune] cache entry {path} is unreadable; tuning again", file=sys.stderr)
+        print(f"[ferrocore:autotune] cache entry {self._entry(key)} is unusable; tuning again", file=sys.stderr)
         return None
 
     def _store(self, key: str, best, timings: dict) -> None:
-        path = self._path(key)
-        if path is None:
+        if self.cache is None:
             return
         data = {"key": key, "best": list(best),
                 "timings_ms": [[list(c), round(t, 6)] for c, t in sorted(timings.items(), key=lambda kv: kv[1])]}
-        write_json_atomic(path, data)
+        write_cached_json(self.cache.parent, self._entry(key), data)
 
 
 class InputMismatch(RuntimeError):

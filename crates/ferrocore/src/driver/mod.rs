@@ -71,7 +71,7 @@ impl BackendChoice {
 impl Default for Options {
     fn default() -> Self {
         Options {
-            cache_dir: std::env::temp_dir().join("ferrocore-cache"),
+            cache_dir: runtime::default_cache_dir(),
             logs: Vec::new(),
             debug_dir: None,
             cxx: "g++".into(),
@@ -239,11 +239,7 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
             .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
         cache_hit = lib.cache_hit;
     }
-    let key = runtime::sha256_hex(module.as_bytes());
-    let module_path = options.cache_dir.join("graphs").join(&key[..2]).join(format!("{}_{}.py", file_component(&graph.name), &key[..16]));
-    if !module_path.exists() {
-        runtime::write_atomic(&module_path, module.as_bytes()).map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
-    }
+    let module_path = store_module(&options.cache_dir, &graph.name, &module).map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
     if let Some(d) = &st.dump_dir {
         let _ = runtime::write_atomic(&d.join("output_code.py"), module.as_bytes());
         let file = match language {
@@ -286,4 +282,17 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
 fn file_component(name: &str) -> String {
     let s: String = name.chars().take(64).map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();
     if s.is_empty() { "graph".into() } else { s }
+}
+
+/// Writes the wrapper module into the cache unless a verified copy is there already (a copy
+/// that is missing, truncated, edited or planted is replaced). The front runs the source the
+/// CompileResult carries, never the file: the file is for tracebacks and for running by hand.
+fn store_module(cache_dir: &std::path::Path, graph_name: &str, module: &str) -> Result<PathBuf, runtime::RuntimeError> {
+    let cache = runtime::Cache::open(cache_dir)?;
+    let key = runtime::sha256_hex(module.as_bytes());
+    let rel = format!("graphs/{}/{}_{}.py", &key[..2], file_component(graph_name), &key[..16]);
+    match cache.load(&rel)? {
+        Some(entry) if entry.bytes == module.as_bytes() => Ok(entry.path),
+        _ => cache.store(&rel, module.as_bytes()),
+    }
 }

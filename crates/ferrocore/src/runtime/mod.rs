@@ -1,9 +1,15 @@
 //! Compile, cache and locate native kernels. A translation unit is compiled once by the system
 //! C++ compiler into a shared library stored under a key that hashes the source, the compiler and
-//! its flags. Entries are written to temporary names and renamed into place, with a checksum
-//! beside them: a truncated or corrupt entry is detected and rebuilt, and two processes compiling
-//! the same source cannot corrupt each other. Loading (dlopen) happens in the wrapper.
+//! its flags. The cache directory's trust rules (ownership, modes, HMAC manifests) are `cache`;
+//! size limits are `evict`. A library is compiled from a private temporary source into a private
+//! temporary name, then installed with its manifest, and handed to the loader as an open file of
+//! the verified bytes: two processes compiling the same source cannot corrupt each other, and
+//! nothing unverified is ever loaded. Loading (dlopen) happens in the Python runtime.
 
+pub mod cache;
+pub mod evict;
+
+pub use cache::{default_cache_dir, Cache};
 use sha2::{Digest, Sha256};
 use std::fmt;
 use std::fs;
@@ -49,36 +55,32 @@ pub fn sha256_hex(data: &[u8]) -> String {
     d.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-#[derive(Debug, Clone)]
+/// A library ready to load: `file` is open on the verified bytes at `path`.
+#[derive(Debug)]
 pub struct CompiledLibrary {
     pub path: PathBuf,
     pub source_path: PathBuf,
+    pub file: fs::File,
     pub cache_hit: bool,
 }
 
-/// Writes `data` to `path` atomically (temporary file in the same directory, then rename).
+/// Writes `data` to `path` atomically (temporary file in the same directory, then rename), with
+/// mode 0600. For files outside the cache (debug dumps); cache entries go through `Cache`.
 pub fn write_atomic(path: &Path, data: &[u8]) -> Result<(), RuntimeError> {
     let dir = path.parent().ok_or_else(|| rerr(format!("{} has no parent directory", path.display())))?;
     fs::create_dir_all(dir).map_err(|e| rerr(format!("cannot create {}: {e}", dir.display())))?;
-    let tmp = dir.join(format!(".{}.{}.tmp", path.file_name().and_then(|n| n.to_str()).unwrap_or("f"), unique_suffix()));
-    fs::write(&tmp, data).map_err(|e| rerr(format!("cannot write {}: {e}", tmp.display())))?;
-    fs::rename(&tmp, path).map_err(|e| rerr(format!("cannot rename {} to {}: {e}", tmp.display(), path.display())))
+    cache::write_private_atomic(path, data)
 }
 
 fn unique_suffix() -> String {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-    format!("{}-{nanos}", std::process::id())
+    format!("{}-{nanos}-{n}", std::process::id())
 }
 
-fn entry_valid(lib: &Path, sum: &Path) -> bool {
-    match (fs::read(lib), fs::read_to_string(sum)) {
-        (Ok(bytes), Ok(expected)) => !bytes.is_empty() && sha256_hex(&bytes) == expected.trim(),
-        _ => false,
-    }
-}
-
-/// Returns a shared library built from `source`, compiling it only on a cache miss.
-pub fn compile_cpp(source: &str, cache_dir: &Path, cxx: &str) -> Result<CompiledLibrary, RuntimeError> {
+/// The cache entry names of a translation unit: (library, source).
+fn cpp_entry_names(source: &str, cxx: &str) -> (String, String) {
     let mut key_material = String::from(source);
     key_material.push('\0');
     key_material.push_str(cxx);
@@ -87,68 +89,50 @@ pub fn compile_cpp(source: &str, cache_dir: &Path, cxx: &str) -> Result<Compiled
         key_material.push_str(f);
     }
     let key = sha256_hex(key_material.as_bytes());
-    let dir = cache_dir.join("cpp").join(&key[..2]).join(&key);
-    let lib = dir.join("kernels.so");
-    let sum = dir.join("kernels.so.sha256");
-    let src = dir.join("kernels.cpp");
-    if entry_valid(&lib, &sum) {
-        return Ok(CompiledLibrary { path: lib, source_path: src, cache_hit: true });
+    let base = format!("cpp/{}/{key}", &key[..2]);
+    (format!("{base}.so"), format!("{base}.cpp"))
+}
+
+/// Returns a shared library built from `source`, compiling it only on a cache miss.
+pub fn compile_cpp(source: &str, cache_dir: &Path, cxx: &str) -> Result<CompiledLibrary, RuntimeError> {
+    let cache = Cache::open(cache_dir)?;
+    let (lib_rel, src_rel) = cpp_entry_names(source, cxx);
+    let source_path = cache.path(&src_rel)?;
+    if let Some(hit) = cache.load(&lib_rel)? {
+        return Ok(CompiledLibrary { path: hit.path, source_path, file: hit.file, cache_hit: true });
     }
-    fs::create_dir_all(&dir).map_err(|e| rerr(format!("cannot create cache directory {}: {e}", dir.display())))?;
-    write_atomic(&src, source.as_bytes())?;
-    let tmp_lib = dir.join(format!(".kernels.{}.so", unique_suffix()));
-    let out = Command::new(cxx)
-        .args(CXX_FLAGS)
-        .arg("-o")
-        .arg(&tmp_lib)
-        .arg(&src)
-        .args(CXX_LIBS)
-        .output()
-        .map_err(|e| rerr(format!("cannot run C++ compiler '{cxx}' on {}: {e}", src.display())))?;
-    if !out.status.success() {
+    // private names: another process, or an eviction, never touches a compile in flight
+    let tmp_src = cache.temp_path(&src_rel, ".cpp")?;
+    let tmp_lib = cache.temp_path(&lib_rel, ".so")?;
+    cache::write_private_atomic(&tmp_src, source.as_bytes())?;
+    let out = Command::new(cxx).args(CXX_FLAGS).arg("-o").arg(&tmp_lib).arg(&tmp_src).args(CXX_LIBS).output();
+    let cleanup = || {
         let _ = fs::remove_file(&tmp_lib);
-        let stderr = String::from_utf8_lossy(&out.stderr);
+        let _ = fs::remove_file(&tmp_src);
+    };
+    let out = out.map_err(|e| {
+        cleanup();
+        rerr(format!("cannot run C++ compiler '{cxx}' on {}: {e}", source_path.display()))
+    })?;
+    if !out.status.success() {
+        cleanup();
+        let stderr = String::from_utf8_lossy(&out.stderr).replace(&*tmp_src.to_string_lossy(), &source_path.to_string_lossy());
         let tail: Vec<&str> = stderr.lines().take(40).collect();
-        return Err(rerr(format!("C++ compilation of {} failed:\n{}", src.display(), tail.join("\n"))));
+        let _ = cache.store(&src_rel, source.as_bytes()); // for the user to read the error against
+        return Err(rerr(format!("C++ compilation of {} failed:\n{}", source_path.display(), tail.join("\n"))));
     }
-    let bytes = fs::read(&tmp_lib).map_err(|e| rerr(format!("cannot read {}: {e}", tmp_lib.display())))?;
-    fs::rename(&tmp_lib, &lib).map_err(|e| rerr(format!("cannot install {}: {e}", lib.display())))?;
-    write_atomic(&sum, sha256_hex(&bytes).as_bytes())?;
-    Ok(CompiledLibrary { path: lib, source_path: src, cache_hit: false })
+    let opened = fs::File::open(&tmp_lib).and_then(|mut f| {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut f, &mut bytes).map(|_| (f, bytes))
+    });
+    let (file, bytes) = opened.map_err(|e| {
+        cleanup();
+        rerr(format!("cannot read {}: {e}", tmp_lib.display()))
+    })?;
+    let path = cache.install(&tmp_lib, &lib_rel, &bytes).inspect_err(|_| cleanup())?;
+    cache.install(&tmp_src, &src_rel, source.as_bytes()).inspect_err(|_| cleanup())?;
+    Ok(CompiledLibrary { path, source_path, file, cache_hit: false })
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn tmpdir(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("ferrocore-rt-{tag}-{}", unique_suffix()));
-        fs::create_dir_all(&d).unwrap();
-        d
-    }
-
-    #[test]
-    fn cache_hit_and_corruption_rebuild() {
-        let dir = tmpdir("cache");
-        let src = "extern \"C\" int forty_two() { return 42; }\n";
-        let a = compile_cpp(src, &dir, "g++").unwrap();
-        assert!(!a.cache_hit);
-        let b = compile_cpp(src, &dir, "g++").unwrap();
-        assert!(b.cache_hit);
-        assert_eq!(a.path, b.path);
-        // truncate the library: detected and rebuilt
-        fs::write(&a.path, b"").unwrap();
-        let c = compile_cpp(src, &dir, "g++").unwrap();
-        assert!(!c.cache_hit);
-        assert!(fs::read(&c.path).unwrap().len() > 100);
-        let _ = fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn compiler_failure_names_the_source() {
-        let dir = tmpdir("fail");
-        let e = compile_cpp("this is not C++", &dir, "g++").unwrap_err().to_string();
-        assert!(e.contains("kernels.cpp") && e.contains("failed"), "{e}");
-        let _ = fs::remove_dir_all(&dir);
-    }
-}
+mod tests;

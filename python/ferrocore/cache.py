@@ -1,0 +1,32 @@
+"""The on-disk cache from Python: where it is and how to keep it small.
+
+Everything ferrocore caches (kernel libraries and their sources, wrapper modules, autotuning
+winners, GEMM-padding timings) lives under one directory per user, `directory()`. Rust owns the
+trust rules (`runtime/cache.rs`: private modes, ownership checks, HMAC manifests); this module
+only names the directory and exposes eviction.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .options import build_options
+
+
+def directory(overrides: dict | None = None) -> str:
+    """The cache directory compiles use now (`FERROCORE_CACHE_DIR`, `options={"cache_dir": ...}`,
+    else the per-user default)."""
+    return build_options(overrides)["cache_dir"]
+
+
+def evict(max_bytes: int, cache_dir: str | None = None, stale_after_s: float = 3600.0) -> dict:
+    """Removes least recently used entries until the cache holds at most `max_bytes`; entries no
+    manifest vouches for (an older ferrocore's) go first. Safe while other processes compile and
+    load from the same cache: a loader maps the file it verified, so removing it changes nothing
+    for them, and temporary files younger than `stale_after_s` (a compile in flight) stay.
+    Returns {"total_bytes", "removed_entries", "removed_bytes"}."""
+    from . import _ferrocore
+
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+    return json.loads(_ferrocore.evict_cache(cache_dir or directory(), int(max_bytes), float(stale_after_s)))
