@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
