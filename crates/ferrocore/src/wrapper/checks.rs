@@ -9,13 +9,13 @@
 //! This file renders Python text; it decides nothing about the plan.
 
 use super::{py_str, py_tuple};
-use crate::loop_ir::LoopProgram;
+use crate::loop_ir::{BufferId, LoopProgram};
 use std::fmt::Write;
 
 /// The helpers the input checks call and the module-level constants they compare against
 /// (rendered before `call`).
-pub fn render_input_specs(p: &LoopProgram, check_inputs: bool) -> String {
-    let checked = check_inputs && !p.inputs.is_empty();
+pub fn render_input_specs(p: &LoopProgram, used: &[bool], check_inputs: bool) -> String {
+    let checked = check_inputs && !checked_inputs(p, used).is_empty();
     let mut m = String::new();
     match (checked, p.input_storage_views.is_empty()) {
         (false, true) => return m,
@@ -27,8 +27,8 @@ pub fn render_input_specs(p: &LoopProgram, check_inputs: bool) -> String {
         return m;
     }
     m.push_str("# the inputs this module was compiled for: (name, size, stride, dtype, device)\nINPUTS = (\n");
-    for b in &p.inputs {
-        let buf = p.buffer(*b);
+    for b in checked_inputs(p, used) {
+        let buf = p.buffer(b);
         let l = &buf.layout;
         let _ = writeln!(
             m,
@@ -46,10 +46,16 @@ pub fn render_input_specs(p: &LoopProgram, check_inputs: bool) -> String {
     m
 }
 
+/// The inputs a kernel or library call reads, in order: one only returned (an effect token,
+/// which AOT autograd passes as None) or not used at all is never read out of bounds.
+fn checked_inputs(p: &LoopProgram, used: &[bool]) -> Vec<BufferId> {
+    p.inputs.iter().copied().filter(|b| used[b.0 as usize]).collect()
+}
+
 /// Lines of `call` (after the inputs are unpacked into their names) that check them.
-pub fn render_input_checks(p: &LoopProgram, check_inputs: bool) -> String {
+pub fn render_input_checks(p: &LoopProgram, used: &[bool], check_inputs: bool) -> String {
     let mut m = String::new();
-    let names: Vec<&str> = p.inputs.iter().map(|b| p.buffer(*b).name.as_str()).collect();
+    let names: Vec<&str> = checked_inputs(p, used).into_iter().map(|b| p.buffer(b).name.as_str()).collect();
     if check_inputs && !names.is_empty() {
         let tuple = |parts: Vec<String>| if parts.len() == 1 { format!("({},)", parts[0]) } else { format!("({})", parts.join(", ")) };
         let inputs = tuple(names.iter().map(|n| n.to_string()).collect());

@@ -155,6 +155,17 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
 
 /// Buffers something reads: a kernel, an extern call or the graph's outputs.
 fn used_buffers(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
+    let mut used = read_by_steps(s, kernels);
+    for o in &s.program.outputs {
+        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
+            used[b.0 as usize] = true;
+        }
+    }
+    used
+}
+
+/// Buffers a kernel or an extern call reads (or writes in place).
+fn read_by_steps(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
     let p = &s.program;
     let mut used = vec![false; p.buffers.len()];
     for l in &kernels.launches {
@@ -164,11 +175,6 @@ fn used_buffers(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
     }
     for x in &p.externs {
         for b in x.input_buffers() {
-            used[b.0 as usize] = true;
-        }
-    }
-    for o in &p.outputs {
-        if let OutputValue::Buffer(b) | OutputValue::View { buf: b, .. } = o {
             used[b.0 as usize] = true;
         }
     }
@@ -349,7 +355,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
     if donated {
         m.push_str("\n# call(args, held) writes results over donated inputs (see runtime.owned_storage)\nDONATED_WRITES = True\n");
     }
-    m.push_str(&checks::render_input_specs(p, check_inputs));
+    m.push_str(&checks::render_input_specs(p, &read_by_steps(s, kernels), check_inputs));
     let mut params = String::from("args");
     let mut inner = String::from("args");
     if flag_device.is_some() {
@@ -382,7 +388,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
         // the list would keep every input alive until the call returns
         m.push_str("    args.clear()\n");
     }
-    m.push_str(&checks::render_input_checks(p, check_inputs));
+    m.push_str(&checks::render_input_checks(p, &read_by_steps(s, kernels), check_inputs));
     // donated inputs that results are written over: a private copy where a view shares the
     // storage or it is too short
     for w in &p.donated_writes {
