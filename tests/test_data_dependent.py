@@ -174,3 +174,47 @@ def test_boolean_mask_indexing_is_a_call_between_segments(observed):
     assert sum(e["fallbacks"] for e in observed) == 0
     assert not any(e["graph_fallback"] for e in observed)
     assert _compiled_entries(observed)
+
+
+def test_outputs_keep_eagers_strides_beside_a_data_dependent_size():
+    # the masked fill of a transposed clone keeps the clone's layout in eager; the segment with it
+    # (after the mask, so it reads a data-dependent size) is compiled per concrete size and must
+    # write that layout too
+    def f(x, fill, y, m):
+        z = y[m] * 2
+        v = x.t().clone()
+        v.masked_fill_(fill, 0)
+        return v, z
+
+    cf = _compiled(f)
+    args = (torch.randint(-5, 5, (4, 9), dtype=torch.int8), torch.rand(9, 4) < 0.5, torch.randn(6), torch.rand(6) < 0.5)
+    _same(cf(*args), f(*args))
+
+
+def test_an_output_computed_after_a_data_dependent_size_keeps_its_strides():
+    # the select of a permuted result reaches the segment after the mask as that segment's
+    # input; the output computed from it keeps the layout eager gives it
+    def f(x, m):
+        v = torch.acos(x).unbind(-3)[1]
+        return x[m] * 2, torch.clamp(v, min=0, max=2.5)
+
+    cf = _compiled(f)
+    args = (torch.randint(-3, 3, (2, 1, 3, 9)).permute(3, 2, 1, 0), torch.rand(9, 3, 1, 2) < 0.5)
+    _same(cf(*args), f(*args))
+
+
+def test_views_of_an_input_written_in_place_beside_a_data_dependent_size():
+    # the segment compiled per concrete size is re-traced without functionalization: the
+    # input's copy_ stays in it and the views after it read its result (the new contents)
+    def f(x, y, m):
+        x[1:-1].copy_(x[:-2] * 2)
+        v = x.chunk(2, -1)[0]
+        return v.clone(), v.squeeze(0), y[m]
+
+    for rows in (0, 4):
+        cf = _compiled(f)
+        x, y, m = torch.randn(rows, 5), torch.randn(6, 5), torch.rand(6, 5) < 0.5
+        x_eager = x.clone()
+        want = f(x_eager, y, m)
+        _same(cf(x, y, m), want)
+        _same(x, x_eager)

@@ -24,6 +24,34 @@ def test_as_strided_on_an_input_view_and_a_computed_tensor():
     check(lambda t: (torch.as_strided(t, (3, 4), (5, 1), 7) * 2, torch.as_strided(t.exp(), (2, 3), (1, 2)) + 1), x)
 
 
+@pytest.mark.parametrize("view", [
+    lambda t: t.flip(0).contiguous().as_strided((3,), (3,), 5),
+    lambda t: t.flip(0)[1:].as_strided((3,), (2,), 5),
+    lambda t: t.flip(1).t().as_strided((2, 2), (1, 6), 3),
+    lambda t: t.repeat(2, 1).as_strided((4,), (5,), 2),
+    lambda t: (t * 2).view(6, 4)[2:].as_strided((2,), (3,), 9),
+    lambda t: t[1:].clone().as_strided((3,), (2,), 1),
+], ids=["flip", "slice_of_flip", "transposed_flip", "repeat", "slice_of_product", "clone_of_slice"])
+def test_as_strided_reads_the_storage_eager_computed_its_operand_into(view):
+    # flip and repeat are index maps onto their input in ferrocore but new storages in eager,
+    # which as_strided's offset and strides address
+    check(lambda t: view(t) + 1, torch.randn(4, 6))
+
+
+@pytest.mark.ferrocore_only
+def test_integer_clamp_bounds_past_the_range_follow_this_torchs_eager(monkeypatch):
+    # torch 2.11's clamp wraps min=-1 into uint8 (255); later versions let it bound nothing
+    from ferrocore import backend
+
+    x = torch.tensor([4, 0, 200], dtype=torch.uint8)
+    f = lambda t: (torch.clamp(t, min=-1), torch.clamp(t, -3, 2) + 1)
+    check(f, x)
+    monkeypatch.setattr(backend, "_eager_wraps_clamp_bounds", lambda: True)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="ferrocore")(x)
+    assert got[0].tolist() == [255, 255, 255] and got[1].tolist() == [3, 3, 3]
+
+
 def test_library_calls_count_as_externs_not_fallbacks():
     x = torch.randn(2, 3, 10, 10)
     w = torch.randn(4, 3, 3, 3)

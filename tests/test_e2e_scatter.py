@@ -107,7 +107,7 @@ def test_max_pool_gradients_from_saved_window_offsets(dims, kernel, stride, padd
 
     def fn(t):
         y = pool(t * 2, kernel, stride=stride, padding=padding, ceil_mode=ceil)
-        return (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum()
+        return (y * torch.arange(y.numel(), dtype=y.dtype, device=y.device).view(y.shape)).sum()
 
     expected = torch.autograd.grad(fn(x), x)[0]
     torch._dynamo.reset()

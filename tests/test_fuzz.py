@@ -22,11 +22,15 @@ from fuzzer.check import run_programs  # noqa: E402
 from fuzzer.generate import generate  # noqa: E402
 from fuzzer.minimize import minimize  # noqa: E402
 from fuzzer.program import DTYPES, Input, Op, Program  # noqa: E402
-from fuzzer.runner import run_fuzz  # noqa: E402
+from fuzzer.runner import is_failure, run_fuzz  # noqa: E402
 
 CI_SEED = 20
 CPP_COUNT = 96
 TRITON_COUNT = 24
+
+
+# the fuzzer makes its programs' inputs on the CPU (bench/fuzz.py --device cuda runs them on a GPU)
+pytestmark = pytest.mark.cpu_only("the fuzzer's programs make CPU tensors")
 
 
 def test_program_i_of_seed_s_is_the_same_in_every_process():
@@ -110,6 +114,38 @@ def test_a_planted_bug_is_named_by_its_class(cls):
     program, backend = PLANTED[cls]
     assert run_programs([program], "cpp", "cpu", compiler=backend)[0]["class"] == cls
     assert run_programs([program], "cpp", "cpu", compiler="aot_eager")[0]["class"] == "pass"
+
+
+@pytest.mark.ferrocore_only
+def test_an_error_torch_raises_without_ferrocore_is_torchs():
+    # a mask's data-dependent size (1 here) meets an empty tensor: eager broadcasts, torch's
+    # trace asserts the size is 0
+    program = Program(
+        inputs=[Input("x0", [1], "int32", seed=1), Input("x1", [0], "int32", seed=2),
+                Input("x2", [1], "bool", seed=3, values="mask")],
+        ops=[Op("{t} = {a}[{m}]", {"a": "x0", "m": "x2"}, target="v1"),
+             Op("{t} = torch.remainder({a}, {b})", {"a": "x1", "b": "v1"}, target="v2")],
+        outputs=["x0"])
+    result = run_programs([program], "cpp", "cpu")[0]
+    assert result["class"] == "torch:runtime_error", result
+    assert is_failure("compile_error") and not is_failure(result["class"])
+
+
+def test_a_dtype_from_torchs_meta_function_is_a_documented_deviation():
+    # bool ** True: the meta function says int64, the kernel keeps bool
+    program = _program([Op("{t} = torch.pow({a}, True)", {"a": "x0"}, target="v1")], ["v1"], dtype="bool")
+    meta_dtype = _planted(outputs=lambda o: o.to(torch.int64))
+    assert run_programs([program], "cpp", "cpu", compiler=meta_dtype)[0]["class"] == "deviation:meta_dtype"
+
+
+def test_cancelling_huge_terms_bound_the_rounding_by_their_magnitude():
+    # float64 absorbs the small terms next to 2**63 as float32 does: any summation order is right
+    ref = torch.tensor([0.0], dtype=torch.float64)
+    eager, compiled = torch.tensor([0.0]), torch.tensor([-1.88])
+    assert compare.explained_by_rounding(eager, compiled, ref) is None
+    magnitude = torch.tensor([1.1e18], dtype=torch.float64)
+    assert compare.explained_by_rounding(eager, compiled, ref, magnitude, 16) == "deviation:rounding"
+    assert compare.explained_by_rounding(eager, compiled, ref, torch.tensor([20.0], dtype=torch.float64), 16) is None
 
 
 def test_rounding_deviations_need_eager_to_be_as_far_from_float64():

@@ -148,6 +148,7 @@ def _(x, v):
     return torch.empty_like(x)
 
 
+@pytest.mark.cpu_only("hand-made graphs that declare CPU tensors")
 @pytest.mark.parametrize("debug", [False, True])
 def test_hostile_strings_reach_a_library_call_exactly(tmp_path, marker, debug):
     """A string argument is a literal in the module: the custom op receives it byte for byte,
@@ -164,6 +165,7 @@ def test_hostile_strings_reach_a_library_call_exactly(tmp_path, marker, debug):
             assert _only_expected_files(tmp_path)
 
 
+@pytest.mark.cpu_only("hand-made graphs that declare CPU tensors")
 def test_hostile_fallback_string_is_escaped_in_code_and_comment(tmp_path, marker):
     """An unsupported gelu `approximate` falls back to ATen; the string is both an argument and
     part of the fallback's reason (a comment): torch rejects the value, nothing executes."""
@@ -176,6 +178,7 @@ def test_hostile_fallback_string_is_escaped_in_code_and_comment(tmp_path, marker
         assert _only_expected_files(tmp_path)
 
 
+@pytest.mark.cpu_only("hand-made graphs that declare CPU tensors")
 @pytest.mark.parametrize("name", [
     "torch", "call", "args", "reinterpret", "restride", "c_ptr", "owned_storage", "float", "IndexError", "buf0", "buf1", "buf2", "buf3",
     "arg1", "match", "class", "print", "_lib", "_r", "KERNEL_SOURCE", "launch_x", "cpp_poi_fused_add_0", "loc_buf1_0",
@@ -200,6 +203,7 @@ def test_inputs_named_like_the_modules_own_names_compute_right(tmp_path, name):
     torch.testing.assert_close(mm, (a + b) * a)
 
 
+@pytest.mark.cpu_only("hand-made graphs that declare CPU tensors")
 def test_float_arguments_at_the_edges_reach_kernels_and_library_calls_exactly(tmp_path):
     """Non-finite, signed-zero, denormal and extreme float64 scalars in a C++ kernel
     (`mul.Scalar`) and in a library call's Python arguments (a custom op) give eager's bits."""

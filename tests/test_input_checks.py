@@ -117,6 +117,14 @@ def test_a_compiled_module_rejects_an_input_unlike_the_one_it_was_compiled_for(w
 
 
 @pytest.mark.ferrocore_only
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_compiled_module_rejects_a_wrong_number_of_inputs(count):
+    _, fn = _compiled_graph()
+    with pytest.raises(runtime.InputMismatch, match=f"takes 2 inputs; got {count}"):
+        fn(*[torch.randn(4, 4) for _ in range(count)])
+
+
+@pytest.mark.ferrocore_only
 def test_a_compiled_module_rejects_a_large_input_of_the_wrong_size():
     # 3000x3000 into a 4x4 graph read out of bounds (a segfault) before the check
     _, fn = _compiled_graph()
@@ -174,7 +182,7 @@ def test_new_shapes_from_several_threads_at_once_compile_each_shape_once():
     barrier = threading.Barrier(threads)
 
     def work(i):
-        x = torch.randn(7 + i % 2, 9)  # two threads per new shape
+        x = torch.randn(7 + i % 2, 9, device=DEVICE)  # two threads per new shape (the default device is per thread)
         barrier.wait()
         try:
             results[i] = (compiled(x), f(x))
@@ -191,3 +199,22 @@ def test_new_shapes_from_several_threads_at_once_compile_each_shape_once():
         torch.testing.assert_close(got, want)
     assert len(results) == threads
     assert ferrocore.metrics.total["graphs"] == 2  # (7, 9) and (8, 9), once each
+
+
+def test_zero_dim_inputs_declared_on_the_gpu_are_the_ones_moved_there():
+    # an attention's saved random-number state: declared on the GPU by torch's fake tensors,
+    # handed over on the CPU; the compiled call moves it (found by the CUDA test run)
+    from torch._subclasses import FakeTensorMode
+
+    from ferrocore.backend import _declared_gpu_scalars
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        vals = [torch.empty((), dtype=torch.int64, device="cuda"), torch.empty((), device="cpu"),
+                torch.empty((3,), device="cuda"), torch.empty((), dtype=torch.int64, device="cuda")]
+    for i, v in enumerate(vals):
+        graph.placeholder(f"a{i}").meta["val"] = v
+    graph.output(())
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert _declared_gpu_scalars(gm, host=[]) == [0, 3]
+    assert _declared_gpu_scalars(gm, host=[3]) == [0]

@@ -43,6 +43,20 @@ def _():
     return (lambda a, b: torch.sigmoid(torch.relu(a + 1) * b) - a.abs()), (randn(8, 33), randn(8, 33, seed=1))
 
 
+@case("reduction_over_an_empty_dim")
+def _():
+    # the input has no elements (its pointer may point nowhere): no load may be issued
+    return (lambda a: (torch.prod(a, 0), a.sum(0) + 1)), (randn(1, 6).expand(0, 6),)
+
+
+@case("negative_constants_of_unsigned_type")
+def _():
+    # -7 and -1 as uint8 constants wrap (Triton's compiler rejects them unwrapped)
+    x = torch.randint(0, 16, (4, 3), generator=_g(2)).to(torch.uint8)
+    m = torch.rand(4, 3, generator=_g(3)) < 0.5
+    return (lambda a, b: (a.masked_fill(b, -7), torch.where(a > -1, a, 3), a >> 2)), (x, m)
+
+
 @case("repeated_layer")
 def _():
     # the same bias+gelu kernel between matmuls, three times: defined once, launched thrice

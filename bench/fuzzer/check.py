@@ -4,7 +4,7 @@ Runs inside a worker process (see worker.py): the backend's settings (`TRITON_IN
 `FERROCORE_BACKEND`) are in its environment before torch is imported.
 
 Classes: `pass`; `invalid` (eager raised: a generator bug, counted); `mismatch:*` (compare.py);
-`deviation:*` and `pending:*` (documented or owned elsewhere, compare.py); `compile_error`
+`deviation:*` (documented, compare.py); `torch:*` (torch fails alike without ferrocore); `compile_error`
 (ferrocore raised compiling); `runtime_error` (the compiled graph raised where eager did not);
 `dynamo` (dynamo could not capture the function: not ferrocore's); `graph_fallback` (ferrocore
 ran the whole graph eagerly). Worker crashes and timeouts are classified by the runner.
@@ -20,6 +20,7 @@ import torch
 
 from . import compare
 from .program import FLOATS, Program, compile_functions
+from .runner import is_failure
 
 
 def _widened(program: Program) -> Program:
@@ -49,16 +50,22 @@ class Prepared:
         except Exception as e:  # noqa: BLE001 - eager rejected the program
             self.error = f"eager raised {type(e).__name__}: {e}"
         self._ref = None
+        self._mag = None
+        # the most terms any reduction of the program can add: the largest input's size
+        self.terms = max((t.numel() for t in self.make_inputs("cpu")), default=1) if not self.error else 1
 
-    def meta_strides(self):
-        """The output strides PyTorch's own meta functions give (what the traced graph says),
-        or None when the program does not run on fake tensors."""
+    def meta_outputs(self):
+        """(shape, stride, dtype) of each output as PyTorch's own meta functions give them (what
+        the traced graph says), or None when the program does not run on fake tensors. A shape
+        environment lets data-dependent ops (boolean masks) run; a stride that stays symbolic
+        is None."""
         try:
             from torch._subclasses import FakeTensorMode
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            with FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False) as mode:
                 inputs = [mode.from_tensor(t) for t in self.make_inputs(self.device)]
-                return [tuple(o.stride()) for o in self.fn(*inputs)]
+                return [(tuple(o.stride()), o.dtype) for o in self.fn(*inputs)]
         except Exception:  # noqa: BLE001
             return None
 
@@ -72,6 +79,39 @@ class Prepared:
             except Exception:  # noqa: BLE001
                 self._ref = False
         return self._ref or None
+
+
+    def magnitude(self):
+        """(outputs, inputs after) of the float64 run on the inputs' absolute values: the scale
+        of the terms each result adds up, or None when it does not run. Integer inputs keep
+        their dtype (the minimum becomes the maximum; see _to_magnitude)."""
+        if self._mag is None:
+            try:
+                mk, fn = compile_functions(_widened(self.program), "f")
+                inputs = mk(self.device)
+                for t in inputs:
+                    _to_magnitude(t)
+                outs = fn(*inputs)
+                self._mag = ([_abs64(o) for o in outs], [_abs64(t) for t in inputs])
+            except Exception:  # noqa: BLE001
+                self._mag = False
+        return self._mag or None
+
+
+def _to_magnitude(t: torch.Tensor) -> None:
+    """|t| in place. Integer inputs that could be indices (all values within the largest size
+    the generator draws, where a negative index would turn into another) are left as they are."""
+    if t.dtype == torch.bool:
+        return
+    if t.is_floating_point():
+        t.abs_()
+    elif t.numel() and int(t.abs().max()) > 128:
+        info = torch.iinfo(t.dtype)
+        t.copy_(torch.where(t == info.min, torch.full_like(t, info.max), t.abs()))
+
+
+def _abs64(t):
+    return t.double().abs() if isinstance(t, torch.Tensor) and t.is_floating_point() else None
 
 
 class _Strided:
@@ -107,28 +147,31 @@ def classify(prep: Prepared, actual, inputs_after) -> tuple:
             cls = "mismatch:mutation"
         found.append((_explain(prep, where, e, a, cls), f"{where}: {detail}"))
     # a real mismatch wins over a documented deviation elsewhere in the program
-    found.sort(key=lambda f: f[0].startswith(("deviation:", "pending:")))
+    found.sort(key=lambda f: f[0].startswith("deviation:"))
     return found[0] if found else ("pass", "")
 
 
 def _explain(prep: Prepared, where: str, e, a, cls: str) -> str:
-    if cls == "mismatch:stride" and where.startswith("output"):
-        # the compiled graph keeps the strides of PyTorch's meta function where eager's real
-        # kernel lays its result out differently (copysign of a transposed input)
-        meta = prep.meta_strides()
-        traced = meta is not None and compare.same_strides(a, _Strided(a.shape, meta[int(where.split()[1])]))
+    if cls in ("mismatch:stride", "mismatch:dtype") and where.startswith("output"):
+        # the compiled graph keeps the strides (dtype) of PyTorch's meta function where eager's
+        # real kernel gives others (copysign of a transposed input; bool ** True)
+        meta = prep.meta_outputs()
+        stride, dtype = meta[int(where.split()[1])] if meta is not None else ((None,), None)
+        if cls == "mismatch:dtype":
+            return "deviation:meta_dtype" if a.dtype == dtype else cls
+        traced = None not in stride and compare.same_strides(a, _Strided(a.shape, stride))
         return "deviation:meta_strides" if traced else cls
     if cls not in ("mismatch:value", "mismatch:nan", "mismatch:mutation"):
         return cls
-    if "int_min_div_neg1" in prep.program.notes and not e.dtype.is_floating_point:
-        return "pending:int_min_div_neg1"
     ref = prep.reference()
     if ref is None:
         return cls
     outs, ins = ref
     k = int(where.split()[1])
     r = outs[k] if where.startswith("output") else ins[k]
-    return compare.explained_by_rounding(e, a, r) or cls
+    mag = prep.magnitude()
+    m = None if mag is None else (mag[0][k] if where.startswith("output") else mag[1][k])
+    return compare.explained_by_rounding(e, a, r, m, prep.terms) or cls
 
 
 def _batch_function(preps: list):
@@ -176,8 +219,12 @@ def run_programs(programs: list, backend: str, device: str, compiler=None) -> li
     with _FallbackLog() as log:
         outcome = _call_twice(compiled, [preps[k] for k in live], device)
     total = metrics.total
+    if len(live) == 1 and not compiler and is_failure(outcome[0][0]) \
+            and _torch_fails_alike(preps[live[0]], device, outcome[0]):
+        cls, detail, kind = outcome[0]
+        outcome = [(f"torch:{cls}", detail, kind)]
     for j, k in enumerate(live):
-        cls, detail = outcome[j]
+        cls, detail, _kind = outcome[j]
         if cls == "pass" and total.get("graph_fallbacks"):
             cls, detail = "graph_fallback", "; ".join(log.reasons) or "ferrocore ran the graph eagerly"
         results[k] = {"class": cls, "detail": detail}
@@ -188,9 +235,10 @@ def run_programs(programs: list, backend: str, device: str, compiler=None) -> li
 
 
 def _call_twice(compiled, preps: list, device: str) -> list:
-    """Per program (class, detail), over two calls with fresh inputs (the second reuses the
-    compiled graph)."""
-    outcome = [("pass", "")] * len(preps)
+    """Per program (class, detail, error kind), over two calls with fresh inputs (the second
+    reuses the compiled graph); the kind names the exception (inside dynamo's wrapper) of a call
+    that raised, else it is None."""
+    outcome = [("pass", "", None)] * len(preps)
     for call in ("first", "second"):
         inputs = [p.make_inputs(device) for p in preps]
         try:
@@ -198,14 +246,40 @@ def _call_twice(compiled, preps: list, device: str) -> list:
         except Exception as e:  # noqa: BLE001
             cls = _error_class(e)
             detail = f"{call} call: {type(e).__name__}: {str(e)[:2000]}\n{_tail(e)}"
-            return [(cls, detail)] * len(preps)
+            kind = f"{call}:{type(getattr(e, 'inner_exception', None) or e).__name__}"
+            return [(cls, detail, kind)] * len(preps)
         for j, prep in enumerate(preps):
             if outcome[j][0] != "pass":
                 continue
             cls, detail = classify(prep, actual[j], inputs[j])
             if cls != "pass":
-                outcome[j] = (cls, f"{call} call, {detail}")
+                outcome[j] = (cls, f"{call} call, {detail}", None)
     return outcome
+
+
+def _torch_reference():
+    """ferrocore's torch half alone: AOT autograd with ferrocore's options and decomposition
+    table, its graphs run as traced. An error this backend raises too is torch's, not ferrocore's."""
+    from ferrocore.backend import decompositions
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def run(gm, _inputs):
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=run, bw_compiler=run, inference_compiler=run,
+                        keep_inference_input_mutations=True, decompositions=decompositions())
+
+
+def _torch_fails_alike(prep: Prepared, device: str, outcome: tuple) -> bool:
+    """Whether the torch reference backend fails the program the same way: the same exception
+    in the same call, or the same wrong result (the same values at the same place)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(_batch_function([prep]), backend=_torch_reference(), fullgraph=True, dynamic=False)
+    cls, detail, kind = _call_twice(compiled, [prep], device)[0]
+    if kind is not None or outcome[2] is not None:
+        return cls == outcome[0] and kind == outcome[2]
+    return cls == outcome[0] and detail == outcome[1]
 
 
 class _FallbackLog:

@@ -183,7 +183,7 @@ def _binary_scalar(ctx: Context, fn: str, call: str, a: str):
 
 def _divisor_ok(ctx: Context, fn: str, x: torch.Tensor, y: torch.Tensor) -> bool:
     """Integer division or modulo by zero is left out (ATen raises; compiled code gives 0, a
-    documented deviation). Notes MIN // -1 (a pending `numerics` item)."""
+    documented deviation). Notes MIN // -1 (eager wraps around; so must the compiled code)."""
     if fn not in INT_DIVISION or x.is_floating_point() or y.is_floating_point():
         return True
     if bool((y == 0).any()):

@@ -27,6 +27,13 @@ BENCH = Path(__file__).resolve().parent.parent
 # classes that say nothing about one program of a batch: the batch is bisected
 BATCH_WIDE = ("compile_error", "runtime_error", "dynamo", "crash", "timeout", "graph_fallback", "harness_error")
 OK = ("pass", "invalid")
+# not ferrocore's failures: documented deviations, and failures torch's own pipeline makes
+# without ferrocore (check._torch_fails_alike)
+EXCUSED = ("deviation:", "torch:")
+
+
+def is_failure(cls: str) -> bool:
+    return cls not in OK and cls != "graph_fallback" and not cls.startswith(EXCUSED)
 
 
 class WorkerDied(Exception):
@@ -128,6 +135,7 @@ class Totals:
         self.fallback_ops: Counter = Counter()
         self.graph_fallbacks: Counter = Counter()  # reason -> programs
         self.failures: list = []  # (program, result)
+        self.excused: list = []  # (program, result) of the EXCUSED classes
         self.seconds = 0.0
         self.lock = threading.Lock()
 
@@ -140,8 +148,10 @@ class Totals:
                 self.fallback_ops.update(r.get("fallback_ops") or [])
                 if r["class"] == "graph_fallback":  # coverage lost, not a wrong result
                     self.graph_fallbacks[r["detail"][:200]] += 1
-                elif r["class"] not in OK and not r["class"].startswith(("deviation:", "pending:")):
+                elif is_failure(r["class"]):
                     self.failures.append((p, r))
+                elif r["class"].startswith(EXCUSED):
+                    self.excused.append((p, r))
 
     def passed(self) -> int:
         return self.classes["pass"]

@@ -76,7 +76,7 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         fw_compiler=forward,
         inference_compiler=inference,
         bw_compiler=backward,
-        decompositions=_decompositions(training=_needs_grad(example_inputs)),
+        decompositions=decompositions(training=_needs_grad(example_inputs)),
         partition_fn=_partition,
     )(gm, example_inputs)
     state.stop()
@@ -238,7 +238,7 @@ def _needs_grad(example_inputs) -> bool:
 
 
 @functools.lru_cache(None)
-def _decompositions(training: bool = False) -> dict:
+def decompositions(training: bool = False) -> dict:
     """Core ATen's table, less the ops ferrocore lowers better itself; for training graphs also
     the softmaxes and normalizations. The partitioner recomputes only ops it knows to be cheap and
     treats these as opaque, so it would save their full-size outputs beside their inputs; taken
@@ -325,10 +325,11 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             overrides = {**overrides, "cudagraphs": False}
         if data_dependent:
             return _partitioned(gm, timings, overrides, output_strides)
-        return _specializing(gm, timings, overrides)
+        return _specializing(gm, timings, overrides, output_strides)
     name = f"graph_{next(_graph_ids)}"
     start = time.perf_counter()
     _unwrap_effects(gm)
+    _wrap_integer_clamp_bounds(gm)
     device, host_scalars = _host_scalars(gm)
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
@@ -406,6 +407,17 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             for i in host_scalars:
                 args[i] = args[i].to(device, non_blocking=True)
             return inner_call(args, **kw)
+    gpu_scalars = _declared_gpu_scalars(gm, host_scalars) if device is not None else []
+    if gpu_scalars:
+        # torch's fake tensors put an attention's saved random-number state (0-d int64) on the
+        # GPU; the real one comes on the CPU
+        scalar_call = call
+
+        def call(args, **kw):
+            for i in gpu_scalars:
+                if args[i].device != device:
+                    args[i] = args[i].to(device, non_blocking=True)
+            return scalar_call(args, **kw)
 
     if constants:
         # lifted constants are the graph's last inputs (see serialize.lifted_constants)
@@ -446,6 +458,14 @@ def _host_scalars(gm: torch.fx.GraphModule) -> tuple:
         and n.meta["val"].dim() == 0 and n not in written
     ]
     return device, host
+
+
+def _declared_gpu_scalars(gm: torch.fx.GraphModule, host: list) -> list:
+    """Positions of the 0-d inputs the graph declares on the GPU (other than the host scalars it
+    moves there itself): such a tensor may arrive on the CPU, where ATen would take it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, n in enumerate(placeholders) if i not in host and isinstance(n.meta.get("val"), torch.Tensor)
+            and n.meta["val"].device.type == "cuda" and n.meta["val"].dim() == 0]
 
 
 def _move_host_scalars(gm: torch.fx.GraphModule, device: torch.device, host: list) -> None:
@@ -527,9 +547,24 @@ def _partitioned(gm: torch.fx.GraphModule, timings: dict, overrides: dict, outpu
             # host-side scalar arithmetic and runtime asserts on data-dependent sizes
             seg.run = lambda inputs, m=module: list(m(*inputs))
             continue
-        seg.run = _compile(module, timings, overrides, output_strides)
+        seg.run = _compile(module, timings, overrides, _returned_strides(gm, seg, output_strides))
         timings = {}
     return partition.runner(gm, segments)
+
+
+def _returned_strides(gm: torch.fx.GraphModule, seg, output_strides: dict | None) -> dict | None:
+    """The strides a segment must give the graph's outputs it computes: eager's where they
+    differ from the metadata (`output_strides`), else the graph's metadata. A segment compiled per
+    concrete size re-traces its nodes from the tensors earlier segments hand it, whose layouts
+    are ferrocore's choice, so the metadata of the re-trace may differ."""
+    returned = set(torch.utils._pytree.arg_tree_leaves(*gm.graph.output_node().args))
+    strides = dict(output_strides or {})
+    for n in seg.outputs:
+        val = n.meta.get("val")
+        if n in returned and n.name not in strides and isinstance(val, torch.Tensor) \
+                and all(isinstance(x, int) for x in (*val.shape, *val.stride())) and is_dense(val.shape, val.stride()):
+            strides[n.name] = list(val.stride())
+    return strides or None
 
 
 def _is_symbolic(gm: torch.fx.GraphModule) -> bool:
@@ -549,7 +584,8 @@ def _is_symbolic(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> Callable:
+def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict,
+                  output_strides: dict | None = None) -> Callable:
     """A graph with dynamic shapes runs as one static compilation per distinct input signature
     (sizes, strides, dtypes and the values of integer inputs): at the first call with a new
     signature the graph is re-traced with those inputs, so every sym_size / sym_stride /
@@ -565,7 +601,7 @@ def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict) -> C
         )
         fn = compiled.get(key)
         if fn is None:
-            fn = _specialization(compiled, key, gm, args, timings, overrides)
+            fn = _specialization(compiled, key, gm, args, timings, overrides, output_strides)
         return fn(args)
 
     call._boxed_call = True
@@ -578,7 +614,7 @@ SPECIALIZATION_LIMIT = 32
 
 
 def _specialization(compiled: dict, key: tuple, gm: torch.fx.GraphModule, args: list, timings: dict,
-                    overrides: dict) -> Callable:
+                    overrides: dict, output_strides: dict | None) -> Callable:
     """The compilation for a new input signature, made under torch's compile lock: `make_fx`
     (as dynamo's own tracing) patches module-level state of torch.fx (`CURRENT_PATCHER`), so
     two traces at once in different threads break each other, and dynamo traces under this
@@ -591,7 +627,7 @@ def _specialization(compiled: dict, key: tuple, gm: torch.fx.GraphModule, args: 
             if len(compiled) >= SPECIALIZATION_LIMIT:
                 fn = _eager_beyond_limit(gm, timings)
             else:
-                fn = _specialize(gm, list(args), dict(timings), overrides)
+                fn = _specialize(gm, list(args), dict(timings), overrides, output_strides)
             compiled[key] = fn
     return fn
 
@@ -616,7 +652,11 @@ def _eager_beyond_limit(gm: torch.fx.GraphModule, timings: dict) -> Callable:
     return run
 
 
-def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: dict) -> Callable:
+def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: dict,
+                output_strides: dict | None = None) -> Callable:
+    """One static compilation of `gm` for `args`. `output_strides` ({output node name: eager's
+    stride}) carries over to the re-traced graph's outputs by position (the trace names its
+    nodes anew)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -639,7 +679,10 @@ def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: 
     if len(tensor_out) != len(flat):
         out_node.args = ([flat[i] for i in tensor_out],)
         static.recompile()
-    inner = _compile(static, timings, overrides)
+    traced_outputs = torch.utils._pytree.arg_tree_leaves(*gm.graph.output_node().args)
+    strides = {flat[i].name: output_strides[o.name] for i, o in enumerate(traced_outputs)
+               if i in tensor_out and isinstance(o, torch.fx.Node) and o.name in (output_strides or {})}
+    inner = _compile(static, timings, overrides, strides or None)
 
     def run(call_args):
         results = inner([call_args[i] for i in tensor_pos])
@@ -682,6 +725,47 @@ def _unwrap_effects(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(user)
         gm.graph.erase_node(n)
         changed = True
+    if changed:
+        gm.recompile()
+
+
+_CLAMPS = {
+    torch.ops.aten.clamp.default: (1, 2),
+    torch.ops.aten.clamp_min.default: (1,),
+    torch.ops.aten.clamp_max.default: (1,),
+}
+
+
+@functools.lru_cache(None)
+def _eager_wraps_clamp_bounds() -> bool:
+    """Whether this torch's clamp converts an integer bound past the tensor's range to the
+    tensor's type, wrapping (torch 2.11: clamp(uint8, min=-1) is 255 everywhere), rather than
+    letting it bound nothing (later versions keep the values)."""
+    try:
+        return int(torch.clamp(torch.tensor([4], dtype=torch.uint8), min=-1)) == 255
+    except RuntimeError:
+        return False
+
+
+def _wrap_integer_clamp_bounds(gm: torch.fx.GraphModule) -> None:
+    """Gives clamps of integer tensors the bounds eager's kernel uses, where this torch wraps an
+    out-of-range bound into the type (the lowering lets such a bound clamp nothing)."""
+    changed = False
+    for n in gm.graph.nodes:
+        positions = _CLAMPS.get(n.target) if n.op == "call_function" else None
+        val = n.meta.get("val")
+        if positions is None or not isinstance(val, torch.Tensor) or val.dtype.is_floating_point \
+                or val.dtype in (torch.bool, torch.int64) or not _eager_wraps_clamp_bounds():
+            continue
+        info = torch.iinfo(val.dtype)
+        args = list(n.args)
+        for i in positions:
+            bound = args[i] if i < len(args) else None
+            if isinstance(bound, int) and not isinstance(bound, bool) and not info.min <= bound <= info.max:
+                span = info.max - info.min + 1
+                args[i] = (bound - info.min) % span + info.min
+                changed = True
+        n.args = tuple(args)
     if changed:
         gm.recompile()
 

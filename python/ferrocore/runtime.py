@@ -511,6 +511,11 @@ class InputMismatch(RuntimeError):
     kernels would read out of bounds or the wrong bytes)."""
 
 
+def check_input_count(args, count: int) -> None:
+    if len(args) != count:
+        raise InputMismatch(f"ferrocore: the compiled graph takes {count} inputs; got {len(args)}")
+
+
 def _check_size_stride_grouped(tensors, sizes, strides, op_name=None) -> None:
     for t, size, stride in zip(tensors, sizes, strides, strict=True):
         if tuple(t.shape) != tuple(size) or tuple(t.stride()) != tuple(stride):

@@ -238,7 +238,10 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         let NodeKind::Call { target, .. } = &node.kind else { continue };
         if matches!(target, Target::Aten(AtenOp::CopyInto)) {
             match cx.defer_mutation(id) {
-                Ok(m) => mutations.push(m),
+                Ok(m) => {
+                    cx.values[id.0 as usize] = Some(Lowered::Tensor(m.value.clone()));
+                    mutations.push(m)
+                }
                 Err((LowerErrorKind::Unsupported, reason)) => uncompiled_mutations.push((id, reason)),
                 Err((kind, message)) => return Err(LowerError { node: node.name.clone(), target: target.name().to_string(), kind, message }),
             }

@@ -10,12 +10,13 @@
 
 use super::*;
 
-/// One `copy_` into a graph input, waiting for the end of lowering.
+/// One `copy_` into a graph input, waiting for the end of lowering. Nodes that read the
+/// `copy_`'s result (views of the updated input) read `value`, the new contents.
 pub(super) struct Mutation {
     node: NodeId,
     /// Position among the graph inputs.
     input: usize,
-    value: TensorValue,
+    pub(super) value: TensorValue,
 }
 
 impl<'g> Ctx<'g> {
@@ -23,9 +24,6 @@ impl<'g> Ctx<'g> {
     /// write (then it is an ATen call at the end of the graph).
     pub(super) fn defer_mutation(&mut self, id: NodeId) -> LResult<Mutation> {
         self.current = id;
-        if self.uses[id.0 as usize] != 0 {
-            return unsupported("the result of copy_ is read by the graph");
-        }
         let Some(Arg::Node(dst)) = self.arg(0, "self") else { return malformed("copy_ writes into a tensor") };
         let Some(input) = self.graph.inputs.iter().position(|i| i == dst) else {
             return unsupported("copy_ into a value that is not a graph input");

@@ -79,7 +79,14 @@ pub fn pointwise(
                     .map(|i| match i {
                         PwIn::Tensor(t) => {
                             let bidx = broadcast_index(&t.size, idx);
-                            t.load(bx, &bidx)
+                            let v = t.load(bx, &bidx);
+                            // a half-type value kept in float is rounded where it meets a wider
+                            // type (promotion, an explicit conversion): eager holds it rounded
+                            if rounds_half_operand(t.dtype, out_dtype) {
+                                bx.body.cast(v, t.dtype)
+                            } else {
+                                v
+                            }
                         }
                         PwIn::Scalar(s) => bx.body.constant(*s, scalar_dtype),
                     })
@@ -320,11 +327,16 @@ impl Ctx<'_> {
             return unsupported("shift of bool values");
         }
         let rsub = matches!(op, A::RsubScalar);
-        // ATen's CPU mul/div read a Python scalar as a float; its other CPU binary kernels first
-        // convert it to the tensor's half type (measured against eager): round those scalars the
-        // same. Its CUDA kernels keep every scalar in float (opmath).
+        // ATen's CPU mul/div read a Python scalar (or a 0-dim tensor of a wider float type) as a
+        // float; its other CPU binary kernels first convert it to the tensor's half type
+        // (measured against eager): round those scalars the same. Its CUDA kernels keep every
+        // scalar in float (opmath).
         let half = out.dtype.compute() != out.dtype && out.dtype.is_float() && out.device == Device::Cpu;
-        let round = |p: &PwIn| half && matches!(p, PwIn::Scalar(_)) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
+        let scalar_like = |p: &PwIn| match p {
+            PwIn::Scalar(_) => true,
+            PwIn::Tensor(t) => t.size.is_empty() && t.dtype.is_float() && t.dtype != out.dtype,
+        };
+        let round = |p: &PwIn| half && scalar_like(p) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
         let (round_a, round_b, half_dt) = (round(&a), round(&b), out.dtype);
         // ATen's pow(tensor, scalar) computes a square and a cube as products and -1 as a
         // reciprocal; also far cheaper than a general pow (GPT-2's tanh GELU cubes its input: 3x
@@ -554,6 +566,14 @@ impl Ctx<'_> {
     }
 }
 
+/// Whether a float16/bfloat16 operand (kept in float inside the kernel) is rounded to its type
+/// before use: wherever its value leaves the half type (promotion to a wider float, a
+/// conversion, a comparison's bool), eager holds it rounded; a chain within the half type stays
+/// unrounded (the documented half-precision chains).
+fn rounds_half_operand(operand: DType, out: DType) -> bool {
+    operand.is_float() && operand.compute() != operand && out != operand
+}
+
 /// Whether a scalar clamp bound lies past an integer `dtype`'s range on the side it bounds
 /// (above the largest value for a max, below the smallest for a min).
 fn int_bound_beyond(bound: &PwIn, dtype: DType, is_max: bool) -> bool {
@@ -579,6 +599,9 @@ fn check_binary_dtype(op: AtenOp, promoted: DType, operands: &[Operand], out: DT
         A::DivTensor | A::DivScalar | A::Atan2 => if promoted.is_float() { as_promoted(promoted) } else { out.is_float() },
         // without a rounding mode these divide truly
         A::DivTensorMode | A::DivScalarMode => as_promoted(promoted) || out.is_float(),
+        // torch's meta function takes bool ** bool to int64 (its kernel keeps bool); the graph
+        // was traced with the meta's dtype
+        A::PowTensorScalar if promoted == DType::Bool => out == DType::Bool || out == DType::I64,
         _ => as_promoted(promoted),
     };
     if ok {

@@ -391,7 +391,10 @@ impl Ctx<'_> {
             _ => 0,
         };
         let explicit = self.int_arg(3, "storage_offset")?;
-        let tv = self.realize(x);
+        let mut tv = self.realize(x);
+        if !self.lies_as_eager_lays_it(&tv)? {
+            tv = self.operand_over_own_storage()?;
+        }
         let Src::View { buf, index } = &tv.src else { return malformed("realize produced no buffer") };
         let buf = *buf;
         // where the operand's first element lies in its buffer
@@ -426,5 +429,90 @@ impl Ctx<'_> {
             _ => {}
         }
         Ok(view_of_layout(buf, &l))
+    }
+}
+
+/// The ops whose result aliases their first operand's storage in eager, one result each.
+fn aliases_operand(op: AtenOp) -> bool {
+    use AtenOp::*;
+    matches!(
+        op,
+        View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | SliceTensor
+            | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold | AsStrided
+    )
+}
+
+impl Ctx<'_> {
+    /// Whether the operand (of the as_strided being lowered) sits in its buffer as its
+    /// metadata says it sits in its storage: element `i` at `first + Σ stride·i`, and, in an
+    /// input, at the input's own storage offset. A value lowered as an index map that is not
+    /// an eager view (a flip of an input) does not: eager wrote it to a storage of its own.
+    fn lies_as_eager_lays_it(&self, tv: &TensorValue) -> LResult<bool> {
+        let Some(Arg::Node(n)) = self.arg(0, "self") else { return Ok(true) };
+        let Some(meta) = self.graph.node(*n).meta.tensor() else { return Ok(true) };
+        let Src::View { buf, index } = &tv.src else { return Ok(false) };
+        if tv.size.iter().any(|&s| s == 0) {
+            return Ok(true);
+        }
+        if meta.shape != tv.size {
+            return Ok(false);
+        }
+        let vars: Vec<IndexExpr> = tv
+            .size
+            .iter()
+            .enumerate()
+            .map(|(d, &s)| if s == 1 { IndexExpr::zero() } else { IndexExpr::var(Var(d as u32)) })
+            .collect();
+        let zeros = vec![IndexExpr::zero(); tv.size.len()];
+        let Some(first) = index(&zeros, &tv.size).as_constant() else { return Ok(false) };
+        let mut want = IndexExpr::constant(first);
+        for (d, v) in vars.iter().enumerate() {
+            want = want.add(&v.scale(meta.stride[d]));
+        }
+        if index(&vars, &tv.size) != want {
+            return Ok(false);
+        }
+        Ok(match self.prog.buffer(*buf).source {
+            BufferSource::Input(i) => {
+                let start = self.graph.node(self.graph.inputs[i]).meta.tensor().map_or(0, |t| t.storage_offset);
+                meta.storage_offset - first == start
+            }
+            _ => true,
+        })
+    }
+
+    /// The operand lowered again over its eager storage: the first value up its chain of
+    /// aliasing views that eager computes into a storage of its own, written to a buffer laid
+    /// out as eager lays it out, and the chain's views lowered over that buffer.
+    fn operand_over_own_storage(&mut self) -> LResult<TensorValue> {
+        let Some(Arg::Node(operand)) = self.arg(0, "self") else { return malformed("as_strided of a non-tensor") };
+        let mut chain = Vec::new();
+        let mut base = *operand;
+        while let NodeKind::Call { target: Target::Aten(op), args, .. } = &self.graph.node(base).kind {
+            match args.first() {
+                Some(Arg::Node(src)) if aliases_operand(*op) => {
+                    chain.push((base, *op));
+                    base = *src;
+                }
+                _ => break,
+            }
+        }
+        let dense = self.graph.node(base).meta.tensor().is_some_and(|m| m.storage_offset == 0 && is_dense(&m.shape, &m.stride));
+        if matches!(self.graph.node(base).kind, NodeKind::Placeholder) || !dense {
+            return unsupported("as_strided of a value whose storage ferrocore does not lay out as eager does");
+        }
+        let value = self.tensor_of(base)?;
+        let layout = self.eager_layout(base, &value);
+        let stored = self.as_node(base, |cx| cx.realize_into(&value, layout));
+        self.values[base.0 as usize] = Some(Lowered::Tensor(stored));
+        for &(v, op) in chain.iter().rev() {
+            let lowered = self.as_node(v, |cx| cx.lower_node(v, &Target::Aten(op)))?;
+            self.values[v.0 as usize] = Some(lowered);
+        }
+        let tv = self.tensor_of(*operand)?;
+        if !self.lies_as_eager_lays_it(&tv)? {
+            return unsupported("as_strided of a view ferrocore does not lay out as eager does");
+        }
+        Ok(tv)
     }
 }

@@ -16,13 +16,24 @@ use std::fmt::Write;
 /// (rendered before `call`).
 pub fn render_input_specs(p: &LoopProgram, used: &[bool], check_inputs: bool) -> String {
     let checked = check_inputs && !checked_inputs(p, used).is_empty();
-    let mut m = String::new();
-    match (checked, p.input_storage_views.is_empty()) {
-        (false, true) => return m,
-        (false, false) => m.push_str("\nfrom ferrocore.runtime import check_storage_view\n"),
-        (true, true) => m.push_str("\nfrom ferrocore.runtime import assert_size_stride_grouped, input_mismatch\n"),
-        (true, false) => m.push_str("\nfrom ferrocore.runtime import assert_size_stride_grouped, check_storage_view, input_mismatch\n"),
+    let mut helpers = Vec::new();
+    if check_inputs && !p.inputs.is_empty() {
+        helpers.push("check_input_count");
     }
+    if checked {
+        helpers.push("assert_size_stride_grouped");
+    }
+    if !p.input_storage_views.is_empty() {
+        helpers.push("check_storage_view");
+    }
+    if checked {
+        helpers.push("input_mismatch");
+    }
+    let mut m = String::new();
+    if helpers.is_empty() {
+        return m;
+    }
+    let _ = writeln!(m, "\nfrom ferrocore.runtime import {}", helpers.join(", "));
     if !checked {
         return m;
     }
@@ -50,6 +61,15 @@ pub fn render_input_specs(p: &LoopProgram, used: &[bool], check_inputs: bool) ->
 /// which AOT autograd passes as None) or not used at all is never read out of bounds.
 fn checked_inputs(p: &LoopProgram, used: &[bool]) -> Vec<BufferId> {
     p.inputs.iter().copied().filter(|b| used[b.0 as usize]).collect()
+}
+
+/// The line of `call` (before its inputs are unpacked into their names) that checks how many
+/// came: a wrong count is an `InputMismatch`, not Python's unpacking error.
+pub fn render_input_count_check(p: &LoopProgram, check_inputs: bool) -> String {
+    if !check_inputs || p.inputs.is_empty() {
+        return String::new();
+    }
+    format!("    check_input_count(args, {})\n", p.inputs.len())
 }
 
 /// Lines of `call` (after the inputs are unpacked into their names) that check them.

@@ -375,6 +375,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
         }
     }
     let names: Vec<String> = p.inputs.iter().map(|b| p.buffer(*b).name.clone()).collect();
+    m.push_str(&checks::render_input_count_check(p, check_inputs));
     match names.len() {
         0 => {}
         1 => {

@@ -7,7 +7,7 @@
 use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::symbolic::{Atom, IndexExpr, Var};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
@@ -198,6 +198,17 @@ pub struct Acc {
     pub carry: bool,
 }
 
+/// An integer constant of `dtype` as the conversion to `dtype` leaves it: wrapped into the type's
+/// range (Triton's compiler rejects -7 as a uint8 constant; its interpreter wraps it).
+fn int_literal(v: i64, dtype: DType) -> String {
+    let (lo, hi) = dtype.int_range();
+    if !dtype.is_integral() || dtype == DType::Bool || (lo..=hi).contains(&v) {
+        return v.to_string();
+    }
+    let span = hi as i128 - lo as i128 + 1;
+    ((v as i128 - lo as i128).rem_euclid(span) + lo as i128).to_string()
+}
+
 pub struct BodyEmitter<'a> {
     pub ptr: &'a HashMap<BufferId, String>,
     pub replace: &'a HashMap<BufferId, (String, Section)>,
@@ -212,6 +223,9 @@ pub struct BodyEmitter<'a> {
     /// The mask of a value that varies over the group's inner loops.
     pub full_mask: String,
     pub err_ptr: Option<&'a str>,
+    /// Buffers without elements: a load from one is never used (every access is masked) and
+    /// its pointer may point nowhere, so it is not issued.
+    pub empty: HashSet<BufferId>,
     /// Expressions already computed in this loop group (shared by its nodes): text -> value.
     cse: &'a mut HashMap<String, (String, Section)>,
     sections: HashMap<String, Section>,
@@ -249,6 +263,7 @@ impl<'a> BodyEmitter<'a> {
             rblock,
             full_mask,
             err_ptr,
+            empty: HashSet::new(),
             cse,
             sections: HashMap::new(),
             pre: String::new(),
@@ -283,6 +298,16 @@ impl<'a> BodyEmitter<'a> {
             Section::Inner => &self.full_mask,
             Section::Pre | Section::Post => "xmask",
         }
+    }
+
+    /// What a masked load of an empty buffer gives: `other`, 0 (16-bit floats load as float32).
+    fn nothing_loaded(&mut self, dtype: DType) -> String {
+        let t = match dtype {
+            DType::F16 | DType::BF16 => "tl.float32",
+            d => ty(d),
+        };
+        let e = format!("tl.full({}, 0, {t})", self.shape1());
+        self.emit_in(Section::Pre, e, &[])
     }
 
     pub fn index(&self, e: &IndexExpr) -> String {
@@ -390,6 +415,9 @@ impl OpsHandler for BodyEmitter<'_> {
             self.sections.insert(name.clone(), *section);
             return name.clone();
         }
+        if self.empty.contains(&buf) {
+            return self.nothing_loaded(dtype);
+        }
         let Some(p) = self.ptr.get(&buf).cloned() else {
             return self.unsupported(format!("no pointer for buffer {}", buf.0));
         };
@@ -405,7 +433,7 @@ impl OpsHandler for BodyEmitter<'_> {
     fn constant(&mut self, value: Scalar, dtype: DType) -> String {
         let lit = match value {
             Scalar::Bool(b) => (b as i64).to_string(),
-            Scalar::Int(i) => i.to_string(),
+            Scalar::Int(i) => int_literal(i, dtype),
             Scalar::Float(f) => float_lit(f),
         };
         let e = format!("tl.full({}, {lit}, {})", self.shape1(), ty(dtype));
@@ -513,7 +541,8 @@ impl OpsHandler for BodyEmitter<'_> {
                 format!("tl.where(({b} < 0) | ({b} >= {bits}), tl.zeros_like({a}), {a} << tl.where(({b} < 0) | ({b} >= {bits}), tl.zeros_like({b}), {b}))")
             }
             BinaryOp::RShift => {
-                format!("tl.where(({b} < 0) | ({b} >= {bits}), tl.where({a} < 0, tl.full({}, -1, {t}), tl.zeros_like({a})), {a} >> tl.where(({b} < 0) | ({b} >= {bits}), tl.zeros_like({b}), {b}))", self.shape1())
+                let all_ones = int_literal(-1, dtype);
+                format!("tl.where(({b} < 0) | ({b} >= {bits}), tl.where({a} < 0, tl.full({}, {all_ones}, {t}), tl.zeros_like({a})), {a} >> tl.where(({b} < 0) | ({b} >= {bits}), tl.zeros_like({b}), {b}))", self.shape1())
             }
         };
         let e = if dtype == DType::Bool || op.is_comparison() { e } else { format!("({e}).to({t})") };
@@ -613,6 +642,9 @@ impl OpsHandler for BodyEmitter<'_> {
     }
 
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
+        if self.empty.contains(&buf) {
+            return self.nothing_loaded(dtype);
+        }
         let Some(p) = self.ptr.get(&buf).cloned() else {
             return self.unsupported(format!("no pointer for buffer {}", buf.0));
         };

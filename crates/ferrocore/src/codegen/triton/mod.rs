@@ -468,6 +468,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                 err_ptr,
                 &mut cse,
             );
+            em.empty = read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect();
             let vals = kn.body.visit(&mut em);
             if let Some(why) = em.unsupported.take() {
                 return Err(CodegenError::unsupported(&k.name, why));
