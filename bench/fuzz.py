@@ -21,8 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fuzzer.generate import generate  # noqa: E402
-from fuzzer.minimize import Minimizer, signature  # noqa: E402
-from fuzzer.runner import Worker, check_one, is_failure, run_fuzz  # noqa: E402
+from fuzzer.minimize import Minimizer, fewest_partners, signature  # noqa: E402
+from fuzzer.program import batch_repro  # noqa: E402
+from fuzzer.runner import Worker, WorkerDied, check_one, is_failure, run_fuzz  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,11 +51,48 @@ def _ident(text: str) -> tuple:
     return int(seed), int(index)
 
 
-def minimize_failure(worker: Worker, program, result: dict, max_checks: int):
-    """(minimized program, checks used)."""
+def minimize_failure(worker: Worker, program, result: dict, max_checks: int, args=None):
+    """(the repro script of the minimized failure, checks used). A `batch_only` failure keeps
+    its program and the fewest programs of its batch it still fails together with."""
+    if result["class"].startswith("batch_only:") and args is not None:
+        partners, checks = shrink_batch(worker, program, result["class"].removeprefix("batch_only:"), args)
+        return batch_repro(partners, args.backend, args.device), checks
     want = signature(result)
     m = Minimizer(lambda q: signature(check_one(worker, q)) == want, max_checks)
-    return m.run(program), m.checks
+    small = m.run(program)
+    return small.repro(args.backend if args else "cpp", args.device if args else "cpu"), m.checks
+
+
+def batch_of(program, args) -> list:
+    """The programs a run with these --seed/--start/--count/--batch compiled together with
+    `program` (itself included), in order."""
+    seed, i = _ident(program.ident)
+    first = args.start + (i - args.start) // args.batch * args.batch
+    last = min(first + args.batch, args.start + args.count) if i < args.start + args.count else first + args.batch
+    return [generate(seed, j, max_ops=args.max_ops) for j in range(first, last)]
+
+
+def failing_in(worker: Worker, group: list, program, cls: str) -> bool:
+    """Whether `program` gets class `cls` when `group` (which holds it) is one graph."""
+    try:
+        results = worker.run(group)["results"]
+    except WorkerDied as died:
+        return died.cls == cls
+    return results[[p.ident for p in group].index(program.ident)]["class"] == cls
+
+
+def shrink_batch(worker: Worker, program, cls: str, args) -> tuple:
+    """(the program with the fewest partners from its batch that still give it `cls`, checks)."""
+    batch = batch_of(program, args)
+    others = [p for p in batch if p.ident != program.ident]
+    order = {p.ident: k for k, p in enumerate(batch)}
+
+    def together(partners: list) -> list:
+        return sorted([program, *partners], key=lambda p: order[p.ident])
+
+    kept, checks = fewest_partners(others, lambda ps: failing_in(worker, together(ps), program, cls),
+                                   args.max_checks)
+    return together(kept), checks
 
 
 def main(argv=None) -> int:
@@ -67,9 +105,16 @@ def main(argv=None) -> int:
         program = generate(*_ident(args.minimize), max_ops=args.max_ops)
         result = check_one(worker, program)
         print(f"# {program.ident}: {result['class']}\n# {result.get('detail', '')[:800]}")
+        if result["class"] == "pass" and args.batch > 1:
+            # it may fail only beside the programs a run compiles with it
+            batch = batch_of(program, args)
+            cls = next((r["class"] for r in worker.run(batch)["results"] if is_failure(r["class"])), None)
+            if cls is not None and failing_in(worker, batch, program, cls):
+                result = {"class": f"batch_only:{cls}", "detail": f"fails in its batch of {len(batch)}"}
+                print(f"# in its batch (--start {args.start} --batch {args.batch}): {cls}")
         if is_failure(result["class"]):
-            small, checks = minimize_failure(worker, program, result, args.max_checks)
-            print(f"# minimized in {checks} runs\n{small.repro(args.backend, args.device)}")
+            text, checks = minimize_failure(worker, program, result, args.max_checks, args)
+            print(f"# minimized in {checks} runs\n{text}")
         worker.close()
         return 0
     programs = (generate(args.seed, i, max_ops=args.max_ops) for i in range(args.start, args.start + args.count))
@@ -98,7 +143,7 @@ def _minimize_all(worker: Worker, totals, args) -> dict:
         if done[cls] >= args.minimize_per_class:
             continue
         done[cls] += 1
-        out[program.ident] = minimize_failure(worker, program, result, args.max_checks)
+        out[program.ident] = minimize_failure(worker, program, result, args.max_checks, args)
     return out
 
 
@@ -142,8 +187,8 @@ def render_report(totals, minimized: dict, args) -> str:
     for program, result in sorted(totals.failures, key=lambda f: _ident(f[0].ident)):
         lines += [f"### {program.ident}: {result['class']}", "", "```", result.get("detail", "")[:1500], "```", ""]
         if program.ident in minimized:
-            small, checks = minimized[program.ident]
-            lines += [f"Minimized ({checks} runs):", "", "```python", small.repro(args.backend, args.device), "```", ""]
+            text, checks = minimized[program.ident]
+            lines += [f"Minimized ({checks} runs):", "", "```python", text, "```", ""]
         else:
             lines += [f"Not minimized (`python bench/fuzz.py --minimize {program.ident} --backend {args.backend}`).", ""]
     return "\n".join(lines) + "\n"

@@ -20,8 +20,8 @@ sys.path.insert(0, str(BENCH))
 from fuzzer import compare  # noqa: E402
 from fuzzer.check import run_programs  # noqa: E402
 from fuzzer.generate import generate  # noqa: E402
-from fuzzer.minimize import minimize  # noqa: E402
-from fuzzer.program import DTYPES, Input, Op, Program  # noqa: E402
+from fuzzer.minimize import fewest_partners, minimize  # noqa: E402
+from fuzzer.program import DTYPES, Input, Op, Program, batch_repro  # noqa: E402
 from fuzzer.runner import is_failure, run_fuzz  # noqa: E402
 
 CI_SEED = 20
@@ -176,6 +176,16 @@ def test_the_minimizer_shrinks_a_planted_failure_to_the_op_that_fails():
     assert len(small.inputs) == 1 and small.outputs == ["v99"]
     assert small.inputs[0].layout == "contiguous" and sum(small.inputs[0].shape) <= len(small.inputs[0].shape) + 1
     assert "torch.sin(x" in small.repro()
+
+
+def test_a_batch_only_failure_keeps_the_fewest_partners_and_runs_as_one_script():
+    programs = [generate(CI_SEED, i) for i in range(3)]
+    kept, checks = fewest_partners(programs[1:], lambda ps: programs[2] in ps)
+    assert kept == [programs[2]] and checks <= 2
+    script = batch_repro(programs[:2])
+    assert f"# fuzz programs {programs[0].ident}, {programs[1].ident}" in script
+    torch._dynamo.reset()
+    exec(compile(script, "<batch repro>", "exec"), {})  # compiles both as one graph and compares
 
 
 # ------------------------------------------------------------------------------------------------

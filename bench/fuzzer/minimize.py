@@ -157,3 +157,18 @@ def _fit_indices(p: Program, inp, bound) -> None:
             other.low, other.high = max(other.low, -bound), max(min(other.high, bound), other.low + 1)
         elif other.values == "perm" and other.low > bound:
             other.low = max(bound, other.high)
+
+
+def fewest_partners(partners: list, fails_with: Callable[[list], bool], max_checks: int = 60) -> tuple:
+    """(the fewest of `partners` a program still fails together with, checks used): drops one
+    partner at a time while the rest still make it fail (a `batch_only` failure needs at least
+    one)."""
+    kept, checks, i = list(partners), 0, 0
+    while i < len(kept) and checks < max_checks:
+        trial = kept[:i] + kept[i + 1:]
+        checks += 1
+        if trial and fails_with(trial):
+            kept = trial
+        else:
+            i += 1
+    return kept, checks
