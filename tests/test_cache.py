@@ -178,6 +178,25 @@ def test_eviction_keeps_loaded_graphs_working(cache):
     _check(_compile())  # rebuilt
 
 
+def test_compiles_keep_the_cache_under_its_size_limit(cache, monkeypatch):
+    monkeypatch.setattr(backend, "_cache_trimmer", ferrocore.cache.Trimmer(every=2))
+    monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "unlimited")
+    _check(_compile())
+    assert _entries(cache, "*.so")
+    monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "0")
+    call = _compile(lambda x: (torch.cos(x) - 2,))  # the first trim of this cache: all of it goes
+    assert not _entries(cache, "*.so")
+    _check(call, lambda x: (torch.cos(x) - 2,))
+    monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="FERROCORE_CACHE_MAX_BYTES"):
+        options.build_options({})
+    monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "-1")
+    with pytest.raises(ValueError, match="FERROCORE_CACHE_MAX_BYTES"):
+        options.build_options({})
+    monkeypatch.delenv("FERROCORE_CACHE_MAX_BYTES")
+    assert options.build_options({})["cache_max_bytes"] == options.DEFAULT_CACHE_MAX_BYTES
+
+
 def test_default_cache_directory_is_per_user_and_the_same_in_rust(monkeypatch, tmp_path):
     from ferrocore import _ferrocore
 

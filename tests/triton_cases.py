@@ -54,7 +54,7 @@ def _():
     # -7 and -1 as uint8 constants wrap (Triton's compiler rejects them unwrapped)
     x = torch.randint(0, 16, (4, 3), generator=_g(2)).to(torch.uint8)
     m = torch.rand(4, 3, generator=_g(3)) < 0.5
-    return (lambda a, b: (a.masked_fill(b, -7), torch.where(a > -1, a, 3), a >> 2)), (x, m)
+    return (lambda a, b: (a.masked_fill(b, -7), torch.where(a > -1, a, 3), a >> 2, torch.square(a))), (x, m)
 
 
 @case("repeated_layer")

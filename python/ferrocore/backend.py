@@ -25,6 +25,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from . import cache as _cache
 from . import options as _options
 from . import padding, partition, runtime
 from .metrics import metrics
@@ -373,6 +374,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
                                           autotune=opts["autotune"], cache_dir=opts["cache_dir"])
         timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
 
+    _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not result.get("cpp_cache_hit", False))
     fallbacks = result.get("fallbacks", [])
     metrics.record(
         _entry(
@@ -433,6 +435,10 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
                                           donated_writes=getattr(module, "DONATED_WRITES", False), family=family)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
+
+
+# the process's compiles keep the cache under its size limit (`cache.Trimmer`)
+_cache_trimmer = _cache.Trimmer()
 
 
 def _host_scalars(gm: torch.fx.GraphModule) -> tuple:

@@ -30,3 +30,28 @@ def evict(max_bytes: int, cache_dir: str | None = None, stale_after_s: float = 3
     if max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     return json.loads(_ferrocore.evict_cache(cache_dir or directory(), int(max_bytes), float(stale_after_s)))
+
+
+class Trimmer:
+    """Keeps a cache under its size limit from the compiles of one process: trims at the first
+    compile and after every `every` compiles that wrote new entries (a walk of the directory
+    each time, so not after every one). A failed trim is reported and compiling goes on."""
+
+    def __init__(self, every: int = 32):
+        self.every = every
+        self.writes = 0
+        self.trimmed: set = set()
+
+    def after_compile(self, cache_dir: str, max_bytes: int | None, wrote: bool) -> None:
+        if max_bytes is None:
+            return
+        self.writes += bool(wrote)
+        if cache_dir in self.trimmed and not (wrote and self.writes % self.every == 0):
+            return
+        self.trimmed.add(cache_dir)
+        try:
+            evict(max_bytes, cache_dir)
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be trimmed still works
+            import sys
+
+            print(f"[ferrocore:cache] could not trim {cache_dir} to {max_bytes} bytes: {e}", file=sys.stderr)

@@ -21,7 +21,10 @@ LOG_CHANNELS = (
     "padding",
 )
 _KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
-         "check_inputs")
+         "check_inputs", "cache_max_bytes")
+# The size the cache is trimmed to (least recently used entries first) by the compiles of a
+# process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
+DEFAULT_CACHE_MAX_BYTES = 10 << 30
 # Layouts of convolution graphs' activations: "auto" (channels-last on a GPU), "channels_last",
 # "contiguous" (eager's).
 CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
@@ -50,6 +53,8 @@ def build_options(overrides: dict | None = None) -> dict:
         # compiled modules check their inputs' sizes, strides, dtypes and devices at each call
         # (measured: about 0.1 us per input); "0" turns the check off
         "check_inputs": _flag(os.environ.get("FERROCORE_CHECK_INPUTS") or "1"),
+        # bytes the cache is kept under ("unlimited": no trimming); front only
+        "cache_max_bytes": _cache_limit(os.environ.get("FERROCORE_CACHE_MAX_BYTES", "")),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:
@@ -62,6 +67,21 @@ def build_options(overrides: dict | None = None) -> dict:
     if opts["conv_layout"] not in CONV_LAYOUTS:
         raise ValueError(f"ferrocore conv_layout {opts['conv_layout']!r}: expected one of {CONV_LAYOUTS}")
     return opts
+
+
+def _cache_limit(text: str) -> int | None:
+    text = text.strip().lower()
+    if not text:
+        return DEFAULT_CACHE_MAX_BYTES
+    if text == "unlimited":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"FERROCORE_CACHE_MAX_BYTES={text!r}: expected a number of bytes or 'unlimited'") from None
+    if value < 0:
+        raise ValueError(f"FERROCORE_CACHE_MAX_BYTES={value}: must be >= 0")
+    return value
 
 
 def default_cache_dir() -> str:

@@ -164,9 +164,15 @@ def ferro_ipow(base, exp):
         result = tl.where((e & 1) != 0, result * b, result)
         e = e >> 1
         b = b * b
-    odd = (exp & 1) != 0
-    negative = tl.where(base == 1, zero + 1, tl.where(base == -1, tl.where(odd, zero - 1, zero + 1), zero))
-    return tl.where(exp < 0, negative, result)
+    # (unsigned operands have no negative side: the interpreter rejects comparing them with -1)
+    if exp.dtype.is_int_signed():
+        if base.dtype.is_int_signed():
+            odd = (exp & 1) != 0
+            negative = tl.where(base == 1, zero + 1, tl.where(base == -1, tl.where(odd, zero - 1, zero + 1), zero))
+        else:
+            negative = tl.where(base == 1, zero + 1, zero)
+        result = tl.where(exp < 0, negative, result)
+    return result
 
 
 @triton.jit
