@@ -45,7 +45,7 @@ def test_integer_clamp_bounds_past_the_range_follow_this_torchs_eager(monkeypatc
 
     x = torch.tensor([4, 0, 200], dtype=torch.uint8)
     f = lambda t: (torch.clamp(t, min=-1), torch.clamp(t, -3, 2) + 1)
-    check(f, x)
+    check(f, x, allow_constant=True)  # torch 2.11: min=-1 makes every element 255
     monkeypatch.setattr(backend, "_eager_wraps_clamp_bounds", lambda: True)
     torch._dynamo.reset()
     got = torch.compile(f, backend="ferrocore")(x)
