@@ -51,8 +51,6 @@ class Prepared:
             self.error = f"eager raised {type(e).__name__}: {e}"
         self._ref = None
         self._mag = None
-        # the most terms any reduction of the program can add: the largest input's size
-        self.terms = max((t.numel() for t in self.make_inputs("cpu")), default=1) if not self.error else 1
 
     def meta_outputs(self):
         """(shape, stride, dtype) of each output as PyTorch's own meta functions give them (what
@@ -80,6 +78,11 @@ class Prepared:
                 self._ref = False
         return self._ref or None
 
+
+    @property
+    def terms(self) -> int:
+        """The most terms any reduction of the program can add: its largest input's size."""
+        return max((int(torch.Size(i.shape).numel()) for i in self.program.inputs), default=1)
 
     def magnitude(self):
         """(outputs, inputs after) of the float64 run on the inputs' absolute values: the scale

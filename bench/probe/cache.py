@@ -52,6 +52,12 @@ def _why(r: subprocess.CompletedProcess) -> str:
     return (errors or lines or [f"exit {r.returncode}"])[-1][:160]
 
 
+def _outcome(rebuilt: bool, again: subprocess.CompletedProcess) -> str:
+    """How the run after a tampering went: the entry rebuilt or not, the result right or not."""
+    result = "correct" if _ok(again) else "WRONG: " + _why(again)
+    return f"{'rebuilt' if rebuilt else 'NOT rebuilt'}; result {result}"
+
+
 def _libraries(cache: Path) -> list:
     return sorted(p for p in cache.rglob("*.so") if not p.name.startswith("."))
 
@@ -78,8 +84,7 @@ def planted_library(tmp: Path) -> str:
     ran = marker.exists()
     rebuilt = all(lib.read_bytes() != data for lib in _libraries(cache))
     verdict = "not loaded" if not ran else "LOADED (its constructor ran)"
-    return (f"planted library with its own sha256: {verdict}; "
-            f"{'rebuilt' if rebuilt else 'NOT rebuilt'}; result {'correct' if _ok(again) else 'WRONG: ' + _why(again)}")
+    return f"planted library with its own sha256: {verdict}; {_outcome(rebuilt, again)}"
 
 
 def edited_wrapper(tmp: Path) -> str:
@@ -94,8 +99,7 @@ def edited_wrapper(tmp: Path) -> str:
     again = _child(cache)
     ran = marker.exists()
     rebuilt = module.read_text() == honest
-    return (f"edited wrapper module: planted code {'RAN' if ran else 'not run'}; "
-            f"{'rebuilt' if rebuilt else 'NOT rebuilt'}; result {'correct' if _ok(again) else 'WRONG: ' + _why(again)}")
+    return f"edited wrapper module: planted code {'RAN' if ran else 'not run'}; {_outcome(rebuilt, again)}"
 
 
 def truncated_wrapper(tmp: Path) -> str:

@@ -649,28 +649,43 @@ impl<'g> Ctx<'g> {
     /// to be computed a second time for its other reader.
     fn view_of_shared_base(&mut self, n: NodeId) -> LResult<Option<TensorValue>> {
         use AtenOp::*;
+        let reshapes = |op: AtenOp| {
+            matches!(op, View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | TransposeInt | T | Alias)
+        };
+        let (base, chain) = self.view_chain(n, reshapes);
+        if chain.is_empty() || self.uses[base.0 as usize] < 2 || !matches!(self.tensor_of(base)?.src, Src::Lazy { .. }) {
+            return Ok(None);
+        }
+        self.realized_node(base, false)?;
+        self.lower_chain_again(&chain)?;
+        let tv = self.tensor_of(n)?;
+        Ok(tv.strided().is_some().then_some(tv))
+    }
+
+    /// (the first node up `n`'s chain of first operands that is not one of the `view` ops, the
+    /// chain's (node, op) from `n` up to it).
+    pub(super) fn view_chain(&self, n: NodeId, view: impl Fn(AtenOp) -> bool) -> (NodeId, Vec<(NodeId, AtenOp)>) {
         let mut chain = Vec::new();
         let mut base = n;
         while let NodeKind::Call { target: Target::Aten(op), args, .. } = &self.graph.node(base).kind {
-            let reshapes = matches!(op, View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | TransposeInt | T | Alias);
             match args.first() {
-                Some(Arg::Node(src)) if reshapes => {
+                Some(Arg::Node(src)) if view(*op) => {
                     chain.push((base, *op));
                     base = *src;
                 }
                 _ => break,
             }
         }
-        if chain.is_empty() || self.uses[base.0 as usize] < 2 || !matches!(self.tensor_of(base)?.src, Src::Lazy { .. }) {
-            return Ok(None);
-        }
-        self.realized_node(base, false)?;
+        (base, chain)
+    }
+
+    /// Lowers a `view_chain` again, base first, after its base's value changed.
+    pub(super) fn lower_chain_again(&mut self, chain: &[(NodeId, AtenOp)]) -> LResult<()> {
         for &(v, op) in chain.iter().rev() {
             let lowered = self.as_node(v, |cx| cx.lower_node(v, &Target::Aten(op)))?;
             self.values[v.0 as usize] = Some(lowered);
         }
-        let tv = self.tensor_of(n)?;
-        Ok(tv.strided().is_some().then_some(tv))
+        Ok(())
     }
 
     /// The layout ferrocore gives node `n`'s value when it is free to choose: channels-last for

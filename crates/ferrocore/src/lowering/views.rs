@@ -486,17 +486,7 @@ impl Ctx<'_> {
     /// out as eager lays it out, and the chain's views lowered over that buffer.
     fn operand_over_own_storage(&mut self) -> LResult<TensorValue> {
         let Some(Arg::Node(operand)) = self.arg(0, "self") else { return malformed("as_strided of a non-tensor") };
-        let mut chain = Vec::new();
-        let mut base = *operand;
-        while let NodeKind::Call { target: Target::Aten(op), args, .. } = &self.graph.node(base).kind {
-            match args.first() {
-                Some(Arg::Node(src)) if aliases_operand(*op) => {
-                    chain.push((base, *op));
-                    base = *src;
-                }
-                _ => break,
-            }
-        }
+        let (base, chain) = self.view_chain(*operand, aliases_operand);
         let dense = self.graph.node(base).meta.tensor().is_some_and(|m| m.storage_offset == 0 && is_dense(&m.shape, &m.stride));
         if matches!(self.graph.node(base).kind, NodeKind::Placeholder) || !dense {
             return unsupported("as_strided of a value whose storage ferrocore does not lay out as eager does");
@@ -505,10 +495,7 @@ impl Ctx<'_> {
         let layout = self.eager_layout(base, &value);
         let stored = self.as_node(base, |cx| cx.realize_into(&value, layout));
         self.values[base.0 as usize] = Some(Lowered::Tensor(stored));
-        for &(v, op) in chain.iter().rev() {
-            let lowered = self.as_node(v, |cx| cx.lower_node(v, &Target::Aten(op)))?;
-            self.values[v.0 as usize] = Some(lowered);
-        }
+        self.lower_chain_again(&chain)?;
         let tv = self.tensor_of(*operand)?;
         if !self.lies_as_eager_lays_it(&tv)? {
             return unsupported("as_strided of a view ferrocore does not lay out as eager does");

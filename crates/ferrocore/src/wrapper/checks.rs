@@ -69,7 +69,8 @@ pub fn render_input_count_check(p: &LoopProgram, check_inputs: bool) -> String {
     if !check_inputs || p.inputs.is_empty() {
         return String::new();
     }
-    format!("    check_input_count(args, {})\n", p.inputs.len())
+    let n = p.inputs.len();
+    format!("    if len(args) != {n}:\n        check_input_count(args, {n})\n")
 }
 
 /// Lines of `call` (after the inputs are unpacked into their names) that check them.
