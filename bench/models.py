@@ -7,10 +7,10 @@ CPU. For each model, task (inference, training = forward + backward of the model
 torch.compile mode (both compilers in the same mode), per backend:
 
 - correctness: the output (inference) or the loss and every parameter's gradient (training)
-  against a float64 (CPU) / float32 (GPU) copy of the model; a compiled result passes when its
-  relative error (‖x - ref‖ / ‖ref‖) is at most 3x eager's own error in the benchmark's dtype, or
-  under the dtype's floor (1e-4 float32, 1e-2 bfloat16). Checked at the first call and again
-  after the timed calls (CUDA graph replays);
+  against a float64 copy of the model (a float32 copy for half-type runs on a GPU); a compiled
+  result passes when its relative error (‖x - ref‖ / ‖ref‖) is at most 3x eager's own error in
+  the benchmark's dtype, or under the dtype's floor (1e-4 float32, 1e-2 bfloat16). Checked at
+  the first call and again after the timed calls (CUDA graph replays);
 - runtime: median of --reps calls, the backends interleaved round by round (CUDA events on the
   GPU); host ms: the time until the Python call returns (the launches issued);
 - compile: the first call's time (caches start empty for each model: the first task and mode
@@ -370,9 +370,10 @@ class Row:
 
 
 def reference(case, task: str, inputs: tuple, dev: str, dtype) -> list:
-    """The task's results from a copy of the model in float64 (CPU) or float32 (GPU, no TF32;
-    also on the CPU for models with a float32-only kernel, such as a grouped GEMM)."""
-    if not dev.startswith("cuda"):
+    """The task's results from a copy of the model in float64 for a float32 run (a float32 copy
+    would share eager's rounding exactly, leaving no error to compare with), else in float32 (no
+    TF32; also for models with a float32-only kernel, such as a grouped GEMM)."""
+    if dtype == torch.float32 or not dev.startswith("cuda"):
         try:
             return _reference(case, task, inputs, torch.float64)
         except RuntimeError:
