@@ -1,8 +1,9 @@
 """Real models built from configs with random weights (nothing is downloaded), at two sizes.
 
 `full`: the published sizes (GPT-2 124M, BERT-base, a TinyLlama-shaped Llama, T5-small, ViT-B/16,
-DistilBERT, a small Mixtral, ResNet-50, MobileNetV3-Large, EfficientNet-B0, ConvNeXt-T,
-`nn.TransformerEncoder`), for bfloat16 on a GPU. `tiny`: the same architectures a few layers and
+DistilBERT, a small Mixtral, ResNet-50, ResNet-18, MobileNetV3-Large, EfficientNet-B0,
+ConvNeXt-T, `nn.TransformerEncoder`) and three blocks of our own at comparable sizes (an MLP, a
+masked attention block, a UNet block), for bfloat16 on a GPU. `tiny`: the same architectures a few layers and
 channels wide, for float32 on the CPU (CI checks every one for correctness).
 
 Each entry builds a `Case`: the model, its inputs, and a loss module for training steps; `bench/models.py` times them and
@@ -298,6 +299,112 @@ def convnext_t(size: str, device, dtype) -> Case:
     return _classifier(model, 2, 32, 10, device, dtype)
 
 
+def resnet18(size: str, device, dtype) -> Case:
+    if size == "full":
+        return _vision("resnet18", {}, 0)(size, device, dtype)
+    tv = _tv()
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    torch.manual_seed(0)
+    model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10).to(device=device, dtype=dtype)
+    del tv
+    return _classifier(model, 2, 32, 10, device, dtype)
+
+
+class Mlp(nn.Module):
+    """A feed-forward stack: Linear + GELU (tanh) layers with a residual, then a LayerNorm."""
+
+    def __init__(self, d: int, hidden: int, layers: int):
+        super().__init__()
+        self.ups = nn.ModuleList(nn.Linear(d, hidden) for _ in range(layers))
+        self.downs = nn.ModuleList(nn.Linear(hidden, d) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        for up, down in zip(self.ups, self.downs):
+            x = x + down(nn.functional.gelu(up(x), approximate="tanh"))
+        return self.norm(x)
+
+
+class MaskedAttention(nn.Module):
+    """Multi-head self-attention written out (scores, an additive padding mask and a causal
+    boolean mask, softmax, weighted sum) as models before SDPA did, then SiLU-gated projection."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+        self.gate = nn.Linear(d, d)
+
+    def forward(self, x, padding):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf")) + (1.0 - padding[:, None, None, :]) * -1e4
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, d)
+        return x + self.out(y) * nn.functional.silu(self.gate(x))
+
+
+class UNetBlock(nn.Module):
+    """One level of a UNet: two conv-BN-ReLU, a max-pool down, a transposed convolution up,
+    the skip concatenated, and a conv-BN-ReLU to the output channels."""
+
+    def __init__(self, c_in: int, c: int):
+        super().__init__()
+
+        def conv(a, b):
+            return nn.Sequential(nn.Conv2d(a, b, 3, padding=1, bias=False), nn.BatchNorm2d(b), nn.ReLU())
+
+        self.enc = nn.Sequential(conv(c_in, c), conv(c, c))
+        self.mid = nn.Sequential(conv(c, 2 * c), conv(2 * c, 2 * c))
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.dec = conv(2 * c, c)
+        self.head = nn.Conv2d(c, c_in, 1)
+
+    def forward(self, x):
+        skip = self.enc(x)
+        y = self.up(self.mid(nn.functional.max_pool2d(skip, 2)))
+        return self.head(self.dec(torch.cat([y, skip], 1)))
+
+
+def mlp(size: str, device, dtype) -> Case:
+    d, hidden, layers, rows = (1024, 4096, 4, 2048) if size == "full" else (64, 256, 2, 64)
+    torch.manual_seed(0)
+    model = Mlp(d, hidden, layers).to(device=device, dtype=dtype)
+
+    def inputs():
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(rows, d, generator=g).to(device=device, dtype=dtype),)
+
+    return Case(model, inputs, _logits, MeanSquare(model), inputs)
+
+
+def attention_block(size: str, device, dtype) -> Case:
+    d, heads, batch, seq = (768, 12, 8, 512) if size == "full" else (64, 4, 2, 32)
+    torch.manual_seed(0)
+    model = MaskedAttention(d, heads).to(device=device, dtype=dtype)
+
+    def inputs():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, seq, d, generator=g).to(device=device, dtype=dtype)
+        return (x, _padding_mask(batch, seq, device).to(dtype))
+
+    return Case(model, inputs, _logits, MeanSquare(model), inputs)
+
+
+def unet_block(size: str, device, dtype) -> Case:
+    c, batch, image = (64, 16, 128) if size == "full" else (8, 2, 32)
+    torch.manual_seed(0)
+    model = UNetBlock(3, c).to(device=device, dtype=dtype)
+
+    def inputs():
+        return (_pixels(batch, image, device, dtype),)
+
+    return Case(model, inputs, _logits, MeanSquare(model), inputs)
+
+
 def transformer_encoder(size: str, device, dtype) -> Case:
     d, heads, layers, ff, batch, seq = (512, 8, 6, 2048, 16, 256) if size == "full" else (64, 4, 2, 128, 2, 16)
     torch.manual_seed(0)
@@ -368,10 +475,14 @@ MODELS: dict[str, Callable[[str, object, torch.dtype], Case]] = {
     "distilbert": distilbert,
     "mixtral": mixtral,
     "resnet50": resnet50,
+    "resnet18": resnet18,
     "mobilenet_v3": mobilenet_v3,
     "efficientnet_b0": efficientnet_b0,
     "convnext_t": convnext_t,
     "transformer_encoder": transformer_encoder,
+    "mlp": mlp,
+    "attention_block": attention_block,
+    "unet_block": unet_block,
 }
 
 

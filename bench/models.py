@@ -35,6 +35,7 @@ any compiled result is wrong.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -283,6 +284,88 @@ def profile(runner: Runner, calls: int = 3) -> dict | None:
     return out
 
 
+CPU_CATEGORIES = ("kernels", "library", "host")
+
+
+def cpu_profile(make_runner, backend: str, wall_ms: float, calls: int = 10) -> dict | None:
+    """CPU time per call by category (ms): generated kernels, library calls (ATen ops the
+    compiled code or eager calls, outermost only) and the host (the rest of the timed call:
+    Python, Dynamo's guards, allocation). The kernels need a compile that times them
+    (ferrocore: FERROCORE_PROFILE_KERNELS; Inductor: `cpp.enable_kernel_profile`, ranges for
+    the profiler), so the model is compiled again for this; its code is otherwise the timed one."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    saved_env = os.environ.get("FERROCORE_PROFILE_KERNELS")
+    patch = contextlib.nullcontext()
+    if backend == "ferrocore":
+        os.environ["FERROCORE_PROFILE_KERNELS"] = "1"
+    elif backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        patch = inductor_config.patch({"cpp.enable_kernel_profile": True})
+    try:
+        with patch:
+            torch._dynamo.reset()
+            runner = make_runner()
+            for _ in range(3):
+                runner.step()
+            clock = None
+            if backend == "ferrocore":
+                from ferrocore.runtime import kernel_clock as clock
+
+                for entry in clock.values():  # zeroed in place: each kernel holds its entry
+                    entry[:] = [0, 0]
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(calls):
+                    runner.step()
+            # ferrocore's kernels time themselves (see ferrocore.runtime.ProfiledKernels)
+            clocked = {k: v for k, v in (clock or {}).items() if v[1]}
+    except Exception as e:  # noqa: BLE001
+        print(f"  CPU profile failed: {e}", flush=True)
+        return None
+    finally:
+        if saved_env is None:
+            os.environ.pop("FERROCORE_PROFILE_KERNELS", None)
+        else:
+            os.environ["FERROCORE_PROFILE_KERNELS"] = saved_env
+        torch._dynamo.reset()
+    ms = {c: 0.0 for c in CPU_CATEGORIES}
+    top: dict = {}
+    launches = 0
+    for e in prof.events():
+        kind = _cpu_kind(e.name)
+        if kind is None or any(_cpu_kind(a.name) for a in _ancestors(e)):
+            continue
+        t = e.cpu_time_total / 1e3 / calls
+        ms[kind] += t
+        launches += kind == "kernels"
+        top[e.name] = top.get(e.name, 0.0) + t
+    for name, (ns, n) in clocked.items():
+        t = ns / 1e6 / calls
+        ms["kernels"] += t
+        launches += n
+        top[name] = top.get(name, 0.0) + t
+    ms["host"] = max(wall_ms - ms["kernels"] - ms["library"], 0.0)
+    out = {"ms": ms, "kernel_ms": ms["kernels"], "launches": launches / calls}
+    out["top"] = sorted(((round(v, 4), _cpu_kind(k), k[:90]) for k, v in top.items()), reverse=True)[:80]
+    return out
+
+
+def _cpu_kind(name: str) -> str | None:
+    if "cpp_fused" in name:
+        return "kernels"
+    if name.startswith("aten::"):
+        return "library"
+    return None
+
+
+def _ancestors(e):
+    p = e.cpu_parent
+    while p is not None:
+        yield p
+        p = p.cpu_parent
+
+
 def live_at_peak(step) -> tuple[int, list, dict | None]:
     """Runs `step` once with the CUDA allocator's history recorded: the peak of the bytes
     allocated during it, the allocation events live at that peak, and the event that reached it."""
@@ -474,6 +557,12 @@ def run_config(case, name: str, task: str, mode: str, opts, ref: list, inputs: t
                 p = profile(r)
                 if p is not None:
                     row.profile[k] = p
+            elif not opts.no_profile:
+                make = (lambda b=k: Runner(module if b == "eager" else compile_backend(module, b, mode), task,
+                                           params, inputs, case.output))
+                p = cpu_profile(make, k, row.runtime_ms[k])
+                if p is not None:
+                    row.profile[k] = p
             if opts.memory_breakdown and opts.device.startswith("cuda") and mode == "default":
                 row.memory[k] = memory_breakdown(r)
             if opts.host_profile and k != "eager":
@@ -601,13 +690,18 @@ def table(rows: list, dev: str) -> str:
     return "\n".join(lines)
 
 
-def kernel_table(rows: list) -> str:
-    head = "| model | backend | wall ms | kernel ms | " + " | ".join(CATEGORIES) + " | launches |"
+def kernel_table(rows: list, dev: str) -> str:
+    cats = CATEGORIES if dev.startswith("cuda") else CPU_CATEGORIES
+    head = "| model | backend | wall ms | kernel ms | " + " | ".join(cats) + " | launches |"
+    if not dev.startswith("cuda"):
+        head = "| model | backend | wall ms | " + " ms | ".join(cats) + " ms | kernel calls |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         for k, p in r.profile.items():
-            cells = [r.model, k, _f(r.runtime_ms, k, ".3f"), f"{p['kernel_ms']:.3f}"]
-            cells += [f"{p['ms'][c]:.3f}" for c in CATEGORIES]
+            cells = [r.model, k, _f(r.runtime_ms, k, ".3f")]
+            if dev.startswith("cuda"):
+                cells.append(f"{p['kernel_ms']:.3f}")
+            cells += [f"{p['ms'][c]:.3f}" for c in cats]
             cells.append(f"{p['launches']:.0f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -645,9 +739,13 @@ def report(rows: list, opts, env: str) -> str:
                 low = min((u, r.model) for u, r in zip(ups, sel) if u)
                 out.append(f"\ngeomean ferrocore speedup over inductor: {g:.3f} over {sum(1 for u in ups if u)} models; "
                            f"lowest {low[0]:.2f} ({low[1]})")
-            if opts.device.startswith("cuda") and any(r.profile for r in sel):
-                out.append(f"\nGPU time per call by category (ms, torch.profiler), {task}, mode {mode}:\n")
-                out.append(kernel_table(sel))
+            if any(r.profile for r in sel):
+                if opts.device.startswith("cuda"):
+                    out.append(f"\nGPU time per call by category (ms, torch.profiler), {task}, mode {mode}:\n")
+                else:
+                    out.append(f"\nCPU time per call by category (ms; kernels and library calls from torch.profiler, "
+                               f"host the rest of the median call), {task}, mode {mode}:\n")
+                out.append(kernel_table(sel, opts.device))
             if any(r.memory for r in sel):
                 out.append(f"\nLive at the peak of one call, {task}, mode {mode} (largest blocks allocated during the call):\n")
                 out.append(memory_table(sel))

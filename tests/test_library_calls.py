@@ -229,9 +229,21 @@ def test_a_gpu_convolutions_bias_is_added_by_the_kernel_after_it():
     assert "torch.convolution(buf3, w_1, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8)" in call
     assert call.count("launch_triton_") == 2  # channels-last copy of x, then bias + ReLU + mul
     assert "launch_triton_poi_fused_mul_1(buf4, b_1, buf5)" in call
-    # a CPU convolution keeps its bias (oneDNN adds it in the convolution)
+    # a CPU convolution keeps its bias (oneDNN adds it in the convolution); a depthwise one
+    # goes channels-last (see lowering/layout.rs), its input copied so
     cpu = compile_fake_cuda(conv_relu, (2, 8, 16, 16), (8, 1, 3, 3), (8,), device="cpu")["module_source"]
-    assert "torch.convolution(x_1, w_1, b_1," in cpu
+    assert "torch.convolution(buf3, w_1, b_1, [1, 1], [1, 1], [1, 1], False, [0, 0], 8), (2, 8, 16, 16), (2048, 1, 128, 8)" in cpu
+
+
+def test_the_compilers_cpu_rule_puts_graphs_with_grouped_convolutions_channels_last():
+    # the rule for graphs the front did not measure (see ferrocore/conv_layout.py)
+    def layout_log(groups):
+        result = compile_fake_cuda(lambda x, w: torch.nn.functional.conv2d(x, w, groups=groups).relu(),
+                                   (1, 8, 8, 8), (8, 8 // groups, 3, 3), device="cpu", logs=["layout"])
+        return "".join(log["text"] for log in result["logs"] if log["channel"] == "layout")
+
+    assert layout_log(1).startswith("layout: eager's: 1 dense convolutions run on the CPU")
+    assert layout_log(8).startswith("layout: channels-last for 4-D activations: 1 convolutions (1 grouped")
 
 
 def test_channels_last_only_where_convolutions_dominate():

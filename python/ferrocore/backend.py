@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import padding, partition, runtime
+from . import conv_layout, padding, partition, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -339,6 +339,15 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         t = time.perf_counter()
         padded = padding.padded_matmuls(gm, opts)
         timings["padding"] = (time.perf_counter() - t) * 1e3
+        start += time.perf_counter() - t
+    else:
+        t = time.perf_counter()
+        layout = conv_layout.choose(gm, opts)
+        if layout is not None:
+            opts = {**opts, "conv_layout": layout[0]}
+            timings["conv_layout"] = (time.perf_counter() - t) * 1e3
+            if "layout" in opts["logs"]:
+                print(f"[ferrocore:layout]\n{name}: {layout[1]}", file=sys.stderr)
         start += time.perf_counter() - t
     try:
         graph_json = serialize_graph(gm, name, output_strides, free_layout, padded, donated)

@@ -56,7 +56,40 @@ def load_kernels(source: str) -> ctypes.CDLL:
                 lib = _libraries[path] = _load_open_file(path, fd)
     finally:
         os.close(fd)
+    if os.environ.get("FERROCORE_PROFILE_KERNELS", "") not in ("", "0"):
+        return ProfiledKernels(lib)
     return lib
+
+
+# kernel name -> [nanoseconds, calls] of the kernels of modules loaded with
+# FERROCORE_PROFILE_KERNELS=1 (see `ProfiledKernels`); whoever profiles reads the entries and
+# zeroes them in place (each kernel holds on to its own)
+kernel_clock: dict = {}
+
+
+class ProfiledKernels:
+    """A kernel library whose functions add their time to `kernel_clock` (FERROCORE_PROFILE_KERNELS=1
+    when a module loads), so that a profile tells the generated kernels' time from the library
+    calls' and the host's. A clock, not a `torch.profiler` range: opening a range from Python
+    costs more than most of these kernels take."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._lib, name)
+        entry = kernel_clock.setdefault(name, [0, 0])
+        clock = time.perf_counter_ns
+
+        def call(*args):
+            t = clock()
+            try:
+                return fn(*args)
+            finally:
+                entry[0] += clock() - t
+                entry[1] += 1
+
+        return call
 
 
 def _load_open_file(path: str, fd: int) -> ctypes.CDLL:

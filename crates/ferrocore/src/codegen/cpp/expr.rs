@@ -435,7 +435,14 @@ impl OpsHandler for BodyEmitter<'_> {
         let wrapped = self.emit(DType::I64, w, &[value]);
         let flag = self.fresh().replace("tmp", "bad");
         let target = if self.split { format!("{flag}_local") } else { flag.clone() };
-        self.inner.push_str(&format!("{target} = {target} || ({wrapped} < 0) || ({wrapped} >= {size}LL);\n"));
+        let line = format!("{target} = {target} || ({wrapped} < 0) || ({wrapped} >= {size}LL);\n");
+        // an index fixed across the inner loop (an embedding row) is checked once, before it:
+        // an `||` accumulated in the loop kept GCC from vectorizing GPT-2's embedding + LayerNorm
+        if self.section_of(&wrapped) == Section::Pre && !self.split {
+            self.pre.push_str(&line);
+        } else {
+            self.inner.push_str(&line);
+        }
         self.accs.push(Acc { name: flag, op: ReduceOp::Any, dtype: DType::Bool, value_dtype: None, index_check: true, scan: false });
         // clamped, so that the load stays inside the buffer whatever the input
         let clamped = format!("({wrapped} < 0 ? 0LL : ({wrapped} >= {size}LL ? {}LL : {wrapped}))", size - 1);

@@ -1,0 +1,124 @@
+"""The layout of a CPU graph's convolutions, measured (option `conv_layout`, value `auto`).
+
+oneDNN's speed for one convolution differs by layout in either direction and by shape: on the
+project's 2-core machine, one thread, NHWC ran a 2x16x32x32 3x3 convolution 1.45x and a 7x7
+depthwise one 1.5x faster than NCHW, but ResNet-50's strided 1x1 layer-4 downsample 9.5x slower
+(6.4 against 0.68 ms) and a 2x512x2x2 3x3 one 3x slower. No rule of thumb picks these, so the
+graph's convolutions are run once in each layout on random data, and the graph goes
+channels-last when that is faster in total (a graph in one layout: converting around single
+convolutions made the kernels between them transpose). Timings are cached per shape, thread
+count, CPU and torch version, so a shape is measured once per machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from .runtime import read_cached_json, write_cached_json
+
+_CONVOLUTION = torch.ops.aten.convolution.default
+_CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
+# channels-last only when it saves at least this share: near-equal totals keep eager's layout
+MIN_GAIN = 0.95
+# a convolution is timed this many times per layout, fewer when one call takes long
+REPS = 5
+SLOW_CALL_S = 0.05
+
+
+def choose(gm: torch.fx.GraphModule, opts: dict) -> tuple[str, str] | None:
+    """("channels_last" | "contiguous", why) for a CPU graph with 4-D convolutions under
+    `conv_layout = auto`; None otherwise (the compiler's own rule then applies)."""
+    if opts.get("conv_layout", "auto") != "auto":
+        return None
+    signatures = [s for s in (_signature(n) for n in gm.graph.nodes) if s is not None]
+    if not signatures:
+        return None
+    nchw = nhwc = 0.0
+    for sig in signatures:
+        timed = _timings(sig, opts.get("cache_dir"))
+        if timed is None:
+            return None
+        nchw, nhwc = nchw + timed[0], nhwc + timed[1]
+    layout = "channels_last" if nhwc < MIN_GAIN * nchw else "contiguous"
+    why = (f"layout: {'channels-last' if layout == 'channels_last' else 'eager' + chr(39) + 's'}: "
+           f"{len(signatures)} convolutions measured {nchw:.3f} ms NCHW, {nhwc:.3f} ms NHWC")
+    return layout, why
+
+
+def _signature(n: torch.fx.Node) -> dict | None:
+    """What times a convolution node (a backward one by its forward's call): shapes, dtype and
+    the call's parameters."""
+    if n.op != "call_function" or n.target not in (_CONVOLUTION, _CONVOLUTION_BACKWARD):
+        return None
+    first = 0 if n.target is _CONVOLUTION else 1
+    x, w = (n.args[first + i].meta.get("val") if isinstance(n.args[first + i], torch.fx.Node) else None
+            for i in (0, 1))
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() != 4:
+        return None
+    if x.device.type != "cpu" or not x.dtype.is_floating_point:
+        return None
+    params = [list(p) if isinstance(p, (list, tuple)) else p for p in n.args[first + 3:first + 9]]
+    stride, padding, dilation, transposed, output_padding, groups = params
+    if any(not isinstance(v, int) for v in [*x.shape, *w.shape]):
+        return None  # symbolic sizes
+    return {"x": list(x.shape), "w": list(w.shape), "dtype": str(x.dtype), "stride": stride, "padding": padding,
+            "dilation": dilation, "transposed": bool(transposed), "output_padding": output_padding,
+            "groups": int(groups)}
+
+
+def _timings(sig: dict, cache_dir) -> tuple | None:
+    key_text = json.dumps([sig, torch.get_num_threads(), _cpu_name(), torch.__version__], sort_keys=True)
+    key = hashlib.sha256(key_text.encode()).hexdigest()
+    entry = f"conv_layout/{key[:2]}/{key}.json"
+    cached = read_cached_json(cache_dir, entry) if cache_dir else None
+    if cached is not None and cached.get("key") == key_text:
+        return cached["nchw_ms"], cached["nhwc_ms"]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            nchw, nhwc = _measure(sig, False), _measure(sig, True)
+    except RuntimeError:
+        return None
+    if cache_dir:
+        write_cached_json(cache_dir, entry, {"key": key_text, "nchw_ms": nchw, "nhwc_ms": nhwc})
+    return nchw, nhwc
+
+
+def _measure(sig: dict, channels_last: bool) -> float:
+    """Median ms of the convolution on random data with NHWC (or NCHW) activations."""
+    dtype = getattr(torch, sig["dtype"].removeprefix("torch."))
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(sig["x"], dtype=dtype).contiguous(memory_format=fmt)
+    w = torch.randn(sig["w"], dtype=dtype)
+
+    def call():
+        return torch.convolution(x, w, None, sig["stride"], sig["padding"], sig["dilation"], sig["transposed"],
+                                 sig["output_padding"], sig["groups"])
+
+    t = time.perf_counter()
+    call()  # oneDNN builds its primitive at the first call
+    reps = 1 if time.perf_counter() - t > SLOW_CALL_S else REPS
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(samples)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
