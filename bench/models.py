@@ -345,9 +345,10 @@ def cpu_profile(make_runner, backend: str, wall_ms: float, calls: int = 10) -> d
         ms["kernels"] += t
         launches += n
         top[name] = top.get(name, 0.0) + t
+    kinds = {name: "kernels" for name in clocked}
     ms["host"] = max(wall_ms - ms["kernels"] - ms["library"], 0.0)
     out = {"ms": ms, "kernel_ms": ms["kernels"], "launches": launches / calls}
-    out["top"] = sorted(((round(v, 4), _cpu_kind(k), k[:90]) for k, v in top.items()), reverse=True)[:80]
+    out["top"] = sorted(((round(v, 4), kinds.get(k) or _cpu_kind(k), k[:90]) for k, v in top.items()), reverse=True)[:80]
     return out
 
 
