@@ -318,7 +318,7 @@ def cpu_profile(make_runner, backend: str, wall_ms: float, calls: int = 10) -> d
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(calls):
                     runner.step()
-            # ferrocore's kernels time themselves (see ferrocore.runtime.ProfiledKernels)
+            # ferrocore's kernels time themselves (see ferrocore.runtime.host_kernel)
             clocked = {k: v for k, v in (clock or {}).items() if v[1]}
     except Exception as e:  # noqa: BLE001
         print(f"  CPU profile failed: {e}", flush=True)

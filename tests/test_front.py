@@ -229,7 +229,6 @@ def test_runtime_helpers():
         assert t.tolist() == [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
     e = runtime.empty_strided((2, 3), (1, 2), torch.float32, "cpu")
     assert e.stride() == (1, 2)
-    assert runtime.c_ptr(base).value == base.data_ptr()
     assert runtime.benchmark(lambda args: args[0] + 1, [base], reps=3) > 0
 
 

@@ -180,7 +180,7 @@ def test_hostile_fallback_string_is_escaped_in_code_and_comment(tmp_path, marker
 
 @pytest.mark.cpu_only("hand-made graphs that declare CPU tensors")
 @pytest.mark.parametrize("name", [
-    "torch", "call", "args", "reinterpret", "restride", "c_ptr", "owned_storage", "float", "IndexError", "buf0", "buf1", "buf2", "buf3",
+    "torch", "call", "args", "reinterpret", "restride", "host_kernel", "owned_storage", "float", "IndexError", "buf0", "buf1", "buf2", "buf3",
     "arg1", "match", "class", "print", "_lib", "_r", "KERNEL_SOURCE", "launch_x", "cpp_poi_fused_add_0", "loc_buf1_0",
 ])
 def test_inputs_named_like_the_modules_own_names_compute_right(tmp_path, name):

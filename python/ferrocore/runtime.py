@@ -56,40 +56,42 @@ def load_kernels(source: str) -> ctypes.CDLL:
                 lib = _libraries[path] = _load_open_file(path, fd)
     finally:
         os.close(fd)
-    if os.environ.get("FERROCORE_PROFILE_KERNELS", "") not in ("", "0"):
-        return ProfiledKernels(lib)
     return lib
 
 
+def host_kernel(lib: ctypes.CDLL, name: str, pointers: int):
+    """Kernel `name` of `lib`, declared to take `pointers` pointer arguments (called with
+    `data_ptr()` ints: half the host time of building `c_void_p` objects) and to return its int
+    error flag. Under FERROCORE_PROFILE_KERNELS=1 it adds its time to `kernel_clock`."""
+    fn = getattr(lib, name)
+    fn.argtypes = (ctypes.c_void_p,) * pointers
+    fn.restype = ctypes.c_int
+    if os.environ.get("FERROCORE_PROFILE_KERNELS", "") in ("", "0"):
+        return fn
+    return _clocked(fn, name)
+
+
 # kernel name -> [nanoseconds, calls] of the kernels of modules loaded with
-# FERROCORE_PROFILE_KERNELS=1 (see `ProfiledKernels`); whoever profiles reads the entries and
+# FERROCORE_PROFILE_KERNELS=1 (see `host_kernel`); whoever profiles reads the entries and
 # zeroes them in place (each kernel holds on to its own)
 kernel_clock: dict = {}
 
 
-class ProfiledKernels:
-    """A kernel library whose functions add their time to `kernel_clock` (FERROCORE_PROFILE_KERNELS=1
-    when a module loads), so that a profile tells the generated kernels' time from the library
-    calls' and the host's. A clock, not a `torch.profiler` range: opening a range from Python
-    costs more than most of these kernels take."""
+def _clocked(fn, name: str):
+    """`fn`, adding its time to `kernel_clock[name]`: a clock, not a `torch.profiler` range,
+    since opening a range from Python costs more than most kernels take."""
+    entry = kernel_clock.setdefault(name, [0, 0])
+    clock = time.perf_counter_ns
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._lib = lib
+    def call(*args):
+        t = clock()
+        try:
+            return fn(*args)
+        finally:
+            entry[0] += clock() - t
+            entry[1] += 1
 
-    def __getattr__(self, name: str):
-        fn = getattr(self._lib, name)
-        entry = kernel_clock.setdefault(name, [0, 0])
-        clock = time.perf_counter_ns
-
-        def call(*args):
-            t = clock()
-            try:
-                return fn(*args)
-            finally:
-                entry[0] += clock() - t
-                entry[1] += 1
-
-        return call
+    return call
 
 
 def _load_open_file(path: str, fd: int) -> ctypes.CDLL:
@@ -130,10 +132,6 @@ def write_cached_json(cache_dir, rel: str, data) -> None:
     from . import _ferrocore
 
     _ferrocore.cache_write(str(cache_dir), rel, json.dumps(data).encode())
-
-
-def c_ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
 
 
 def empty_strided(size, stride, dtype, device) -> torch.Tensor:

@@ -334,7 +334,7 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
     let opts = Options { cache_dir: dir.clone(), skip_native_compile: true, ..Options::default() };
     let cpu = compile_graph(&doc, &opts).unwrap();
     assert_eq!(cpu.backend, "cpp");
-    assert!(cpu.module_source.contains("cpp_poi_fused_e_0(c_ptr(x), c_ptr(buf1))"), "{}", cpu.module_source);
+    assert!(cpu.module_source.contains("cpp_poi_fused_e_0(x.data_ptr(), buf1.data_ptr())"), "{}", cpu.module_source);
     let cuda_doc = doc.replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
     let cuda = compile_graph(&cuda_doc, &opts).unwrap();
     assert_eq!(cuda.backend, "triton");
@@ -557,7 +557,7 @@ fn a_returned_value_of_a_temporary_is_computed_with_it() {
         .output(&["g", "f", "h"]);
     let (s, module) = wrapper_module(&doc);
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
-    let launch = module.find("(c_ptr(x)").unwrap_or(usize::MAX);
+    let launch = module.find("(x.data_ptr()").unwrap_or(usize::MAX);
     let mm = module.find("torch.mm(").unwrap_or(0);
     assert!(launch < mm, "the copy runs before the GEMM:\n{module}");
 }
@@ -578,7 +578,7 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
         .output(&["dx", "dw2"]);
     let (s, module) = wrapper_module(&doc);
     assert!(s.decisions.iter().any(|d| d.starts_with("order: ") && d.contains("runs 1 steps later")), "{:?}", s.decisions);
-    let relu = module.find("(c_ptr(g)").unwrap_or(usize::MAX);
+    let relu = module.find("(g.data_ptr()").unwrap_or(usize::MAX);
     let dw = module.find("torch.mm(reinterpret(g").or_else(|| module.find("torch.mm(g")).unwrap_or(0);
     assert!(relu < dw, "relu(g) runs before the weight gradient:\n{module}");
     // an input gradient g @ relu(w) stays before the weight gradient that also reads g: relu(w),
@@ -778,7 +778,7 @@ fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() 
         .output(&["db", "dw"]);
     let (s, module) = wrapper_module(&doc);
     assert!(s.decisions.iter().any(|d| d.starts_with("order: ") && d.contains("(a kernel) runs 1 steps later")), "{:?}", s.decisions);
-    let sum = module.find("(c_ptr(g)").unwrap_or(0);
+    let sum = module.find("(g.data_ptr()").unwrap_or(0);
     let dw = module.find("torch.mm(").unwrap_or(usize::MAX);
     assert!(dw < sum, "the weight gradient runs before the bias gradient's kernel:\n{module}");
 }

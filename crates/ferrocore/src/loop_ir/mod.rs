@@ -310,7 +310,7 @@ pub fn input_buffer_name(i: usize, graph_name: &str) -> String {
 const RESERVED: &[&str] = &[
     // the wrapper module's own names
     "torch", "triton", "tl", "math", "ferrocore", "call", "args", "index_flag", "held", "reinterpret", "restride", "load_kernels",
-    "c_ptr", "owned_storage", "empty_strided_cuda", "GpuIndexCheck", "TritonLaunch", "KERNEL_SOURCE", "TRITON_KERNELS",
+    "host_kernel", "owned_storage", "empty_strided_cuda", "GpuIndexCheck", "TritonLaunch", "KERNEL_SOURCE", "TRITON_KERNELS",
     "TRITON_LAUNCHERS", "CUDAGRAPH_UNSAFE", "INDEX_FLAG", "DONATED_WRITES", "make_inputs", "benchmark_compiled_module", "benchmark",
     "reps", "libdevice", "x0", "xindex", "xmask", "xoffset", "yoffset", "pid", "rindex", "rmask", "XBLOCK", "RBLOCK",
     // Python builtins

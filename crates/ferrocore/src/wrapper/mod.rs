@@ -268,13 +268,14 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
     match kernels.language {
         KernelLanguage::Cpp => {
-            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, c_ptr, owned_storage, reinterpret, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, host_kernel, owned_storage, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
                 // the string must equal the compiled source byte for byte: it is the cache key
                 let _ = writeln!(m, "KERNEL_SOURCE = {}", py_source_str(&kernels.source));
                 m.push_str("\n_lib = load_kernels(KERNEL_SOURCE)\n");
+                // declared pointer arguments: a call passes `data_ptr()` ints, no ctypes objects
                 for l in &kernels.launches {
-                    let _ = writeln!(m, "{0} = _lib.{0}", l.name);
+                    let _ = writeln!(m, "{0} = host_kernel(_lib, {1}, {2})", l.name, py_str(&l.name), l.args.len());
                 }
             }
         }
@@ -423,7 +424,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
                 let k = &kernels.launches[*l];
                 match &k.shape {
                     LaunchShape::Host => {
-                        let args: Vec<String> = k.args.iter().map(|b| format!("c_ptr({})", p.buffer(*b).name)).collect();
+                        let args: Vec<String> = k.args.iter().map(|b| format!("{}.data_ptr()", p.buffer(*b).name)).collect();
                         if k.checks_indices {
                             let _ = writeln!(m, "    if {}({}):", k.name, args.join(", "));
                             let _ = writeln!(m, "        raise IndexError('index out of range in {}')", k.name);
