@@ -170,7 +170,14 @@ def test_a_saved_module_run_on_its_own_rejects_a_wrong_input():
     assert "got float32 on cpu, size (3000, 3000), stride (3000, 1)" in proc.stderr, proc.stderr
 
 
+# torch before 2.12 keeps "an FX trace is running" in a module global: while one thread
+# specializes (make_fx), another entering a compiled function raises torch's "Detected that you
+# are using FX to symbolically trace a dynamo-optimized function" (seen on torch 2.11)
+FX_TRACING_FLAG_PER_THREAD = hasattr(torch.fx._symbolic_trace, "_is_fx_tracing_tls")
+
+
 @pytest.mark.ferrocore_only
+@pytest.mark.xfail(not FX_TRACING_FLAG_PER_THREAD, reason="this torch's FX-tracing flag is global", strict=False)
 def test_new_shapes_from_several_threads_at_once_compile_each_shape_once():
     def f(x):
         return (x * 2).sin().sum(0)
