@@ -12,15 +12,14 @@ count, CPU and torch version, so a shape is measured once per machine.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 import platform
 import statistics
 import time
 
 import torch
 
-from .runtime import read_cached_json, write_cached_json
+from .runtime import cached_measurement
 
 _CONVOLUTION = torch.ops.aten.convolution.default
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default
@@ -45,10 +44,10 @@ def choose(gm: torch.fx.GraphModule, opts: dict) -> tuple[str, str] | None:
         if timed is None:
             return None
         nchw, nhwc = nchw + timed[0], nhwc + timed[1]
-    layout = "channels_last" if nhwc < MIN_GAIN * nchw else "contiguous"
-    why = (f"layout: {'channels-last' if layout == 'channels_last' else 'eager' + chr(39) + 's'}: "
-           f"{len(signatures)} convolutions measured {nchw:.3f} ms NCHW, {nhwc:.3f} ms NHWC")
-    return layout, why
+    measured = f"{len(signatures)} convolutions measured {nchw:.3f} ms NCHW, {nhwc:.3f} ms NHWC"
+    if nhwc < MIN_GAIN * nchw:
+        return "channels_last", f"layout: channels-last: {measured}"
+    return "contiguous", f"layout: eager's: {measured}"
 
 
 def _signature(n: torch.fx.Node) -> dict | None:
@@ -72,23 +71,15 @@ def _signature(n: torch.fx.Node) -> dict | None:
             "groups": int(groups)}
 
 
-def _timings(sig: dict, cache_dir) -> tuple | None:
-    key_text = json.dumps([sig, torch.get_num_threads(), _cpu_name(), torch.__version__], sort_keys=True)
-    key = hashlib.sha256(key_text.encode()).hexdigest()
-    entry = f"conv_layout/{key[:2]}/{key}.json"
-    cached = read_cached_json(cache_dir, entry) if cache_dir else None
-    if cached is not None and cached.get("key") == key_text:
-        return cached["nchw_ms"], cached["nhwc_ms"]
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+def _timings(sig: dict, cache_dir) -> list | None:
+    """(NCHW ms, NHWC ms) of the convolution `sig`, measured once per machine and thread count."""
+    key = [sig, torch.get_num_threads(), _cpu_name(), torch.__version__]
 
-    try:
-        with unset_fake_temporarily(), torch.no_grad():
-            nchw, nhwc = _measure(sig, False), _measure(sig, True)
-    except RuntimeError:
-        return None
-    if cache_dir:
-        write_cached_json(cache_dir, entry, {"key": key_text, "nchw_ms": nchw, "nhwc_ms": nhwc})
-    return nchw, nhwc
+    def measure():
+        with torch.no_grad():
+            return _measure(sig, False), _measure(sig, True)
+
+    return cached_measurement(cache_dir, "conv_layout", key, measure)
 
 
 def _measure(sig: dict, channels_last: bool) -> float:
@@ -113,6 +104,7 @@ def _measure(sig: dict, channels_last: bool) -> float:
     return statistics.median(samples)
 
 
+@functools.lru_cache(None)
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -11,13 +11,11 @@ dtype, device and torch version under `cache_dir/pad_mm`.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 
 import torch
 
-from .runtime import read_cached_json, write_cached_json
+from .runtime import cached_measurement
 
 ALIGN = 8
 # padding must beat the GEMM as traced by this much to be worth its copies
@@ -63,23 +61,11 @@ def _unaligned_operands(n: torch.fx.Node):
 
 
 def _timings(n: torch.fx.Node, a: torch.Tensor, b: torch.Tensor, cache_dir) -> tuple:
-    key_text = json.dumps([str(n.target), list(a.shape), list(a.stride()), list(b.shape), list(b.stride()),
-                           str(a.dtype), torch.cuda.get_device_name(a.device), torch.__version__])
-    key = hashlib.sha256(key_text.encode()).hexdigest()
-    entry = f"pad_mm/{key[:2]}/{key}.json"
-    cached = read_cached_json(cache_dir, entry) if cache_dir else None
-    if cached is not None and cached.get("key") == key_text:
-        return cached.get("plain_ms"), cached.get("padded_ms")
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    try:
-        with unset_fake_temporarily():
-            plain, padded = _measure(n.target, a, b)
-    except (RuntimeError, torch.OutOfMemoryError):
-        return None, None
-    if cache_dir:
-        write_cached_json(cache_dir, entry, {"key": key_text, "plain_ms": plain, "padded_ms": padded})
-    return plain, padded
+    key = [str(n.target), list(a.shape), list(a.stride()), list(b.shape), list(b.stride()),
+           str(a.dtype), torch.cuda.get_device_name(a.device), torch.__version__]
+    ms = cached_measurement(cache_dir, "pad_mm", key, lambda: _measure(n.target, a, b),
+                            errors=(RuntimeError, torch.OutOfMemoryError))
+    return tuple(ms) if ms is not None else (None, None)
 
 
 def _random_like(t: torch.Tensor) -> torch.Tensor:

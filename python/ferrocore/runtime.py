@@ -134,6 +134,28 @@ def write_cached_json(cache_dir, rel: str, data) -> None:
     _ferrocore.cache_write(str(cache_dir), rel, json.dumps(data).encode())
 
 
+def cached_measurement(cache_dir, family: str, key: list, measure, errors=(RuntimeError,)) -> list | None:
+    """The timings `measure()` returns (a list of ms) for `key`, measured once and then read from
+    cache entry `family/..` (the key's JSON text is stored beside them and must match); None when
+    measuring raised one of `errors`. Runs outside any fake-tensor mode (real tensors)."""
+    key_text = json.dumps(key, sort_keys=True)
+    digest = hashlib.sha256(key_text.encode()).hexdigest()
+    entry = f"{family}/{digest[:2]}/{digest}.json"
+    cached = read_cached_json(cache_dir, entry) if cache_dir else None
+    if isinstance(cached, dict) and cached.get("key") == key_text and isinstance(cached.get("ms"), list):
+        return cached["ms"]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily():
+            ms = list(measure())
+    except errors:
+        return None
+    if cache_dir:
+        write_cached_json(cache_dir, entry, {"key": key_text, "ms": ms})
+    return ms
+
+
 def empty_strided(size, stride, dtype, device) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device=device)
 

@@ -11,13 +11,14 @@
 //! ConvNeXt-T's 7x7 depthwise convolutions took 2.1 ms NCHW (ATen's kernel) against 0.73 ms
 //! NHWC (cuDNN).
 //!
-//! On the CPU a graph with grouped or depthwise convolutions goes channels-last too: oneDNN runs
-//! those 1.5x faster NHWC (2x16x32x32 3x3: 72 against 41 us; 2x128x4x4 7x7: 53 against 36 us,
-//! one thread), and converting around them only (the rest in eager's layout) made the kernels
-//! between them transpose (EfficientNet-B0: 2.73 ms against 1.97 ms all channels-last). A graph
-//! of dense convolutions keeps eager's layout: they gain nothing NHWC at small sizes, and a
-//! strided 1x1 one with a large weight lost 5x (ResNet-50's layer-4 downsample: 1.3 against
-//! 6.3 ms).
+//! On the CPU the Python front measures the graph's convolutions in both layouts and passes the
+//! faster as `conv_layout` (`python/ferrocore/conv_layout.py`). Without that, the rule here: a
+//! graph with grouped or depthwise convolutions goes channels-last, since oneDNN runs those 1.5x
+//! faster NHWC (2x16x32x32 3x3: 72 against 41 us; 2x128x4x4 7x7: 53 against 36 us, one thread)
+//! and converting around them only made the kernels between them transpose (EfficientNet-B0:
+//! 2.73 ms against 1.97 ms all channels-last); a graph of dense convolutions keeps eager's
+//! layout, since those flip either way by shape (ResNet-50's strided 1x1 layer-4 downsample:
+//! 1.3 ms NCHW against 6.3 ms NHWC).
 
 use super::*;
 use serde::Deserialize;
