@@ -42,13 +42,13 @@ def test_a_cpu_convolution_graph_takes_the_layout_its_convolutions_measured_fast
     assert got.stride() == want.stride()
     err = capfd.readouterr().err
     expect = "layout: channels-last" if nhwc_faster else "layout: eager's"
-    assert f"{expect}: 3 convolutions measured" in err, err
+    assert f"{expect}: 2 convolutions measured" in err, err
     # measured once per shape: a second compile reads the timings back from the cache
     monkeypatch.setattr(conv_layout, "_measure", lambda sig, cl: pytest.fail("measured again"))
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(model, backend="ferrocore", options={"logs": "layout", "cache_dir": str(tmp_path)})(x)
-    assert f"{expect}: 3 convolutions measured" in capfd.readouterr().err
+    assert f"{expect}: 2 convolutions measured" in capfd.readouterr().err
 
 
 def test_an_asked_for_layout_is_not_measured(monkeypatch):

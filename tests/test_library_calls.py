@@ -229,10 +229,14 @@ def test_a_gpu_convolutions_bias_is_added_by_the_kernel_after_it():
     assert "torch.convolution(buf3, w_1, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8)" in call
     assert call.count("launch_triton_") == 2  # channels-last copy of x, then bias + ReLU + mul
     assert "launch_triton_poi_fused_mul_1(buf4, b_1, buf5)" in call
-    # a CPU convolution keeps its bias (oneDNN adds it in the convolution); a depthwise one
-    # goes channels-last (see lowering/layout.rs), its input copied so
-    cpu = compile_fake_cuda(conv_relu, (2, 8, 16, 16), (8, 1, 3, 3), (8,), device="cpu")["module_source"]
-    assert "torch.convolution(buf3, w_1, b_1, [1, 1], [1, 1], [1, 1], False, [0, 0], 8), (2, 8, 16, 16), (2048, 1, 128, 8)" in cpu
+    # a CPU convolution keeps its bias (oneDNN adds it in the convolution); a grouped one goes
+    # channels-last (see lowering/layout.rs), its input and weight copied so
+    def grouped_conv_relu(x, w, b):
+        return torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1, groups=2)) * 2
+
+    cpu = compile_fake_cuda(grouped_conv_relu, (2, 8, 16, 16), (8, 4, 3, 3), (8,), device="cpu")["module_source"]
+    assert "cpp_poi_fused_w_1(w_1.data_ptr(), buf4.data_ptr())" in cpu
+    assert "torch.convolution(buf3, buf4, b_1, [1, 1], [1, 1], [1, 1], False, [0, 0], 2), (2, 8, 16, 16), (2048, 1, 128, 8)" in cpu
 
 
 def test_the_compilers_cpu_rule_puts_graphs_with_grouped_convolutions_channels_last():

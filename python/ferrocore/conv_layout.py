@@ -28,6 +28,8 @@ MIN_GAIN = 0.95
 # a convolution is timed this many times per layout, fewer when one call takes long
 REPS = 5
 SLOW_CALL_S = 0.05
+# bumped when the measurement changes, so that cached timings of an older one are not used
+_METHOD = 2
 
 
 def choose(gm: torch.fx.GraphModule, opts: dict) -> tuple[str, str] | None:
@@ -35,7 +37,7 @@ def choose(gm: torch.fx.GraphModule, opts: dict) -> tuple[str, str] | None:
     `conv_layout = auto`; None otherwise (the compiler's own rule then applies)."""
     if opts.get("conv_layout", "auto") != "auto":
         return None
-    signatures = [s for s in (_signature(n) for n in gm.graph.nodes) if s is not None]
+    signatures = [s for s in (_signature(n) for n in gm.graph.nodes) if s is not None and not _compiled(s)]
     if not signatures:
         return None
     nchw = nhwc = 0.0
@@ -68,12 +70,37 @@ def _signature(n: torch.fx.Node) -> dict | None:
         return None  # symbolic sizes
     return {"x": list(x.shape), "w": list(w.shape), "dtype": str(x.dtype), "stride": stride, "padding": padding,
             "dilation": dilation, "transposed": bool(transposed), "output_padding": output_padding,
-            "groups": int(groups)}
+            "groups": int(groups), "backward": n.target is _CONVOLUTION_BACKWARD}
+
+
+# the compiler's bounds for convolutions it runs itself (`lowering/cpu_conv.rs`)
+MAX_GEMM_MACS = 1 << 25
+MAX_DEPTHWISE_TAPS = 49
+MAX_DEPTHWISE_MACS = 1 << 19
+
+
+def _compiled(sig: dict) -> bool:
+    """Whether the compiler runs the forward convolution `sig` as a GEMM (1x1) or a generated
+    kernel (depthwise) instead of oneDNN: those run about as fast in either layout, so they do
+    not take part in the choice. The rule mirrors `cpu_conv.rs`; a test holds them together."""
+    if sig["transposed"] or sig.get("backward"):
+        return False
+    (n, c, h, w), (o, _, kh, kw) = sig["x"], sig["w"]
+    groups, stride, padding = sig["groups"], sig["stride"], sig["padding"]
+    dilation = sig["dilation"]
+    if len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
+        return False
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if groups == 1 and (kh, kw) == (1, 1) and list(stride) == [1, 1] and list(padding) == [0, 0]:
+        return n * h * w * c * o <= MAX_GEMM_MACS
+    depthwise = groups > 1 and groups == c and o == groups
+    return depthwise and kh * kw <= MAX_DEPTHWISE_TAPS and n * o * oh * ow * kh * kw <= MAX_DEPTHWISE_MACS
 
 
 def _timings(sig: dict, cache_dir) -> list | None:
     """(NCHW ms, NHWC ms) of the convolution `sig`, measured once per machine and thread count."""
-    key = [sig, torch.get_num_threads(), _cpu_name(), torch.__version__]
+    key = [sig, torch.get_num_threads(), _cpu_name(), torch.__version__, _METHOD]
 
     def measure():
         with torch.no_grad():
@@ -87,7 +114,8 @@ def _measure(sig: dict, channels_last: bool) -> float:
     dtype = getattr(torch, sig["dtype"].removeprefix("torch."))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(sig["x"], dtype=dtype).contiguous(memory_format=fmt)
-    w = torch.randn(sig["w"], dtype=dtype)
+    # the compiled graph hands oneDNN channels-last weights too (converted by its own kernel)
+    w = torch.randn(sig["w"], dtype=dtype).contiguous(memory_format=fmt)
 
     def call():
         return torch.convolution(x, w, None, sig["stride"], sig["padding"], sig["dilation"], sig["transposed"],

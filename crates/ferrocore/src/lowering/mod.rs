@@ -4,6 +4,7 @@
 //! recompute are realized into buffers. Views never copy: they remap indices. An op we cannot
 //! lower becomes a logged ATen fallback call, never an error.
 
+mod cpu_conv;
 mod creation;
 mod externs;
 mod indexing;
