@@ -103,6 +103,18 @@ def layer_norm(x, w, b):
     return F.layer_norm(x, (x.shape[-1],), w, b)
 
 
+def mobile_block(x, dw, scale, shift, pw):
+    """MobileNetV3's block core at its tiny size: 5x5 depthwise, folded batch norm, hardswish,
+    1x1 to more channels (the model benchmark's gap: ~45 us per oneDNN call)."""
+    y = F.conv2d(x, dw, None, 1, 2, 1, x.shape[1])
+    return F.conv2d(F.hardswish(y * scale[:, None, None] + shift[:, None, None]), pw)
+
+
+def embedding_layer_norm(ids, table, pos, w, b):
+    """GPT-2's first kernel at its tiny size: token + position embedding rows, LayerNorm."""
+    return F.layer_norm(table[ids] + pos, (table.shape[1],), w, b)
+
+
 @dataclass
 class Workload:
     name: str
@@ -149,6 +161,29 @@ def workloads(quick: bool) -> list[Workload]:
                 torch.randn(ln, generator=gen),
                 torch.randn(ln[1], generator=gen),
                 torch.randn(ln[1], generator=gen),
+            ),
+        ),
+        # the model benchmark's CPU gaps, at the tiny models' sizes in both modes
+        Workload(
+            "mobile block 2x24x16x16 dw5x5 + 1x1 to 72",
+            mobile_block,
+            lambda: (
+                torch.randn(2, 24, 16, 16, generator=gen),
+                torch.randn(24, 1, 5, 5, generator=gen),
+                torch.rand(24, generator=gen) + 0.5,
+                torch.randn(24, generator=gen),
+                torch.randn(72, 24, 1, 1, generator=gen),
+            ),
+        ),
+        Workload(
+            "embedding + layer_norm 2x64 rows of 64",
+            embedding_layer_norm,
+            lambda: (
+                torch.randint(0, 509, (2, 64), generator=gen),
+                torch.randn(509, 64, generator=gen),
+                torch.randn(64, 64, generator=gen),
+                torch.randn(64, generator=gen),
+                torch.randn(64, generator=gen),
             ),
         ),
     ]
