@@ -6,7 +6,7 @@ use ferrocore::codegen::triton::TritonBackend;
 use ferrocore::codegen::{CodegenErrorKind, KernelBackend};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::parse_graph;
-use ferrocore::lowering::lower_graph;
+use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
 use ferrocore::scheduler::{schedule, schedule_for, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
@@ -93,7 +93,7 @@ fn relu_add_sum_is_one_kernel() {
 }
 
 #[test]
-fn softmax_is_one_kernel_with_register_intermediates() {
+fn softmax_is_one_kernel_storing_its_exponentials_once() {
     let doc = G::new()
         .input("x", &[16, 64], "float32")
         .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, n("x")), &meta(&[16, 64], "float32"))
@@ -101,6 +101,7 @@ fn softmax_is_one_kernel_with_register_intermediates() {
     let (pre, post, src, k) = stages(&doc);
     assert!(k <= 2, "softmax took {k} kernels");
     assert!(post.contains("(local)"), "max and sum must stay in registers:\n{post}");
+    assert_eq!(src.matches("ferro_expf(").count(), 1, "one exp per element:\n{src}");
     check("softmax.txt", &format!("{pre}\n{post}\n{src}"));
 }
 
@@ -299,7 +300,8 @@ fn triton_source(s: &ferrocore::scheduler::Schedule) -> String {
 
 fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) {
     let g = parse_graph(doc).unwrap();
-    let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
+    let lowered = lower_graph_with(&g, &LowerOptions { triton_cpu: true, ..Default::default() }).unwrap();
+    let s = schedule_for(lowered.program, &TRITON_WHOLE).unwrap();
     let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     (src, k.launches)
@@ -719,7 +721,7 @@ fn a_value_read_through_a_view_by_a_library_call_and_returned_is_computed_once()
 
 /// The wrapper module of a graph lowered with every unaligned 16-bit GEMM padded.
 fn padded_module(doc: &str) -> String {
-    use ferrocore::lowering::{LowerOptions, PadMm};
+    use ferrocore::lowering::PadMm;
     wrapper_module_with(doc, &LowerOptions { pad_mm: PadMm::Always, ..Default::default() }).1
 }
 

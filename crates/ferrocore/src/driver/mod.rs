@@ -174,7 +174,8 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
         st.dump_dir = Some(d.join(format!("{}_{}", file_component(&graph.name), &key[..10])));
     }
     st.emit("graph", || graph.to_string());
-    let lower_options = LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm };
+    let lower_options =
+        LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm, triton_cpu: options.backend == BackendChoice::Triton };
     let lowered =
         st.time("lowering", || lower_graph_with(&graph, &lower_options)).map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
     for channel in ["layout", "padding"] {

@@ -166,6 +166,8 @@ pub struct LoweringResult {
 pub struct LowerOptions {
     pub conv_layout: ConvLayout,
     pub pad_mm: PadMm,
+    /// CPU tensors get Triton programs (the interpreter backend), not C++ loops.
+    pub triton_cpu: bool,
 }
 
 // Recompute a lazy value in each consumer unless it is expensive (Inductor's thresholds).
@@ -186,6 +188,8 @@ pub struct Ctx<'g> {
     /// 4-D buffers are laid out channels-last (see `layout`).
     pub channels_last: bool,
     pub pad_mm: PadMm,
+    /// See `LowerOptions::triton_cpu`.
+    pub triton_cpu: bool,
     /// Zero-padded GEMM operands made so far (see `matmul::zero_padded`).
     padded: Vec<matmul::PaddedOperand>,
     zero_padded_storage: Vec<matmul::ZeroPaddedStorage>,
@@ -210,6 +214,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         current: NodeId(0),
         channels_last,
         pad_mm: options.pad_mm,
+        triton_cpu: options.triton_cpu,
         padded: Vec::new(),
         zero_padded_storage: Vec::new(),
         padded_results: Vec::new(),
