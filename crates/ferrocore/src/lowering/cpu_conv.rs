@@ -16,7 +16,7 @@
 //! `python/ferrocore/conv_layout.py` leaves both kinds out of its layout measurement: they run
 //! about as fast either way.
 
-use super::indexing::{and_in_range, clamp_index};
+use super::indexing::constant_padded;
 use super::layout::channels_last_strides;
 use super::*;
 
@@ -230,35 +230,10 @@ impl Ctx<'_> {
     /// The input with the convolution's zero padding written around each plane: a tap then
     /// reads without a bounds test (g++ left the kernel scalar with one masked select per tap).
     fn plane_padded(&mut self, g: &Conv2d, x: &TensorValue) -> LResult<TensorValue> {
-        let (buf, stride, offset) = self.strided_arg(0, "input", x)?;
-        let size = x.size.clone();
-        let dt = x.dtype;
-        let pad = g.pad;
-        let padded_size = vec![size[0], size[1], size[2] + 2 * pad[0], size[3] + 2 * pad[1]];
-        let lazy = TensorValue::lazy(padded_size, dt, x.device.clone(), 1, 8, move |bx, idx| {
-            let mut base = IndexExpr::constant(offset).add(&idx[0].scale(stride[0])).add(&idx[1].scale(stride[1]));
-            let mut terms = Vec::new();
-            let mut inside = None;
-            for d in 0..2 {
-                let src = idx[2 + d].add_const(-pad[d]);
-                if pad[d] == 0 {
-                    base = base.add(&src.scale(stride[2 + d]));
-                    continue;
-                }
-                let i = bx.body.index(src, DType::I64);
-                let n = bx.body.constant(Scalar::Int(size[2 + d]), DType::I64);
-                inside = Some(and_in_range(bx, inside, i, n));
-                terms.push((clamp_index(bx, i, size[2 + d] - 1), stride[2 + d]));
-            }
-            let v = bx.body.load_indirect(buf, base, terms, dt);
-            match inside {
-                Some(ok) => {
-                    let zero = bx.body.constant(Scalar::Int(0), dt);
-                    bx.body.where_(ok, v, zero)
-                }
-                None => v,
-            }
-        });
-        Ok(self.realize(&lazy))
+        let base = self.strided_arg(0, "input", x)?;
+        let [ph, pw] = g.pad;
+        let size = [x.size[0], x.size[1], x.size[2] + 2 * ph, x.size[3] + 2 * pw];
+        let padded = constant_padded(base, x, vec![0, 0, ph, pw], &size, Scalar::Int(0));
+        Ok(self.realize(&padded))
     }
 }

@@ -200,40 +200,48 @@ impl Ctx<'_> {
             lo[rank - 1 - k] = pair[0];
         }
         let (buf, stride, offset) = self.strided_arg(0, "self", &x)?;
-        let sizes = x.size.clone();
-        let dt = x.dtype;
-        let padded: Vec<usize> = (0..rank).filter(|&d| lo[d] != 0 || out.shape[d] != sizes[d]).collect();
-        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-            let mut base = IndexExpr::constant(offset);
-            let mut terms = Vec::new();
-            let mut inside: Option<ValueId> = None;
-            for d in 0..rank {
-                let src = idx[d].add_const(-lo[d]);
-                if !padded.contains(&d) {
-                    base = base.add(&src.scale(stride[d]));
-                    continue;
-                }
-                // clamp into the input (the value is discarded outside) and remember the bounds test
-                let i = bx.body.index(src, DType::I64);
-                let n = bx.body.constant(Scalar::Int(sizes[d]), DType::I64);
-                inside = Some(and_in_range(bx, inside, i, n));
-                terms.push((clamp_index(bx, i, sizes[d] - 1), stride[d]));
-            }
-            let v = if sizes.iter().any(|&s| s == 0) {
-                super::creation::stored_constant(bx, value, dt) // nothing to read
-            } else {
-                bx.body.load_indirect(buf, base, terms, dt)
-            };
-            match inside {
-                Some(ok) => {
-                    let pv = super::creation::stored_constant(bx, value, dt);
-                    bx.body.where_(ok, v, pv)
-                }
-                None => v,
-            }
-        });
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 6 } })
+        Ok(constant_padded((buf, stride, offset), &x, lo, &out.shape, value))
     }
+}
+
+/// The strided value `x` (at `base`: buffer, strides, offset) padded to `out_size`: out[i] =
+/// x[i - lo] inside it, `value` outside (a negative `lo` crops).
+pub(super) fn constant_padded(base: (BufferId, Vec<i64>, i64), x: &TensorValue, lo: Vec<i64>, out_size: &[i64], value: Scalar) -> TensorValue {
+    let (buf, stride, offset) = base;
+    let rank = x.size.len();
+    let sizes = x.size.clone();
+    let dt = x.dtype;
+    let padded: Vec<usize> = (0..rank).filter(|&d| lo[d] != 0 || out_size[d] != sizes[d]).collect();
+    let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+        let mut base = IndexExpr::constant(offset);
+        let mut terms = Vec::new();
+        let mut inside: Option<ValueId> = None;
+        for d in 0..rank {
+            let src = idx[d].add_const(-lo[d]);
+            if !padded.contains(&d) {
+                base = base.add(&src.scale(stride[d]));
+                continue;
+            }
+            // clamp into the input (the value is discarded outside) and remember the bounds test
+            let i = bx.body.index(src, DType::I64);
+            let n = bx.body.constant(Scalar::Int(sizes[d]), DType::I64);
+            inside = Some(and_in_range(bx, inside, i, n));
+            terms.push((clamp_index(bx, i, sizes[d] - 1), stride[d]));
+        }
+        let v = if sizes.iter().any(|&s| s == 0) {
+            super::creation::stored_constant(bx, value, dt) // nothing to read
+        } else {
+            bx.body.load_indirect(buf, base, terms, dt)
+        };
+        match inside {
+            Some(ok) => {
+                let pv = super::creation::stored_constant(bx, value, dt);
+                bx.body.where_(ok, v, pv)
+            }
+            None => v,
+        }
+    });
+    TensorValue { size: out_size.to_vec(), dtype: x.dtype, device: x.device.clone(), src: Src::Lazy { f, reads: 1, ops: 6 } }
 }
 
 impl Ctx<'_> {
