@@ -37,7 +37,7 @@ def test_a_cpu_convolution_graph_takes_the_layout_its_convolutions_measured_fast
     with torch.no_grad():
         want = model(x)
         got = torch.compile(model, backend="ferrocore",
-                            options={"logs": "layout", "cache_dir": str(tmp_path)})(x)
+                            options={"logs": "layout", "cache_dir": str(tmp_path), "graph_cache": False})(x)
     torch.testing.assert_close(got, want)
     assert got.stride() == want.stride()
     err = capfd.readouterr().err
@@ -47,7 +47,7 @@ def test_a_cpu_convolution_graph_takes_the_layout_its_convolutions_measured_fast
     monkeypatch.setattr(conv_layout, "_measure", lambda sig, cl: pytest.fail("measured again"))
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(model, backend="ferrocore", options={"logs": "layout", "cache_dir": str(tmp_path)})(x)
+        torch.compile(model, backend="ferrocore", options={"logs": "layout", "cache_dir": str(tmp_path), "graph_cache": False})(x)
     assert f"{expect}: 2 convolutions measured" in capfd.readouterr().err
 
 

@@ -91,6 +91,8 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_front_graphs", graphs)
     monkeypatch.setenv("FERROCORE_LOGS", "output_code,fallback")
     monkeypatch.setenv("FERROCORE_CACHE_DIR", str(tmp_path / "cache"))
+    # the stand-in has no cache of its own to keep compiled graphs in
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
     ferrocore.metrics.reset()
     return ext
 
@@ -203,20 +205,26 @@ def test_metrics_sum_over_graphs():
     m = type(ferrocore.metrics)()
     m.record({"kernels": 2, "externs": 1, "fallbacks": 1, "timings_ms": {"cpp_compile": 3.0},
               "fallback_ops": ["aten.foo.default"], "extern_ops": ["torch.ops.aten.mm.default"]})
-    m.record({"graph_fallback": True, "timings_ms": {"cpp_compile": 1.5, "aot": 2.0},
+    m.record({"graph_fallback": True, "timings_ms": {"cpp_compile": 1.5, "aot": 2.0, "lowering": 0.5, "load": 1.0},
               "extern_ops": ["torch.ops.aten.mm.default"]})
+    m.record({"timings_ms": {"graph_cache": 0.5, "load": 1.0}, "graph_cache": "hit"})
     assert m.total == {
-        "graphs": 2,
+        "graphs": 3,
         "kernels": 2,
         "externs": 1,
         "fallbacks": 1,
         "graph_fallbacks": 1,
         "fallback_ops": {"aten.foo.default": 1},
         "extern_ops": {"torch.ops.aten.mm.default": 2},
-        "timings_ms": {"cpp_compile": 4.5, "aot": 2.0},
+        "timings_ms": {"cpp_compile": 4.5, "aot": 2.0, "lowering": 0.5, "load": 2.0, "graph_cache": 0.5},
+        "graph_cache": {"hit": 1},
     }
-    assert m.last["graph_fallback"] is True
-    assert "2 graphs" in repr(m)
+    assert m.last["graph_cache"] == "hit"
+    parts = m.compile_time()
+    assert parts["cpp_compile"] == pytest.approx(4.5e-3) and parts["aot"] == pytest.approx(2e-3)
+    assert parts["stages"] == pytest.approx(0.5e-3) and parts["load"] == pytest.approx(2e-3)
+    assert parts["backend"] == pytest.approx((4.5 + 2.0 + 0.5 + 2.0 + 0.5) * 1e-3)
+    assert "3 graphs" in repr(m) and "compiled-graph cache: hit 1" in repr(m)
     m.reset()
     assert m.last == {} and m.total["graphs"] == 0
 

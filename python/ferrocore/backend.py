@@ -8,6 +8,7 @@ logged, counted graph fallback); an error raised by Rust is a bug and propagates
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -27,7 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import conv_layout, padding, partition, runtime
+from . import conv_layout, graph_cache, padding, partition, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -49,22 +50,36 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         overrides.setdefault("cudagraphs", True)
     if kwargs.get("mode") in AUTOTUNE_MODES:
         overrides.setdefault("autotune", True)
+    opts = _options.build_options(overrides)
+    boxed = isinstance(gm, getattr(torch._dynamo.utils, "GmWrapper", ()))
+    cache_key = _graph_cache_key(gm, example_inputs, opts)
+    if cache_key is not None:
+        hit = _cached_graph(cache_key, opts, boxed)
+        if hit is not None:
+            return hit
     state = _AotClock()
     user_strides = _user_output_strides(gm)
     from . import cudagraphs  # (it imports this module)
 
     # the forward's and backward's CUDA-graph runners see each other's recordings
     family = cudagraphs.Family()
+    # what the compiled-graph cache stores: the inference graph and AOT autograd's runtime
+    recorded: dict = {"graphs": [], "bypass": None, "runtime": None}
 
     def forward(graph, inputs):
+        recorded["bypass"] = "training graphs (forward and backward) are not cached yet"
         strides = _visible_output_strides(graph, user_strides, inference=False)
         saved = _saved_outputs(graph)
         return _compile(graph, state.take(), overrides, strides, free_layout=_free_layout(saved), saved=saved,
                         family=family)
 
     def inference(graph, inputs):
+        try:
+            recorded["runtime"] = graph_cache.plain_runtime(example_inputs)
+        except graph_cache.Bypass as e:
+            recorded["bypass"] = str(e)
         strides = _visible_output_strides(graph, user_strides, inference=True)
-        return _compile(graph, state.take(), overrides, strides)
+        return _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
 
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
@@ -81,7 +96,52 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         partition_fn=_partition,
     )(gm, example_inputs)
     state.stop()
+    if cache_key is not None:
+        _store_graph(cache_key, opts, recorded)
     return compiled
+
+
+def _graph_cache_key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str | None:
+    """The compiled-graph cache's key for this Dynamo graph, or None (logged) when it is not
+    cacheable."""
+    if not opts["graph_cache"]:
+        return None
+    if opts["cudagraphs"]:
+        graph_cache.log(opts, "bypass: CUDA-graph recordings are not cached")
+        return None
+    try:
+        return graph_cache.key(gm, example_inputs, opts)
+    except graph_cache.Bypass as e:
+        graph_cache.log(opts, f"bypass: {e}")
+        return None
+
+
+def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
+    """The callable for a compiled-graph cache hit, or None on a miss (logged with its reason)."""
+    start = time.perf_counter()
+    entry = graph_cache.load(opts["cache_dir"], cache_key)
+    if entry is None:
+        graph_cache.log(opts, f"miss {cache_key[:16]}: no valid entry")
+        return None
+    if entry["kind"] != "inference" or len(entry["graphs"]) != 1:
+        graph_cache.log(opts, f"miss {cache_key[:16]}: an entry of kind {entry['kind']!r} cannot be run")
+        return None
+    graph = dataclasses.replace(entry["graphs"][0], name=f"graph_{next(_graph_ids)}")
+    timings = {"graph_cache": (time.perf_counter() - start) * 1e3}
+    call, _ = _load_graph(graph, timings, cpp_cache_hit=True, graph_cache="hit")
+    graph_cache.log(opts, f"hit {cache_key[:16]}: {graph.name} ({graph.counts.get('kernels', 0)} kernels)")
+    return graph_cache.inference_call(call, entry["runtime"], boxed)
+
+
+def _store_graph(cache_key: str, opts: dict, recorded: dict) -> None:
+    why = recorded["bypass"]
+    if why is None and (recorded["runtime"] is None or len(recorded["graphs"]) != 1):
+        why = "the graph was partitioned, specialized per shape or run eagerly"
+    if why is not None:
+        graph_cache.log(opts, f"not stored {cache_key[:16]}: {why}")
+        return
+    graph_cache.store(opts["cache_dir"], cache_key, "inference", recorded["runtime"], recorded["graphs"])
+    graph_cache.log(opts, f"stored {cache_key[:16]}: {recorded['graphs'][0].name}")
 
 
 def _saved_outputs(graph: torch.fx.GraphModule) -> list:
@@ -314,7 +374,9 @@ class _AotClock:
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
              free_layout: list | None = None, donated: list | None = None, backward: bool = False,
-             saved: list | None = None, family=None) -> Callable:
+             saved: list | None = None, family=None, record: Callable | None = None) -> Callable:
+    """Compiles one ATen graph; `record` receives the CompiledGraph (static graphs only, the
+    compiled-graph cache's entries)."""
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -371,10 +433,53 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
 
     if free_layout:
         _report_output_strides(result)
-    start = time.perf_counter()
-    with runtime.compile_options(options):
-        module = _import_module(result["module_path"], name, result["module_source"])
     timings.update(result.get("timings_ms", {}))
+    fallbacks = result.get("fallbacks", [])
+    graph = graph_cache.CompiledGraph(
+        name=name,
+        module_path=result["module_path"],
+        module_source=result["module_source"],
+        options=options,
+        device=str(device) if device is not None else None,
+        host_scalars=list(host_scalars),
+        gpu_scalars=_declared_gpu_scalars(gm, host_scalars) if device is not None else [],
+        constants=constants,
+        counts={
+            "kernels": result.get("kernels", 0),
+            "externs": result.get("externs", 0),
+            "fallbacks": len(fallbacks),
+            "fallback_ops": [f["target"] for f in fallbacks],
+            "extern_ops": result.get("extern_ops", []),
+            "backend": result.get("backend"),
+        },
+    )
+    if record is not None:
+        record(graph)
+    call, module = _load_graph(graph, timings, cpp_cache_hit=bool(result.get("cpp_cache_hit", False)))
+    if opts["cudagraphs"]:
+        from . import cudagraphs
+
+        inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        why = cudagraphs.blocker(module, device, inputs_meta, bool(host_scalars))
+        if why is not None:
+            print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
+        else:
+            call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False),
+                                              copied=_copied_inputs(gm, backward), saved=saved or (),
+                                              donated_writes=getattr(module, "DONATED_WRITES", False), family=family)
+    call._boxed_call = True  # `call(args)` takes the argument list and may clear it
+    return call
+
+
+def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: bool, **fields) -> tuple:
+    """Runs a compiled graph's wrapper module (freshly compiled, or from the compiled-graph
+    cache): its kernels load from their caches, Triton's are compiled now. Returns (the boxed
+    call, with host scalars moved and lifted constants appended; the module)."""
+    opts = json.loads(graph.options)
+    device = torch.device(graph.device) if graph.device is not None else None
+    start = time.perf_counter()
+    with runtime.compile_options(graph.options):
+        module = _import_module(graph.module_path, graph.name, graph.module_source)
     timings["load"] = (time.perf_counter() - start) * 1e3
     tuned = {}
     if device is not None and getattr(module, "TRITON_KERNELS", None):
@@ -382,34 +487,12 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
                                           autotune=opts["autotune"], cache_dir=opts["cache_dir"])
         timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
+    _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not cpp_cache_hit)
+    metrics.record(_entry(graph.name, timings, cpp_cache_hit=cpp_cache_hit, module_path=graph.module_path,
+                          **graph.counts, **fields, **tuned))
 
-    _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not result.get("cpp_cache_hit", False))
-    fallbacks = result.get("fallbacks", [])
-    metrics.record(
-        _entry(
-            name,
-            timings,
-            kernels=result.get("kernels", 0),
-            externs=result.get("externs", 0),
-            fallbacks=len(fallbacks),
-            fallback_ops=[f["target"] for f in fallbacks],
-            extern_ops=result.get("extern_ops", []),
-            cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
-            module_path=result["module_path"],
-            backend=result.get("backend"),
-            **tuned,
-        )
-    )
     call = module.call
-    graphed = opts["cudagraphs"]
-    if graphed:
-        from . import cudagraphs
-
-        inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        why = cudagraphs.blocker(module, device, inputs_meta, bool(host_scalars))
-        if why is not None:
-            graphed = False
-            print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
+    host_scalars, gpu_scalars, constants = graph.host_scalars, graph.gpu_scalars, graph.constants
     if host_scalars:
         # ATen lets a 0-d CPU tensor join a CUDA op; a GPU kernel cannot read host memory
         inner_call = call
@@ -418,7 +501,6 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             for i in host_scalars:
                 args[i] = args[i].to(device, non_blocking=True)
             return inner_call(args, **kw)
-    gpu_scalars = _declared_gpu_scalars(gm, host_scalars) if device is not None else []
     if gpu_scalars:
         # torch's fake tensors put an attention's saved random-number state (0-d int64) on the
         # GPU; the real one comes on the CPU
@@ -429,7 +511,6 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
                 if args[i].device != device:
                     args[i] = args[i].to(device, non_blocking=True)
             return scalar_call(args, **kw)
-
     if constants:
         # lifted constants are the graph's last inputs (see serialize.lifted_constants)
         inner = call
@@ -438,12 +519,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             args.extend(constants)
             return inner(args, **kw)
 
-    if graphed:
-        call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False),
-                                          copied=_copied_inputs(gm, backward), saved=saved or (),
-                                          donated_writes=getattr(module, "DONATED_WRITES", False), family=family)
-    call._boxed_call = True  # `call(args)` takes the argument list and may clear it
-    return call
+    return call, module
 
 
 # the process's compiles keep the cache under its size limit (`cache.Trimmer`)

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 _COUNTS = ("kernels", "externs", "fallbacks")
 
+# Compile-time parts (`Metrics.compile_time`), each a set of the timings graphs record.
+_FRONT = ("serialize", "padding", "conv_layout", "specialize")  # the Python front's passes
+STAGES = ("import", "lowering", "scheduling", "codegen", "wrapper")  # Rust's stages
+_KERNELS = ("cpp_compile", "triton_compile", "autotune")
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -24,7 +29,9 @@ class Metrics:
             "fallback_ops": {},
             "extern_ops": {},
             "timings_ms": {},
+            "graph_cache": {},
         }
+        self._dynamo_base = _dynamo_seconds()
 
     def record(self, entry: dict) -> None:
         """Adds one compiled (or eagerly run) graph; `entry` becomes `last`."""
@@ -40,6 +47,8 @@ class Metrics:
             t["extern_ops"][op] = t["extern_ops"].get(op, 0) + 1
         for stage, ms in entry.get("timings_ms", {}).items():
             t["timings_ms"][stage] = t["timings_ms"].get(stage, 0.0) + ms
+        if "graph_cache" in entry:
+            t["graph_cache"][entry["graph_cache"]] = t["graph_cache"].get(entry["graph_cache"], 0) + 1
 
     def count(self, key: str, n: int = 1) -> None:
         """A runtime event, summed in `total` from its first occurrence: under
@@ -47,6 +56,24 @@ class Metrics:
         `cudagraph_plain_calls` (warm-up calls, and calls whose recordings' outputs are all still
         held) and `cudagraph_capture_failures`."""
         self.total[key] = self.total.get(key, 0) + n
+
+    def compile_time(self) -> dict:
+        """Seconds spent compiling since `reset()`, by part: `dynamo` (Dynamo's own, less the
+        backend call), `aot` (AOT autograd before each graph reaches ferrocore), `front` (the
+        Python passes), each Rust stage, `cpp_compile`, `triton_compile` (or `autotune`),
+        `load` (running wrapper modules), `graph_cache` (looking up compiled-graph entries);
+        `stages` sums the Rust stages, `backend` every part but Dynamo's."""
+        ms = self.total["timings_ms"]
+        parts = {"dynamo": max(_dynamo_seconds() - self._dynamo_base, 0.0), "aot": ms.get("aot", 0.0) / 1e3,
+                 "front": sum(ms.get(k, 0.0) for k in _FRONT) / 1e3}
+        parts.update({k: ms.get(k, 0.0) / 1e3 for k in STAGES})
+        parts["stages"] = sum(parts[k] for k in STAGES)
+        parts["cpp_compile"] = ms.get("cpp_compile", 0.0) / 1e3
+        parts["triton_compile"] = (ms.get("triton_compile", 0.0) + ms.get("autotune", 0.0)) / 1e3
+        parts["load"] = ms.get("load", 0.0) / 1e3
+        parts["graph_cache"] = ms.get("graph_cache", 0.0) / 1e3
+        parts["backend"] = sum(v for k, v in parts.items() if k not in ("dynamo", "stages"))
+        return parts
 
     def summary(self) -> str:
         t = self.total
@@ -58,8 +85,11 @@ class Metrics:
         if events:
             lines.append("  " + ", ".join(f"{k} {v}" for k, v in events.items()))
         if t["timings_ms"]:
-            stages = ", ".join(f"{k} {v:.1f}" for k, v in t["timings_ms"].items())
-            lines.append(f"  time (ms): {stages}")
+            parts = self.compile_time()
+            lines.append("  compile (s): " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v and k not in STAGES))
+            lines.append("  stages (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in t["timings_ms"].items()))
+        if t["graph_cache"]:
+            lines.append("  compiled-graph cache: " + ", ".join(f"{k} {v}" for k, v in t["graph_cache"].items()))
         if self.last:
             last = {k: v for k, v in self.last.items() if k != "timings_ms"}
             lines.append(f"  last: {last}")
@@ -69,12 +99,24 @@ class Metrics:
         return self.summary()
 
 
+def _dynamo_seconds() -> float:
+    """Dynamo's compile time in this process so far, less the time its backends took (torch's
+    `compilation_time_metrics`); 0 before torch is imported."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0.0
+    times = getattr(utils, "compilation_time_metrics", {})
+    return sum(times.get("_compile.compile_inner", ())) - sum(times.get("OutputGraph.call_user_compiler", ()))
+
+
 metrics = Metrics()
 
 
 def __getattr__(name: str):
     # `ferrocore.metrics` is the Metrics instance, but code that does `import ferrocore.metrics`
     # and then reads this module sees the same data.
-    if name in ("last", "total", "reset", "record", "summary", "count"):
+    if name in ("last", "total", "reset", "record", "summary", "count", "compile_time"):
         return getattr(metrics, name)
     raise AttributeError(name)

@@ -19,9 +19,10 @@ LOG_CHANNELS = (
     "fallback",
     "layout",
     "padding",
+    "graph_cache",
 )
 _KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
-         "check_inputs", "cache_max_bytes")
+         "check_inputs", "cache_max_bytes", "graph_cache")
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
@@ -55,6 +56,8 @@ def build_options(overrides: dict | None = None) -> dict:
         "check_inputs": _flag(os.environ.get("FERROCORE_CHECK_INPUTS") or "1"),
         # bytes the cache is kept under ("unlimited": no trimming); front only
         "cache_max_bytes": _cache_limit(os.environ.get("FERROCORE_CACHE_MAX_BYTES", "")),
+        # the compiled-graph cache (a warm start skips AOT autograd and compiling); front only
+        "graph_cache": _flag(os.environ.get("FERROCORE_GRAPH_CACHE") or "1"),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:

@@ -1,0 +1,288 @@
+"""The compiled-graph cache: a warm start loads what an earlier process compiled.
+
+The key is the graph Dynamo hands the backend (its generated code and constants), the inputs'
+metadata, the global state that changes what AOT autograd traces (grad mode, autocast, default
+dtype, matmul precision, threads), the options, and the versions of ferrocore, torch, Triton
+and the C++ compiler. An entry holds each compiled ATen graph (wrapper source, lifted constants,
+where host scalars go) and what AOT autograd's runtime would do around it. A hit skips AOT
+autograd, lowering, scheduling, code generation and kernel compilation: the wrapper module runs
+from the entry and loads its kernels from their own caches.
+
+Entries go through the Rust cache (`runtime/cache.rs`): written atomically, signed, verified on
+every read; a missing, truncated, edited or stale entry is a miss and is rebuilt. Only graphs
+whose AOT runtime is a plain call are stored (no outputs aliasing inputs, no input mutations
+applied outside the graph, no tensor subclasses, effect tokens or duplicated inputs); anything
+else is a logged bypass. Training graphs (an autograd.Function around forward and backward)
+are not stored yet.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+# Bumped whenever an entry's layout or meaning changes: older entries are then misses.
+FORMAT = 1
+
+# Modules whose functions may appear as call targets of a cached graph: their behaviour is
+# covered by the versions in the key. A user function (allow_in_graph) is not.
+_KNOWN_MODULES = ("torch", "operator", "_operator", "math", "builtins", "einops")
+
+# A graph constant larger than this is not hashed into the key; the graph is not cached.
+_MAX_CONSTANT_BYTES = 1 << 20
+
+
+class Bypass(Exception):
+    """The graph cannot be cached; the message says why (logged on `graph_cache`)."""
+
+
+@dataclass
+class CompiledGraph:
+    """One compiled ATen graph, as the front runs it: everything `backend._load_graph` needs."""
+
+    name: str
+    module_path: str
+    module_source: str
+    options: str  # the options JSON the module was compiled (and is imported) with
+    device: str | None  # the graph's GPU device, None on the CPU
+    host_scalars: list = field(default_factory=list)  # 0-d CPU inputs moved to the device
+    gpu_scalars: list = field(default_factory=list)  # 0-d inputs declared on the device
+    constants: list = field(default_factory=list)  # lifted constants, appended to the inputs
+    counts: dict = field(default_factory=dict)  # kernels, externs, fallbacks... for metrics
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["constants"] = [_tensor_text(t) for t in self.constants]
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "CompiledGraph":
+        d = dict(d)
+        d["constants"] = [_tensor_from_text(t) for t in d["constants"]]
+        return CompiledGraph(**d)
+
+
+def _tensor_text(t: torch.Tensor) -> dict:
+    dense = t.detach().cpu().contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "stride": list(t.stride()),
+            "device": str(t.device), "data": base64.b64encode(_bytes_of(dense)).decode()}
+
+
+def _tensor_from_text(d: dict) -> torch.Tensor:
+    # Built from bytes, not torch.load: inside Dynamo's compile, torch.load returns meta tensors.
+    dtype = getattr(torch, d["dtype"])
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {d['dtype']}")
+    data = bytearray(base64.b64decode(d["data"]))
+    flat = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    out = torch.empty_strided(d["shape"], d["stride"], dtype=dtype, device="cpu")
+    out.copy_(flat.view(dtype).reshape(d["shape"]))
+    return out.to(d["device"])
+
+
+def _bytes_of(dense: torch.Tensor) -> bytes:
+    return dense.reshape(-1).view(torch.uint8).numpy().tobytes() if dense.numel() else b""
+
+
+# ---- the key ----------------------------------------------------------------------------------
+
+
+def key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str:
+    """The entry's key for this graph, inputs and options; raises Bypass for a graph the cache
+    cannot vouch for."""
+    h = hashlib.sha256()
+
+    def put(*parts) -> None:
+        for p in parts:
+            h.update(str(p).encode())
+            h.update(b"\0")
+
+    put("format", FORMAT, *versions())
+    # logs and dumps are part of the key: asking for them asks for a compile that prints them
+    put(json.dumps(opts, sort_keys=True))
+    put(*global_state())
+    _put_graph(put, gm, "graph")
+    seen: dict = {}
+    for i, x in enumerate(example_inputs):
+        put(f"input {i}")
+        if isinstance(x, torch.Tensor):
+            if type(x) not in (torch.Tensor, torch.nn.Parameter) and not _is_fake(x):
+                raise Bypass(f"input {i} is a {type(x).__name__}")
+            if id(x) in seen:
+                raise Bypass(f"input {i} is input {seen[id(x)]} again")
+            seen[id(x)] = i
+            put(tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device, x.requires_grad,
+                isinstance(x, torch.nn.Parameter))
+        elif isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise Bypass(f"input {i} is symbolic")
+        elif isinstance(x, (bool, int, float)) or x is None:
+            put(type(x).__name__, repr(x))
+        else:
+            raise Bypass(f"input {i} is a {type(x).__name__}")
+    return h.hexdigest()
+
+
+def _is_fake(x) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+def _put_graph(put, gm: torch.fx.GraphModule, path: str) -> None:
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        raise Bypass(f"{path} holds parameters or buffers")
+    put(path, gm.code)
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            raise Bypass(f"node {n.name} calls a module")
+        if n.op == "call_function":
+            module = getattr(n.target, "__module__", None) or ""
+            if not isinstance(n.target, torch._ops.OpOverload) and module.split(".")[0] not in _KNOWN_MODULES:
+                raise Bypass(f"node {n.name} calls {module}.{getattr(n.target, '__name__', n.target)}")
+        if n.op == "get_attr":
+            value = gm
+            for part in n.target.split("."):
+                value = getattr(value, part)
+            if isinstance(value, torch.fx.GraphModule):
+                _put_graph(put, value, f"{path}.{n.target}")
+            elif isinstance(value, torch.Tensor):
+                if value.numel() * value.element_size() > _MAX_CONSTANT_BYTES:
+                    raise Bypass(f"constant {n.target} is larger than {_MAX_CONSTANT_BYTES} bytes")
+                dense = value.detach().cpu().contiguous()
+                put(n.target, tuple(value.shape), value.stride(), value.dtype, value.device,
+                    hashlib.sha256(_bytes_of(dense)).hexdigest())
+            else:
+                raise Bypass(f"attribute {n.target} is a {type(value).__name__}")
+
+
+def global_state() -> tuple:
+    """State outside the graph that changes what AOT autograd traces or how kernels are chosen."""
+    autocast = tuple(
+        (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) for dev in ("cpu", "cuda")
+    )
+    return (
+        torch.is_grad_enabled(), autocast, torch.get_default_dtype(), torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(),
+    )
+
+
+@functools.lru_cache(None)
+def versions() -> tuple:
+    """ferrocore (a hash of its package files and extension), torch, Triton, and the C++
+    compiler's version line."""
+    h = hashlib.sha256()
+    package = os.path.dirname(os.path.abspath(__file__))
+    for root, dirs, files in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith((".py", ".so", ".h")):
+                with open(os.path.join(root, name), "rb") as f:
+                    h.update(name.encode())
+                    h.update(f.read())
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return h.hexdigest(), torch.__version__, triton_version, _compiler_version()
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else f"{cxx}: no version"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cxx}: {e}"
+
+
+# ---- AOT autograd's runtime -------------------------------------------------------------------
+
+
+def plain_runtime(example_inputs) -> dict:
+    """What AOT autograd's runtime does around the inference graph it is about to compile, when
+    that is a plain call (read from its metadata); raises Bypass otherwise."""
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is None:
+        raise Bypass("AOT autograd's metadata is not available")
+    checks = {
+        "outputs alias inputs or each other": getattr(meta, "num_outputs_aliased", 1),
+        "inputs are mutated outside the graph": getattr(meta, "num_mutated_inp_runtime_indices", 1),
+        "intermediate bases are returned": getattr(meta, "num_intermediate_bases", 1),
+        "effect tokens are threaded": len(getattr(meta, "tokens", ()) or ()),
+        "random-number ops are functionalized": int(bool(getattr(meta, "is_rng_op_functionalized", True))),
+        "tensor subclasses": int(any(type(m).__name__ == "SubclassCreationMeta"
+                                     for m in (*(getattr(meta, "subclass_inp_meta", ()) or ()),
+                                               *(getattr(meta, "subclass_fw_graph_out_meta", ()) or ())))),
+    }
+    for why, count in checks.items():
+        if count:
+            raise Bypass(f"AOT runtime: {why}")
+    return {"disable_amp": bool(torch._C._is_any_autocast_enabled()), "inputs": len(example_inputs)}
+
+
+def inference_call(graph_call, runtime: dict, boxed: bool):
+    """The callable Dynamo gets for a cached inference graph: as AOT autograd runs one, with grad
+    off (and autocast off if it was on at compile time)."""
+
+    def run(args):
+        grad = torch.is_grad_enabled()
+        if grad:
+            torch._C._set_grad_enabled(False)
+        try:
+            if runtime["disable_amp"]:
+                with torch._C._DisableAutocast():
+                    return graph_call(args)
+            return graph_call(args)
+        finally:
+            if grad:
+                torch._C._set_grad_enabled(True)
+
+    if boxed:
+        run._boxed_call = True
+        return run
+    return lambda *args: run(list(args))
+
+
+# ---- storing and loading ----------------------------------------------------------------------
+
+
+def _rel(k: str) -> str:
+    return f"compiled/{k[:2]}/{k}.json"
+
+
+def load(cache_dir: str, k: str) -> dict | None:
+    """The verified entry for key `k`, or None (missing, corrupt, another format or key)."""
+    from . import runtime as _runtime
+
+    entry = _runtime.read_cached_json(cache_dir, _rel(k))
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
+        return None
+    try:
+        entry["graphs"] = [CompiledGraph.from_json(g) for g in entry["graphs"]]
+    except (TypeError, KeyError, ValueError, RuntimeError):
+        return None
+    return entry
+
+
+def store(cache_dir: str, k: str, kind: str, runtime: dict, graphs: list) -> None:
+    from . import runtime as _runtime
+
+    entry = {"format": FORMAT, "key": k, "kind": kind, "runtime": runtime,
+             "graphs": [g.to_json() for g in graphs]}
+    _runtime.write_cached_json(cache_dir, _rel(k), entry)
+
+
+def log(opts: dict, text: str) -> None:
+    if "graph_cache" in opts.get("logs", ()):
+        print(f"[ferrocore:graph_cache] {text}", file=sys.stderr)

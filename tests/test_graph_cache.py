@@ -1,0 +1,181 @@
+"""The compiled-graph cache: a second compile of a graph (a new process, or after
+`torch._dynamo.reset()`) loads the first one's entry instead of running AOT autograd and
+compiling; corrupt entries are rebuilt; graphs the cache cannot vouch for bypass it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+
+from helpers import is_ferrocore
+
+pytestmark = pytest.mark.skipif(not is_ferrocore(), reason="ferrocore's own cache")
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    return str(d)
+
+
+def _compile(fn, cache_dir, **options):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="ferrocore", options={"cache_dir": cache_dir, "logs": "graph_cache", **options})
+
+
+def _log(capfd) -> str:
+    return capfd.readouterr().err
+
+
+def _entries(cache_dir) -> list:
+    return sorted(Path(cache_dir, "compiled").rglob("*.json"))
+
+
+def _block(x, w, b):
+    h = torch.nn.functional.layer_norm(x @ w + b, (w.shape[1],))
+    return torch.softmax(h, -1) * torch.tensor([2.0], device=x.device), h.sum(0)
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(8, 16), torch.randn(16, 32), torch.randn(32)
+
+
+def _check_same(got, want):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.stride() == w.stride() and g.dtype == w.dtype
+        torch.testing.assert_close(g, w)
+
+
+def test_second_compile_loads_the_entry(cache_dir, capfd):
+    from ferrocore import metrics
+
+    args = _inputs()
+    want = _block(*args)
+    with torch.no_grad():
+        first = _compile(_block, cache_dir)(*args)
+    assert "stored" in _log(capfd)
+    assert len(_entries(cache_dir)) == 1
+    metrics.reset()
+    with torch.no_grad():
+        second = _compile(_block, cache_dir)(*args)
+    log = _log(capfd)
+    assert "hit" in log, log
+    assert metrics.last["graph_cache"] == "hit"
+    assert "aot" not in metrics.last["timings_ms"] and "lowering" not in metrics.last["timings_ms"]
+    assert metrics.last["kernels"] > 0
+    _check_same(first, want)
+    _check_same(second, want)
+
+
+def test_a_new_process_hits_and_matches_eager(cache_dir):
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        sys.path.insert(0, sys.argv[2])
+        from test_graph_cache import _block, _inputs
+        from ferrocore import metrics
+        args = _inputs()
+        with torch.no_grad():
+            got = torch.compile(_block, backend="ferrocore", options={"cache_dir": sys.argv[1]})(*args)
+        want = _block(*args)
+        for g, w in zip(got, want):
+            assert g.stride() == w.stride() and g.dtype == w.dtype
+            torch.testing.assert_close(g, w)
+        print("cache", metrics.last.get("graph_cache", "compiled"))
+        """
+    )
+    here = str(Path(__file__).resolve().parent)
+    runs = [subprocess.run([sys.executable, "-c", script, cache_dir, here], capture_output=True, text=True,
+                           env=os.environ.copy(), timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert "cache compiled" in runs[0].stdout
+    assert "cache hit" in runs[1].stdout
+
+
+def test_corrupt_or_truncated_entries_are_rebuilt(cache_dir, capfd):
+    args = _inputs()
+    want = _block(*args)
+    with torch.no_grad():
+        _compile(_block, cache_dir)(*args)
+    (entry,) = _entries(cache_dir)
+    for damage in (lambda b: b[: len(b) // 2], lambda b: b.replace(b"graph_", b"graph-", 1), lambda b: b""):
+        entry.write_bytes(damage(entry.read_bytes()))
+        _log(capfd)
+        with torch.no_grad():
+            got = _compile(_block, cache_dir)(*args)
+        log = _log(capfd)
+        assert "miss" in log and "stored" in log, log
+        _check_same(got, want)
+    with torch.no_grad():
+        _compile(_block, cache_dir)(*args)
+    assert "hit" in _log(capfd)
+
+
+def test_the_key_follows_shapes_options_and_grad_mode(cache_dir, capfd):
+    args = _inputs()
+    with torch.no_grad():
+        _compile(_block, cache_dir)(*args)
+        _compile(_block, cache_dir)(torch.randn(4, 16), args[1], args[2])
+        _compile(_block, cache_dir, check_inputs=False)(*args)
+        _compile(_block, cache_dir)(args[0].t().contiguous().t(), args[1], args[2])
+    log = _log(capfd)
+    assert "hit" not in log, log
+    assert len(_entries(cache_dir)) == 4
+
+
+def test_input_mutation_inside_the_graph_is_cached(cache_dir, capfd):
+    def f(x, y):
+        x.mul_(2)
+        return x + y
+
+    for expect in ("stored", "hit"):
+        x, y = torch.arange(6.0), torch.ones(6)
+        with torch.no_grad():
+            out = _compile(f, cache_dir)(x, y)
+        assert expect in _log(capfd)
+        torch.testing.assert_close(x, torch.arange(6.0) * 2)
+        torch.testing.assert_close(out, torch.arange(6.0) * 2 + 1)
+
+
+@pytest.mark.parametrize("case", ["alias", "training"])
+def test_graphs_the_cache_cannot_vouch_for_are_not_stored(cache_dir, capfd, case):
+    if case == "alias":
+        fn, args, why = (lambda x: (x.view(2, 3), x * 2)), (torch.randn(6),), "alias"
+    else:
+        fn, args, why = (lambda x: (x * x).sum()), (torch.randn(6, requires_grad=True),), "training"
+    for _ in range(2):
+        got = _compile(fn, cache_dir)(*args)
+        log = _log(capfd)
+        assert f"not stored" in log and why in log, log
+    want = fn(*args)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w)
+    assert _entries(cache_dir) == []
+
+
+def test_user_functions_in_the_graph_bypass(cache_dir, capfd):
+    @torch._dynamo.allow_in_graph
+    def opaque(x):
+        return x + 1
+
+    with torch.no_grad():
+        _compile(lambda x: opaque(x) * 2, cache_dir)(torch.randn(4))
+    assert "bypass" in _log(capfd)
+    assert _entries(cache_dir) == []
+
+
+def test_off_switch(cache_dir, capfd):
+    with torch.no_grad():
+        _compile(_block, cache_dir, graph_cache=False)(*_inputs())
+    assert "graph_cache" not in _log(capfd)
+    assert _entries(cache_dir) == []
