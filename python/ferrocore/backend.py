@@ -113,7 +113,9 @@ def _graph_cache_key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> st
         return graph_cache.key(gm, example_inputs, opts)
     except graph_cache.Bypass as e:
         graph_cache.log(opts, f"bypass: {e}")
-        return None
+    except Exception as e:  # noqa: BLE001 - a graph the key cannot describe is compiled, not refused
+        graph_cache.log(opts, f"bypass: the key cannot be computed ({type(e).__name__}: {e})")
+    return None
 
 
 def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
@@ -140,7 +142,11 @@ def _store_graph(cache_key: str, opts: dict, recorded: dict) -> None:
     if why is not None:
         graph_cache.log(opts, f"not stored {cache_key[:16]}: {why}")
         return
-    graph_cache.store(opts["cache_dir"], cache_key, "inference", recorded["runtime"], recorded["graphs"])
+    try:
+        graph_cache.store(opts["cache_dir"], cache_key, "inference", recorded["runtime"], recorded["graphs"])
+    except Exception as e:  # noqa: BLE001 - the compiled graph works without its entry
+        print(f"[ferrocore:graph_cache] could not store {cache_key[:16]}: {e}", file=sys.stderr)
+        return
     graph_cache.log(opts, f"stored {cache_key[:16]}: {recorded['graphs'][0].name}")
 
 
