@@ -156,7 +156,7 @@ def test_graphs_the_cache_cannot_vouch_for_are_not_stored(cache_dir, capfd, case
     for _ in range(2):
         got = _compile(fn, cache_dir)(*args)
         log = _log(capfd)
-        assert f"not stored" in log and why in log, log
+        assert "not stored" in log and why in log, log
     want = fn(*args)
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         torch.testing.assert_close(g, w)

@@ -208,7 +208,7 @@ def _compiler_version() -> str:
 # ---- AOT autograd's runtime -------------------------------------------------------------------
 
 
-def plain_runtime(example_inputs) -> dict:
+def plain_runtime() -> dict:
     """What AOT autograd's runtime does around the inference graph it is about to compile, when
     that is a plain call (read from its metadata); raises Bypass otherwise."""
     ctx = torch._guards.TracingContext.try_get()
@@ -228,7 +228,7 @@ def plain_runtime(example_inputs) -> dict:
     for why, count in checks.items():
         if count:
             raise Bypass(f"AOT runtime: {why}")
-    return {"disable_amp": bool(torch._C._is_any_autocast_enabled()), "inputs": len(example_inputs)}
+    return {"disable_amp": bool(torch._C._is_any_autocast_enabled())}
 
 
 def inference_call(graph_call, runtime: dict, boxed: bool):

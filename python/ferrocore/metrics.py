@@ -11,7 +11,6 @@ _COUNTS = ("kernels", "externs", "fallbacks")
 # Compile-time parts (`Metrics.compile_time`), each a set of the timings graphs record.
 _FRONT = ("serialize", "padding", "conv_layout", "specialize")  # the Python front's passes
 STAGES = ("import", "lowering", "scheduling", "codegen", "wrapper")  # Rust's stages
-_KERNELS = ("cpp_compile", "triton_compile", "autotune")
 
 
 class Metrics:
