@@ -6,7 +6,8 @@ training step: forward and backward):
 - warm: another new process with the caches the cold one left;
 - recompile: in the cold process, after `torch._dynamo.reset()` (caches and imports warm).
 
-Each step's time is split into Dynamo's own (its compile, less the backend call, from torch's
+Each process first runs one eager step, so that the libraries' first-use setup (cuBLAS, cuDNN)
+is not counted as compile time. Each step's time is split into Dynamo's own (its compile, less the backend call, from torch's
 `compilation_time_metrics`), the backend's share (the first step's time less Dynamo's and less
 a steady-state step: everything after Dynamo hands over the graph, a backward compiled at its
 first call included), and for ferrocore the share's parts from `ferrocore.metrics.compile_time()`.
@@ -46,6 +47,8 @@ def parse_args(argv=None):
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every measurement here")
+    ap.add_argument("--profile", default=None,
+                    help="write cProfile reports of each first step (cold and warm) into this folder")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     opts.size = opts.size or ("tiny" if opts.device == "cpu" else "full")
@@ -83,6 +86,11 @@ def child(spec: dict) -> dict:
         if dev.startswith("cuda"):
             torch.cuda.synchronize()
 
+    # one eager step first: the libraries' first-use setup (cuBLAS and cuDNN handles, their
+    # heuristics, the caching allocator's first blocks) is the model's, not the compiler's
+    Runner(module, task, params, inputs, case.output).step()
+    sync()
+
     def timed_first() -> dict:
         if backend == "ferrocore":
             import ferrocore
@@ -92,10 +100,13 @@ def child(spec: dict) -> dict:
         torch._dynamo.reset()
         runner = Runner(torch.compile(module, backend=backend), task, params, inputs, case.output)
         sync()
+        profiler = _profiler(spec)
         t = time.perf_counter()
         runner.step()
         sync()
         first = time.perf_counter() - t
+        if profiler is not None:
+            _report(profiler, spec)
         steady = []
         for _ in range(3):
             t = time.perf_counter()
@@ -119,6 +130,34 @@ def child(spec: dict) -> dict:
     return result
 
 
+def _profiler(spec: dict):
+    if not spec.get("profile"):
+        return None
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    return profiler
+
+
+def _report(profiler, spec: dict) -> None:
+    """The first step's hottest functions, by their own time and with their callees."""
+    import io
+    import pstats
+
+    profiler.disable()
+    spec["profile_done"] = spec.get("profile_done", 0) + 1  # the recompile's step is not written
+    if spec["profile_done"] > 1:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    name = f"{spec['model']}-{spec['task']}-{spec['backend']}-{spec['phase']}.txt"
+    Path(spec["profile"]).mkdir(parents=True, exist_ok=True)
+    (Path(spec["profile"]) / name).write_text(text.getvalue())
+
+
 # ---- the driver -------------------------------------------------------------------------------
 
 
@@ -140,11 +179,12 @@ def run_child(spec: dict, caches: Path) -> dict:
 def measure(opts, model: str, task: str, backend: str, root: Path) -> dict:
     caches = root / f"{model}-{task}-{backend}"
     spec = {"model": model, "task": task, "backend": backend, "device": opts.device, "size": opts.size,
-            "dtype": opts.dtype, "threads": opts.threads, "recompile": True}
+            "dtype": opts.dtype, "threads": opts.threads, "recompile": True, "profile": opts.profile,
+            "phase": "cold"}
     cold = run_child(spec, caches)
     if "failed" in cold or "skipped" in cold:
         return cold
-    warm = run_child({**spec, "recompile": False}, caches)
+    warm = run_child({**spec, "recompile": False, "phase": "warm"}, caches)
     return {"cold": cold["first"], "recompile": cold["recompile"], "warm": warm.get("first"),
             "warm_failed": warm.get("failed")}
 

@@ -207,12 +207,14 @@ def test_metrics_sum_over_graphs():
               "fallback_ops": ["aten.foo.default"], "extern_ops": ["torch.ops.aten.mm.default"]})
     m.record({"graph_fallback": True, "timings_ms": {"cpp_compile": 1.5, "aot": 2.0, "lowering": 0.5, "load": 1.0},
               "extern_ops": ["torch.ops.aten.mm.default"]})
-    m.record({"timings_ms": {"graph_cache": 0.5, "load": 1.0}, "graph_cache": "hit"})
+    m.record({"timings_ms": {"graph_cache": 0.5, "load": 1.0}, "graph_cache": "hit", "kernel_binary_hits": 4})
     assert m.total == {
         "graphs": 3,
         "kernels": 2,
         "externs": 1,
         "fallbacks": 1,
+        "kernel_binary_hits": 4,
+        "compiled_in_workers": 0,
         "graph_fallbacks": 1,
         "fallback_ops": {"aten.foo.default": 1},
         "extern_ops": {"torch.ops.aten.mm.default": 2},

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import conv_layout, graph_cache, padding, partition, runtime
+from . import conv_layout, graph_cache, kernel_binaries, padding, partition, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -57,6 +57,10 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         hit = _cached_graph(cache_key, opts, boxed)
         if hit is not None:
             return hit
+    gpu = _gpu_of(example_inputs)
+    if opts["compile_workers"] and opts["backend"] != "cpp" and gpu is not None:
+        # its processes start while AOT autograd traces
+        kernel_binaries.compile_pool(opts["compile_workers"], runtime.cuda_arch(gpu))
     state = _AotClock()
     user_strides = _user_output_strides(gm)
     from . import cudagraphs  # (it imports this module)
@@ -64,7 +68,7 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
     # the forward's and backward's CUDA-graph runners see each other's recordings
     family = cudagraphs.Family()
     # what the compiled-graph cache stores: the inference graph and AOT autograd's runtime
-    recorded: dict = {"graphs": [], "bypass": None, "runtime": None}
+    recorded: dict = {"graphs": [], "bypass": None, "runtime": None, "call": None}
 
     def forward(graph, inputs):
         recorded["bypass"] = "training graphs (forward and backward) are not cached yet"
@@ -79,7 +83,8 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         except graph_cache.Bypass as e:
             recorded["bypass"] = str(e)
         strides = _visible_output_strides(graph, user_strides, inference=True)
-        return _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
+        recorded["call"] = _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
+        return recorded["call"]
 
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
@@ -96,9 +101,15 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         partition_fn=_partition,
     )(gm, example_inputs)
     state.stop()
-    if cache_key is not None:
-        _store_graph(cache_key, opts, recorded)
+    if cache_key is not None and _store_graph(cache_key, opts, recorded):
+        # what a cache hit returns: AOT autograd's runtime wrapper around a plain call is the
+        # call with grad off, and its first call would check every op for custom-op aliasing
+        return graph_cache.inference_call(recorded["call"], recorded["runtime"], boxed)
     return compiled
+
+
+def _gpu_of(example_inputs) -> torch.device | None:
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.device.type == "cuda"), None)
 
 
 def _graph_cache_key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str | None:
@@ -135,19 +146,22 @@ def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
     return graph_cache.inference_call(call, entry["runtime"], boxed)
 
 
-def _store_graph(cache_key: str, opts: dict, recorded: dict) -> None:
+def _store_graph(cache_key: str, opts: dict, recorded: dict) -> bool:
+    """Stores the compiled inference graph; False when it is not cacheable (a training graph,
+    several graphs, an AOT runtime that is more than a plain call)."""
     why = recorded["bypass"]
     if why is None and (recorded["runtime"] is None or len(recorded["graphs"]) != 1):
         why = "the graph was partitioned, specialized per shape or run eagerly"
     if why is not None:
         graph_cache.log(opts, f"not stored {cache_key[:16]}: {why}")
-        return
+        return False
     try:
         graph_cache.store(opts["cache_dir"], cache_key, "inference", recorded["runtime"], recorded["graphs"])
     except Exception as e:  # noqa: BLE001 - the compiled graph works without its entry
         print(f"[ferrocore:graph_cache] could not store {cache_key[:16]}: {e}", file=sys.stderr)
-        return
+        return True
     graph_cache.log(opts, f"stored {cache_key[:16]}: {recorded['graphs'][0].name}")
+    return True
 
 
 def _saved_outputs(graph: torch.fx.GraphModule) -> list:
@@ -491,7 +505,8 @@ def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: 
     if device is not None and getattr(module, "TRITON_KERNELS", None):
         start = time.perf_counter()
         tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
-                                          autotune=opts["autotune"], cache_dir=opts["cache_dir"])
+                                          autotune=opts["autotune"], cache_dir=opts["cache_dir"],
+                                          source=graph.module_source, workers=opts.get("compile_workers", 0))
         timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
     _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not cpp_cache_hit)
     metrics.record(_entry(graph.name, timings, cpp_cache_hit=cpp_cache_hit, module_path=graph.module_path,

@@ -94,6 +94,8 @@ def _bytes_of(dense: torch.Tensor) -> bytes:
 
 # ---- the key ----------------------------------------------------------------------------------
 
+UNKEYED_OPTIONS = ("compile_workers",)
+
 
 def key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str:
     """The entry's key for this graph, inputs and options; raises Bypass for a graph the cache
@@ -106,8 +108,9 @@ def key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str:
             h.update(b"\0")
 
     put("format", FORMAT, *versions())
-    # logs and dumps are part of the key: asking for them asks for a compile that prints them
-    put(json.dumps(opts, sort_keys=True))
+    # logs and dumps are part of the key: asking for them asks for a compile that prints them;
+    # how many processes compile kernels changes nothing that is stored
+    put(json.dumps({k: v for k, v in opts.items() if k not in UNKEYED_OPTIONS}, sort_keys=True))
     put(*global_state())
     _put_graph(put, gm, "graph")
     seen: dict = {}

@@ -6,7 +6,8 @@ separate graphs); `metrics.total` sums every graph since the last `reset()`.
 
 from __future__ import annotations
 
-_COUNTS = ("kernels", "externs", "fallbacks")
+# (GPU kernels: binaries loaded from the cache, and compiled by worker processes)
+_COUNTS = ("kernels", "externs", "fallbacks", "kernel_binary_hits", "compiled_in_workers")
 
 # Compile-time parts (`Metrics.compile_time`), each a set of the timings graphs record.
 _FRONT = ("serialize", "padding", "conv_layout", "specialize")  # the Python front's passes
@@ -24,6 +25,8 @@ class Metrics:
             "kernels": 0,
             "externs": 0,
             "fallbacks": 0,
+            "kernel_binary_hits": 0,
+            "compiled_in_workers": 0,
             "graph_fallbacks": 0,
             "fallback_ops": {},
             "extern_ops": {},

@@ -22,7 +22,7 @@ LOG_CHANNELS = (
     "graph_cache",
 )
 _KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
-         "check_inputs", "cache_max_bytes", "graph_cache")
+         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers")
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
@@ -58,6 +58,8 @@ def build_options(overrides: dict | None = None) -> dict:
         "cache_max_bytes": _cache_limit(os.environ.get("FERROCORE_CACHE_MAX_BYTES", "")),
         # the compiled-graph cache (a warm start skips AOT autograd and compiling); front only
         "graph_cache": _flag(os.environ.get("FERROCORE_GRAPH_CACHE") or "1"),
+        # processes compiling a GPU graph's Triton kernels (0: threads of this process); front only
+        "compile_workers": _workers(os.environ.get("FERROCORE_COMPILE_WORKERS", "")),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:
@@ -84,6 +86,19 @@ def _cache_limit(text: str) -> int | None:
         raise ValueError(f"FERROCORE_CACHE_MAX_BYTES={text!r}: expected a number of bytes or 'unlimited'") from None
     if value < 0:
         raise ValueError(f"FERROCORE_CACHE_MAX_BYTES={value}: must be >= 0")
+    return value
+
+
+def _workers(text: str) -> int:
+    text = text.strip()
+    if not text:
+        return min(8, max((os.cpu_count() or 1) - 1, 1))
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"FERROCORE_COMPILE_WORKERS={text!r}: expected a number of processes") from None
+    if value < 0:
+        raise ValueError(f"FERROCORE_COMPILE_WORKERS={value}: must be >= 0")
     return value
 
 

@@ -299,26 +299,37 @@ _TRITON_POINTEE = {
 class TritonLaunch:
     """One Triton kernel's launch from a wrapper module: `launch(*tensors)`.
 
-    Until `precompile_triton` binds the compiled binary it is Triton's JIT call, which inspects
-    every argument (types, alignment) to find the specialization on each launch. Bound, it calls
-    the binary's launcher directly on the current stream: the binary was specialized for 16-byte
-    aligned pointers, so a launch with any other address takes the JIT call instead."""
+    Until `precompile_triton` binds a compiled binary it is Triton's JIT call, which inspects
+    every argument (types, alignment) to find the specialization on each launch. Bound, it
+    launches the binary directly on the current stream: through ferrocore's CUDA launcher
+    (`bind_binary`, a binary from `kernel_binaries`) or Triton's (`bind`). The binary was
+    specialized for 16-byte aligned pointers, so a launch with any other address takes the JIT
+    call instead."""
 
-    __slots__ = ("fn", "grid", "constexprs", "num_warps", "num_stages", "_fast")
+    __slots__ = ("fn", "grid", "constexprs", "num_warps", "num_stages", "_fast", "_direct")
 
     def __init__(self, fn, grid: int, constexprs: dict, num_warps: int, num_stages: int):
         self.fn, self.grid, self.constexprs = fn, grid, constexprs
         self.num_warps, self.num_stages = num_warps, num_stages
-        self._fast = None
+        self._fast = self._direct = None
 
     def __call__(self, *args) -> None:
-        if self._fast is not None and any(a.data_ptr() % 16 for a in args):
+        direct = self._direct
+        if direct is not None:
+            if not direct(args):  # (it checks the alignment itself)
+                self._jit(args)
+        elif self._fast is not None and any(a.data_ptr() % 16 for a in args):
             self._jit(args)  # the binary was specialized for 16-byte aligned pointers
         else:
             self.aligned(*args)
 
     def aligned(self, *args) -> None:
         """A launch whose buffers are 16-byte aligned (the wrapper allocated them itself)."""
+        direct = self._direct
+        if direct is not None:
+            if not direct(args):
+                self._jit(args)
+            return
         fast = self._fast
         if fast is not None:
             try:
@@ -331,16 +342,25 @@ class TritonLaunch:
     def _jit(self, args) -> None:
         self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
-    def bind(self, compiled, device_index: int) -> None:
-        try:
-            from triton import knobs
+    def bind_binary(self, binary: dict, device_index: int) -> bool:
+        """Launches `binary` (`kernel_binaries`) from now on; False when it cannot be loaded."""
+        from . import kernel_binaries
 
-            hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-        except ImportError:
-            hooks = (getattr(type(compiled), "launch_enter_hook", None),
-                     getattr(type(compiled), "launch_exit_hook", None))
-        # (newer Triton keeps a chain of hooks, often empty)
-        if any(h is not None and getattr(h, "calls", True) for h in hooks):
+        if binary.get("num_warps") != self.num_warps:
+            return False
+        try:
+            kernel = kernel_binaries.load_kernel(binary, device_index)
+        except Exception as e:  # noqa: BLE001 - Triton's own path then launches it
+            print(f"[ferrocore] {binary.get('name')}: the binary does not load ({e}); using Triton's launcher",
+                  file=sys.stderr)
+            return False
+        launch, grid = kernel.launch, self.grid
+        stream = torch._C._cuda_getCurrentRawStream
+        self._direct = lambda args: launch(grid, stream(device_index), *args)
+        return True
+
+    def bind(self, compiled, device_index: int) -> None:
+        if _launch_hooks_active(compiled):
             return  # a profiler hook wants Triton's own launch path
         compiled._init_handles()
         run, function = compiled.run, compiled.function
@@ -352,31 +372,52 @@ class TritonLaunch:
         def fast(args):
             run(grid, 1, 1, stream(device_index), function, metadata, None, None, None, *args, *extra)
 
+        self._direct = None
         self._fast = fast
 
 
-def precompile_triton(kernels, device, launchers: dict | None = None, autotune: bool = False,
-                      cache_dir: str | None = None) -> dict:
-    """Compiles a wrapper module's Triton kernels now, several at a time, instead of one by one
-    at their first launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config), and
-    binds each binary to its `TritonLaunch` (`TRITON_LAUNCHERS`). A kernel that cannot be warmed
-    up here is simply compiled at its first launch, through Triton's JIT call.
+def _launch_hooks_active(compiled=None) -> bool:
+    """Whether a Triton launch hook (a profiler's) is installed: then launches go through Triton."""
+    try:
+        from triton import knobs
 
-    With `autotune`, each kernel's candidate configurations (the launch config's `candidates`,
-    heuristic first) are compiled and timed on scratch buffers, and the fastest one is bound;
-    winners are cached under `cache_dir/autotune`, keyed by the kernel's source, signature,
-    buffer sizes, candidates, device and Triton version. Returns counts for the metrics."""
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    except ImportError:
+        hooks = (getattr(type(compiled), "launch_enter_hook", None),
+                 getattr(type(compiled), "launch_exit_hook", None))
+    # (newer Triton keeps a chain of hooks, often empty)
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def precompile_triton(kernels, device, launchers: dict | None = None, autotune: bool = False,
+                      cache_dir: str | None = None, source: str | None = None, workers: int = 0) -> dict:
+    """Compiles a wrapper module's Triton kernels now, instead of one by one at their first
+    launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config), and binds each
+    binary to its `TritonLaunch` (`TRITON_LAUNCHERS`). A kernel that cannot be compiled here is
+    simply compiled at its first launch, through Triton's JIT call.
+
+    Binaries come from the cache (`kernel_binaries`), else from `workers` compile processes
+    given the module's `source`, else from Triton in this process (several threads); the last
+    two are stored for the next process. With `autotune`, each kernel's candidate
+    configurations (the launch config's `candidates`, heuristic first) are compiled and timed
+    on scratch buffers, and the fastest one is bound; winners are cached under
+    `cache_dir/autotune`, keyed by the kernel's source, signature, buffer sizes, candidates,
+    device and Triton version. Returns counts for the metrics."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     launchers = launchers or {}
-    stats = {"autotuned": 0, "autotune_cache_hits": 0}
+    stats = {"autotuned": 0, "autotune_cache_hits": 0, "kernel_binary_hits": 0, "compiled_in_workers": 0}
+    arch = cuda_arch(device)
 
     def compile_one(entry) -> None:
         fn, signature, constexprs, launch = entry
         try:
             config = (launch["grid"], constexprs["XBLOCK"], launch["num_warps"], launch["num_stages"])
             compiled = _warmup(fn, signature, device, config)
+            if compiled is None:
+                return
             launcher = launchers.get(getattr(fn, "__name__", None))
-            if launcher is not None and compiled is not None:
+            binary = _store_binary(cache_dir, entry, arch, compiled) if arch is not None and cache_dir else None
+            if launcher is not None and not (binary is not None and launcher.bind_binary(binary, index)):
                 launcher.bind(compiled, index)
         except Exception:  # noqa: BLE001  (an older Triton without warmup, an unknown type)
             pass
@@ -389,6 +430,8 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
             if launcher is not None and len(e[3].get("candidates") or ()) > 1:
                 tunable[id(e)] = (launcher, *tuner.lookup(e))
     rest = [e for e in kernels if id(e) not in tunable]
+    if arch is not None and cache_dir is not None and not _launch_hooks_active():
+        rest = _bind_binaries(rest, launchers, index, arch, cache_dir, source, workers, stats, compile_one)
     # what is timed below is compiled first, several kernels at a time, like the rest
     work = [(compile_one, e) for e in rest]
     work += [(lambda t: tuner.warm(*t), (e[0], e[1], tuple(c))) for e in kernels
@@ -413,6 +456,80 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
                     stats["autotuned"] += 1
                     stats["autotune_cache_hits"] += int(hit)
     return stats
+
+
+def cuda_arch(device) -> int | None:
+    """The GPU's architecture as Triton names its target (90 for sm_90), or None off CUDA."""
+    if device.type != "cuda":
+        return None
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except (RuntimeError, AssertionError):
+        return None
+    return major * 10 + minor
+
+
+def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, source: str | None,
+                   workers: int, stats: dict, compile_here) -> list:
+    """Binds what the binary cache holds, then what the worker processes compile, taking back
+    (`compile_here`) each job no worker has started while this process is free; returns the
+    entries left to compile in this process."""
+    from . import kernel_binaries
+
+    left, missing = [], []
+    for e in entries:
+        fn, signature, constexprs, launch = e
+        launcher = launchers.get(getattr(fn, "__name__", None))
+        if launcher is None or not all(t.startswith("*") for t in signature.values()):
+            left.append(e)
+            continue
+        k = kernel_binaries.key(fn, signature, constexprs, launch, arch)
+        binary = kernel_binaries.load(cache_dir, k)
+        if binary is not None and launcher.bind_binary(binary, index):
+            stats["kernel_binary_hits"] += 1
+        else:
+            missing.append((e, k, launcher))
+    unit = kernel_binaries.triton_unit(source) if missing and source is not None else None
+    pool = kernel_binaries.compile_pool(workers, arch) if unit is not None else None
+    if pool is None:
+        return left + [e for e, _, _ in missing]
+    futures = [(e, k, launcher, pool.submit(kernel_binaries.job(unit, e, arch))) for e, k, launcher in missing]
+
+    def take_back() -> None:
+        # workers take jobs from the front; this process, from the back, those still waiting
+        for e, _, _, future in reversed(futures):
+            if future.cancel():
+                compile_here(e)
+
+    threads = min(len(futures), 4)
+    with ThreadPoolExecutor(max_workers=threads) as here:
+        for f in [here.submit(take_back) for _ in range(threads)]:
+            f.result()
+    for e, k, launcher, future in futures:
+        if future.cancelled():
+            continue
+        binary = kernel_binaries.result(future, e[0].__name__)
+        if binary is not None and launcher.bind_binary(binary, index):
+            kernel_binaries.store(cache_dir, k, binary)
+            stats["compiled_in_workers"] += 1
+        else:
+            left.append(e)
+    return left
+
+
+def _store_binary(cache_dir: str, entry, arch: int, compiled) -> dict | None:
+    """Stores the binary of a kernel Triton compiled in this process, for the next process to
+    load; returns it (None when ferrocore's launcher cannot launch it)."""
+    from . import kernel_binaries
+
+    fn, signature, constexprs, launch = entry
+    if not all(t.startswith("*") for t in signature.values()):
+        return None
+    binary = kernel_binaries.describe(compiled, len(signature))
+    if "unlaunchable" in binary:
+        return None
+    kernel_binaries.store(cache_dir, kernel_binaries.key(fn, signature, constexprs, launch, arch), binary)
+    return binary
 
 
 def _warmup(fn, signature: dict, device, config):
@@ -486,7 +603,7 @@ class Autotuner:
         grid, xblock, warps, stages = best
         launcher.grid, launcher.constexprs = grid, {"XBLOCK": xblock}
         launcher.num_warps, launcher.num_stages = warps, stages
-        launcher._fast = None
+        launcher._fast = launcher._direct = None
         launcher.bind(trial[1], self._index())
         return hit
 

@@ -4,14 +4,17 @@
 
 use ferrocore::driver::{compile_graph as drive, Options};
 use ferrocore::runtime;
+use ferrocore::runtime::cuda;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::intern;
+use pyo3::types::{PyBytes, PyInt, PyTuple};
 use serde_json::{json, Map, Value};
 use std::os::unix::io::IntoRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 create_exception!(_ferrocore, FerrocoreError, PyException);
@@ -124,6 +127,63 @@ fn default_cache_dir() -> String {
     runtime::default_cache_dir().to_string_lossy().into_owned()
 }
 
+/// The CUDA driver, opened at run time: loads cubins as `CudaKernel`s.
+#[pyclass(frozen)]
+struct CudaDriver {
+    driver: Arc<cuda::Driver>,
+}
+
+#[pymethods]
+impl CudaDriver {
+    #[new]
+    fn new() -> PyResult<Self> {
+        guarded("CudaDriver", || cuda::Driver::open().map(|driver| CudaDriver { driver }).map_err(|e| e.to_string()))
+    }
+
+    /// Loads kernel `name` of `cubin` on `device`; `trailing_nulls` null pointers follow the
+    /// buffers at each launch (a Triton kernel's scratch parameters).
+    fn load(&self, cubin: &[u8], name: &str, device: i32, num_warps: u32, shared: u32, trailing_nulls: u32) -> PyResult<CudaKernel> {
+        guarded("CudaDriver.load", || {
+            let config = cuda::LaunchConfig { num_warps, shared, trailing_nulls };
+            cuda::Kernel::load(&self.driver, cubin, name, device, config).map(|kernel| CudaKernel { kernel }).map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// A loaded GPU kernel whose parameters are buffers.
+#[pyclass(frozen)]
+struct CudaKernel {
+    kernel: cuda::Kernel,
+}
+
+#[pymethods]
+impl CudaKernel {
+    /// Launches `grid` blocks on `stream` with the tensors' (or integer addresses') memory as
+    /// the buffers. Returns False, launching nothing, when an address is not 16-byte aligned:
+    /// the binary was compiled for aligned buffers.
+    #[pyo3(signature = (grid, stream, *args))]
+    fn launch(&self, grid: u32, stream: u64, args: &Bound<'_, PyTuple>) -> PyResult<bool> {
+        let py = args.py();
+        let mut pointers = Vec::with_capacity(args.len());
+        for a in args.iter() {
+            // (not `extract` on anything: a one-element integer tensor converts to its value)
+            let p: u64 = if a.is_instance_of::<PyInt>() { a.extract()? } else { a.call_method0(intern!(py, "data_ptr"))?.extract()? };
+            if p % 16 != 0 {
+                return Ok(false);
+            }
+            pointers.push(p);
+        }
+        guarded("CudaKernel.launch", || self.kernel.launch(grid, stream, &pointers).map_err(|e| e.to_string()))?;
+        Ok(true)
+    }
+}
+
+/// The parameter count of kernel `name`'s entry in PTX text (None when absent).
+#[pyfunction]
+fn ptx_param_count(ptx: &str, name: &str) -> Option<usize> {
+    cuda::ptx_param_count(ptx, name)
+}
+
 #[pymodule]
 fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FerrocoreError", m.py().get_type::<FerrocoreError>())?;
@@ -134,5 +194,8 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_write, m)?)?;
     m.add_function(wrap_pyfunction!(evict_cache, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(ptx_param_count, m)?)?;
+    m.add_class::<CudaDriver>()?;
+    m.add_class::<CudaKernel>()?;
     Ok(())
 }

@@ -7,6 +7,7 @@
 //! nothing unverified is ever loaded. Loading (dlopen) happens in the Python runtime.
 
 pub mod cache;
+pub mod cuda;
 pub mod evict;
 
 pub use cache::{default_cache_dir, Cache};

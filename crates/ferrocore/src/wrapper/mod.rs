@@ -13,6 +13,11 @@ use std::fmt::Write;
 
 mod checks;
 
+/// The lines around a Triton module's kernels (`kernel_binaries.triton_unit` finds them): the
+/// part a compile worker runs without the wrapper, and so without importing torch.
+pub const TRITON_UNIT_BEGIN: &str = "# ---- ferrocore: Triton kernels ----\n";
+pub const TRITON_UNIT_END: &str = "# ---- ferrocore: end of Triton kernels ----\n";
+
 /// One step of the host plan.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HostStep {
@@ -283,7 +288,9 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
             // the kernels are defined here: Triton compiles them at their first launch
             m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, owned_storage, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
-                m.push_str(&kernels.source);
+                // between the markers: the part a compile worker runs alone (no torch in it)
+                let nl = if kernels.source.ends_with('\n') { "" } else { "\n" };
+                let _ = write!(m, "{TRITON_UNIT_BEGIN}{}{nl}{TRITON_UNIT_END}", kernels.source);
             }
             // each kernel with its signature and launch configuration (ahead-of-time compiles),
             // and its launcher: precompile_triton binds the compiled binary to it, so a launch

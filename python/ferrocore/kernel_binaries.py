@@ -1,0 +1,239 @@
+"""Compiled Triton kernels as binaries: compiled in worker processes, cached on disk, and
+launched through the CUDA driver without Triton's JIT.
+
+A wrapper module's Triton kernel is compiled for its launch configuration and for 16-byte
+aligned buffers. Its binary (the cubin, with what a launch needs: the kernel's name, warps,
+shared memory, and the scratch parameters Triton appends) is a cache entry keyed by the
+kernel's source, signature, configuration, the GPU's architecture and the versions of Triton
+and ferrocore; entries are signed and verified like every cache entry, and shared by the
+user's processes. A graph whose binaries are all cached loads them and launches them through
+`_ferrocore.CudaKernel`: nothing of Triton runs, which is what makes a warm start cheap
+(Triton's own warm path hashes its whole installation and builds a launcher per kernel).
+
+Cold, `CompilePool`'s processes (`compile_worker`) compile the kernels side by side: Triton's
+compiler holds the interpreter lock for most of its work, so threads of one process barely
+overlap. The compiling process takes jobs no worker has started yet (workers may still be
+starting up), and so does Triton's own path with a kernel that cannot be compiled there or
+whose binary needs more than a plain launch (`runtime.precompile_triton`).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+
+FORMAT = 1
+# a compile that takes longer is given up and redone in this process
+JOB_TIMEOUT_S = 600
+
+
+def key(fn, signature: dict, constexprs: dict, launch: dict, arch: int) -> str:
+    """The cache key of a kernel's binary for its heuristic launch configuration."""
+    from .graph_cache import versions
+
+    text = json.dumps([FORMAT, getattr(fn, "src", None), signature, constexprs, launch["num_warps"],
+                       launch["num_stages"], arch, versions()], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _entry(k: str) -> str:
+    return f"kernels/{k[:2]}/{k}.json"
+
+
+def load(cache_dir, k: str) -> dict | None:
+    """The binary stored under `k`, or None (missing, or an entry that fails verification)."""
+    from .runtime import read_cached_json
+
+    data = read_cached_json(cache_dir, _entry(k))
+    try:
+        if data["format"] != FORMAT or data["key"] != k:
+            return None
+        return {**data["binary"], "cubin": base64.b64decode(data["binary"]["cubin"], validate=True)}
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def store(cache_dir, k: str, binary: dict) -> None:
+    from .runtime import write_cached_json
+
+    fields = {**binary, "cubin": base64.b64encode(binary["cubin"]).decode()}
+    try:
+        write_cached_json(cache_dir, _entry(k), {"format": FORMAT, "key": k, "binary": fields})
+    except Exception as e:  # noqa: BLE001 - a binary that cannot be stored is compiled again next time
+        print(f"[ferrocore] kernel binary {k[:16]} not stored: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def describe(compiled, n_args: int) -> dict:
+    """A Triton `CompiledKernel`'s binary and launch facts; `{"unlaunchable": why}` when its
+    launch needs more than buffers on a 1-D grid (clusters, cooperative or dependent launches,
+    tensor descriptors, scratch memory)."""
+    from . import _ferrocore
+
+    md = compiled.metadata
+    reasons = [
+        name for name, bad in (
+            ("num_ctas", (getattr(md, "num_ctas", 1) or 1) != 1),
+            ("cluster_dims", any(d != 1 for d in (getattr(md, "cluster_dims", None) or ()))),
+            ("launch_cooperative_grid", bool(getattr(md, "launch_cooperative_grid", False))),
+            ("launch_pdl", bool(getattr(md, "launch_pdl", False))),
+            ("tensordesc_meta", bool(getattr(md, "tensordesc_meta", None))),
+            ("global_scratch_size", bool(getattr(md, "global_scratch_size", 0))),
+            ("profile_scratch_size", bool(getattr(md, "profile_scratch_size", 0))),
+        ) if bad
+    ]
+    cubin, ptx = compiled.asm.get("cubin"), compiled.asm.get("ptx")
+    params = _ferrocore.ptx_param_count(ptx, md.name) if isinstance(ptx, str) else None
+    if not isinstance(cubin, bytes):
+        reasons.append("no cubin")
+    if params is None or not 0 <= params - n_args <= 2:
+        reasons.append(f"{params} parameters for {n_args} buffers")
+    if reasons:
+        return {"unlaunchable": ", ".join(reasons)}
+    return {"name": md.name, "cubin": cubin, "num_warps": int(md.num_warps), "shared": int(md.shared),
+            "trailing_nulls": params - n_args}
+
+
+@functools.lru_cache(None)
+def _driver():
+    from . import _ferrocore
+
+    return _ferrocore.CudaDriver()
+
+
+def load_kernel(binary: dict, device_index: int):
+    """The binary loaded on the device, as a `_ferrocore.CudaKernel`."""
+    return _driver().load(binary["cubin"], binary["name"], device_index, binary["num_warps"], binary["shared"],
+                          binary["trailing_nulls"])
+
+
+# the lines around a wrapper module's Triton kernels (Rust's wrapper::TRITON_UNIT_BEGIN / _END)
+TRITON_UNIT_BEGIN = "# ---- ferrocore: Triton kernels ----\n"
+TRITON_UNIT_END = "# ---- ferrocore: end of Triton kernels ----\n"
+
+
+def triton_unit(module_source: str) -> str | None:
+    """The Triton kernels of a wrapper module's source, with their prelude: what a worker runs."""
+    start = module_source.find(TRITON_UNIT_BEGIN)
+    end = module_source.find(TRITON_UNIT_END, start + 1)
+    if start < 0 or end < 0:
+        return None
+    return module_source[start + len(TRITON_UNIT_BEGIN):end]
+
+
+def job(unit: str, entry, arch: int) -> tuple:
+    """What a worker needs to compile one `TRITON_KERNELS` entry of the Triton unit `unit`."""
+    fn, signature, constexprs, launch = entry
+    return ("compile", unit, fn.__name__, dict(signature), dict(constexprs), launch["num_warps"],
+            launch["num_stages"], arch, 32)
+
+
+# ---- the worker processes ---------------------------------------------------------------------
+
+
+class CompilePool:
+    """Processes running `python -m ferrocore.compile_worker`, fed jobs over their pipes by one
+    thread each. Started in the background before AOT autograd traces, so their imports overlap
+    it. A worker that dies fails its jobs (they are compiled in this process instead)."""
+
+    def __init__(self, workers: int, arch: int | None = None):
+        self.jobs: queue.Queue = queue.Queue()
+        env = dict(os.environ)
+        # the worker imports ferrocore and torch from where this process found them
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str))
+        if arch is not None:
+            env["FERROCORE_COMPILE_ARCH"] = str(arch)  # a first compile for it, while waiting
+        self.processes = []
+        for _ in range(workers):
+            proc = subprocess.Popen([sys.executable, "-m", "ferrocore.compile_worker"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, env=env, close_fds=True)
+            self.processes.append(proc)
+            threading.Thread(target=self._serve, args=(proc,), daemon=True, name="ferrocore-compile").start()
+
+    def submit(self, message: tuple) -> Future:
+        """The job's future; the caller may take the job back (`Future.cancel`) while no worker
+        has started it, to do it itself."""
+        future: Future = Future()
+        self.jobs.put((message, future))
+        return future
+
+    def _serve(self, proc) -> None:
+        try:  # a worker takes jobs once it has warmed up (this process does them meanwhile)
+            failure = None if self._receive(proc)[0] == "ready" else f"compile worker {proc.pid} did not start"
+        except Exception as e:  # noqa: BLE001
+            failure = f"compile worker {proc.pid} did not start: {type(e).__name__}: {e}"
+        while True:
+            message, future = self.jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # taken back by the caller
+            if failure is not None:
+                future.set_exception(RuntimeError(failure))
+                continue
+            try:
+                data = pickle.dumps(message)
+                proc.stdin.write(struct.pack("<Q", len(data)) + data)
+                proc.stdin.flush()
+                status, value = self._receive(proc)
+            except Exception as e:  # noqa: BLE001 - a dead worker fails this job and every later one
+                failure = f"compile worker {proc.pid} is gone: {type(e).__name__}: {e}"
+                future.set_exception(RuntimeError(failure))
+                continue
+            if status == "ok":
+                future.set_result(value)
+            else:
+                future.set_exception(RuntimeError(value))
+
+    @staticmethod
+    def _receive(proc) -> tuple:
+        head = proc.stdout.read(8)
+        if len(head) < 8:
+            raise EOFError(f"compile worker {proc.pid} exited ({proc.poll()})")
+        return pickle.loads(proc.stdout.read(struct.unpack("<Q", head)[0]))
+
+    def close(self) -> None:
+        for proc in self.processes:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+
+_pools: dict = {}  # workers -> the process's CompilePool (closed at exit)
+
+
+def compile_pool(workers: int, arch: int | None = None) -> CompilePool | None:
+    """The process's pool of `workers` compile processes, started at the first call (warmed up
+    for GPU architecture `arch`)."""
+    if workers <= 0:
+        return None
+    pool = _pools.get(workers)
+    if pool is None:
+        try:
+            pool = _pools[workers] = CompilePool(workers, arch)
+        except OSError as e:
+            print(f"[ferrocore] compile workers cannot start ({e}); compiling in this process", file=sys.stderr)
+            return None
+        if len(_pools) == 1:
+            import atexit
+
+            atexit.register(lambda: [p.close() for p in _pools.values()])
+    return pool
+
+
+def result(future: Future, name: str) -> dict | None:
+    """A worker's binary for kernel `name`, or None (said why) when it must be compiled here."""
+    try:
+        binary = future.result(timeout=JOB_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - compiled again in this process, where errors surface
+        print(f"[ferrocore] {name} is compiled in this process: {e}", file=sys.stderr)
+        return None
+    return None if "unlaunchable" in binary else binary
