@@ -80,25 +80,23 @@ def _cache_limit(text: str) -> int | None:
         return DEFAULT_CACHE_MAX_BYTES
     if text == "unlimited":
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"FERROCORE_CACHE_MAX_BYTES={text!r}: expected a number of bytes or 'unlimited'") from None
-    if value < 0:
-        raise ValueError(f"FERROCORE_CACHE_MAX_BYTES={value}: must be >= 0")
-    return value
+    return _count("FERROCORE_CACHE_MAX_BYTES", text, "a number of bytes or 'unlimited'")
 
 
 def _workers(text: str) -> int:
     text = text.strip()
     if not text:
         return min(8, max((os.cpu_count() or 1) - 1, 1))
+    return _count("FERROCORE_COMPILE_WORKERS", text, "a number of processes")
+
+
+def _count(variable: str, text: str, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"FERROCORE_COMPILE_WORKERS={text!r}: expected a number of processes") from None
+        raise ValueError(f"{variable}={text!r}: expected {expected}") from None
     if value < 0:
-        raise ValueError(f"FERROCORE_COMPILE_WORKERS={value}: must be >= 0")
+        raise ValueError(f"{variable}={value}: must be >= 0")
     return value
 
 

@@ -343,10 +343,11 @@ class TritonLaunch:
         self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
     def bind_binary(self, binary: dict, device_index: int) -> bool:
-        """Launches `binary` (`kernel_binaries`) from now on; False when it cannot be loaded."""
+        """Launches `binary` (`kernel_binaries`) from now on; False when it cannot be loaded, or
+        when a profiler's launch hook wants Triton's own launch path."""
         from . import kernel_binaries
 
-        if binary.get("num_warps") != self.num_warps:
+        if binary.get("num_warps") != self.num_warps or _launch_hooks_active():
             return False
         try:
             kernel = kernel_binaries.load_kernel(binary, device_index)
