@@ -16,6 +16,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 os.environ.setdefault("FERROCORE_CACHE_DIR", str(REPO_ROOT / ".ferrocore-cache-test"))
+# no progress lines between test results (a terminal's pytest -s would draw them)
+os.environ.setdefault("FERROCORE_PROGRESS", "off")
 
 # `examples/` (the demo's transformer block) and `tests/helpers.py` are imported by the tests.
 for path in (REPO_ROOT, Path(__file__).resolve().parent):

@@ -30,7 +30,17 @@ class FakeExtension:
         self.graphs = []  # (graph document, options) per compile_graph call
         self.cpp_options = []
 
-    def compile_graph(self, graph_json: str, options_json: str) -> str:
+    class CompileProgress:
+        def snapshot(self):
+            return ("", 0, 0)
+
+    class FerrocoreError(Exception):
+        pass
+
+    def prepare_cpp(self, options_json: str) -> bool:
+        return False
+
+    def compile_graph(self, graph_json: str, options_json: str, progress=None) -> str:
         doc = json.loads(graph_json)
         self.graphs.append((doc, json.loads(options_json)))
         path = self.tmp_path / f"{doc['name']}.py"
@@ -150,7 +160,7 @@ def test_extension_errors_propagate(fake, monkeypatch):
     class Broken(Exception):
         pass
 
-    def fail(graph_json, options_json):
+    def fail(graph_json, options_json, progress=None):
         raise Broken("node add: malformed")
 
     monkeypatch.setattr(fake, "compile_graph", fail)

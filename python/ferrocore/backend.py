@@ -15,6 +15,7 @@ import json
 import linecache
 import math
 import operator
+import os
 import sys
 import time
 import types
@@ -28,7 +29,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import conv_layout, graph_cache, kernel_binaries, padding, partition, runtime
+from . import conv_layout, graph_cache, kernel_binaries, padding, partition, progress, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -61,6 +62,8 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
     if opts["compile_workers"] and opts["backend"] != "cpp" and gpu is not None:
         # its processes start while AOT autograd traces
         kernel_binaries.compile_pool(opts["compile_workers"], runtime.cuda_arch(gpu))
+    elif gpu is None or opts["backend"] == "cpp":
+        runtime.prepare_cpp_prelude(opts)  # its precompiled header builds while AOT autograd traces
     state = _AotClock()
     user_strides = _user_output_strides(gm)
     from . import cudagraphs  # (it imports this module)
@@ -86,26 +89,73 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         recorded["call"] = _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
         return recorded["call"]
 
+    label = _progress_label()
+
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
-        return _compile(graph, state.take(), overrides, donated=_donated_inputs(), backward=True, family=family)
+        # AOT autograd may compile the backward at its first call, outside the forward's line
+        with progress.compiling(label + " (backward)", opts["progress"]):
+            return _compile(graph, state.take(), overrides, donated=_donated_inputs(), backward=True, family=family)
 
-    compiled = aot_autograd(
-        # writes into inputs (batch-norm running statistics) stay in the graph as `copy_`,
-        # which ferrocore lowers to stores into the input's memory (`lowering/mutation.rs`)
-        keep_inference_input_mutations=True,
-        fw_compiler=forward,
-        inference_compiler=inference,
-        bw_compiler=backward,
-        decompositions=decompositions(training=_needs_grad(example_inputs)),
-        partition_fn=_partition,
-    )(gm, example_inputs)
+    with progress.compiling(label, opts["progress"]):
+        compiled = _aot_autograd(
+            gm,
+            example_inputs,
+            # writes into inputs (batch-norm running statistics) stay in the graph as `copy_`,
+            # which ferrocore lowers to stores into the input's memory (`lowering/mutation.rs`)
+            keep_inference_input_mutations=True,
+            fw_compiler=forward,
+            inference_compiler=inference,
+            bw_compiler=backward,
+            decompositions=decompositions(training=_needs_grad(example_inputs)),
+            partition_fn=_partition,
+        )
     state.stop()
     if cache_key is not None and _store_graph(cache_key, opts, recorded):
         # what a cache hit returns: AOT autograd's runtime wrapper around a plain call is the
         # call with grad off, and its first call would check every op for custom-op aliasing
         return graph_cache.inference_call(recorded["call"], recorded["runtime"], boxed)
     return compiled
+
+
+def _aot_autograd(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
+    """AOT autograd, run as torch's `aot_autograd` backend helper runs it: the backward compiler
+    and the compiled graph hidden from Dynamo, its counters kept. The helper also imports
+    Inductor's debug module for AOT's debug logging: 0.09 s of every cold process, so it is
+    taken only where that logging is asked for (TORCH_COMPILE_DEBUG, or the module loaded
+    already) or the inputs need its flattening."""
+    debug = os.environ.get("TORCH_COMPILE_DEBUG", "0") not in ("", "0") or "torch._inductor.debug" in sys.modules
+    if debug or any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+        return aot_autograd(**kwargs)(gm, example_inputs)
+    from torch._dynamo import disable
+    from torch._dynamo.utils import counters
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    bw_compiler = kwargs["bw_compiler"]
+
+    def hidden_bw_compiler(*args, **kw):
+        # neither the compiler nor the backward it returns is Dynamo's to trace
+        compiled = disable(bw_compiler, reason="do not trace backward compiler function")(*args, **kw)
+        return disable(compiled, reason="do not trace generated backwards pass")
+
+    counters["aot_autograd"]["total"] += 1
+    try:
+        compiled = aot_module_simplified(gm, example_inputs, **{**kwargs, "bw_compiler": hidden_bw_compiler})
+    except Exception as e:
+        if type(e).__name__ != "TensorifyScalarRestartAnalysis":  # a restart, not a failure
+            counters["aot_autograd"]["not_ok"] += 1
+        raise
+    counters["aot_autograd"]["ok"] += 1
+    return disable(compiled, reason="do not trace AOT-compiled graph")
+
+
+def _progress_label() -> str:
+    """The graph a progress line names: Dynamo's frame and graph number ("graph 0/1")."""
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - an older Dynamo without compile ids
+        compile_id = None
+    return f"graph {compile_id}" if compile_id is not None else "graph"
 
 
 def _gpu_of(example_inputs) -> torch.device | None:
@@ -325,9 +375,9 @@ def decompositions(training: bool = False) -> dict:
     treats these as opaque, so it would save their full-size outputs beside their inputs; taken
     apart, it saves the input and the per-row statistics, and the backward recomputes the rest
     in its kernels (as Inductor's table does)."""
-    from torch._decomp import core_aten_decompositions, get_decompositions
+    from torch._decomp import get_decompositions
 
-    table = dict(core_aten_decompositions().items())
+    table = _core_aten_table()
     # Lowered natively as a gather; torch's decomposition is a scatter-add (index_put).
     table.pop(torch.ops.aten.col2im.default, None)
     # A library call (fused CPU flash attention): its decomposition returns the attention
@@ -351,6 +401,20 @@ def decompositions(training: bool = False) -> dict:
         table[aten.max_pool2d_with_indices.default] = functools.partial(_max_pool_saving_offsets, dims=2)
         table[aten.max_pool3d_with_indices.default] = functools.partial(_max_pool_saving_offsets, dims=3)
     return table
+
+
+def _core_aten_table() -> dict:
+    """Core ATen's decompositions as AOT autograd applies them. `core_aten_decompositions()` also
+    maps every CompositeImplicitAutograd op to its own composite kernel, for export, which traces
+    above the dispatcher; AOT autograd traces below it, where those ops have decomposed already.
+    Listing them costs 0.14 s per process; the graphs of the model benchmark's 16 models,
+    inference and training, are identical without them."""
+    import torch._decomp as decomp
+
+    post_autograd = getattr(decomp, "_core_aten_decompositions_post_autograd", None)
+    if post_autograd is None:  # (another torch): the whole table
+        return dict(decomp.core_aten_decompositions().items())
+    return dict(post_autograd())
 
 
 def _max_pool_saving_offsets(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False, *, dims):
@@ -442,7 +506,9 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
 
     _ferrocore = _extension()
     options = json.dumps(opts)
-    result = json.loads(_ferrocore.compile_graph(graph_json, options))
+    native_progress = _ferrocore.CompileProgress()
+    progress.current().watch(native_progress)
+    result = json.loads(_ferrocore.compile_graph(graph_json, options, native_progress))
     _print_logs(result.get("logs", ()))
     if result.get("graph_fallback"):
         # the kernel backend cannot render this graph yet (e.g. a scan for Triton)
@@ -498,15 +564,19 @@ def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: 
     opts = json.loads(graph.options)
     device = torch.device(graph.device) if graph.device is not None else None
     start = time.perf_counter()
+    progress.current().stage("loading")
     with runtime.compile_options(graph.options):
         module = _import_module(graph.module_path, graph.name, graph.module_source)
     timings["load"] = (time.perf_counter() - start) * 1e3
     tuned = {}
     if device is not None and getattr(module, "TRITON_KERNELS", None):
         start = time.perf_counter()
+        reporter = progress.current()
+        reporter.stage("Triton kernels", len(module.TRITON_KERNELS))
         tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
                                           autotune=opts["autotune"], cache_dir=opts["cache_dir"],
-                                          source=graph.module_source, workers=opts.get("compile_workers", 0))
+                                          source=graph.module_source, workers=opts.get("compile_workers", 0),
+                                          on_kernel=reporter.advance)
         timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
     _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not cpp_cache_hit)
     metrics.record(_entry(graph.name, timings, cpp_cache_hit=cpp_cache_hit, module_path=graph.module_path,

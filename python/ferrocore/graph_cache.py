@@ -94,7 +94,7 @@ def _bytes_of(dense: torch.Tensor) -> bytes:
 
 # ---- the key ----------------------------------------------------------------------------------
 
-UNKEYED_OPTIONS = ("compile_workers",)
+UNKEYED_OPTIONS = ("compile_workers", "progress")
 
 
 def key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str:

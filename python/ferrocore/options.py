@@ -22,7 +22,7 @@ LOG_CHANNELS = (
     "graph_cache",
 )
 _KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
-         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers")
+         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers", "progress")
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
@@ -60,6 +60,8 @@ def build_options(overrides: dict | None = None) -> dict:
         "graph_cache": _flag(os.environ.get("FERROCORE_GRAPH_CACHE") or "1"),
         # processes compiling a GPU graph's Triton kernels (0: threads of this process); front only
         "compile_workers": _workers(os.environ.get("FERROCORE_COMPILE_WORKERS", "")),
+        # a progress line for long compiles: "auto" (on a terminal), "on", "off"; front only
+        "progress": _progress_mode(os.environ.get("FERROCORE_PROGRESS", "")),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:
@@ -69,9 +71,25 @@ def build_options(overrides: dict | None = None) -> dict:
         raise ValueError(f"ferrocore backend {opts['backend']!r}: expected one of {BACKENDS}")
     if opts["pad_mm"] not in PAD_MM:
         raise ValueError(f"ferrocore pad_mm {opts['pad_mm']!r}: expected one of {PAD_MM}")
+    opts["progress"] = _progress_mode(opts["progress"])
     if opts["conv_layout"] not in CONV_LAYOUTS:
         raise ValueError(f"ferrocore conv_layout {opts['conv_layout']!r}: expected one of {CONV_LAYOUTS}")
     return opts
+
+
+def _progress_mode(value) -> str:
+    """The progress line's mode (`progress.MODES`) from FERROCORE_PROGRESS or the option: empty
+    or "auto" (drawn when stderr is a terminal), "1"/"on"/"true", "0"/"off"/"false", a bool."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value).strip().lower()
+    if text in ("", "auto"):
+        return "auto"
+    if text in ("1", "on", "true", "yes"):
+        return "on"
+    if text in ("0", "off", "false", "no"):
+        return "off"
+    raise ValueError(f"FERROCORE_PROGRESS={value!r}: expected auto, on or off")
 
 
 def _cache_limit(text: str) -> int | None:

@@ -391,7 +391,8 @@ def _launch_hooks_active(compiled=None) -> bool:
 
 
 def precompile_triton(kernels, device, launchers: dict | None = None, autotune: bool = False,
-                      cache_dir: str | None = None, source: str | None = None, workers: int = 0) -> dict:
+                      cache_dir: str | None = None, source: str | None = None, workers: int = 0,
+                      on_kernel=None) -> dict:
     """Compiles a wrapper module's Triton kernels now, instead of one by one at their first
     launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config), and binds each
     binary to its `TritonLaunch` (`TRITON_LAUNCHERS`). A kernel that cannot be compiled here is
@@ -403,7 +404,9 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
     configurations (the launch config's `candidates`, heuristic first) are compiled and timed
     on scratch buffers, and the fastest one is bound; winners are cached under
     `cache_dir/autotune`, keyed by the kernel's source, signature, buffer sizes, candidates,
-    device and Triton version. Returns counts for the metrics."""
+    device and Triton version. `on_kernel()` is called as each kernel is settled (a progress
+    line's count). Returns counts for the metrics."""
+    tick = on_kernel or (lambda: None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     launchers = launchers or {}
     stats = {"autotuned": 0, "autotune_cache_hits": 0, "kernel_binary_hits": 0, "compiled_in_workers": 0}
@@ -422,6 +425,8 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
                 launcher.bind(compiled, index)
         except Exception:  # noqa: BLE001  (an older Triton without warmup, an unknown type)
             pass
+        finally:
+            tick()
 
     tunable = {}
     if autotune:
@@ -432,7 +437,7 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
                 tunable[id(e)] = (launcher, *tuner.lookup(e))
     rest = [e for e in kernels if id(e) not in tunable]
     if arch is not None and cache_dir is not None and not _launch_hooks_active():
-        rest = _bind_binaries(rest, launchers, index, arch, cache_dir, source, workers, stats, compile_one)
+        rest = _bind_binaries(rest, launchers, index, arch, cache_dir, source, workers, stats, compile_one, tick)
     # what is timed below is compiled first, several kernels at a time, like the rest
     work = [(compile_one, e) for e in rest]
     work += [(lambda t: tuner.warm(*t), (e[0], e[1], tuple(c))) for e in kernels
@@ -456,7 +461,32 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
                 else:
                     stats["autotuned"] += 1
                     stats["autotune_cache_hits"] += int(hit)
+                    tick()
     return stats
+
+
+# (cache_dir, compiler) pairs whose precompiled C++ prelude this process has started building
+_prelude_prepared: set = set()
+
+
+def prepare_cpp_prelude(opts: dict) -> None:
+    """Builds the C++ prelude's precompiled header, if the cache lacks it, on a daemon thread:
+    the backend starts it while AOT autograd traces, so that the first C++ compile finds it
+    (`runtime/pch.rs`). Once per cache and compiler in a process."""
+    from . import _ferrocore
+
+    key = (opts["cache_dir"], opts["cxx"])
+    if key in _prelude_prepared:
+        return
+    _prelude_prepared.add(key)
+
+    def build():
+        try:
+            _ferrocore.prepare_cpp(json.dumps(opts))
+        except _ferrocore.FerrocoreError:
+            pass  # the compile then parses the prelude itself, and reports any real problem
+
+    threading.Thread(target=build, name="ferrocore-prelude", daemon=True).start()
 
 
 def cuda_arch(device) -> int | None:
@@ -471,7 +501,7 @@ def cuda_arch(device) -> int | None:
 
 
 def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, source: str | None,
-                   workers: int, stats: dict, compile_here) -> list:
+                   workers: int, stats: dict, compile_here, tick) -> list:
     """Binds what the binary cache holds, then what the worker processes compile, taking back
     (`compile_here`) each job no worker has started while this process is free; returns the
     entries left to compile in this process."""
@@ -488,6 +518,7 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
         binary = kernel_binaries.load(cache_dir, k)
         if binary is not None and launcher.bind_binary(binary, index):
             stats["kernel_binary_hits"] += 1
+            tick()
         else:
             missing.append((e, k, launcher))
     unit = kernel_binaries.triton_unit(source) if missing and source is not None else None
@@ -495,6 +526,8 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
     if pool is None:
         return left + [e for e, _, _ in missing]
     futures = [(e, k, launcher, pool.submit(kernel_binaries.job(unit, e, arch))) for e, k, launcher in missing]
+    for *_, future in futures:
+        future.add_done_callback(lambda f: None if f.cancelled() else tick())
 
     def take_back() -> None:
         # workers take jobs from the front; this process, from the back, those still waiting

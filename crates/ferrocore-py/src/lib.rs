@@ -2,7 +2,7 @@
 //! knows about Python. No panic crosses into Python: every entry point catches unwinding and
 //! raises `FerrocoreError` with the message.
 
-use ferrocore::driver::{compile_graph as drive, Options};
+use ferrocore::driver::{compile_graph_observed as drive, Options};
 use ferrocore::runtime;
 use ferrocore::runtime::cuda;
 use pyo3::create_exception;
@@ -41,12 +41,40 @@ fn parse_options(options_json: &str) -> Result<Options, String> {
     serde_json::from_str(options_json).map_err(|e| format!("invalid options: {e}"))
 }
 
-/// Compiles an exchange-format graph; returns the CompileResult as JSON.
+/// What a compile in flight is doing: `compile_graph` fills it in, a progress line's thread
+/// reads it (`snapshot()`: stage, parts done, parts in all).
+#[pyclass(frozen)]
+#[derive(Default)]
+struct CompileProgress {
+    inner: Arc<runtime::Progress>,
+}
+
+#[pymethods]
+impl CompileProgress {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn snapshot(&self) -> (String, usize, usize) {
+        self.inner.snapshot()
+    }
+}
+
+/// Compiles an exchange-format graph; returns the CompileResult as JSON. The GIL is released
+/// meanwhile (a progress line, Triton's compile workers' threads run).
 #[pyfunction]
-fn compile_graph(graph_json: &str, options_json: &str) -> PyResult<String> {
+#[pyo3(signature = (graph_json, options_json, progress=None))]
+fn compile_graph(py: Python<'_>, graph_json: &str, options_json: &str, progress: Option<&CompileProgress>) -> PyResult<String> {
+    let progress = progress.map(|p| p.inner.clone()).unwrap_or_default();
+    let (graph_json, options_json) = (graph_json.to_string(), options_json.to_string());
+    py.detach(move || compile_graph_detached(&graph_json, &options_json, &progress))
+}
+
+fn compile_graph_detached(graph_json: &str, options_json: &str, progress: &runtime::Progress) -> PyResult<String> {
     guarded("compile_graph", || {
         let options = parse_options(options_json)?;
-        let r = drive(graph_json, &options).map_err(|e| e.to_string())?;
+        let r = drive(graph_json, &options, progress).map_err(|e| e.to_string())?;
         let mut timings = Map::new();
         for (k, v) in &r.timings_ms {
             timings.insert(k.clone(), json!(v));
@@ -74,7 +102,7 @@ fn compile_graph(graph_json: &str, options_json: &str) -> PyResult<String> {
 fn compile_cpp(source: &str, options_json: &str) -> PyResult<String> {
     guarded("compile_cpp", || {
         let options = parse_options(options_json)?;
-        let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx).map_err(|e| e.to_string())?;
+        let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
         Ok(lib.path.to_string_lossy().into_owned())
     })
 }
@@ -85,8 +113,22 @@ fn compile_cpp(source: &str, options_json: &str) -> PyResult<String> {
 fn load_cpp(source: &str, options_json: &str) -> PyResult<(String, i32)> {
     guarded("load_cpp", || {
         let options = parse_options(options_json)?;
-        let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx).map_err(|e| e.to_string())?;
+        let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
         Ok((lib.path.to_string_lossy().into_owned(), lib.file.into_raw_fd()))
+    })
+}
+
+/// Builds the C++ prelude's precompiled header if the cache lacks it (without holding the GIL:
+/// the backend runs it on a thread while AOT autograd traces). True when one is ready.
+#[pyfunction]
+fn prepare_cpp(py: Python<'_>, options_json: &str) -> PyResult<bool> {
+    let options_json = options_json.to_string();
+    py.detach(move || {
+        guarded("prepare_cpp", || {
+            let options = parse_options(&options_json)?;
+            let prelude = ferrocore::codegen::cpp::prelude(false);
+            runtime::pch::prepare(&options.cache_dir, &prelude, &options.cxx).map_err(|e| e.to_string())
+        })
     })
 }
 
@@ -189,6 +231,8 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FerrocoreError", m.py().get_type::<FerrocoreError>())?;
     m.add_function(wrap_pyfunction!(compile_graph, m)?)?;
     m.add_function(wrap_pyfunction!(compile_cpp, m)?)?;
+    m.add_function(wrap_pyfunction!(prepare_cpp, m)?)?;
+    m.add_class::<CompileProgress>()?;
     m.add_function(wrap_pyfunction!(load_cpp, m)?)?;
     m.add_function(wrap_pyfunction!(cache_read, m)?)?;
     m.add_function(wrap_pyfunction!(cache_write, m)?)?;

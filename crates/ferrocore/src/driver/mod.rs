@@ -10,7 +10,7 @@ use crate::graph::Device;
 use crate::graph::parse_graph;
 use crate::loop_ir::OutputValue;
 use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
-use crate::runtime;
+use crate::runtime::{self, Progress};
 use crate::scheduler::schedule_for;
 use crate::wrapper::{plan_host, render_module_with};
 use serde::{Deserialize, Serialize};
@@ -136,6 +136,7 @@ impl std::error::Error for CompileError {}
 
 struct Stages<'o> {
     options: &'o Options,
+    progress: &'o Progress,
     timings: Vec<(String, f64)>,
     logs: Vec<LogRecord>,
     dump_dir: Option<PathBuf>,
@@ -143,6 +144,7 @@ struct Stages<'o> {
 
 impl Stages<'_> {
     fn time<T>(&mut self, name: &str, f: impl FnOnce() -> T) -> T {
+        self.progress.stage(name, 0);
         let t = Instant::now();
         let r = f();
         self.timings.push((name.to_string(), t.elapsed().as_secs_f64() * 1e3));
@@ -167,7 +169,12 @@ impl Stages<'_> {
 
 /// Compiles one exchange-format graph into a wrapper module on disk.
 pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResult, CompileError> {
-    let mut st = Stages { options, timings: Vec::new(), logs: Vec::new(), dump_dir: None };
+    compile_graph_observed(graph_json, options, &Progress::default())
+}
+
+/// `compile_graph`, telling `progress` which stage it is in (for a progress line).
+pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Progress) -> Result<CompileResult, CompileError> {
+    let mut st = Stages { options, progress, timings: Vec::new(), logs: Vec::new(), dump_dir: None };
     let graph = st.time("import", || parse_graph(graph_json)).map_err(|e| CompileError { stage: "import", message: e.to_string() })?;
     if let Some(d) = &options.debug_dir {
         let key = runtime::sha256_hex(graph_json.as_bytes());
@@ -236,7 +243,7 @@ pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResul
     let mut cache_hit = false;
     if !options.skip_native_compile && !kernels.launches.is_empty() && language == KernelLanguage::Cpp {
         let lib = st
-            .time("cpp_compile", || runtime::compile_cpp(&kernels.source, &options.cache_dir, &options.cxx))
+            .time("cpp_compile", || runtime::compile_cpp(&kernels.source, &options.cache_dir, &options.cxx, progress))
             .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
         cache_hit = lib.cache_hit;
     }

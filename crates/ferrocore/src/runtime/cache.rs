@@ -201,6 +201,13 @@ impl Cache {
         Ok(path)
     }
 
+    /// The path of entry `rel`, its directories created and checked: for a file beside the
+    /// entries that is not one (a lock).
+    pub fn prepared_path(&self, rel: &str) -> Result<PathBuf, RuntimeError> {
+        self.entry_dir(rel, true)?;
+        Ok(self.root.join(rel))
+    }
+
     /// A fresh private name in the directory of entry `rel` (created and checked), for a file
     /// to be written and then `install`ed.
     pub fn temp_path(&self, rel: &str, suffix: &str) -> Result<PathBuf, RuntimeError> {

@@ -25,13 +25,13 @@ const SRC: &str = "extern \"C\" int forty_two() { return 42; }\n";
 fn cache_hit_and_truncated_library_rebuilt() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmpdir("cache");
-    let a = compile_cpp(SRC, &dir, "g++").unwrap();
+    let a = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap();
     assert!(!a.cache_hit);
-    let b = compile_cpp(SRC, &dir, "g++").unwrap();
+    let b = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap();
     assert!(b.cache_hit);
     assert_eq!(a.path, b.path);
     fs::write(&a.path, b"").unwrap();
-    let c = compile_cpp(SRC, &dir, "g++").unwrap();
+    let c = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap();
     assert!(!c.cache_hit);
     assert!(fs::read(&c.path).unwrap().len() > 100);
     let _ = fs::remove_dir_all(&dir);
@@ -41,17 +41,17 @@ fn cache_hit_and_truncated_library_rebuilt() {
 fn planted_library_with_its_own_checksum_is_rebuilt() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmpdir("plant");
-    let real = compile_cpp(SRC, &dir, "g++").unwrap();
+    let real = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap();
     let genuine = fs::read(&real.path).unwrap();
     // another library under the entry's name, with the SHA-256 the old cache checked and a
     // manifest signed with a key of the planter's own
     let other = tmpdir("other");
-    let planted = compile_cpp("extern \"C\" int forty_two() { return 7; }\n", &other, "g++").unwrap();
+    let planted = compile_cpp("extern \"C\" int forty_two() { return 7; }\n", &other, "g++", &Progress::default()).unwrap();
     let evil = fs::read(&planted.path).unwrap();
     fs::write(&real.path, &evil).unwrap();
     fs::write(real.path.with_extension("so.sha256"), sha256_hex(&evil)).unwrap();
     fs::copy(manifest_of(&planted.path), manifest_of(&real.path)).unwrap();
-    let again = compile_cpp(SRC, &dir, "g++").unwrap();
+    let again = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap();
     assert!(!again.cache_hit, "a planted library was taken from the cache");
     assert_ne!(fs::read(&again.path).unwrap(), evil);
     // what the loader maps: the open file
@@ -59,7 +59,7 @@ fn planted_library_with_its_own_checksum_is_rebuilt() {
     let loaded = fs::read(format!("/proc/self/fd/{}", again.file.as_raw_fd())).unwrap();
     assert_eq!(loaded.len(), genuine.len());
     assert_ne!(loaded, evil);
-    assert!(compile_cpp(SRC, &dir, "g++").unwrap().cache_hit);
+    assert!(compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap().cache_hit);
     let _ = fs::remove_dir_all(&dir);
     let _ = fs::remove_dir_all(&other);
 }
@@ -93,7 +93,7 @@ fn files_are_private_under_umask_000() {
     // SAFETY: umask has no preconditions; restored below
     let saved = unsafe { libc::umask(0) };
     let dir = std::env::temp_dir().join(format!("ferrocore-rt-umask-{}", unique_suffix()));
-    let lib = compile_cpp(SRC, &dir, "g++");
+    let lib = compile_cpp(SRC, &dir, "g++", &Progress::default());
     unsafe { libc::umask(saved) };
     let lib = lib.unwrap();
     let mode = |p: &Path| fs::symlink_metadata(p).unwrap().mode() & 0o777;
@@ -110,13 +110,13 @@ fn writable_or_foreign_directories_are_refused() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmpdir("perm");
     fs::set_permissions(&dir, fs::Permissions::from_mode(0o775)).unwrap();
-    let e = compile_cpp(SRC, &dir, "g++").unwrap_err().to_string();
+    let e = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap_err().to_string();
     assert!(e.contains("refusing to use cache directory") && e.contains("writable by group"), "{e}");
     // a subdirectory made writable (by an older ferrocore under umask 000) is refused too
     fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
-    let lib = compile_cpp(SRC, &dir, "g++").unwrap();
+    let lib = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap();
     fs::set_permissions(lib.path.parent().unwrap(), fs::Permissions::from_mode(0o777)).unwrap();
-    let e = compile_cpp(SRC, &dir, "g++").unwrap_err().to_string();
+    let e = compile_cpp(SRC, &dir, "g++", &Progress::default()).unwrap_err().to_string();
     assert!(e.contains("refusing") && e.contains("mode 777"), "{e}");
     // another owner cannot be made without root: the rule itself
     assert!(directory_refusal(1000, 1001, 0o700, true).unwrap().contains("owned by uid 1001"));
@@ -177,7 +177,131 @@ fn eviction_removes_least_recently_used_first() {
 fn compiler_failure_names_the_source() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmpdir("fail");
-    let e = compile_cpp("this is not C++", &dir, "g++").unwrap_err().to_string();
+    let e = compile_cpp("this is not C++", &dir, "g++", &Progress::default()).unwrap_err().to_string();
     assert!(e.contains("failed") && e.contains(".cpp") && !e.contains("/."), "{e}");
     let _ = fs::remove_dir_all(&dir);
+}
+
+fn marked_source(kernels: usize) -> String {
+    let mut s = String::from("static inline int base() { return 40; }\n");
+    for i in 0..kernels {
+        s.push('\n');
+        s.push_str(CPP_UNIT_MARK);
+        s.push_str(&format!("extern \"C\" int k{i}() {{\n  return base() + {i};\n}}\n"));
+    }
+    s
+}
+
+#[test]
+fn unit_plan_balances_kernels_and_keeps_their_lines() {
+    let src = marked_source(5);
+    assert_eq!(plan_cpp_units(&src, 8, 1 << 20, "k.cpp", true).len(), 1, "too little text to split");
+    assert_eq!(plan_cpp_units(&src, 1, 1, "k.cpp", true)[0].text, src);
+    let units = plan_cpp_units(&src, 2, 1, "k.cpp", true);
+    assert_eq!(units.iter().map(|u| u.kernels).collect::<Vec<_>>(), vec![2, 3]);
+    for u in &units {
+        assert!(u.text.starts_with("static inline int base()"), "every unit has the prelude");
+    }
+    // each `#line` names the line of the whole source where its kernel begins
+    let lines: Vec<&str> = src.lines().collect();
+    for u in &units {
+        for d in u.text.lines().filter(|l| l.starts_with("#line ")) {
+            let n: usize = d.split(' ').nth(1).unwrap().parse().unwrap();
+            let after = u.text.split(d).nth(1).unwrap().lines().nth(1).unwrap();
+            assert_eq!(lines[n - 1], after, "{d}");
+        }
+    }
+    assert_eq!(plan_cpp_units(&src, 8, 1, "k.cpp", true).len(), 5, "at most one unit per kernel");
+    // with the prelude precompiled, even one unit is the kernels alone
+    let alone = plan_cpp_units(&src, 1, 1, "k.cpp", false);
+    assert_eq!(alone.len(), 1);
+    assert!(alone[0].text.starts_with("#line 4 \"k.cpp\"\nextern") && !alone[0].text.contains("base() {"), "{}", alone[0].text);
+}
+
+#[test]
+fn the_prelude_is_precompiled_on_the_side_and_a_corrupt_one_rebuilt() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tmpdir("pch");
+    let gchs = |d: &Path| walk(d).into_iter().filter(|p| p.to_string_lossy().ends_with(".h.gch")).collect::<Vec<_>>();
+    let jobs = CppJobs { jobs: 2, min_unit_bytes: 1 };
+    let src = marked_source(2);
+    let prelude = src.split(CPP_UNIT_MARK).next().unwrap();
+    // a compile never builds it (it would wait ~0.5 s for it)
+    compile_cpp_with(&src, &dir, "g++", &jobs, &Progress::default()).unwrap();
+    assert!(gchs(&dir).is_empty());
+    assert!(pch::prepare(&dir, prelude, "g++").unwrap());
+    let built = gchs(&dir);
+    assert_eq!(built.len(), 1, "{built:?}");
+    let first = fs::read(&built[0]).unwrap();
+    assert!(pch::precompiled_prelude(&Cache::open(&dir).unwrap(), prelude, "g++").unwrap().is_some());
+    // built once: preparing again, or compiling other kernels, leaves it as it is
+    assert!(pch::prepare(&dir, prelude, "g++").unwrap());
+    compile_cpp_with(&marked_source(3), &dir, "g++", &jobs, &Progress::default()).unwrap();
+    assert_eq!((gchs(&dir), fs::read(&built[0]).unwrap()), (built.clone(), first));
+    // a corrupt one fails verification: not used (the library still right), then rebuilt
+    fs::write(&built[0], b"garbage").unwrap();
+    assert!(pch::precompiled_prelude(&Cache::open(&dir).unwrap(), prelude, "g++").unwrap().is_none());
+    let lib = compile_cpp_with(&marked_source(4), &dir, "g++", &jobs, &Progress::default()).unwrap();
+    assert!(!lib.cache_hit);
+    assert!(pch::prepare(&dir, prelude, "g++").unwrap());
+    assert!(fs::read(&built[0]).unwrap().len() > 1000, "rebuilt");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn units_compile_in_parallel_into_one_library() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tmpdir("units");
+    let src = marked_source(4);
+    // with the prelude precompiled: each unit `-include`s it
+    assert!(pch::prepare(&dir, src.split(CPP_UNIT_MARK).next().unwrap(), "g++").unwrap());
+    let progress = Progress::default();
+    let lib = compile_cpp_with(&src, &dir, "g++", &CppJobs { jobs: 3, min_unit_bytes: 1 }, &progress).unwrap();
+    assert!(!lib.cache_hit);
+    assert_eq!(progress.snapshot(), ("C++ compile of 4 kernels in 3 units".to_string(), 3, 3), "units of 1, 1 and 2 kernels");
+    let path = std::ffi::CString::new(lib.path.to_string_lossy().as_bytes()).unwrap();
+    // SAFETY: a library built above from the test's own source; symbols have the declared type.
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+        assert!(!h.is_null());
+        for i in 0..4 {
+            let name = std::ffi::CString::new(format!("k{i}")).unwrap();
+            let f = libc::dlsym(h, name.as_ptr());
+            assert!(!f.is_null(), "k{i} missing");
+            let f: extern "C" fn() -> i32 = std::mem::transmute(f);
+            assert_eq!(f(), 40 + i);
+        }
+    }
+    // the key is the source's, however it was cut; no unit files are left behind
+    assert!(compile_cpp_with(&src, &dir, "g++", &CppJobs { jobs: 1, min_unit_bytes: 1 }, &Progress::default()).unwrap().cache_hit);
+    let leftovers: Vec<_> = walk(&dir).into_iter().filter(|p| p.to_string_lossy().contains(".unit")).collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_failing_unit_names_the_whole_source_and_its_line() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tmpdir("unitfail");
+    let mut src = marked_source(3);
+    src.push('\n');
+    src.push_str(CPP_UNIT_MARK);
+    src.push_str("extern \"C\" int broken() {\n  return nope;\n}\n");
+    let bad_line = src.lines().position(|l| l.contains("nope")).unwrap() + 1;
+    let e = compile_cpp_with(&src, &dir, "g++", &CppJobs { jobs: 2, min_unit_bytes: 1 }, &Progress::default()).unwrap_err().to_string();
+    assert!(e.contains(&format!(".cpp:{bad_line}:")) && !e.contains(".unit"), "{e}");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
 }

@@ -1,5 +1,5 @@
-//! The C++/OpenMP backend: one `extern "C"` function per fused kernel, all in one translation
-//! unit. The flattened outer loop is OpenMP-parallel; innermost loops carry `omp simd` (with
+//! The C++/OpenMP backend: one `extern "C"` function per fused kernel, each after a unit mark
+//! (`runtime::CPP_UNIT_MARK`) so that a large source can be compiled as parallel units. The flattened outer loop is OpenMP-parallel; innermost loops carry `omp simd` (with
 //! reduction clauses) so the C++ compiler vectorizes them. Half types compute in float.
 
 mod expr;
@@ -38,17 +38,14 @@ impl KernelBackend for CppBackend {
                 }
             }
         }
-        // <complex> costs the C++ compiler ~0.2 s: included only when a kernel moves complex values
         let complex = s.program.buffers.iter().any(|b| b.layout.dtype.is_complex());
-        let mut source = String::from(if complex { "#include <complex>\n" } else { "" });
-        source.push_str(PRELUDE);
-        if complex {
-            source.push_str(COMPLEX_PRELUDE);
-        }
+        let mut source = prelude(complex);
         let mut launches = Vec::new();
         for it in &s.items {
             if let Item::Kernel(k) = it {
                 let (text, args) = render_kernel(s, k)?;
+                // the text before the first mark is exactly `prelude`: what the runtime precompiles
+                source.push_str(crate::runtime::CPP_UNIT_MARK);
                 source.push('\n');
                 source.push_str(&text);
                 let checks_indices = k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].checks_indices());
@@ -66,6 +63,17 @@ impl KernelBackend for CppBackend {
         }
         Ok(RenderedKernels { language: KernelLanguage::Cpp, source, launches })
     }
+}
+
+/// What every source starts with, before its first unit mark: the part the runtime precompiles.
+/// <complex> costs the C++ compiler ~0.2 s: included only when a kernel moves complex values.
+pub fn prelude(complex: bool) -> String {
+    let mut source = String::from(if complex { "#include <complex>\n" } else { "" });
+    source.push_str(PRELUDE);
+    if complex {
+        source.push_str(COMPLEX_PRELUDE);
+    }
+    source
 }
 
 fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>), CodegenError> {
