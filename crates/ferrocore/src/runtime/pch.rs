@@ -16,7 +16,7 @@ use std::fs::{self, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// Flags of a compile to an object or a header: the library's, less linking.
 pub fn compile_flags() -> Vec<&'static str> {
@@ -82,7 +82,16 @@ fn build(cache: &Cache, prelude: &str, cxx: &str, header_rel: &str, gch_rel: &st
         let _ = fs::remove_file(&tmp_gch);
     };
     super::cache::write_private_atomic(&tmp_header, prelude.as_bytes())?;
-    let ran = Command::new(cxx).args(compile_flags()).args(["-x", "c++-header", "-o"]).arg(&tmp_gch).arg(&tmp_header).output();
+    let mut cmd = Command::new(cxx);
+    cmd.args(compile_flags()).args(["-x", "c++-header", "-o"]).arg(&tmp_gch).arg(&tmp_header);
+    let ran = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().and_then(|child| {
+        // the lowest priority: on a busy machine the graph's own compile (which parses the
+        // prelude itself meanwhile) gets the CPUs first. Set after the spawn, not in a pre-exec
+        // hook, which would fork this (large) process instead of spawning.
+        // SAFETY: setpriority on the pid of a child this function owns.
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, child.id(), 19) };
+        child.wait_with_output()
+    });
     let gch = match ran {
         Ok(out) if out.status.success() => fs::read(&tmp_gch).ok().filter(|b| !b.is_empty()),
         _ => None,
