@@ -509,12 +509,11 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
 
     left, missing = [], []
     for e in entries:
-        fn, signature, constexprs, launch = e
-        launcher = launchers.get(getattr(fn, "__name__", None))
-        if launcher is None or not all(t.startswith("*") for t in signature.values()):
+        launcher = launchers.get(getattr(e[0], "__name__", None))
+        k = _binary_key(e, arch)
+        if launcher is None or k is None:
             left.append(e)
             continue
-        k = kernel_binaries.key(fn, signature, constexprs, launch, arch)
         binary = kernel_binaries.load(cache_dir, k)
         if binary is not None and launcher.bind_binary(binary, index):
             stats["kernel_binary_hits"] += 1
@@ -556,14 +555,25 @@ def _store_binary(cache_dir: str, entry, arch: int, compiled) -> dict | None:
     load; returns it (None when ferrocore's launcher cannot launch it)."""
     from . import kernel_binaries
 
+    k = _binary_key(entry, arch)
+    if k is None:
+        return None
+    binary = kernel_binaries.describe(compiled, len(entry[1]))
+    if "unlaunchable" in binary:
+        return None
+    kernel_binaries.store(cache_dir, k, binary)
+    return binary
+
+
+def _binary_key(entry, arch: int) -> str | None:
+    """The binary cache's key of a kernel entry; None when ferrocore's launcher cannot take its
+    arguments (it passes pointers only)."""
+    from . import kernel_binaries
+
     fn, signature, constexprs, launch = entry
     if not all(t.startswith("*") for t in signature.values()):
         return None
-    binary = kernel_binaries.describe(compiled, len(signature))
-    if "unlaunchable" in binary:
-        return None
-    kernel_binaries.store(cache_dir, kernel_binaries.key(fn, signature, constexprs, launch, arch), binary)
-    return binary
+    return kernel_binaries.key(fn, signature, constexprs, launch, arch)
 
 
 def _warmup(fn, signature: dict, device, config):
