@@ -49,6 +49,9 @@ def parse_args(argv=None):
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--profile", default=None,
                     help="write cProfile reports of each first step (cold and warm) into this folder")
+    ap.add_argument("--stderr", default=None,
+                    help="write each process's stderr into this folder (with FERROCORE_LOGS=kernel_compile: "
+                         "the Triton compile's timeline)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     opts.size = opts.size or ("tiny" if opts.device == "cpu" else "full")
@@ -161,7 +164,7 @@ def _report(profiler, spec: dict) -> None:
 # ---- the driver -------------------------------------------------------------------------------
 
 
-def run_child(spec: dict, caches: Path) -> dict:
+def run_child(spec: dict, caches: Path, stderr_dir: str | None = None) -> dict:
     env = dict(os.environ)
     for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("FERROCORE_CACHE_DIR", "ferrocore"),
                      ("TRITON_CACHE_DIR", "triton")):
@@ -169,6 +172,10 @@ def run_child(spec: dict, caches: Path) -> dict:
     (caches / "ferrocore").mkdir(mode=0o700, parents=True, exist_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if stderr_dir:
+        Path(stderr_dir).mkdir(parents=True, exist_ok=True)
+        name = f"{spec['model']}-{spec['task']}-{spec['backend']}-{spec['phase']}.txt"
+        (Path(stderr_dir) / name).write_text(r.stderr)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
@@ -181,10 +188,10 @@ def measure(opts, model: str, task: str, backend: str, root: Path) -> dict:
     spec = {"model": model, "task": task, "backend": backend, "device": opts.device, "size": opts.size,
             "dtype": opts.dtype, "threads": opts.threads, "recompile": True, "profile": opts.profile,
             "phase": "cold"}
-    cold = run_child(spec, caches)
+    cold = run_child(spec, caches, opts.stderr)
     if "failed" in cold or "skipped" in cold:
         return cold
-    warm = run_child({**spec, "recompile": False, "phase": "warm"}, caches)
+    warm = run_child({**spec, "recompile": False, "phase": "warm"}, caches, opts.stderr)
     return {"cold": cold["first"], "recompile": cold["recompile"], "warm": warm.get("first"),
             "warm_failed": warm.get("failed")}
 

@@ -1,7 +1,8 @@
 """Session setup for the end-to-end tests.
 
 - `FERROCORE_CACHE_DIR` defaults to one directory shared by the whole run (set before ferrocore
-  can be imported, so every compile in the run uses it).
+  can be imported, so every compile in the run uses it); its compiled-graph entries are removed
+  when a run starts, its kernels kept.
 - `FERROCORE_TEST_BACKEND` selects the backend under test (default `ferrocore`); `inductor`,
   `aot_eager` and `eager` validate the tests themselves against PyTorch.
 - Every test starts from a reset dynamo and a fixed seed.
@@ -10,12 +11,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 os.environ.setdefault("FERROCORE_CACHE_DIR", str(REPO_ROOT / ".ferrocore-cache-test"))
+# Kernels stay cached between runs; compiled-graph entries do not: a test that checks what a
+# compile prints or times must not meet an entry an earlier run stored (each run starts alike).
+shutil.rmtree(Path(os.environ["FERROCORE_CACHE_DIR"]) / "compiled", ignore_errors=True)
 # no progress lines between test results (a terminal's pytest -s would draw them)
 os.environ.setdefault("FERROCORE_PROGRESS", "off")
 

@@ -126,10 +126,14 @@ def test_a_new_process_launches_the_cached_binaries(cache_dir):
         """
     )
     here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "FERROCORE_LOGS": "kernel_compile"}
     runs = [subprocess.run([sys.executable, "-c", script, cache_dir, here], capture_output=True, text=True,
-                           env=os.environ.copy(), timeout=600) for _ in range(2)]
+                           env=env, timeout=600) for _ in range(2)]
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     cold, warm = (tuple(map(int, r.stdout.split("counts")[1].split())) for r in runs)
     assert cold[0] > 0 and cold[2] > 0, cold  # compiled by the workers
     assert warm[1] > 0 and warm[2] == 0, warm  # loaded from the cache, nothing compiled
+    # the timeline names where each kernel compiled, and when the workers were ready
+    assert "[ferrocore:kernel_compile]" in runs[0].stderr and "(worker " in runs[0].stderr, runs[0].stderr[-3000:]
+    assert "workers: " in runs[0].stderr and " 0 Triton kernels compiled" in runs[1].stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import itertools
 import json
 import linecache
@@ -29,11 +30,28 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import conv_layout, graph_cache, kernel_binaries, padding, partition, progress, runtime
+from . import aot_runtime, conv_layout, graph_cache, kernel_binaries, padding, partition, progress, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
 _graph_ids = itertools.count()
+
+
+def _start_compile_workers_early() -> None:
+    """Starts the Triton compile workers as `torch.compile` imports this backend, when the
+    process already uses a GPU (its CUDA context exists) and the env's options compile with
+    workers; FERROCORE_EARLY_WORKERS=0 waits for the first GPU graph instead."""
+    if os.environ.get("FERROCORE_EARLY_WORKERS", "1") == "0" or not torch.cuda.is_initialized():
+        return
+    try:
+        opts = _options.build_options({})
+    except Exception:  # noqa: BLE001 - a bad env option is reported when a graph compiles
+        return
+    if not opts["compile_workers"] or opts["backend"] == "cpp" or importlib.util.find_spec("triton") is None:
+        return
+    arch = runtime.cuda_arch(torch.device("cuda", torch.cuda.current_device()))
+    if arch is not None:
+        kernel_binaries.start_early(opts["compile_workers"], arch)
 
 
 # torch.compile modes that record CUDA graphs, and those that autotune kernels, as Inductor's do.
@@ -70,21 +88,19 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
     # the forward's and backward's CUDA-graph runners see each other's recordings
     family = cudagraphs.Family()
-    # what the compiled-graph cache stores: the inference graph and AOT autograd's runtime
+    # what the compiled-graph cache stores: the compiled graphs (inference, or forward and
+    # backward) and what AOT autograd's runtime does around them
     recorded: dict = {"graphs": [], "bypass": None, "runtime": None, "call": None}
 
     def forward(graph, inputs):
-        recorded["bypass"] = "training graphs (forward and backward) are not cached yet"
+        _describe_runtime(recorded, lambda: aot_runtime.training_runtime(graph))
         strides = _visible_output_strides(graph, user_strides, inference=False)
         saved = _saved_outputs(graph)
         return _compile(graph, state.take(), overrides, strides, free_layout=_free_layout(saved), saved=saved,
-                        family=family)
+                        family=family, record=recorded["graphs"].append)
 
     def inference(graph, inputs):
-        try:
-            recorded["runtime"] = graph_cache.plain_runtime()
-        except graph_cache.Bypass as e:
-            recorded["bypass"] = str(e)
+        _describe_runtime(recorded, aot_runtime.inference_runtime)
         strides = _visible_output_strides(graph, user_strides, inference=True)
         recorded["call"] = _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
         return recorded["call"]
@@ -93,9 +109,18 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
+        donated = _donated_inputs()
         # AOT autograd may compile the backward at its first call, outside the forward's line
         with progress.compiling(label + " (backward)", opts["progress"]):
-            return _compile(graph, state.take(), overrides, donated=_donated_inputs(), backward=True, family=family)
+            compiled = _compile(graph, state.take(), overrides, donated=donated, backward=True, family=family,
+                                record=recorded["graphs"].append)
+        if cache_key is not None:
+            if recorded["runtime"] is not None:
+                _describe_runtime(recorded, lambda: aot_runtime.add_backward(recorded["runtime"], graph, inputs,
+                                                                             donated))
+            # the entry is complete only now: AOT autograd compiles most backwards lazily
+            _store_graph(cache_key, opts, recorded, "training")
+        return compiled
 
     with progress.compiling(label, opts["progress"]):
         compiled = _aot_autograd(
@@ -111,10 +136,10 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
             partition_fn=_partition,
         )
     state.stop()
-    if cache_key is not None and _store_graph(cache_key, opts, recorded):
+    if cache_key is not None and recorded["call"] is not None and _store_graph(cache_key, opts, recorded, "inference"):
         # what a cache hit returns: AOT autograd's runtime wrapper around a plain call is the
         # call with grad off, and its first call would check every op for custom-op aliasing
-        return graph_cache.inference_call(recorded["call"], recorded["runtime"], boxed)
+        return aot_runtime.inference_call(recorded["call"], recorded["runtime"], boxed)
     return compiled
 
 
@@ -179,6 +204,23 @@ def _graph_cache_key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> st
     return None
 
 
+def _describe_runtime(recorded: dict, describe: Callable) -> None:
+    """Records AOT autograd's runtime for the cache entry, or why it cannot be rebuilt."""
+    if recorded["bypass"] is not None:
+        return
+    try:
+        described = describe()
+    except graph_cache.Bypass as e:
+        recorded["bypass"], recorded["runtime"] = str(e), None
+        return
+    if described is not None:
+        recorded["runtime"] = described
+
+
+# an entry's kind, and how many compiled graphs it holds
+_ENTRY_GRAPHS = {"inference": 1, "training": 2}
+
+
 def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
     """The callable for a compiled-graph cache hit, or None on a miss (logged with its reason)."""
     start = time.perf_counter()
@@ -186,31 +228,37 @@ def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
     if entry is None:
         graph_cache.log(opts, f"miss {cache_key[:16]}: no valid entry")
         return None
-    if entry["kind"] != "inference" or len(entry["graphs"]) != 1:
+    if _ENTRY_GRAPHS.get(entry["kind"]) != len(entry["graphs"]):
         graph_cache.log(opts, f"miss {cache_key[:16]}: an entry of kind {entry['kind']!r} cannot be run")
         return None
-    graph = dataclasses.replace(entry["graphs"][0], name=f"graph_{next(_graph_ids)}")
-    timings = {"graph_cache": (time.perf_counter() - start) * 1e3}
-    call, _ = _load_graph(graph, timings, cpp_cache_hit=True, graph_cache="hit")
-    graph_cache.log(opts, f"hit {cache_key[:16]}: {graph.name} ({graph.counts.get('kernels', 0)} kernels)")
-    return graph_cache.inference_call(call, entry["runtime"], boxed)
+    graphs = [dataclasses.replace(g, name=f"graph_{next(_graph_ids)}") for g in entry["graphs"]]
+    calls = []
+    for graph in graphs:
+        timings = {"graph_cache": (time.perf_counter() - start) * 1e3}
+        calls.append(_load_graph(graph, timings, cpp_cache_hit=True, graph_cache="hit")[0])
+        start = time.perf_counter()
+    names = ", ".join(f"{g.name} ({g.counts.get('kernels', 0)} kernels)" for g in graphs)
+    graph_cache.log(opts, f"hit {cache_key[:16]}: {names}")
+    if entry["kind"] == "training":
+        return aot_runtime.training_call(calls[0], calls[1], entry["runtime"], boxed)
+    return aot_runtime.inference_call(calls[0], entry["runtime"], boxed)
 
 
-def _store_graph(cache_key: str, opts: dict, recorded: dict) -> bool:
-    """Stores the compiled inference graph; False when it is not cacheable (a training graph,
-    several graphs, an AOT runtime that is more than a plain call)."""
+def _store_graph(cache_key: str, opts: dict, recorded: dict, kind: str) -> bool:
+    """Stores the compiled graphs; False when they are not cacheable (partitioned, specialized
+    or eager graphs, an AOT runtime `aot_runtime` cannot rebuild)."""
     why = recorded["bypass"]
-    if why is None and (recorded["runtime"] is None or len(recorded["graphs"]) != 1):
+    if why is None and (recorded["runtime"] is None or len(recorded["graphs"]) != _ENTRY_GRAPHS[kind]):
         why = "the graph was partitioned, specialized per shape or run eagerly"
     if why is not None:
         graph_cache.log(opts, f"not stored {cache_key[:16]}: {why}")
         return False
     try:
-        graph_cache.store(opts["cache_dir"], cache_key, "inference", recorded["runtime"], recorded["graphs"])
+        graph_cache.store(opts["cache_dir"], cache_key, kind, recorded["runtime"], recorded["graphs"])
     except Exception as e:  # noqa: BLE001 - the compiled graph works without its entry
         print(f"[ferrocore:graph_cache] could not store {cache_key[:16]}: {e}", file=sys.stderr)
         return True
-    graph_cache.log(opts, f"stored {cache_key[:16]}: {recorded['graphs'][0].name}")
+    graph_cache.log(opts, f"stored {cache_key[:16]}: {', '.join(g.name for g in recorded['graphs'])}")
     return True
 
 
@@ -573,10 +621,14 @@ def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: 
         start = time.perf_counter()
         reporter = progress.current()
         reporter.stage("Triton kernels", len(module.TRITON_KERNELS))
+        timeline: list = []
         tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
                                           autotune=opts["autotune"], cache_dir=opts["cache_dir"],
                                           source=graph.module_source, workers=opts.get("compile_workers", 0),
-                                          on_kernel=reporter.advance)
+                                          on_kernel=reporter.advance, timeline=timeline)
+        if "kernel_compile" in opts["logs"]:
+            text = kernel_binaries.timeline_text(graph.name, timeline, start, opts.get("compile_workers", 0))
+            print(f"[ferrocore:kernel_compile]\n{text}", file=sys.stderr)
         timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
     _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not cpp_cache_hit)
     metrics.record(_entry(graph.name, timings, cpp_cache_hit=cpp_cache_hit, module_path=graph.module_path,
@@ -1048,3 +1100,6 @@ def _print_logs(logs) -> None:
             channel = log["channel"]
             print(f"[ferrocore:{channel}]", file=sys.stderr)
         print(log["text"].rstrip("\n"), file=sys.stderr)
+
+
+_start_compile_workers_early()

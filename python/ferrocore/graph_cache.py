@@ -4,16 +4,16 @@ The key is the graph Dynamo hands the backend (its generated code and constants)
 metadata, the global state that changes what AOT autograd traces (grad mode, autocast, default
 dtype, matmul precision, threads), the options, and the versions of ferrocore, torch, Triton
 and the C++ compiler. An entry holds each compiled ATen graph (wrapper source, lifted constants,
-where host scalars go) and what AOT autograd's runtime would do around it. A hit skips AOT
-autograd, lowering, scheduling, code generation and kernel compilation: the wrapper module runs
-from the entry and loads its kernels from their own caches.
+where host scalars go) and what AOT autograd's runtime would do around them (`aot_runtime`). A
+hit skips AOT autograd, lowering, scheduling, code generation and kernel compilation: the wrapper
+modules run from the entry and load their kernels from their own caches.
 
 Entries go through the Rust cache (`runtime/cache.rs`): written atomically, signed, verified on
 every read; a missing, truncated, edited or stale entry is a miss and is rebuilt. Only graphs
-whose AOT runtime is a plain call are stored (no outputs aliasing inputs, no input mutations
-applied outside the graph, no tensor subclasses, effect tokens or duplicated inputs); anything
-else is a logged bypass. Training graphs (an autograd.Function around forward and backward)
-are not stored yet.
+whose AOT runtime `aot_runtime` can rebuild are stored: an inference graph, or a training graph
+(forward and backward, stored once the backward is compiled), with no outputs aliasing inputs,
+no input mutations applied outside the graph, no tensor subclasses, effect tokens or duplicated
+inputs; anything else is a logged bypass.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 # Bumped whenever an entry's layout or meaning changes: older entries are then misses.
-FORMAT = 1
+FORMAT = 2
 
 # Modules whose functions may appear as call targets of a cached graph: their behaviour is
 # covered by the versions in the key. A user function (allow_in_graph) is not.
@@ -174,7 +174,23 @@ def global_state() -> tuple:
     return (
         torch.is_grad_enabled(), autocast, torch.get_default_dtype(), torch.get_float32_matmul_precision(),
         torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(),
+        *_functorch_config(),
     )
+
+
+def _functorch_config() -> list:
+    """AOT autograd's settings (partitioner, donated buffers, tangent layouts): a training
+    graph's forward and backward depend on them."""
+    from torch._functorch import config
+
+    out = []
+    for name, value in sorted(config.get_config_copy().items()):
+        if name.startswith("_"):
+            continue
+        if value is not None and not isinstance(value, (bool, int, float, str)):
+            raise Bypass(f"torch._functorch.config.{name} is a {type(value).__name__}")
+        out.append(f"{name}={value!r}")
+    return out
 
 
 @functools.lru_cache(None)
@@ -206,55 +222,6 @@ def _compiler_version() -> str:
         return out.stdout.splitlines()[0] if out.stdout else f"{cxx}: no version"
     except (OSError, subprocess.SubprocessError) as e:
         return f"{cxx}: {e}"
-
-
-# ---- AOT autograd's runtime -------------------------------------------------------------------
-
-
-def plain_runtime() -> dict:
-    """What AOT autograd's runtime does around the inference graph it is about to compile, when
-    that is a plain call (read from its metadata); raises Bypass otherwise."""
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-    if meta is None:
-        raise Bypass("AOT autograd's metadata is not available")
-    checks = {
-        "outputs alias inputs or each other": getattr(meta, "num_outputs_aliased", 1),
-        "inputs are mutated outside the graph": getattr(meta, "num_mutated_inp_runtime_indices", 1),
-        "intermediate bases are returned": getattr(meta, "num_intermediate_bases", 1),
-        "effect tokens are threaded": len(getattr(meta, "tokens", ()) or ()),
-        "random-number ops are functionalized": int(bool(getattr(meta, "is_rng_op_functionalized", True))),
-        "tensor subclasses": int(any(type(m).__name__ == "SubclassCreationMeta"
-                                     for m in (*(getattr(meta, "subclass_inp_meta", ()) or ()),
-                                               *(getattr(meta, "subclass_fw_graph_out_meta", ()) or ())))),
-    }
-    for why, count in checks.items():
-        if count:
-            raise Bypass(f"AOT runtime: {why}")
-    return {"disable_amp": bool(torch._C._is_any_autocast_enabled())}
-
-
-def inference_call(graph_call, runtime: dict, boxed: bool):
-    """The callable Dynamo gets for a cached inference graph: as AOT autograd runs one, with grad
-    off (and autocast off if it was on at compile time)."""
-
-    def run(args):
-        grad = torch.is_grad_enabled()
-        if grad:
-            torch._C._set_grad_enabled(False)
-        try:
-            if runtime["disable_amp"]:
-                with torch._C._DisableAutocast():
-                    return graph_call(args)
-            return graph_call(args)
-        finally:
-            if grad:
-                torch._C._set_grad_enabled(True)
-
-    if boxed:
-        run._boxed_call = True
-        return run
-    return lambda *args: run(list(args))
 
 
 # ---- storing and loading ----------------------------------------------------------------------

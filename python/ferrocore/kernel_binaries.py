@@ -30,6 +30,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 
 FORMAT = 1
@@ -147,6 +148,8 @@ class CompilePool:
 
     def __init__(self, workers: int, arch: int | None = None):
         self.jobs: queue.Queue = queue.Queue()
+        self.started = time.perf_counter()
+        self.ready: dict = {}  # worker pid -> when it finished warming up (perf_counter)
         env = dict(os.environ)
         # the worker imports ferrocore and torch from where this process found them
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str))
@@ -171,10 +174,13 @@ class CompilePool:
             failure = None if self._receive(proc)[0] == "ready" else f"compile worker {proc.pid} did not start"
         except Exception as e:  # noqa: BLE001
             failure = f"compile worker {proc.pid} did not start: {type(e).__name__}: {e}"
+        self.ready[proc.pid] = time.perf_counter()
         while True:
             message, future = self.jobs.get()
             if not future.set_running_or_notify_cancel():
                 continue  # taken back by the caller
+            # where and when it ran: the `kernel_compile` log's timeline
+            future.ran = (f"worker {proc.pid}", time.perf_counter())
             if failure is not None:
                 future.set_exception(RuntimeError(failure))
                 continue
@@ -208,6 +214,7 @@ class CompilePool:
 
 
 _pools: dict = {}  # workers -> the process's CompilePool (closed at exit)
+_pools_lock = threading.Lock()  # the pool may be started early, on a thread (`start_early`)
 
 
 def compile_pool(workers: int, arch: int | None = None) -> CompilePool | None:
@@ -215,18 +222,41 @@ def compile_pool(workers: int, arch: int | None = None) -> CompilePool | None:
     for GPU architecture `arch`)."""
     if workers <= 0:
         return None
-    pool = _pools.get(workers)
-    if pool is None:
-        try:
-            pool = _pools[workers] = CompilePool(workers, arch)
-        except OSError as e:
-            print(f"[ferrocore] compile workers cannot start ({e}); compiling in this process", file=sys.stderr)
-            return None
-        if len(_pools) == 1:
-            import atexit
+    with _pools_lock:
+        pool = _pools.get(workers)
+        if pool is None:
+            try:
+                pool = _pools[workers] = CompilePool(workers, arch)
+            except OSError as e:
+                print(f"[ferrocore] compile workers cannot start ({e}); compiling in this process", file=sys.stderr)
+                return None
+            if len(_pools) == 1:
+                import atexit
 
-            atexit.register(lambda: [p.close() for p in _pools.values()])
+                atexit.register(lambda: [p.close() for p in _pools.values()])
     return pool
+
+
+def start_early(workers: int, arch: int) -> None:
+    """Starts the pool on a thread, before any graph reaches the backend: `torch.compile` looks
+    the backend up when it is called, and the workers' imports and first compile (about a
+    second) then overlap Dynamo's trace instead of delaying the first graph's kernels."""
+    threading.Thread(target=compile_pool, args=(workers, arch), daemon=True, name="ferrocore-pool-start").start()
+
+
+def timeline_text(graph: str, timeline: list, start: float, workers: int) -> str:
+    """The `kernel_compile` log of one graph's Triton compile: each kernel's start and end (seconds
+    from the stage's start) and where it was compiled, then when the workers became ready."""
+    lines = [f"{graph}: {len(timeline)} Triton kernels compiled in {time.perf_counter() - start:.3f} s"]
+    for name, where, begin, end in sorted(timeline, key=lambda t: t[2]):
+        lines.append(f"  {begin - start:7.3f} {end - start:7.3f}  {end - begin:6.3f} s  {name}  ({where})")
+    pool = _pools.get(workers)
+    if pool is not None:
+        ready = sorted(pool.ready.values())
+        lines.append(f"  workers: {len(pool.processes)} started {start - pool.started:.3f} s before the stage; "
+                     f"{len(ready)} ready" + (f", from {ready[0] - start:.3f} to {ready[-1] - start:.3f} s"
+                                              if ready else ""))
+    return "\n".join(lines)
 
 
 def result(future: Future, name: str) -> dict | None:

@@ -20,6 +20,7 @@ LOG_CHANNELS = (
     "layout",
     "padding",
     "graph_cache",
+    "kernel_compile",
 )
 _KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
          "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers", "progress")
@@ -104,7 +105,7 @@ def _cache_limit(text: str) -> int | None:
 def _workers(text: str) -> int:
     text = text.strip()
     if not text:
-        return min(8, max((os.cpu_count() or 1) - 1, 1))
+        return min(16, max((os.cpu_count() or 1) - 1, 1))
     return _count("FERROCORE_COMPILE_WORKERS", text, "a number of processes")
 
 

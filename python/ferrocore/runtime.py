@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
+import functools
 import hashlib
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -392,7 +395,7 @@ def _launch_hooks_active(compiled=None) -> bool:
 
 def precompile_triton(kernels, device, launchers: dict | None = None, autotune: bool = False,
                       cache_dir: str | None = None, source: str | None = None, workers: int = 0,
-                      on_kernel=None) -> dict:
+                      on_kernel=None, timeline: list | None = None) -> dict:
     """Compiles a wrapper module's Triton kernels now, instead of one by one at their first
     launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config), and binds each
     binary to its `TritonLaunch` (`TRITON_LAUNCHERS`). A kernel that cannot be compiled here is
@@ -405,8 +408,10 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
     on scratch buffers, and the fastest one is bound; winners are cached under
     `cache_dir/autotune`, keyed by the kernel's source, signature, buffer sizes, candidates,
     device and Triton version. `on_kernel()` is called as each kernel is settled (a progress
-    line's count). Returns counts for the metrics."""
+    line's count). `timeline` receives (kernel, where, start, end) per kernel compiled (the
+    `kernel_compile` log). Returns counts for the metrics."""
     tick = on_kernel or (lambda: None)
+    timeline = timeline if timeline is not None else []
     index = device.index if device.index is not None else torch.cuda.current_device()
     launchers = launchers or {}
     stats = {"autotuned": 0, "autotune_cache_hits": 0, "kernel_binary_hits": 0, "compiled_in_workers": 0}
@@ -414,6 +419,7 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
 
     def compile_one(entry) -> None:
         fn, signature, constexprs, launch = entry
+        start = time.perf_counter()
         try:
             config = (launch["grid"], constexprs["XBLOCK"], launch["num_warps"], launch["num_stages"])
             compiled = _warmup(fn, signature, device, config)
@@ -426,6 +432,7 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
         except Exception:  # noqa: BLE001  (an older Triton without warmup, an unknown type)
             pass
         finally:
+            timeline.append((getattr(fn, "__name__", "?"), "this process", start, time.perf_counter()))
             tick()
 
     tunable = {}
@@ -437,7 +444,8 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
                 tunable[id(e)] = (launcher, *tuner.lookup(e))
     rest = [e for e in kernels if id(e) not in tunable]
     if arch is not None and cache_dir is not None and not _launch_hooks_active():
-        rest = _bind_binaries(rest, launchers, index, arch, cache_dir, source, workers, stats, compile_one, tick)
+        rest = _bind_binaries(rest, launchers, index, arch, cache_dir, source, workers, stats, compile_one, tick,
+                              timeline)
     # what is timed below is compiled first, several kernels at a time, like the rest
     work = [(compile_one, e) for e in rest]
     work += [(lambda t: tuner.warm(*t), (e[0], e[1], tuple(c))) for e in kernels
@@ -501,7 +509,7 @@ def cuda_arch(device) -> int | None:
 
 
 def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, source: str | None,
-                   workers: int, stats: dict, compile_here, tick) -> list:
+                   workers: int, stats: dict, compile_here, tick, timeline: list) -> list:
     """Binds what the binary cache holds, then what the worker processes compile, taking back
     (`compile_here`) each job no worker has started while this process is free; returns the
     entries left to compile in this process."""
@@ -525,12 +533,27 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
     if pool is None:
         return left + [e for e, _, _ in missing]
     futures = [(e, k, launcher, pool.submit(kernel_binaries.job(unit, e, arch))) for e, k, launcher in missing]
-    for *_, future in futures:
-        future.add_done_callback(lambda f: None if f.cancelled() else tick())
+
+    def done(e, future) -> None:
+        if not future.cancelled():
+            where, start = getattr(future, "ran", ("a worker", math.nan))
+            timeline.append((e[0].__name__, where, start, time.perf_counter()))
+            tick()
+
+    for e, *_, future in futures:
+        future.add_done_callback(functools.partial(done, e))
+
+    waiting = collections.deque(reversed(futures))
 
     def take_back() -> None:
-        # workers take jobs from the front; this process, from the back, those still waiting
-        for e, _, _, future in reversed(futures):
+        # Workers take jobs from the front; this process, from the back, those no worker has
+        # started, but only until a worker is ready: Triton in this process (its first use here,
+        # threads sharing one interpreter lock) is several times slower than a warm worker.
+        while not pool.ready:
+            try:
+                e, _, _, future = waiting.popleft()  # each job is looked at by one thread only
+            except IndexError:
+                return
             if future.cancel():
                 compile_here(e)
 
