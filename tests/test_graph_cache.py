@@ -76,6 +76,16 @@ def test_second_compile_loads_the_entry(cache_dir, capfd):
     _check_same(second, want)
 
 
+def _two_processes(script: str, cache_dir: str) -> list:
+    """Runs `script` (argv: the cache, this folder) in two new processes, one after the other."""
+    here = str(Path(__file__).resolve().parent)
+    runs = [subprocess.run([sys.executable, "-c", script, cache_dir, here], capture_output=True, text=True,
+                           env=os.environ.copy(), timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return runs
+
+
 def test_a_new_process_hits_and_matches_eager(cache_dir):
     script = textwrap.dedent(
         """
@@ -93,11 +103,7 @@ def test_a_new_process_hits_and_matches_eager(cache_dir):
         print("cache", metrics.last.get("graph_cache", "compiled"))
         """
     )
-    here = str(Path(__file__).resolve().parent)
-    runs = [subprocess.run([sys.executable, "-c", script, cache_dir, here], capture_output=True, text=True,
-                           env=os.environ.copy(), timeout=300) for _ in range(2)]
-    for r in runs:
-        assert r.returncode == 0, r.stderr[-3000:]
+    runs = _two_processes(script, cache_dir)
     assert "cache compiled" in runs[0].stdout
     assert "cache hit" in runs[1].stdout, runs[0].stderr[-2000:] + "\n----\n" + runs[1].stderr[-2000:]
 
@@ -218,11 +224,7 @@ def test_training_graphs_hit_in_a_new_process(cache_dir):
         print("cache", metrics.total["graph_cache"].get("hit", 0), "aot", "aot" in metrics.total["timings_ms"])
         """
     )
-    here = str(Path(__file__).resolve().parent)
-    runs = [subprocess.run([sys.executable, "-c", script, cache_dir, here], capture_output=True, text=True,
-                           env=os.environ.copy(), timeout=300) for _ in range(2)]
-    for r in runs:
-        assert r.returncode == 0, r.stderr[-3000:]
+    runs = _two_processes(script, cache_dir)
     assert "cache 0 aot True" in runs[0].stdout
     assert "cache 2 aot False" in runs[1].stdout  # forward and backward
     assert len(_entries(cache_dir)) == 1
