@@ -114,6 +114,13 @@ def test_a_new_process_launches_the_cached_binaries(cache_dir):
         x, w = torch.randn(64, 96, device="cuda"), torch.randn(96, 200, device="cuda")
         with torch.no_grad():
             compiled = torch.compile(_model, backend="ferrocore", options={"cache_dir": sys.argv[1]})
+            # looking the backend up started the workers (this process uses the GPU): let them
+            # warm up, so that they, not this process, compile the kernels
+            import time
+            from ferrocore import kernel_binaries
+            deadline = time.time() + 120
+            while not any(p.ready for p in list(kernel_binaries._pools.values())) and time.time() < deadline:
+                time.sleep(0.05)
             got = compiled(x, w)
             # a buffer off 16-byte alignment takes Triton's JIT path, with the same values
             xs = torch.randn(64 * 96 + 1, device="cuda")[1:].view(64, 96)

@@ -12,8 +12,8 @@ user's processes. A graph whose binaries are all cached loads them and launches 
 
 Cold, `CompilePool`'s processes (`compile_worker`) compile the kernels side by side: Triton's
 compiler holds the interpreter lock for most of its work, so threads of one process barely
-overlap. The compiling process takes jobs no worker has started yet (workers may still be
-starting up), and so does Triton's own path with a kernel that cannot be compiled there or
+overlap. The compiling process takes jobs no worker has started yet, one at a time, until a
+worker is ready, and so does Triton's own path with a kernel that cannot be compiled there or
 whose binary needs more than a plain launch (`runtime.precompile_triton`).
 """
 

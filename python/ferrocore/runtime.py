@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import functools
@@ -543,24 +542,14 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
     for e, *_, future in futures:
         future.add_done_callback(functools.partial(done, e))
 
-    waiting = collections.deque(reversed(futures))
-
-    def take_back() -> None:
-        # Workers take jobs from the front; this process, from the back, those no worker has
-        # started, but only until a worker is ready: Triton in this process (its first use here,
-        # threads sharing one interpreter lock) is several times slower than a warm worker.
-        while not pool.ready:
-            try:
-                e, _, _, future = waiting.popleft()  # each job is looked at by one thread only
-            except IndexError:
-                return
-            if future.cancel():
-                compile_here(e)
-
-    threads = min(len(futures), 4)
-    with ThreadPoolExecutor(max_workers=threads) as here:
-        for f in [here.submit(take_back) for _ in range(threads)]:
-            f.result()
+    # Workers take jobs from the front; this process, from the back and one at a time, those no
+    # worker has started, but only until a worker is ready: Triton in this process (its first
+    # use here, under the interpreter lock) is several times slower than a warm worker.
+    for e, _, _, future in reversed(futures):
+        if pool.ready:
+            break
+        if future.cancel():
+            compile_here(e)
     for e, k, launcher, future in futures:
         if future.cancelled():
             continue
