@@ -189,7 +189,7 @@ def _autograd_function(fw_call, bw_call, runtime: dict) -> type:
                 return list(fn(args))
         return list(fn(args))
 
-    class CompiledGraph(torch.autograd.Function):
+    class CompiledTraining(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
             outs = call(fw_call, list(args))
@@ -225,7 +225,7 @@ def _autograd_function(fw_call, bw_call, runtime: dict) -> type:
                 return _NoDoubleBackward.apply(lambda: tuple(call(bw_call, args)), *_with_grad_leaf(args))
             return tuple(call(bw_call, args))
 
-    return CompiledGraph
+    return CompiledTraining
 
 
 def _laid_out(grad, layout):
