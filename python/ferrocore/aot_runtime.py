@@ -132,8 +132,8 @@ def training_runtime(fw_graph: torch.fx.GraphModule) -> dict:
     }
 
 
-def add_backward(runtime: dict, bw_graph: torch.fx.GraphModule, bw_inputs, donated: list) -> None:
-    """Completes a training runtime from the backward AOT autograd hands the compiler: the
+def add_backward(runtime: dict, bw_graph: torch.fx.GraphModule, bw_inputs, donated: list) -> dict:
+    """A training runtime completed from the backward AOT autograd hands the compiler: the
     layout each incoming gradient must have, the inputs whose gradient is statically None
     (detached before the call, as AOT autograd does), the saved activations the backward frees."""
     placeholders = [n for n in bw_graph.graph.nodes if n.op == "placeholder"]
@@ -149,6 +149,7 @@ def add_backward(runtime: dict, bw_graph: torch.fx.GraphModule, bw_inputs, donat
     runtime["tangent_layouts"] = [[list(t.shape), list(t.stride())] for t in tangents]
     runtime["detached_inputs"] = [i for i, g in enumerate(grads) if g is None and runtime["inputs_non_leaf"][i]]
     runtime["donated"] = list(donated)
+    return runtime
 
 
 def training_call(fw_call, bw_call, runtime: dict, boxed: bool):

@@ -209,12 +209,9 @@ def _describe_runtime(recorded: dict, describe: Callable) -> None:
     if recorded["bypass"] is not None:
         return
     try:
-        described = describe()
+        recorded["runtime"] = describe()
     except graph_cache.Bypass as e:
         recorded["bypass"], recorded["runtime"] = str(e), None
-        return
-    if described is not None:
-        recorded["runtime"] = described
 
 
 # an entry's kind, and how many compiled graphs it holds

@@ -62,7 +62,7 @@ def build_options(overrides: dict | None = None) -> dict:
         # processes compiling a GPU graph's Triton kernels (0: threads of this process); front only
         "compile_workers": _workers(os.environ.get("FERROCORE_COMPILE_WORKERS", "")),
         # a progress line for long compiles: "auto" (on a terminal), "on", "off"; front only
-        "progress": _progress_mode(os.environ.get("FERROCORE_PROGRESS", "")),
+        "progress": os.environ.get("FERROCORE_PROGRESS", ""),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:

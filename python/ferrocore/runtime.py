@@ -510,8 +510,8 @@ def cuda_arch(device) -> int | None:
 def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, source: str | None,
                    workers: int, stats: dict, compile_here, tick, timeline: list) -> list:
     """Binds what the binary cache holds, then what the worker processes compile, taking back
-    (`compile_here`) each job no worker has started while this process is free; returns the
-    entries left to compile in this process."""
+    (`compile_here`) jobs no worker has started until a worker is ready; returns the entries
+    left to compile in this process."""
     from . import kernel_binaries
 
     left, missing = [], []
