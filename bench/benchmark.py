@@ -322,6 +322,7 @@ def run_workload(w: Workload, backends: list[str], opts) -> Result:
 
 STAGE_ORDER = (
     "aot",
+    "trace",
     "serialize",
     "import",
     "lowering",

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BACKENDS = ("inductor", "ferrocore")
 # ferrocore's parts of the backend's share, in the table's order (ferrocore.metrics.compile_time)
-PARTS = ("aot", "front", "stages", "cpp_compile", "triton_compile", "load", "graph_cache")
+PARTS = ("aot", "trace", "front", "stages", "cpp_compile", "triton_compile", "load", "graph_cache")
 
 
 def parse_args(argv=None):

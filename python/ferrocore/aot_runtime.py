@@ -59,6 +59,12 @@ def inference_runtime() -> dict:
     """What AOT autograd's runtime does around the inference graph it is about to compile, when
     that is a plain call (read from its metadata); raises Bypass otherwise."""
     _check_plain(_fw_metadata())
+    return plain_inference_runtime()
+
+
+def plain_inference_runtime() -> dict:
+    """The runtime of an inference graph with no aliased outputs or input mutations: a call
+    with grad off, and with autocast off if it was on when the graph was traced."""
     return {"disable_amp": _autocast_on()}
 
 

@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import aot_runtime, conv_layout, graph_cache, kernel_binaries, padding, partition, progress, runtime
+from . import aot_runtime, conv_layout, direct_trace, graph_cache, kernel_binaries, padding, partition, progress, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -82,8 +82,15 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         kernel_binaries.compile_pool(opts["compile_workers"], runtime.cuda_arch(gpu))
     elif gpu is None or opts["backend"] == "cpp":
         runtime.prepare_cpp_prelude(opts)  # its precompiled header builds while AOT autograd traces
-    state = _AotClock()
     user_strides = _user_output_strides(gm)
+    label = _progress_label()
+    start = time.perf_counter()
+    if opts["direct_trace"]:
+        direct = _traced_directly(gm, example_inputs, opts, overrides, user_strides, cache_key, boxed, label)
+        if direct is not None:
+            return direct
+    # a direct trace given up counts as tracing time
+    state = _AotClock({"trace": (time.perf_counter() - start) * 1e3} if opts["direct_trace"] else {})
     from . import cudagraphs  # (it imports this module)
 
     # the forward's and backward's CUDA-graph runners see each other's recordings
@@ -104,8 +111,6 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         strides = _visible_output_strides(graph, user_strides, inference=True)
         recorded["call"] = _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
         return recorded["call"]
-
-    label = _progress_label()
 
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
@@ -141,6 +146,39 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
         # call with grad off, and its first call would check every op for custom-op aliasing
         return aot_runtime.inference_call(recorded["call"], recorded["runtime"], boxed)
     return compiled
+
+
+def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overrides: dict, user_strides: list,
+                     cache_key: str | None, boxed: bool, label: str) -> Callable | None:
+    """Compiles an inference graph traced to ATen in one pass (`direct_trace`), or returns None
+    (logged on `trace`) when the graph needs AOT autograd."""
+    with progress.compiling(label, opts["progress"]):
+        start = time.perf_counter()
+        try:
+            direct_trace.check_graph(gm, example_inputs, _needs_grad(example_inputs))
+            graph = direct_trace.trace(gm, example_inputs, decompositions(training=False))
+        except direct_trace.NeedsAot as e:
+            _log_trace(opts, f"{label} goes through AOT autograd: {e}")
+            return None
+        except Exception as e:  # noqa: BLE001 - AOT autograd traces what this pass cannot; a real error recurs there
+            print(f"[ferrocore:trace] {label}: the direct trace failed ({type(e).__name__}: {e}); "
+                  "AOT autograd traces it", file=sys.stderr)
+            metrics.count("direct_trace_failures")
+            return None
+        traced_ms = (time.perf_counter() - start) * 1e3
+        _log_trace(opts, f"{label} traced directly ({len(graph.graph.nodes)} nodes, {traced_ms:.0f} ms)")
+        recorded: dict = {"graphs": [], "bypass": None, "runtime": aot_runtime.plain_inference_runtime()}
+        strides = _visible_output_strides(graph, user_strides, inference=True)
+        call = _compile(graph, {"trace": traced_ms}, overrides, strides, static_inputs=direct_trace.static_inputs(gm),
+                        record=recorded["graphs"].append)
+    if cache_key is not None:
+        _store_graph(cache_key, opts, recorded, "inference")
+    return aot_runtime.inference_call(call, recorded["runtime"], boxed)
+
+
+def _log_trace(opts: dict, text: str) -> None:
+    if "trace" in opts["logs"]:
+        print(f"[ferrocore:trace] {text}", file=sys.stderr)
 
 
 def _aot_autograd(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
@@ -376,7 +414,7 @@ def _donated_inputs() -> list:
     return list(getattr(meta, "bw_donated_idxs", None) or [])
 
 
-def _copied_inputs(gm: torch.fx.GraphModule, backward: bool) -> list:
+def _copied_inputs(gm: torch.fx.GraphModule, backward: bool, static: list | None = None) -> list:
     """Inputs a CUDA graph copies into buffers of its own before each replay instead of reading
     them where they live: a forward's or inference graph's inputs other than parameters and
     buffers (AOT autograd's `static_input_indices`: a new batch each step still replays), a
@@ -386,9 +424,10 @@ def _copied_inputs(gm: torch.fx.GraphModule, backward: bool) -> list:
     if backward:
         copied = {i for i, n in enumerate(placeholders) if n.name.startswith("tangents")}
     else:
-        ctx = torch._guards.TracingContext.try_get()
-        meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
-        static = getattr(meta, "static_input_indices", None)
+        if static is None:
+            ctx = torch._guards.TracingContext.try_get()
+            meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+            static = getattr(meta, "static_input_indices", None)
         if static is None:
             return []
         copied = set(range(len(placeholders))) - set(static)
@@ -485,17 +524,20 @@ def _max_pool_saving_offsets(x, kernel_size, stride=(), padding=0, dilation=1, c
 
 
 class _AotClock:
-    """Time AOT autograd spends before handing each graph over (tracing, partitioning)."""
+    """Time AOT autograd spends before handing each graph over (tracing, partitioning); the
+    first graph also takes `pending` (timings spent before AOT autograd started)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pending: dict) -> None:
         self.mark: float | None = time.perf_counter()
+        self.pending = pending
 
     def take(self) -> dict:
         if self.mark is None:  # a backward compiled lazily, after this backend returned
             return {}
         now = time.perf_counter()
         spent, self.mark = (now - self.mark) * 1e3, now
-        return {"aot": spent}
+        taken, self.pending = {**self.pending, "aot": spent}, {}
+        return taken
 
     def stop(self) -> None:
         self.mark = None
@@ -503,9 +545,11 @@ class _AotClock:
 
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
              free_layout: list | None = None, donated: list | None = None, backward: bool = False,
-             saved: list | None = None, family=None, record: Callable | None = None) -> Callable:
+             saved: list | None = None, family=None, record: Callable | None = None,
+             static_inputs: list | None = None) -> Callable:
     """Compiles one ATen graph; `record` receives the CompiledGraph (static graphs only, the
-    compiled-graph cache's entries)."""
+    compiled-graph cache's entries). `static_inputs`: the inputs that keep their addresses
+    across calls (parameters, buffers), when AOT autograd's metadata does not say."""
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -596,7 +640,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
         else:
             call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False),
-                                              copied=_copied_inputs(gm, backward), saved=saved or (),
+                                              copied=_copied_inputs(gm, backward, static_inputs), saved=saved or (),
                                               donated_writes=getattr(module, "DONATED_WRITES", False), family=family)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call

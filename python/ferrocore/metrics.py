@@ -56,18 +56,20 @@ class Metrics:
         """A runtime event, summed in `total` from its first occurrence: under
         mode="reduce-overhead", `cudagraph_recordings`, `cudagraph_replays` (a recording run again),
         `cudagraph_plain_calls` (warm-up calls, and calls whose recordings' outputs are all still
-        held) and `cudagraph_capture_failures`."""
+        held) and `cudagraph_capture_failures`; `direct_trace_failures` (inference graphs the
+        direct trace failed on, for a reason it does not know, and AOT autograd traced)."""
         self.total[key] = self.total.get(key, 0) + n
 
     def compile_time(self) -> dict:
         """Seconds spent compiling since `reset()`, by part: `dynamo` (Dynamo's own, less the
-        backend call), `aot` (AOT autograd before each graph reaches ferrocore), `front` (the
+        backend call), `aot` (AOT autograd before each graph reaches ferrocore), `trace` (the
+        direct trace of inference graphs that skip AOT autograd), `front` (the
         Python passes), each Rust stage, `cpp_compile`, `triton_compile` (or `autotune`),
         `load` (running wrapper modules), `graph_cache` (looking up compiled-graph entries);
         `stages` sums the Rust stages, `backend` every part but Dynamo's."""
         ms = self.total["timings_ms"]
         parts = {"dynamo": max(_dynamo_seconds() - self._dynamo_base, 0.0), "aot": ms.get("aot", 0.0) / 1e3,
-                 "front": sum(ms.get(k, 0.0) for k in _FRONT) / 1e3}
+                 "trace": ms.get("trace", 0.0) / 1e3, "front": sum(ms.get(k, 0.0) for k in _FRONT) / 1e3}
         parts.update({k: ms.get(k, 0.0) / 1e3 for k in STAGES})
         parts["stages"] = sum(parts[k] for k in STAGES)
         parts["cpp_compile"] = ms.get("cpp_compile", 0.0) / 1e3

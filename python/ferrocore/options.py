@@ -21,9 +21,10 @@ LOG_CHANNELS = (
     "padding",
     "graph_cache",
     "kernel_compile",
+    "trace",
 )
 _KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
-         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers", "progress")
+         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers", "progress", "direct_trace")
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
@@ -63,6 +64,9 @@ def build_options(overrides: dict | None = None) -> dict:
         "compile_workers": _workers(os.environ.get("FERROCORE_COMPILE_WORKERS", "")),
         # a progress line for long compiles: "auto" (on a terminal), "on", "off"; front only
         "progress": os.environ.get("FERROCORE_PROGRESS", ""),
+        # inference graphs traced to ATen in one pass where AOT autograd's machinery is not
+        # needed (`direct_trace`); "0" sends every graph through AOT autograd; front only
+        "direct_trace": _flag(os.environ.get("FERROCORE_DIRECT_TRACE") or "1"),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:

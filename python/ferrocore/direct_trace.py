@@ -1,0 +1,333 @@
+"""Inference graphs traced to core ATen in one lean pass, without AOT autograd.
+
+For a graph that needs no autograd, AOT autograd traces Dynamo's graph twice under fake tensors
+(a functionalized pass that learns how outputs alias inputs and which inputs are written, then
+`make_fx` under functionalization), and that costs 5–8x what running the graph on fake tensors
+costs. `trace` runs Dynamo's graph once on Dynamo's fake tensors under a dispatch mode that
+records each ATen op into a new graph, applying the same decompositions in the same places as
+`make_fx`. Writes into fresh intermediates are recorded as their functional ops (what
+functionalization gives for them); the resulting graph is AOT autograd's inference graph, node
+for node (`tests/test_direct_trace.py` compares them across the model zoo).
+
+What the lean pass does not handle raises `NeedsAot` with the reason, and the graph goes
+through AOT autograd as before: autograd, symbolic sizes, parameters held by the graph module,
+higher-order ops, grad-mode changes, data-dependent ops, writes into inputs or views, and
+outputs aliasing inputs or each other. Around a graph traced here, AOT autograd's runtime is a
+call with grad off (`aot_runtime.inference_call`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class NeedsAot(Exception):
+    """The graph needs AOT autograd; the message says why."""
+
+
+# Dynamo graph calls that change the grad mode for the rest of the graph
+_GRAD_MODE_CHANGES = {torch._C._set_grad_enabled, torch.autograd.grad_mode.set_grad_enabled}
+# node meta an ATen node takes from the Dynamo node it came from (as `make_fx` under
+# `preserve_node_meta` copies it)
+_COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "from_node", "custom")
+_SHAPE_QUERIES = {torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.storage_offset.default}
+
+
+def check_graph(gm: torch.fx.GraphModule, example_inputs, needs_grad: bool) -> None:
+    """Raises NeedsAot when Dynamo's graph cannot be traced here (checked before tracing)."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise NeedsAot("the graph takes nested inputs")
+    if needs_grad:
+        raise NeedsAot("the graph needs autograd")
+    if torch.is_inference_mode_enabled():
+        raise NeedsAot("inference mode is on")
+    if torch._functorch.config.functionalize_rng_ops:
+        raise NeedsAot("random-number ops are functionalized")
+    if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
+        raise NeedsAot("the graph module holds parameters or buffers")
+    for x in example_inputs:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise NeedsAot("an input is a symbolic size")
+        if type(x) not in (torch.Tensor, torch.nn.Parameter):
+            raise NeedsAot(f"an input is a {type(x).__name__}")
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            raise NeedsAot(f"{node.name} calls a module")
+        if node.op == "get_attr" and not isinstance(_attr(gm, node.target), torch.Tensor):
+            raise NeedsAot(f"{node.name} is a {type(_attr(gm, node.target)).__name__}")
+        if node.op == "call_function" and (isinstance(node.target, torch._ops.HigherOrderOperator)
+                                           or node.target in _GRAD_MODE_CHANGES):
+            raise NeedsAot(f"{node.name} calls {getattr(node.target, '__name__', node.target)}")
+        if _symbolic(node.meta.get("example_value")):
+            raise NeedsAot(f"{node.name} has symbolic sizes")
+
+
+def static_inputs(gm: torch.fx.GraphModule) -> list:
+    """The inputs Dynamo marks as keeping their addresses (parameters, buffers): AOT autograd's
+    `static_input_indices` for a graph module without parameters of its own."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, n in enumerate(placeholders) if n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
+
+
+def _attr(gm: torch.nn.Module, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _symbolic(val) -> bool:
+    if isinstance(val, (list, tuple)):
+        return any(_symbolic(v) for v in val)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(val, torch.Tensor):
+        return any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))
+    return False
+
+
+def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> torch.fx.GraphModule:
+    """Dynamo's graph as the core-ATen inference graph AOT autograd would give for it; raises
+    NeedsAot for what only AOT autograd handles. Call `check_graph` first."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._dynamo.utils import preserve_rng_state
+    from torch._functorch.aot_autograd import aot_autograd_decompositions
+
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        raise NeedsAot("Dynamo's fake mode is not active")
+    recorder = _Recorder({**aot_autograd_decompositions, **decompositions}, fake_mode)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        stack.enter_context(preserve_rng_state())
+        stack.enter_context(enable_python_dispatcher())
+        nested = getattr(torch._dynamo.eval_frame, "_use_eager_on_nested_compile", None)
+        if nested is not None:
+            stack.enter_context(nested())
+        fakes = [fake_mode.from_tensor(x, static_shapes=True) for x in example_inputs]
+        with fake_mode:
+            outputs = _run(gm, fakes, recorder)
+    recorder.finish(outputs)
+    recorder.graph.eliminate_dead_code()
+    return torch.fx.GraphModule(recorder.root, recorder.graph)
+
+
+def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
+    """Runs Dynamo's graph on fake tensors with the recorder on; returns its outputs."""
+    env: dict = {}
+    load = lambda a: torch.fx.node.map_arg(a, env.__getitem__)  # noqa: E731
+    placeholders = iter(fakes)
+    for node in gm.graph.nodes:
+        recorder.meta = node.meta
+        if node.op == "placeholder":
+            env[node] = recorder.placeholder(next(placeholders))
+        elif node.op == "get_attr":
+            env[node] = recorder.constant(_attr(gm, node.target))
+        elif node.op == "call_function":
+            with recorder:
+                env[node] = node.target(*load(node.args), **load(node.kwargs))
+        elif node.op == "call_method":
+            self_arg, *args = load(node.args)
+            with recorder:
+                env[node] = getattr(self_arg, node.target)(*args, **load(node.kwargs))
+        elif node.op == "output":
+            return load(node.args[0])
+        else:
+            raise NeedsAot(f"{node.name}: {node.op} nodes")
+    raise NeedsAot("the graph has no output")
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the ATen ops that reach it into `graph`, each tensor's producing node by its id."""
+
+    def __init__(self, decompositions: dict, fake_mode) -> None:
+        super().__init__()
+        self.table = decompositions
+        self.fake_mode = fake_mode
+        self.root = torch.nn.Module()
+        self.graph = torch.fx.Graph()
+        self.meta: dict = {}  # the meta of the Dynamo node being run
+        # tensor -> the node that made it; weak, as make_fx's proxy slots are
+        self.nodes = WeakIdKeyDictionary()
+        self.storages: dict = {}  # storage -> how many recorded tensors have lived on it
+        self.read_only: list = []  # inputs and constants
+        self.placeholders = 0
+        self.constants = 0
+
+    # ---- tensors and their nodes ----
+
+    def bind(self, tensor: torch.Tensor, node: torch.fx.Node, val: torch.Tensor | None = None) -> None:
+        node.meta["val"] = tensor if val is None else val
+        self.nodes[tensor] = node
+        ref = StorageWeakRef(tensor.untyped_storage())
+        self.storages[ref] = self.storages.get(ref, 0) + 1
+
+    def placeholder(self, fake: torch.Tensor) -> torch.Tensor:
+        node = self.graph.placeholder(f"arg{self.placeholders}_1")
+        self.placeholders += 1
+        self.bind(fake, node, val=fake)
+        self.read_only.append(fake)
+        return fake
+
+    def constant(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor the graph holds (a Dynamo get_attr, or a constant an op reads)."""
+        name = f"_tensor_constant{self.constants}"
+        self.constants += 1
+        setattr(self.root, name, tensor)
+        node = self.graph.get_attr(name)
+        self._annotate(node)
+        fake = self.fake_mode.from_tensor(tensor, static_shapes=True)
+        self.bind(fake, node, val=fake)
+        self.read_only.append(fake)
+        return fake
+
+    def _node_of(self, value):
+        if isinstance(value, torch.Tensor):
+            node = self.nodes.get(value)
+            if node is not None:
+                return node
+            if isinstance(value, torch._subclasses.FakeTensor):
+                raise NeedsAot("an op reads a tensor the graph did not make")
+            return self.nodes[self.constant(value)]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._node_of(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self._node_of(v) for k, v in value.items()}
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise NeedsAot("an op takes a symbolic value")
+        return value
+
+    def _annotate(self, node: torch.fx.Node) -> None:
+        for key in _COPIED_META:
+            if key in self.meta:
+                node.meta[key] = self.meta[key]
+
+    # ---- ops ----
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.prim.device.default:
+            return func(*args, **kwargs)
+        if func._schema.is_mutable:
+            # before any decomposition: functionalization turns `hardswish_` into `hardswish`,
+            # whose decomposition make_fx then records
+            return self._write(func, args, kwargs)
+        decomposition = self.table.get(func)
+        if decomposition is not None:
+            with self:
+                out = decomposition(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if func not in _SHAPE_QUERIES and _composite_implicit(func, args, kwargs):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if torch.Tag.data_dependent_output in func.tags or func is torch.ops.aten.is_nonzero.default:
+            raise NeedsAot(f"{func} reads tensor data")
+        if func is torch.ops.aten.lift_fresh.default:
+            func = torch.ops.aten.lift_fresh_copy.default  # the constant stays unwritten (as make_fx)
+        node = self.graph.create_node("call_function", func, self._node_of(args), self._node_of(kwargs),
+                                      name=func.overloadpacket.__name__)
+        out = func(*args, **kwargs)
+        self._annotate(node)
+        if _is_factory(func) and isinstance(out, torch.Tensor):
+            # torch's factory functions detach a result Python still holds: the node keeps an alias
+            self.bind(out, node, val=out.detach())
+        else:
+            self._bind_outputs(out, node)
+        return out
+
+    def _bind_outputs(self, out, node: torch.fx.Node) -> None:
+        if isinstance(out, torch.Tensor):
+            self.bind(out, node)
+        elif isinstance(out, (tuple, list)):
+            node.meta["val"] = out
+            for i, o in enumerate(out):
+                if isinstance(o, torch.Tensor):
+                    item = self.graph.create_node("call_function", operator.getitem, (node, i), name="getitem")
+                    self._annotate(item)
+                    self.bind(o, item)
+                elif o is not None and type(o) not in (int, float, bool):  # (flash attention's sizes)
+                    raise NeedsAot(f"{node.target} returns a {type(o).__name__}")
+        elif out is None:
+            node.meta["val"] = None
+        else:
+            raise NeedsAot(f"{node.target} returns a {type(out).__name__}")
+
+    def _write(self, func, args, kwargs):
+        """An in-place op on a fresh intermediate, recorded as its functional op (what
+        functionalization records: `relu_` as `relu`, `as_strided_` as the view `as_strided`);
+        later reads of the tensor read the functional op's result."""
+        written = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        packet = func.overloadpacket.__name__
+        if (func.namespace != "aten" or not packet.endswith("_") or len(written) != 1
+                or written[0] is not func._schema.arguments[0] or not isinstance(args[0], torch.Tensor)):
+            raise NeedsAot(f"{func} writes into a tensor")
+        target = args[0]
+        if any(target is t for t in self.read_only) or target not in self.nodes:
+            raise NeedsAot(f"{func} writes into a graph input or constant")
+        if target._base is not None or self.storages.get(StorageWeakRef(target.untyped_storage()), 0) > 1:
+            raise NeedsAot(f"{func} writes into a tensor that has views")
+        functional = getattr(getattr(torch.ops.aten, packet[:-1], None), func._overloadname, None)
+        if functional is None:
+            raise NeedsAot(f"{func} has no functional form")
+        with self:
+            out = functional(*args, **kwargs)
+        if torch.Tag.inplace_view in func.tags:
+            node = self.nodes[target]
+            if node.meta.get("val") is target:
+                node.meta["val"] = target.detach()  # the node keeps the sizes it made
+            func(*args, **kwargs)  # the fake takes the view's sizes and strides
+        if not isinstance(out, torch.Tensor) or not _same_layout(out, target):
+            raise NeedsAot(f"{func} changes its tensor's layout")
+        self.nodes[target] = self.nodes[out]
+        return target
+
+    def finish(self, outputs) -> None:
+        """The output node; raises NeedsAot for outputs AOT autograd's runtime must rebuild."""
+        inputs = {StorageWeakRef(v.untyped_storage()) for v in self.read_only}
+        seen = set()
+        nodes = []
+        for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+            if not isinstance(out, torch.Tensor):
+                raise NeedsAot(f"an output is a {type(out).__name__}")
+            storage = StorageWeakRef(out.untyped_storage())
+            if storage in inputs:
+                raise NeedsAot("an output aliases an input")
+            if storage in seen:
+                raise NeedsAot("two outputs alias each other")
+            seen.add(storage)
+            nodes.append(self._node_of(out))
+        self.graph.output(tuple(nodes))
+
+
+def _composite_implicit(func, args, kwargs) -> bool:
+    """Whether `make_fx` would run this op's CompositeImplicitAutograd decomposition here: it has
+    one, and the first tensor argument's backend has no kernel of its own (so autograd would
+    have decomposed it, had it run)."""
+    if not func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        return False
+    for a in torch.utils._pytree.arg_tree_leaves(*args, **kwargs):
+        if isinstance(a, torch.Tensor):
+            backend = torch._C._parse_dispatch_key(torch._C._dispatch_key_for_device(a.device.type))
+            return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), backend)
+    return True
+
+
+def _same_layout(a, b) -> bool:
+    return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+            and a.device == b.device and a.storage_offset() == b.storage_offset())
+
+
+@functools.lru_cache(None)
+def _is_factory(func) -> bool:
+    """Ops taking tensor options (arange, full, zeros_like...)."""
+    return any(a.name == "pin_memory" for a in func._schema.arguments)

@@ -1,0 +1,250 @@
+"""The direct trace of inference graphs (`ferrocore/direct_trace.py`): the ATen graph it records
+is AOT autograd's inference graph, node for node, for every model of the model zoo; the graphs
+it must not handle (mutated inputs, aliased outputs, autograd, symbolic sizes) go through AOT
+autograd; and what it compiles gives eager's values, strides and dtypes."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from helpers import is_ferrocore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import model_zoo  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not is_ferrocore(), reason="ferrocore's own tracer")
+
+DEVICE = torch.get_default_device()
+
+
+def _digests(gm: torch.fx.GraphModule):
+    """The graph up to node names and order: a multiset of per-node digests (op, operands'
+    digests, and the value's shape, strides and dtype) and the outputs' digests."""
+    digests = {}
+    placeholders = 0
+
+    def of(a):
+        if isinstance(a, torch.fx.Node):
+            return digests[a]
+        if isinstance(a, (list, tuple)):
+            return "(" + ",".join(of(x) for x in a) + ")"
+        if isinstance(a, dict):
+            return "{" + ",".join(f"{k}:{of(v)}" for k, v in sorted(a.items())) + "}"
+        return repr(a)
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            text = f"placeholder {placeholders}"
+            placeholders += 1
+        elif n.op == "output":
+            return collections.Counter(digests.values()), of(n.args[0])
+        else:
+            val = n.meta.get("val")
+            layout = (tuple(val.shape), tuple(val.stride()), val.dtype) if isinstance(val, torch.Tensor) else None
+            text = f"{n.op} {n.target} {of(n.args)} {of(n.kwargs)} {layout}"
+        digests[n] = hashlib.sha256(text.encode()).hexdigest()[:20]
+    raise AssertionError("no output node")
+
+
+def _both_traces(fn, *inputs):
+    """(the direct trace's graph or its NeedsAot reason, AOT autograd's inference graph) of
+    each graph Dynamo makes of `fn`."""
+    from ferrocore import backend, direct_trace
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = []
+
+    def capture(gm, example_inputs, **kwargs):
+        table = backend.decompositions(training=False)
+        try:
+            direct_trace.check_graph(gm, example_inputs, backend._needs_grad(example_inputs))
+            direct = direct_trace.trace(gm, example_inputs, table)
+        except direct_trace.NeedsAot as e:
+            direct = str(e)
+        aot = []
+        compiled = aot_module_simplified(gm, example_inputs, decompositions=table, keep_inference_input_mutations=True,
+                                         fw_compiler=lambda g, _: aot.append(g) or g,
+                                         inference_compiler=lambda g, _: aot.append(g) or g)
+        graphs.append((direct, aot[0]))
+        return compiled
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=capture)(*inputs)
+    return graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(model_zoo.MODELS))
+def test_zoo_graph_is_aot_autograds(name, dtype):
+    with torch.device("cpu"):
+        case = model_zoo.build(name, "tiny", str(DEVICE), dtype)
+        inputs = case.make_inputs()
+    graphs = _both_traces(case.model.eval(), *inputs)
+    assert graphs
+    for direct, aot in graphs:
+        assert not isinstance(direct, str), f"{name} went through AOT autograd: {direct}"
+        assert _digests(direct) == _digests(aot), f"{name}:\n{direct.code}\nAOT autograd's:\n{aot.code}"
+
+
+def _compiled(fn, *inputs, capfd, **compile_kwargs):
+    """Runs `fn` compiled by ferrocore with the `trace` log on; returns (outputs, the log)."""
+    import ferrocore
+
+    torch._dynamo.reset()
+    ferrocore.metrics.reset()
+    capfd.readouterr()
+    options = {"logs": "trace", "graph_cache": False, **compile_kwargs.pop("options", {})}
+    out = torch.compile(fn, backend="ferrocore", options=options, **compile_kwargs)(*inputs)
+    return out, capfd.readouterr().err
+
+
+def _same(got, want):
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride(), (g, w)
+        torch.testing.assert_close(g, w)
+
+
+def _in_place_on_intermediate(x):
+    y = torch.nn.functional.relu(x * 2, inplace=True)
+    y.add_(1).mul_(3)
+    z = torch.empty_like(y)
+    z.copy_(y)
+    return z.sum(0), y
+
+
+def _factories_and_constants(x):
+    return x + torch.arange(x.shape[-1], device=x.device) + torch.tensor(0.5, device=x.device) * torch.ones_like(x)
+
+
+def _channels_last_pool(x):
+    # adaptive_avg_pool2d's decomposition restrides its mean in place (as_strided_)
+    return torch.nn.functional.adaptive_avg_pool2d(x.relu(), 1).flatten(1)
+
+
+@pytest.mark.parametrize("fn, make", [
+    (_in_place_on_intermediate, lambda: (torch.randn(8, 16),)),
+    (_factories_and_constants, lambda: (torch.randn(4, 16),)),
+    (_channels_last_pool, lambda: (torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last),)),
+])
+def test_traced_directly(fn, make, capfd):
+    import ferrocore
+
+    inputs = make()
+    want = fn(*[x.clone() for x in inputs])
+    got, log = _compiled(fn, *inputs, capfd=capfd)
+    _same(got, want)
+    assert "traced directly" in log, log
+    parts = ferrocore.metrics.compile_time()
+    assert parts["trace"] > 0 and parts["aot"] == 0, parts
+
+
+def test_in_place_ops_are_recorded_as_their_functional_ops():
+    direct, aot = _both_traces(_in_place_on_intermediate, torch.randn(8, 16))[0]
+    targets = [n.target for n in direct.graph.nodes if n.op == "call_function"]
+    assert all(not t._schema.is_mutable for t in targets), targets
+    assert torch.ops.aten.relu.default in targets and torch.ops.aten.copy.default in targets
+    assert _digests(direct) == _digests(aot)
+
+
+def _write_into_input(x):
+    x.add_(1)
+    return x * 2
+
+
+def _write_into_view(x):
+    y = x * 2
+    y[0].add_(1)
+    return y
+
+
+def _output_is_view_of_input(x):
+    return x.view(-1), x + 1
+
+
+def _outputs_alias(x):
+    y = x + 1
+    return y, y.t()
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_write_into_input, "writes into a graph input"),
+    (_write_into_view, "has views"),
+    (_output_is_view_of_input, "aliases an input"),
+    (_outputs_alias, "alias each other"),
+])
+def test_goes_through_aot_autograd(fn, why, capfd):
+    import ferrocore
+
+    x = torch.randn(4, 4)
+    want, x_eager = fn(*[x.clone()]), x.clone()
+    fn(x_eager)
+    got, log = _compiled(fn, x, capfd=capfd)
+    _same(got, want)
+    torch.testing.assert_close(x, x_eager)  # the input was written as eager writes it
+    assert "goes through AOT autograd" in log and why in log, log
+    parts = ferrocore.metrics.compile_time()
+    assert parts["aot"] > 0, parts
+    if isinstance(got, tuple) and fn is _output_is_view_of_input:
+        assert got[0]._base is x  # AOT autograd's runtime rebuilds the alias
+
+
+def test_autograd_and_symbolic_sizes_go_through_aot_autograd(capfd):
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        return (x @ w).relu()
+
+    x = torch.randn(4, 8)
+    got, log = _compiled(f, x, capfd=capfd)
+    _same(got, f(x))
+    assert "the graph needs autograd" in log, log
+    got.sum().backward()
+
+    with torch.no_grad():
+        for n in (4, 6):
+            x = torch.randn(n, 8)
+            got, log = _compiled(f, x, capfd=capfd, dynamic=True)
+            _same(got, f(x))
+            assert "symbolic size" in log, log
+
+
+def test_option_off_sends_every_graph_to_aot_autograd(capfd):
+    import ferrocore
+
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        got, log = _compiled(_in_place_on_intermediate, x, capfd=capfd, options={"direct_trace": False})
+    _same(got, _in_place_on_intermediate(x.clone()))
+    assert "[ferrocore:trace]" not in log, log
+    parts = ferrocore.metrics.compile_time()
+    assert parts["trace"] == 0 and parts["aot"] > 0, parts
+
+
+def test_under_autocast(capfd):
+    if DEVICE.type == "cpu":
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    else:
+        autocast = torch.autocast(DEVICE.type, dtype=torch.bfloat16)
+    w = torch.randn(16, 16)
+
+    def f(x):
+        return torch.nn.functional.gelu(x @ w).float().softmax(-1)
+
+    x = torch.randn(8, 16)
+    with torch.no_grad(), autocast:
+        want = f(x)
+        got, log = _compiled(f, x, capfd=capfd)
+    assert "traced directly" in log, log
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
