@@ -248,3 +248,27 @@ def test_under_autocast(capfd):
     assert "traced directly" in log, log
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_static_inputs_are_aot_autograds():
+    # what a CUDA graph reads where it lives (parameters, buffers) and what it copies
+    from ferrocore import direct_trace
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    found = []
+
+    def capture(gm, example_inputs, **kwargs):
+        def compiler(graph, _):
+            found.append(torch._guards.TracingContext.get().fw_metadata.static_input_indices)
+            return graph
+
+        compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compiler, inference_compiler=compiler)
+        found.append(direct_trace.static_inputs(gm))
+        return compiled
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=capture)(torch.randn(3, 4))
+    aot, direct = found
+    assert direct == aot and len(direct) == 6, found
