@@ -1,8 +1,10 @@
-"""AOT autograd's runtime, rebuilt for graphs loaded from the compiled-graph cache.
+"""AOT autograd's runtime, rebuilt for graphs that skip AOT autograd: those loaded from the
+compiled-graph cache, and inference graphs traced directly (`direct_trace`).
 
-A cache hit skips AOT autograd, so what AOT autograd's runtime wrappers would do around the
-compiled graphs is done here instead, from a description recorded while AOT autograd compiled
-them (`inference_runtime`, `training_runtime` + `add_backward`, stored as JSON in the entry).
+What AOT autograd's runtime wrappers would do around the compiled graphs is done here instead,
+from a description recorded while AOT autograd compiled them (`inference_runtime`,
+`training_runtime` + `add_backward`, stored as JSON in the entry), or, for a directly traced
+graph, the plain inference runtime (`plain_inference_runtime`).
 Only the plain cases are described: no input mutations applied outside the graph, no outputs
 aliasing inputs or intermediates, no tensor subclasses, effect tokens, functionalized random
 numbers, or symbolic sizes saved for the backward. Anything else raises `Bypass` and the graph

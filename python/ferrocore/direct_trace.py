@@ -27,6 +27,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .serialize import module_attr
+
 
 class NeedsAot(Exception):
     """The graph needs AOT autograd; the message says why."""
@@ -60,8 +62,8 @@ def check_graph(gm: torch.fx.GraphModule, example_inputs, needs_grad: bool) -> N
     for node in gm.graph.nodes:
         if node.op == "call_module":
             raise NeedsAot(f"{node.name} calls a module")
-        if node.op == "get_attr" and not isinstance(_attr(gm, node.target), torch.Tensor):
-            raise NeedsAot(f"{node.name} is a {type(_attr(gm, node.target)).__name__}")
+        if node.op == "get_attr" and not isinstance(value := module_attr(gm, node.target), torch.Tensor):
+            raise NeedsAot(f"{node.name} is a {type(value).__name__}")
         if node.op == "call_function" and (isinstance(node.target, torch._ops.HigherOrderOperator)
                                            or node.target in _GRAD_MODE_CHANGES):
             raise NeedsAot(f"{node.name} calls {getattr(node.target, '__name__', node.target)}")
@@ -74,13 +76,6 @@ def static_inputs(gm: torch.fx.GraphModule) -> list:
     `static_input_indices` for a graph module without parameters of its own."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [i for i, n in enumerate(placeholders) if n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
-
-
-def _attr(gm: torch.nn.Module, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _symbolic(val) -> bool:
@@ -129,7 +124,7 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
         if node.op == "placeholder":
             env[node] = recorder.placeholder(next(placeholders))
         elif node.op == "get_attr":
-            env[node] = recorder.constant(_attr(gm, node.target))
+            env[node] = recorder.constant(module_attr(gm, node.target))
         elif node.op == "call_function":
             with recorder:
                 env[node] = node.target(*load(node.args), **load(node.kwargs))
@@ -157,7 +152,7 @@ class _Recorder(TorchDispatchMode):
         # tensor -> the node that made it; weak, as make_fx's proxy slots are
         self.nodes = WeakIdKeyDictionary()
         self.storages: dict = {}  # storage -> how many recorded tensors have lived on it
-        self.read_only: list = []  # inputs and constants
+        self.read_only: dict[int, torch.Tensor] = {}  # inputs and constants (held: ids stay unique)
         self.placeholders = 0
         self.constants = 0
 
@@ -173,7 +168,7 @@ class _Recorder(TorchDispatchMode):
         node = self.graph.placeholder(f"arg{self.placeholders}_1")
         self.placeholders += 1
         self.bind(fake, node, val=fake)
-        self.read_only.append(fake)
+        self.read_only[id(fake)] = fake
         return fake
 
     def constant(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -185,7 +180,7 @@ class _Recorder(TorchDispatchMode):
         self._annotate(node)
         fake = self.fake_mode.from_tensor(tensor, static_shapes=True)
         self.bind(fake, node, val=fake)
-        self.read_only.append(fake)
+        self.read_only[id(fake)] = fake
         return fake
 
     def _node_of(self, value):
@@ -272,7 +267,7 @@ class _Recorder(TorchDispatchMode):
                 or written[0] is not func._schema.arguments[0] or not isinstance(args[0], torch.Tensor)):
             raise NeedsAot(f"{func} writes into a tensor")
         target = args[0]
-        if any(target is t for t in self.read_only) or target not in self.nodes:
+        if id(target) in self.read_only or target not in self.nodes:
             raise NeedsAot(f"{func} writes into a graph input or constant")
         if target._base is not None or self.storages.get(StorageWeakRef(target.untyped_storage()), 0) > 1:
             raise NeedsAot(f"{func} writes into a tensor that has views")
@@ -293,7 +288,7 @@ class _Recorder(TorchDispatchMode):
 
     def finish(self, outputs) -> None:
         """The output node; raises NeedsAot for outputs AOT autograd's runtime must rebuild."""
-        inputs = {StorageWeakRef(v.untyped_storage()) for v in self.read_only}
+        inputs = {StorageWeakRef(v.untyped_storage()) for v in self.read_only.values()}
         seen = set()
         nodes = []
         for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .serialize import module_attr
+
 # Bumped whenever an entry's layout or meaning changes: older entries are then misses.
 FORMAT = 2
 
@@ -151,9 +153,7 @@ def _put_graph(put, gm: torch.fx.GraphModule, path: str) -> None:
             if not isinstance(n.target, torch._ops.OpOverload) and module.split(".")[0] not in _KNOWN_MODULES:
                 raise Bypass(f"node {n.name} calls {module}.{getattr(n.target, '__name__', n.target)}")
         if n.op == "get_attr":
-            value = gm
-            for part in n.target.split("."):
-                value = getattr(value, part)
+            value = module_attr(gm, n.target)
             if isinstance(value, torch.fx.GraphModule):
                 _put_graph(put, value, f"{path}.{n.target}")
             elif isinstance(value, torch.Tensor):

@@ -24,6 +24,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from .serialize import module_attr
+
 # Data-dependent overloads that run as library calls between segments (counted as externs):
 # their result size or value is the data-dependent part, computed by ATen.
 DATA_DEPENDENT_CALLS = {
@@ -158,13 +160,6 @@ def run_call(seg: Segment, env: dict) -> list:
     return [local[n] for n in seg.outputs]
 
 
-def _attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def runner(gm: torch.fx.GraphModule, segments: list[Segment]) -> Callable:
     """A boxed `call(args)` that runs the segments in order, passing values between them and
     dropping each value after its last reader."""
@@ -177,7 +172,7 @@ def runner(gm: torch.fx.GraphModule, segments: list[Segment]) -> Callable:
     returned = set(gm.graph.output_node().all_input_nodes)
     dying = [[n for n in s.inputs if last_reader[n] == i and n not in returned] for i, s in enumerate(segments)]
 
-    constants = {n: _attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    constants = {n: module_attr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
 
     def call(args):
         env = dict(constants)

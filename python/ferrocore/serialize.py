@@ -78,10 +78,18 @@ def lifted_constants(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[torch.Te
     return out
 
 
+def module_attr(module: torch.nn.Module, target: str, default: Any = None) -> Any:
+    """The object a `get_attr` target ("sub.weight") names in `module`, or `default`."""
+    obj: Any = module
+    for part in target.split("."):
+        obj = getattr(obj, part, default)
+        if obj is default:
+            break
+    return obj
+
+
 def _attr_value(gm: torch.fx.GraphModule, n: torch.fx.Node) -> torch.Tensor:
-    obj: Any = gm
-    for part in str(n.target).split("."):
-        obj = getattr(obj, part, None)
+    obj = module_attr(gm, str(n.target))
     if not isinstance(obj, torch.Tensor):
         raise UnsupportedGraph(f"node {n.name} is a get_attr of {_describe(obj)}, not a tensor")
     return obj
