@@ -1,7 +1,9 @@
-"""The direct trace of inference graphs (`ferrocore/direct_trace.py`): the ATen graph it records
-is AOT autograd's inference graph, node for node, for every model of the model zoo; the graphs
-it must not handle (mutated inputs, aliased outputs, autograd, symbolic sizes) go through AOT
-autograd; and what it compiles gives eager's values, strides and dtypes."""
+"""The direct trace (`ferrocore/direct_trace.py`): the ATen graph it records is AOT autograd's
+inference graph, node for node, for every model of the model zoo, and for training graphs AOT
+autograd's joint graph; the graphs it must not handle (mutated inputs, aliased outputs, symbolic
+sizes) go through AOT autograd; and what it compiles gives eager's values, strides and dtypes.
+How a joint graph is split into forward and backward (`ferrocore/joint_split.py`) is tested in
+test_joint_split.py."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def _both_traces(fn, *inputs):
     def capture(gm, example_inputs, **kwargs):
         table = backend.decompositions(training=False)
         try:
-            direct_trace.check_graph(gm, example_inputs, backend._needs_grad(example_inputs))
+            direct_trace.check_graph(gm, example_inputs)
             direct = direct_trace.trace(gm, example_inputs, table)
         except direct_trace.NeedsAot as e:
             direct = str(e)
@@ -199,17 +201,11 @@ def test_goes_through_aot_autograd(fn, why, capfd):
         assert got[0]._base is x  # AOT autograd's runtime rebuilds the alias
 
 
-def test_autograd_and_symbolic_sizes_go_through_aot_autograd(capfd):
-    w = torch.randn(8, 8, requires_grad=True)
+def test_symbolic_sizes_go_through_aot_autograd(capfd):
+    w = torch.randn(8, 8)
 
     def f(x):
         return (x @ w).relu()
-
-    x = torch.randn(4, 8)
-    got, log = _compiled(f, x, capfd=capfd)
-    _same(got, f(x))
-    assert "the graph needs autograd" in log, log
-    got.sum().backward()
 
     with torch.no_grad():
         for n in (4, 6):
@@ -272,3 +268,157 @@ def test_static_inputs_are_aot_autograds():
         torch.compile(model, backend=capture)(torch.randn(3, 4))
     aot, direct = found
     assert direct == aot and len(direct) == 6, found
+
+
+# ---- training graphs: the joint trace ------------------------------------------------------------
+
+# a write into a view of an intermediate (functionalization replays it as a scatter)
+_JOINT_THROUGH_AOT = {"convnext_t": "has views"}
+
+
+def _both_joint_traces(fn, *inputs):
+    """(the direct joint trace, common subexpressions merged, or its NeedsAot reason; AOT
+    autograd's joint graph, likewise) of each graph Dynamo makes of a training step of `fn`."""
+    from ferrocore import backend, direct_trace, joint_split
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+
+    graphs = []
+
+    def capture(gm, example_inputs, **kwargs):
+        table = backend.decompositions(training=True)
+        try:
+            direct_trace.check_graph(gm, example_inputs)
+            direct = direct_trace.trace_joint(gm, example_inputs, table).graph
+            joint_split.eliminate_common_subexpressions(direct.graph)
+        except direct_trace.NeedsAot as e:
+            direct = str(e)
+        joints = []
+
+        def partition(joint, joint_inputs, **kw):
+            joints.append(joint)
+            return backend._partition(joint, joint_inputs, **kw)
+
+        compiled = aot_module_simplified(gm, example_inputs, decompositions=table, keep_inference_input_mutations=True,
+                                         fw_compiler=lambda g, _: make_boxed_func(g),
+                                         bw_compiler=lambda g, _: make_boxed_func(g), partition_fn=partition)
+        joint_split.eliminate_common_subexpressions(joints[0].graph)
+        graphs.append((direct, joints[0]))
+        return compiled
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture)(*inputs).backward()
+    return graphs
+
+
+@pytest.mark.parametrize("name", [m for m, case in model_zoo.MODELS.items()])
+def test_zoo_joint_graph_is_aot_autograds(name):
+    with torch.device("cpu"):
+        case = model_zoo.build(name, "tiny", str(DEVICE), torch.float32)
+        if case.train is None:
+            pytest.skip("no training loss")
+        inputs = case.make_train_inputs()
+    graphs = _both_joint_traces(case.train.train(), *inputs)
+    assert graphs
+    for direct, aot in graphs:
+        if name in _JOINT_THROUGH_AOT:
+            assert isinstance(direct, str) and _JOINT_THROUGH_AOT[name] in direct, direct
+            continue
+        assert not isinstance(direct, str), f"{name} went through AOT autograd: {direct}"
+        assert _digests(direct)[0] == _digests(aot)[0], f"{name}:\n{direct.code}\nAOT autograd's:\n{aot.code}"
+
+
+class _NormedMlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.norm(self.fc1(x))).mul(self.fc2.weight.sum()).pow(2).mean() \
+            + self.fc2(self.norm(self.fc1(x))).logsumexp(-1).mean()
+
+
+def test_training_step_is_eagers(capfd):
+    import copy
+
+    import ferrocore
+
+    torch.manual_seed(0)
+    model, x = _NormedMlp().train(), torch.randn(6, 8)
+    eager = copy.deepcopy(model)
+    want = eager(x)
+    want.backward()
+    got, log = _compiled(model, x, capfd=capfd)
+    got.backward()
+    assert "traced directly with its backward" in log, log
+    parts = ferrocore.metrics.compile_time()
+    assert parts["trace"] > 0 and parts["aot"] == 0, parts
+    torch.testing.assert_close(got, want)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    for (name, b), c in zip(model.named_buffers(), eager.buffers()):  # running statistics, written twice
+        torch.testing.assert_close(b, c, msg=name)
+        assert b.dtype == c.dtype
+    assert model.norm.num_batches_tracked.item() == 2
+    # a second step reuses the compiled graphs
+    got2 = torch.compile(model, backend="ferrocore", options={"graph_cache": False})(x)
+    assert got2.requires_grad
+
+
+def _writes_into_view_of_input(x, w):
+    x[0].mul_(2)
+    return (x * w).sum()
+
+
+def _returns_its_input(x, w):
+    return w[:2], (x * w).sum()
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_writes_into_view_of_input, "has views"),
+    (_returns_its_input, "aliases an input"),
+])
+def test_training_graph_goes_through_aot_autograd(fn, why, capfd):
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4)
+    got, log = _compiled(fn, x.clone(), w, capfd=capfd)
+    want = fn(x.clone(), w)
+    assert "goes through AOT autograd" in log and why in log, log
+    _same(got, want)
+
+
+def test_training_graph_writing_into_an_input(capfd):
+    def f(x, w):
+        x.mul_(2)
+        return (x * w).sum()
+
+    w = torch.randn(4, requires_grad=True)
+    x, x_eager = torch.randn(4), None
+    x_eager = x.clone()
+    want = f(x_eager, w)
+    (grad_want,) = torch.autograd.grad(want, w)
+    got, log = _compiled(f, x, w, capfd=capfd)
+    assert "traced directly with its backward" in log, log
+    (grad_got,) = torch.autograd.grad(got, w)
+    _same(got, want)
+    torch.testing.assert_close(x, x_eager)
+    torch.testing.assert_close(grad_got, grad_want)
+
+
+def test_output_viewing_an_intermediate_is_differentiable(capfd):
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def f(x):
+        return (x @ w).view(-1)
+
+    x = torch.randn(3, 4)
+    got, log = _compiled(f, x, capfd=capfd)
+    assert "traced directly with its backward" in log, log
+    assert got._base is None  # autograd sees a plain output (AOT autograd's _unsafe_view)
+    got.mul_(2)  # an output viewing an intermediate may be written into, as in eager
+    got.sum().backward()
+    want = w.grad.clone()
+    w.grad = None
+    y = f(x)
+    y.mul_(2)
+    y.sum().backward()
+    torch.testing.assert_close(want, w.grad)

@@ -140,6 +140,27 @@ def training_runtime(fw_graph: torch.fx.GraphModule) -> dict:
     }
 
 
+def direct_training_runtime(joint, saved_is_input: list, example_inputs, unsafe_views: list) -> dict:
+    """The runtime of a training graph traced and split by ferrocore (`direct_trace.trace_joint`,
+    `joint_split`), in `training_runtime`'s form; `add_backward` completes it."""
+    requires = list(joint.requires_grad)
+    return {
+        "kind": "training",
+        "returns": joint.num_outputs,
+        "saved": len(saved_is_input),
+        "saved_unchecked": 0,
+        "saved_is_input": list(saved_is_input),
+        "non_differentiable": [i for i in range(joint.num_outputs) if i not in joint.differentiable],
+        "with_gradient": list(joint.differentiable),
+        "unsafe_views": list(unsafe_views),
+        "bumped_inputs": list(joint.written),
+        "inputs_requiring_grad": requires,
+        "inputs_non_leaf": [bool(r and not x.is_leaf) for r, x in zip(requires, example_inputs)],
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "disable_amp": _autocast_on(),
+    }
+
+
 def add_backward(runtime: dict, bw_graph: torch.fx.GraphModule, bw_inputs, donated: list) -> dict:
     """A training runtime completed from the backward AOT autograd hands the compiler: the
     layout each incoming gradient must have, the inputs whose gradient is statically None

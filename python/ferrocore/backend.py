@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import aot_runtime, conv_layout, direct_trace, graph_cache, kernel_binaries, padding, partition, progress, runtime
+from . import aot_runtime, conv_layout, direct_trace, graph_cache, joint_split, kernel_binaries, padding, partition, progress, runtime
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -150,13 +150,21 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
 def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overrides: dict, user_strides: list,
                      cache_key: str | None, boxed: bool, label: str) -> Callable | None:
-    """Compiles an inference graph traced to ATen in one pass (`direct_trace`), or returns None
+    """Compiles a graph traced to ATen by ferrocore (`direct_trace`): an inference graph, or a
+    training graph's joint trace split into forward and backward (`joint_split`). Returns None
     (logged on `trace`) when the graph needs AOT autograd."""
+    training = _needs_grad(example_inputs)
     with progress.compiling(label, opts["progress"]):
         start = time.perf_counter()
         try:
-            direct_trace.check_graph(gm, example_inputs, _needs_grad(example_inputs))
-            graph = direct_trace.trace(gm, example_inputs, decompositions(training=False))
+            direct_trace.check_graph(gm, example_inputs)
+            if training:
+                traced = direct_trace.trace_joint(gm, example_inputs, decompositions(training=True))
+                traced_ms = (time.perf_counter() - start) * 1e3
+                parts = joint_split.split(traced.graph, traced.num_outputs, len(traced.requires_grad),
+                                          set(direct_trace.static_inputs(gm)), set(traced.written))
+            else:
+                traced = direct_trace.trace(gm, example_inputs, decompositions(training=False))
         except direct_trace.NeedsAot as e:
             _log_trace(opts, f"{label} goes through AOT autograd: {e}")
             return None
@@ -165,15 +173,60 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
                   "AOT autograd traces it", file=sys.stderr)
             metrics.count("direct_trace_failures")
             return None
+        if training:
+            split_ms = (time.perf_counter() - start) * 1e3 - traced_ms
+            return _compile_joint(traced, parts, gm, example_inputs, opts, overrides, user_strides, cache_key, boxed,
+                                  label, (traced_ms, split_ms))
         traced_ms = (time.perf_counter() - start) * 1e3
-        _log_trace(opts, f"{label} traced directly ({len(graph.graph.nodes)} nodes, {traced_ms:.0f} ms)")
+        _log_trace(opts, f"{label} traced directly ({len(traced.graph.nodes)} nodes, {traced_ms:.0f} ms)")
         recorded: dict = {"graphs": [], "bypass": None, "runtime": aot_runtime.plain_inference_runtime()}
-        strides = _visible_output_strides(graph, user_strides, inference=True)
-        call = _compile(graph, {"trace": traced_ms}, overrides, strides, static_inputs=direct_trace.static_inputs(gm),
+        strides = _visible_output_strides(traced, user_strides, inference=True)
+        call = _compile(traced, {"trace": traced_ms}, overrides, strides, static_inputs=direct_trace.static_inputs(gm),
                         record=recorded["graphs"].append)
     if cache_key is not None:
         _store_graph(cache_key, opts, recorded, "inference")
     return aot_runtime.inference_call(call, recorded["runtime"], boxed)
+
+
+def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torch.fx.GraphModule, example_inputs,
+                   opts: dict, overrides: dict, user_strides: list, cache_key: str | None, boxed: bool, label: str,
+                   spent_ms: tuple) -> Callable:
+    """Compiles a directly traced joint graph's forward and backward, both now (AOT autograd
+    would compile the backward at its first call). `spent_ms`: (tracing, splitting)."""
+    from . import cudagraphs  # (it imports this module)
+
+    traced_ms, split_ms = spent_ms
+    static = direct_trace.static_inputs(gm)
+    _log_trace(opts, f"{label} traced directly with its backward ({len(joint.graph.graph.nodes)} nodes, "
+                     f"{traced_ms:.0f} ms; split in {split_ms:.0f} ms: {len(parts.saved_is_input)} saved)")
+    recorded: dict = {"graphs": [], "bypass": None}
+    family = cudagraphs.Family()
+    saved = list(range(joint.num_outputs, joint.num_outputs + len(parts.saved_is_input)))
+    strides = _visible_output_strides(parts.forward, user_strides, inference=False)
+    reported: list = []
+    fw_call = _compile(parts.forward, {"trace": traced_ms + split_ms}, overrides, strides, free_layout=saved,
+                       saved=saved, family=family, record=recorded["graphs"].append, static_inputs=static,
+                       reported_strides=reported)
+    _restride_saved(parts.backward, reported[joint.num_outputs:])
+    with progress.compiling(label + " (backward)", opts["progress"]):
+        bw_call = _compile(parts.backward, {}, overrides, donated=parts.donated, backward=True, family=family,
+                           record=recorded["graphs"].append)
+    runtime = aot_runtime.direct_training_runtime(joint, parts.saved_is_input, example_inputs, joint.unsafe_views)
+    recorded["runtime"] = aot_runtime.add_backward(runtime, parts.backward, None, parts.donated)
+    if cache_key is not None:
+        _store_graph(cache_key, opts, recorded, "training")
+    return aot_runtime.training_call(fw_call, bw_call, recorded["runtime"], boxed)
+
+
+def _restride_saved(backward: torch.fx.GraphModule, strides: list) -> None:
+    """The backward reads each saved activation with the strides the compiled forward wrote it
+    with (ferrocore chooses the layout of values only the backward reads)."""
+    placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    for node, stride in zip(placeholders, strides):
+        val = node.meta.get("val")
+        if stride is not None and isinstance(val, torch.Tensor) and tuple(val.stride()) != tuple(stride):
+            with torch._guards.detect_fake_mode([val]) or contextlib.nullcontext():
+                node.meta["val"] = torch.empty_strided(val.shape, stride, dtype=val.dtype, device=val.device)
 
 
 def _log_trace(opts: dict, text: str) -> None:
@@ -546,10 +599,12 @@ class _AotClock:
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
              free_layout: list | None = None, donated: list | None = None, backward: bool = False,
              saved: list | None = None, family=None, record: Callable | None = None,
-             static_inputs: list | None = None) -> Callable:
+             static_inputs: list | None = None, reported_strides: list | None = None) -> Callable:
     """Compiles one ATen graph; `record` receives the CompiledGraph (static graphs only, the
     compiled-graph cache's entries). `static_inputs`: the inputs that keep their addresses
-    across calls (parameters, buffers), when AOT autograd's metadata does not say."""
+    across calls (parameters, buffers), when AOT autograd's metadata does not say.
+    `reported_strides` receives the strides the compiled graph writes its outputs with (where
+    `free_layout` let ferrocore choose them); otherwise AOT autograd is told."""
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -606,7 +661,9 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         metrics.record(_entry(name, timings, graph_fallback=True, backend=result.get("backend")))
         return make_boxed_func(gm.forward)
 
-    if free_layout:
+    if free_layout and reported_strides is not None:
+        reported_strides.extend(result.get("output_strides", ()))
+    elif free_layout:
         _report_output_strides(result)
     timings.update(result.get("timings_ms", {}))
     fallbacks = result.get("fallbacks", [])

@@ -19,6 +19,7 @@ call with grad off (`aot_runtime.inference_call`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import operator
 
@@ -42,12 +43,10 @@ _COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn",
 _SHAPE_QUERIES = {torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.storage_offset.default}
 
 
-def check_graph(gm: torch.fx.GraphModule, example_inputs, needs_grad: bool) -> None:
+def check_graph(gm: torch.fx.GraphModule, example_inputs) -> None:
     """Raises NeedsAot when Dynamo's graph cannot be traced here (checked before tracing)."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise NeedsAot("the graph takes nested inputs")
-    if needs_grad:
-        raise NeedsAot("the graph needs autograd")
     if torch.is_inference_mode_enabled():
         raise NeedsAot("inference mode is on")
     if torch._functorch.config.functionalize_rng_ops:
@@ -91,6 +90,65 @@ def _symbolic(val) -> bool:
 def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> torch.fx.GraphModule:
     """Dynamo's graph as the core-ATen inference graph AOT autograd would give for it; raises
     NeedsAot for what only AOT autograd handles. Call `check_graph` first."""
+    with _tracing(example_inputs, decompositions) as (recorder, fakes):
+        outputs = _run(gm, fakes, recorder)
+    recorder.finish(outputs)
+    recorder.graph.eliminate_dead_code()
+    return graph_module(recorder.root, recorder.graph)
+
+
+@dataclasses.dataclass
+class Joint:
+    """A training graph's joint trace: placeholders are the primals (Dynamo's inputs) then one
+    tangent per differentiable output; outputs are the forward's outputs, then each written
+    input's new value (`copy_` nodes, see `written`), then one gradient per primal (None where
+    the primal takes none)."""
+
+    graph: torch.fx.GraphModule
+    num_outputs: int  # the forward's user outputs
+    differentiable: list  # positions of the outputs that take a tangent
+    written: list  # positions of the primals the forward writes into
+    requires_grad: list  # per primal
+    # differentiable outputs that view an intermediate: returned through `_unsafe_view`, as AOT
+    # autograd returns them, so that autograd sees plain outputs
+    unsafe_views: list
+
+
+def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> Joint:
+    """Dynamo's graph as the joint forward-backward ATen graph AOT autograd would trace for it:
+    the forward run with autograd on, then `torch.autograd.grad` of its differentiable outputs
+    with respect to the primals that require grad, both recorded. Raises NeedsAot for what only
+    AOT autograd handles. Call `check_graph` first."""
+    requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
+    with _tracing(example_inputs, decompositions, writable_inputs=True) as (recorder, fakes):
+        primals = [f.detach().requires_grad_(r) for f, r in zip(fakes, requires)]
+        with torch.enable_grad():
+            outputs = _run(gm, primals, recorder)
+            outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+            differentiable = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+            for i in differentiable:
+                if not outputs[i].is_contiguous():
+                    raise NeedsAot("a differentiable output is not contiguous")
+            tangents = [recorder.tangent(outputs[i]) for i in differentiable]
+            wrt = [p for p, r in zip(primals, requires) if r]
+            recorder.meta = {}
+            grads = []
+            if wrt and differentiable:
+                with recorder:
+                    grads = list(torch.autograd.grad([outputs[i] for i in differentiable], wrt, tangents,
+                                                     allow_unused=True))
+    grads_iter = iter(grads)
+    per_primal = [next(grads_iter, None) if r else None for r in requires]
+    written = recorder.finish(outputs, gradients=per_primal)
+    recorder.graph.eliminate_dead_code()
+    unsafe_views = [i for i in differentiable if outputs[i]._base is not None and outputs[i]._base.requires_grad]
+    return Joint(graph_module(recorder.root, recorder.graph), len(outputs), differentiable, written, requires,
+                 unsafe_views)
+
+
+@contextlib.contextmanager
+def _tracing(example_inputs, decompositions: dict, writable_inputs: bool = False):
+    """The recorder and Dynamo's fake inputs, with the modes a trace runs under."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch._dynamo.utils import preserve_rng_state
     from torch._functorch.aot_autograd import aot_autograd_decompositions
@@ -98,7 +156,7 @@ def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> tor
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     if fake_mode is None:
         raise NeedsAot("Dynamo's fake mode is not active")
-    recorder = _Recorder({**aot_autograd_decompositions, **decompositions}, fake_mode)
+    recorder = _Recorder({**aot_autograd_decompositions, **decompositions}, fake_mode, writable_inputs)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.set_multithreading_enabled(False))
         stack.enter_context(preserve_rng_state())
@@ -108,10 +166,7 @@ def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> tor
             stack.enter_context(nested())
         fakes = [fake_mode.from_tensor(x, static_shapes=True) for x in example_inputs]
         with fake_mode:
-            outputs = _run(gm, fakes, recorder)
-    recorder.finish(outputs)
-    recorder.graph.eliminate_dead_code()
-    return torch.fx.GraphModule(recorder.root, recorder.graph)
+            yield recorder, fakes
 
 
 def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
@@ -142,8 +197,13 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
 class _Recorder(TorchDispatchMode):
     """Records the ATen ops that reach it into `graph`, each tensor's producing node by its id."""
 
-    def __init__(self, decompositions: dict, fake_mode) -> None:
+    def __init__(self, decompositions: dict, fake_mode, writable_inputs: bool = False) -> None:
         super().__init__()
+        self.writable_inputs = writable_inputs
+        self.prefix = "primals_" if writable_inputs else "arg"
+        self.inputs: dict[int, int] = {}  # id of a placeholder's tensor -> its position
+        self.written: dict[int, torch.Tensor] = {}  # position -> the input tensor written into
+        self.tangents = 0
         self.table = decompositions
         self.fake_mode = fake_mode
         self.root = torch.nn.Module()
@@ -165,8 +225,21 @@ class _Recorder(TorchDispatchMode):
         self.storages[ref] = self.storages.get(ref, 0) + 1
 
     def placeholder(self, fake: torch.Tensor) -> torch.Tensor:
-        node = self.graph.placeholder(f"arg{self.placeholders}_1")
+        name = f"primals_{self.placeholders + 1}" if self.writable_inputs else f"arg{self.placeholders}_1"
+        node = self.graph.placeholder(name)
+        self.bind(fake, node, val=fake)
+        self.inputs[id(fake)] = self.placeholders
         self.placeholders += 1
+        self.read_only[id(fake)] = fake
+        return fake
+
+    def tangent(self, output: torch.Tensor) -> torch.Tensor:
+        """A placeholder after the primals for the gradient of `output` (contiguous)."""
+        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        self.tangents += 1
+        with self.graph.inserting_after(last):
+            node = self.graph.placeholder(f"tangents_{self.tangents}")
+        fake = torch.empty(output.shape, dtype=output.dtype, device=output.device)
         self.bind(fake, node, val=fake)
         self.read_only[id(fake)] = fake
         return fake
@@ -229,7 +302,7 @@ class _Recorder(TorchDispatchMode):
             raise NeedsAot(f"{func} reads tensor data")
         if func is torch.ops.aten.lift_fresh.default:
             func = torch.ops.aten.lift_fresh_copy.default  # the constant stays unwritten (as make_fx)
-        node = self.graph.create_node("call_function", func, self._node_of(args), self._node_of(kwargs),
+        node = self.graph.create_node("call_function", func, self._node_of(args), self._node_of(_explicit(func, kwargs)),
                                       name=func.overloadpacket.__name__)
         out = func(*args, **kwargs)
         self._annotate(node)
@@ -260,17 +333,19 @@ class _Recorder(TorchDispatchMode):
     def _write(self, func, args, kwargs):
         """An in-place op on a fresh intermediate, recorded as its functional op (what
         functionalization records: `relu_` as `relu`, `as_strided_` as the view `as_strided`);
-        later reads of the tensor read the functional op's result."""
+        later reads of the tensor read the functional op's result. An op with a `_functional`
+        twin (batch norm's running statistics) is recorded as the twin, whose last results are
+        the written arguments' new values."""
         written = [a for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         packet = func.overloadpacket.__name__
+        twin = getattr(getattr(torch.ops.aten, packet + "_functional", None), func._overloadname, None)
+        if func.namespace == "aten" and twin is not None:
+            return self._write_through_twin(func, twin, written, args, kwargs)
         if (func.namespace != "aten" or not packet.endswith("_") or len(written) != 1
                 or written[0] is not func._schema.arguments[0] or not isinstance(args[0], torch.Tensor)):
             raise NeedsAot(f"{func} writes into a tensor")
         target = args[0]
-        if id(target) in self.read_only or target not in self.nodes:
-            raise NeedsAot(f"{func} writes into a graph input or constant")
-        if target._base is not None or self.storages.get(StorageWeakRef(target.untyped_storage()), 0) > 1:
-            raise NeedsAot(f"{func} writes into a tensor that has views")
+        self._check_writable(func, target)
         functional = getattr(getattr(torch.ops.aten, packet[:-1], None), func._overloadname, None)
         if functional is None:
             raise NeedsAot(f"{func} has no functional form")
@@ -286,9 +361,49 @@ class _Recorder(TorchDispatchMode):
         self.nodes[target] = self.nodes[out]
         return target
 
-    def finish(self, outputs) -> None:
-        """The output node; raises NeedsAot for outputs AOT autograd's runtime must rebuild."""
+    def _write_through_twin(self, func, twin, written: list, args, kwargs):
+        schema = func._schema
+        bound = dict(zip((a.name for a in schema.arguments), args))
+        bound.update(kwargs)
+        targets = [bound.get(a.name) for a in written]
+        if any(a.alias_info is not None for a in schema.returns) or not all(isinstance(t, torch.Tensor)
+                                                                            for t in targets):
+            raise NeedsAot(f"{func} writes into a tensor")
+        for target in targets:
+            self._check_writable(func, target, in_place=False)
+        with self:
+            outs = twin(*args, **kwargs)
+        news = outs[len(outs) - len(targets):]
+        for target, new in zip(targets, news):
+            if not _same_layout(new, target):
+                raise NeedsAot(f"{func} changes a written tensor's layout")
+            self.nodes[target] = self.nodes[new]
+        kept = outs[:len(outs) - len(targets)]
+        return kept[0] if len(schema.returns) == 1 else tuple(kept)
+
+    def _check_writable(self, func, target: torch.Tensor, in_place: bool = True) -> None:
+        """Raises NeedsAot unless functionalization would turn this write into a new value: a
+        fresh intermediate without views, or (in a joint trace) a whole input autograd does not
+        track; a written input is recorded (the graph copies its new value back in)."""
+        position = self.inputs.get(id(target))
+        if position is not None and self.writable_inputs and not target.requires_grad \
+                and target.is_contiguous() and not (in_place and torch.Tag.inplace_view in func.tags):
+            self.written[position] = target
+        elif id(target) in self.read_only or target not in self.nodes:
+            raise NeedsAot(f"{func} writes into a graph input or constant")
+        if target._base is not None or self.storages.get(StorageWeakRef(target.untyped_storage()), 0) > 1:
+            raise NeedsAot(f"{func} writes into a tensor that has views")
+
+    def finish(self, outputs, gradients: list | None = None) -> list:
+        """The output node (the outputs, then `gradients` if given) after a `copy_` into each
+        input written; raises NeedsAot for outputs AOT autograd's runtime must rebuild. Returns
+        the positions of the inputs written."""
         inputs = {StorageWeakRef(v.untyped_storage()) for v in self.read_only.values()}
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        for position, tensor in sorted(self.written.items()):
+            node = self.graph.create_node("call_function", torch.ops.aten.copy_.default,
+                                          (placeholders[position], self.nodes[tensor]), name="copy_")
+            node.meta["val"] = placeholders[position].meta["val"]
         seen = set()
         nodes = []
         for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
@@ -301,7 +416,28 @@ class _Recorder(TorchDispatchMode):
                 raise NeedsAot("two outputs alias each other")
             seen.add(storage)
             nodes.append(self._node_of(out))
+        for grad in gradients or ():
+            nodes.append(None if grad is None else self._node_of(grad))
         self.graph.output(tuple(nodes))
+        return sorted(self.written)
+
+
+def _explicit(func, kwargs: dict) -> dict:
+    """The keyword arguments without those that are None by default (a backward formula passes
+    them; what functionalization records leaves them out)."""
+    if not any(v is None for v in kwargs.values()):
+        return kwargs
+    defaults = {a.name for a in func._schema.arguments if a.kwarg_only and a.has_default_value()
+                and a.default_value is None}
+    return {k: v for k, v in kwargs.items() if not (v is None and k in defaults)}
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A graph module whose Python code is generated at its first call, if any: ferrocore
+    compiles the graph and never runs it (0.1 s a graph for a full-size model)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
 
 
 def _composite_implicit(func, args, kwargs) -> bool:

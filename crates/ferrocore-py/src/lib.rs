@@ -226,6 +226,12 @@ fn ptx_param_count(ptx: &str, name: &str) -> Option<usize> {
     cuda::ptx_param_count(ptx, name)
 }
 
+/// The source side of a minimum s-t cut (`ferrocore::min_cut`): one bool per vertex.
+#[pyfunction]
+fn min_cut_source_side(vertices: usize, edges: Vec<(u32, u32, i64)>, source: usize, sink: usize) -> PyResult<Vec<bool>> {
+    guarded("min_cut_source_side", || ferrocore::min_cut::source_side(vertices, &edges, source, sink))
+}
+
 #[pymodule]
 fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FerrocoreError", m.py().get_type::<FerrocoreError>())?;
@@ -239,6 +245,7 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(evict_cache, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_dir, m)?)?;
     m.add_function(wrap_pyfunction!(ptx_param_count, m)?)?;
+    m.add_function(wrap_pyfunction!(min_cut_source_side, m)?)?;
     m.add_class::<CudaDriver>()?;
     m.add_class::<CudaKernel>()?;
     Ok(())

@@ -9,3 +9,4 @@ pub mod codegen;
 pub mod wrapper;
 pub mod runtime;
 pub mod driver;
+pub mod min_cut;

@@ -1,0 +1,253 @@
+"""A directly traced training graph (`direct_trace.trace_joint`) split into its forward and
+backward graphs, as AOT autograd's min-cut partitioner splits the joint graphs it traces.
+
+First, common subexpressions are merged (the backward formulas recompute what the forward
+computed: a normalization's centred input, a mask's comparison). Then the activations the
+forward saves are chosen by a minimum cut of a flow network over the values the forward can
+compute: each value is an edge `in -> out` whose capacity is what saving it costs (its bytes,
+twice that where its users would otherwise fuse it away), the source feeds the values the forward
+must compute and may not be recomputed (matmuls, convolutions, random ops, reductions that
+shrink their input, the primals), and the sink takes every value the backward reads. Cheap
+values on the sink's side (pointwise chains, views, gathers) are recomputed in the backward,
+where ferrocore fuses them into its kernels. The cut is solved in Rust (`ferrocore::min_cut`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .direct_trace import NeedsAot, graph_module
+
+aten = torch.ops.aten
+_INFINITE = (2 ** 63 - 1) // 4  # ferrocore::min_cut::INFINITE
+# ops that are neither pointwise nor views but cost no more to recompute than to load
+_CHEAP = {aten.clone.default, aten._to_copy.default, aten.cat.default, aten.constant_pad_nd.default,
+          aten.index.Tensor, aten.gather.default, aten.embedding.default, aten.where.self,
+          aten.lift_fresh_copy.default, aten.scalar_tensor.default}
+_REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+               aten.amin.default, aten.var.correction, aten.prod.dim_int, aten.any.dim, aten.max.dim,
+               aten.min.dim}
+
+
+@dataclasses.dataclass
+class Split:
+    forward: torch.fx.GraphModule  # outputs: the user's outputs, then the saved values
+    backward: torch.fx.GraphModule  # placeholders: the saved values, then the tangents
+    saved_is_input: list  # per saved value: whether it is a primal
+    donated: list  # backward input positions nothing else holds (it may write into them)
+
+
+def split(joint: torch.fx.GraphModule, num_outputs: int, num_primals: int, free_inputs: set,
+          written: set) -> Split:
+    """Splits the joint graph; `free_inputs`: primal positions that cost nothing to save
+    (parameters and buffers, alive anyway); `written`: those the forward writes into (the
+    backward cannot read their old value from them)."""
+    graph = joint.graph
+    eliminate_common_subexpressions(graph)
+    nodes = list(graph.nodes)
+    outputs = list(nodes[-1].args[0])
+    user, grads = outputs[:num_outputs], outputs[num_outputs:]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    primals, tangents = placeholders[:num_primals], placeholders[num_primals:]
+    backward = _descendants(nodes, set(tangents))
+    copies = [n for n in nodes if n.op == "call_function" and n.target is aten.copy_.default]
+    forward_needs = _ancestors([*user, *copies])
+    saved = _saved_values(nodes, backward, forward_needs, grads, primals, free_inputs, written)
+
+    forward = _extract(joint, nodes, [*user, *saved], primals, effects=tuple(copies))
+    backward_graph = _extract(joint, nodes, grads, [*saved, *tangents])
+    return Split(forward, backward_graph, [n.op == "placeholder" for n in saved],
+                 _donated(saved, user, primals))
+
+
+def eliminate_common_subexpressions(graph: torch.fx.Graph) -> None:
+    """Merges pure nodes that apply the same op to the same arguments (in place)."""
+    seen: dict = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not _pure(node.target):
+            continue
+        try:
+            key = (node.target, _key(node.args), _key(node.kwargs))
+            other = seen.setdefault(key, node)
+        except TypeError:  # an unhashable argument
+            continue
+        if other is not node:
+            node.replace_all_uses_with(other)
+            graph.erase_node(node)
+
+
+def _key(value):
+    """A hashable stand-in for an argument that tells apart what compares equal but differs
+    (0.0 and -0.0, True and 1)."""
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(_key, value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _key(v)) for k, v in sorted(value.items())))
+    if isinstance(value, (bool, int, float)):
+        return (type(value).__name__, repr(value))
+    return value
+
+
+def _pure(target) -> bool:
+    if target is operator.getitem:
+        return True
+    return (isinstance(target, torch._ops.OpOverload) and not target._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+
+
+def _descendants(nodes: list, roots: set) -> set:
+    found = set(roots)
+    for n in nodes:
+        if n not in found and any(a in found for a in n.all_input_nodes):
+            found.add(n)
+    return found
+
+
+def _ancestors(roots: list) -> set:
+    found: set = set()
+    stack = [r for r in roots if isinstance(r, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(n.all_input_nodes)
+    return found
+
+
+# ---- the cut -----------------------------------------------------------------------------------
+
+
+def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, primals: list,
+                  free_inputs: set, written: set) -> list:
+    """The values the forward saves: the minimum cut between what the forward must compute and
+    what the backward reads, over the values that do not depend on a tangent."""
+    from . import backend
+
+    computable = [n for n in nodes if n not in backward and n.op != "output"
+                  and not (n.op == "call_function" and n.target is aten.copy_.default)]
+    index = {n: i for i, n in enumerate(computable)}
+    source, sink = 0, 1
+    vin = lambda n: 2 + 2 * index[n]  # noqa: E731
+    vout = lambda n: 3 + 2 * index[n]  # noqa: E731
+    free = {primals[i] for i in free_inputs}
+    overwritten = {primals[i] for i in written}
+    read_by_backward = {a for n in backward for a in n.all_input_nodes if a in index}
+    read_by_backward |= {g for g in grads if isinstance(g, torch.fx.Node) and g in index}
+    if overwritten & read_by_backward:
+        raise NeedsAot("the backward reads an input the forward writes into")
+    edges = []
+    for n in computable:
+        weight = _INFINITE if n in overwritten else 0 if n in free else _weight(n)
+        edges.append((vin(n), vout(n), weight))
+        for a in n.all_input_nodes:
+            if a in index:
+                edges.append((vout(a), vin(n), _INFINITE))
+        if n.op in ("placeholder", "get_attr") or (n in forward_needs and not _recomputable(n)):
+            edges.append((source, vin(n), _INFINITE))
+        if n in read_by_backward:
+            edges.append((vout(n), sink, _INFINITE))
+    side = backend._extension().min_cut_source_side(2 + 2 * len(computable), edges, source, sink)
+    return [n for n in computable if side[vin(n)] and not side[vout(n)]]
+
+
+def _weight(node: torch.fx.Node) -> int:
+    """What saving the value costs: its bytes, doubled where its users would fuse it away (it
+    would not be written to memory otherwise); views and non-tensors are never saved."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or _is_view(node.target):
+        return _INFINITE
+    size = max(val.numel() * val.element_size(), 1)
+    materialized = node.op == "placeholder" or not _recomputable(node) or any(
+        u.op == "output" or not _recomputable(u) for u in node.users)
+    return size if materialized else 2 * size
+
+
+def _recomputable(node: torch.fx.Node) -> bool:
+    """Whether the backward may recompute the value instead of loading it."""
+    if node.op != "call_function":
+        return node.op != "placeholder"
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    if torch.Tag.pointwise in target.tags or _is_view(target) or target in _CHEAP or _takes_options(target):
+        return True
+    if target in _REDUCTIONS:
+        # a reduction that shrinks its input is cheap to save and dear to recompute
+        ins = sum(_bytes(a) for a in node.all_input_nodes)
+        return 4 * _bytes(node) >= ins
+    return False
+
+
+def _bytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _is_view(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def _takes_options(target) -> bool:
+    """Factories (arange, full, zeros_like...)."""
+    return any(a.name == "pin_memory" for a in target._schema.arguments)
+
+
+# ---- the two graphs ----------------------------------------------------------------------------
+
+
+def _extract(joint: torch.fx.GraphModule, nodes: list, outputs: list, placeholders: list,
+             effects: tuple = ()) -> torch.fx.GraphModule:
+    """A new graph computing `outputs` (and the side effects `effects`) from `placeholders`,
+    with the joint's nodes in the joint's order."""
+    inputs = set(placeholders)
+    needed: set = set()
+    stack = [o for o in (*outputs, *effects) if isinstance(o, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        if n not in inputs:
+            if n.op == "placeholder":
+                raise AssertionError(f"joint_split: {n.name} is neither saved nor a tangent")
+            stack.extend(n.all_input_nodes)
+    graph = torch.fx.Graph()
+    env: dict = {}
+    for p in placeholders:
+        env[p] = graph.placeholder(p.name)
+        env[p].meta = dict(p.meta)
+    root = torch.nn.Module()
+    for n in nodes:
+        if n not in needed or n in env:
+            continue
+        if n.op == "get_attr":
+            setattr(root, n.target, getattr(joint, n.target))
+        env[n] = graph.create_node(n.op, n.target, torch.fx.node.map_arg(n.args, env.__getitem__),
+                                   torch.fx.node.map_arg(n.kwargs, env.__getitem__), name=n.name)
+        env[n].meta = dict(n.meta)
+    graph.output(tuple(env[o] if isinstance(o, torch.fx.Node) else o for o in outputs))
+    return graph_module(root, graph)
+
+
+def _donated(saved: list, user: list, primals: list) -> list:
+    """Saved values the backward may write into: made by the forward, not a view, and sharing
+    storage with no input, user output or other saved value."""
+    def storage(n):
+        val = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        return StorageWeakRef(val.untyped_storage()) if isinstance(val, torch.Tensor) else None
+
+    counts: dict = {}
+    for n in [*saved, *user, *primals]:
+        s = storage(n)
+        if s is not None:
+            counts[s] = counts.get(s, 0) + 1
+    return [i for i, n in enumerate(saved)
+            if n.op == "call_function" and not _is_view(n.target) and n not in user
+            and counts.get(storage(n)) == 1]
