@@ -287,7 +287,7 @@ def _both_joint_traces(fn, *inputs):
     def capture(gm, example_inputs, **kwargs):
         table = backend.decompositions(training=True)
         try:
-            direct_trace.check_graph(gm, example_inputs)
+            direct_trace.check_graph(gm, example_inputs, training=True)
             direct = direct_trace.trace_joint(gm, example_inputs, table).graph
             joint_split.eliminate_common_subexpressions(direct.graph)
         except direct_trace.NeedsAot as e:
@@ -422,3 +422,41 @@ def test_output_viewing_an_intermediate_is_differentiable(capfd):
     y.mul_(2)
     y.sum().backward()
     torch.testing.assert_close(want, w.grad)
+
+
+def test_training_graph_with_a_no_grad_block(capfd):
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        y = x @ w
+        with torch.no_grad():
+            scale = y.abs().amax()
+        return (y / scale).tanh().sum()
+
+    x = torch.randn(4, 8)
+    got, log = _compiled(f, x, capfd=capfd)
+    assert "traced directly with its backward" in log, log
+    (grad_got,) = torch.autograd.grad(got, w)
+    want = f(x)
+    (grad_want,) = torch.autograd.grad(want, w)
+    _same(got, want)
+    torch.testing.assert_close(grad_got, grad_want)
+    assert torch.is_grad_enabled()
+
+
+def test_training_bfloat16_batch_norm_statistics(capfd):
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).to(torch.bfloat16).train()
+    eager = copy.deepcopy(model)
+    x = torch.randn(16, 8, dtype=torch.bfloat16)
+    got, log = _compiled(lambda t: model(t).float().pow(2).mean(), x, capfd=capfd)
+    got.backward()
+    eager(x).float().pow(2).mean().backward()
+    assert "traced directly with its backward" in log, log
+    for b, c in zip(model.buffers(), eager.buffers()):
+        assert b.dtype == c.dtype
+        torch.testing.assert_close(b, c, atol=2e-2, rtol=2e-2)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=5e-2, rtol=5e-2)

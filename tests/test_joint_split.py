@@ -23,7 +23,7 @@ def _split(fn, *inputs):
     found = []
 
     def capture(gm, example_inputs, **kwargs):
-        direct_trace.check_graph(gm, example_inputs)
+        direct_trace.check_graph(gm, example_inputs, training=True)
         joint = direct_trace.trace_joint(gm, example_inputs, backend.decompositions(training=True))
         found.append(joint_split.split(joint.graph, joint.num_outputs, len(joint.requires_grad),
                                        set(direct_trace.static_inputs(gm)), set(joint.written)))

@@ -157,7 +157,7 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
     with progress.compiling(label, opts["progress"]):
         start = time.perf_counter()
         try:
-            direct_trace.check_graph(gm, example_inputs)
+            direct_trace.check_graph(gm, example_inputs, training)
             if training:
                 traced = direct_trace.trace_joint(gm, example_inputs, decompositions(training=True))
                 traced_ms = (time.perf_counter() - start) * 1e3

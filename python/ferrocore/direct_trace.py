@@ -1,21 +1,25 @@
-"""Inference graphs traced to core ATen in one lean pass, without AOT autograd.
+"""Graphs traced to core ATen in one lean pass, without AOT autograd.
 
-For a graph that needs no autograd, AOT autograd traces Dynamo's graph twice under fake tensors
-(a functionalized pass that learns how outputs alias inputs and which inputs are written, then
+For an inference graph, AOT autograd traces Dynamo's graph twice under fake tensors (a
+functionalized pass that learns how outputs alias inputs and which inputs are written, then
 `make_fx` under functionalization), and that costs 5–8x what running the graph on fake tensors
-costs. `trace` runs Dynamo's graph once on Dynamo's fake tensors under a dispatch mode that
-records each ATen op into a new graph, applying the same decompositions in the same places as
+costs; for a training graph it traces the joint graph likewise and then partitions it.
+`trace` runs Dynamo's graph once on Dynamo's fake tensors under a dispatch mode that records
+each ATen op into a new graph, applying the same decompositions in the same places as
 `make_fx`. Writes into fresh intermediates are recorded as their functional ops (what
 functionalization gives for them); the resulting graph is AOT autograd's inference graph, node
-for node (`tests/test_direct_trace.py` compares them across the model zoo).
+for node (`tests/test_direct_trace.py` compares them across the model zoo). `trace_joint` does
+the same with autograd on and then records `torch.autograd.grad`: AOT autograd's joint graph,
+which `joint_split` splits into forward and backward.
 
 What the lean pass does not handle raises `NeedsAot` with the reason, and the graph goes
-through AOT autograd as before: autograd, symbolic sizes, parameters held by the graph module,
-higher-order ops, grad-mode changes, data-dependent ops, writes into inputs or views, and
-outputs aliasing inputs or each other. Around a graph traced here, AOT autograd's runtime is a
-call with grad off (`aot_runtime.inference_call`).
+through AOT autograd as before: symbolic sizes, parameters held by the graph module,
+higher-order ops, grad-mode changes (in a training graph: grad mode left off), data-dependent
+ops, writes into views or into inputs autograd tracks (any input, for inference), and outputs
+aliasing inputs or each other. Around an inference graph traced here, AOT autograd's runtime is
+a call with grad off (`aot_runtime.inference_call`); around a training graph, its
+autograd.Function (`aot_runtime.training_call`).
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +47,9 @@ _COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn",
 _SHAPE_QUERIES = {torch.ops.aten.size.default, torch.ops.aten.stride.default, torch.ops.aten.storage_offset.default}
 
 
-def check_graph(gm: torch.fx.GraphModule, example_inputs) -> None:
-    """Raises NeedsAot when Dynamo's graph cannot be traced here (checked before tracing)."""
+def check_graph(gm: torch.fx.GraphModule, example_inputs, training: bool = False) -> None:
+    """Raises NeedsAot when Dynamo's graph cannot be traced here (checked before tracing). A
+    training graph may switch grad mode off and on again (`torch.no_grad()` blocks)."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise NeedsAot("the graph takes nested inputs")
     if torch.is_inference_mode_enabled():
@@ -64,7 +69,7 @@ def check_graph(gm: torch.fx.GraphModule, example_inputs) -> None:
         if node.op == "get_attr" and not isinstance(value := module_attr(gm, node.target), torch.Tensor):
             raise NeedsAot(f"{node.name} is a {type(value).__name__}")
         if node.op == "call_function" and (isinstance(node.target, torch._ops.HigherOrderOperator)
-                                           or node.target in _GRAD_MODE_CHANGES):
+                                           or (node.target in _GRAD_MODE_CHANGES and not training)):
             raise NeedsAot(f"{node.name} calls {getattr(node.target, '__name__', node.target)}")
         if _symbolic(node.meta.get("example_value")):
             raise NeedsAot(f"{node.name} has symbolic sizes")
@@ -124,6 +129,8 @@ def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) 
         primals = [f.detach().requires_grad_(r) for f, r in zip(fakes, requires)]
         with torch.enable_grad():
             outputs = _run(gm, primals, recorder)
+            if not torch.is_grad_enabled():
+                raise NeedsAot("the graph leaves grad mode off")
             outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
             differentiable = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
             for i in differentiable:
@@ -375,6 +382,9 @@ class _Recorder(TorchDispatchMode):
             outs = twin(*args, **kwargs)
         news = outs[len(outs) - len(targets):]
         for target, new in zip(targets, news):
+            if new.dtype != target.dtype:  # (bfloat16 running statistics updated in float32)
+                with self:
+                    new = torch.ops.aten._to_copy.default(new, dtype=target.dtype)
             if not _same_layout(new, target):
                 raise NeedsAot(f"{func} changes a written tensor's layout")
             self.nodes[target] = self.nodes[new]
