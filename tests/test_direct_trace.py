@@ -288,10 +288,11 @@ def _both_joint_traces(fn, *inputs):
         table = backend.decompositions(training=True)
         try:
             direct_trace.check_graph(gm, example_inputs, training=True)
-            direct = direct_trace.trace_joint(gm, example_inputs, table).graph
+            joint = direct_trace.trace_joint(gm, example_inputs, table)
+            direct = joint.graph
             joint_split.eliminate_common_subexpressions(direct.graph)
         except direct_trace.NeedsAot as e:
-            direct = str(e)
+            joint, direct = None, str(e)
         joints = []
 
         def partition(joint, joint_inputs, **kw):
@@ -301,6 +302,9 @@ def _both_joint_traces(fn, *inputs):
         compiled = aot_module_simplified(gm, example_inputs, decompositions=table, keep_inference_input_mutations=True,
                                          fw_compiler=lambda g, _: make_boxed_func(g),
                                          bw_compiler=lambda g, _: make_boxed_func(g), partition_fn=partition)
+        if not joints:  # no output needs a gradient: AOT autograd traced an inference graph
+            assert joint is not None and not joint.differentiable, direct
+            return compiled
         joint_split.eliminate_common_subexpressions(joints[0].graph)
         graphs.append((direct, joints[0]))
         return compiled
