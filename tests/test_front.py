@@ -337,3 +337,17 @@ def test_cpu_scalars_made_inside_a_gpu_graph_move_to_the_gpu():
     assert gm.c.device.type == "meta" and type(gm.c) is torch.Tensor
     assert [n.meta["val"].device.type for n in (const, copy, made, kept)] == ["meta", "meta", "meta", "cpu"]
     assert made.kwargs["device"] == gpu and kept.kwargs["device"] == torch.device("cpu")
+
+
+def test_kernels_compiled_later_run_on_another_thread_and_errors_surface_at_wait():
+    import threading
+
+    from ferrocore.backend import KernelsLater
+
+    ran = []
+    later = KernelsLater()
+    later.submit(lambda: ran.append(threading.current_thread() is threading.main_thread()))
+    later.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        later.wait()
+    assert ran == [False]

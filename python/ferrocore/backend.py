@@ -204,18 +204,44 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
     saved = list(range(joint.num_outputs, joint.num_outputs + len(parts.saved_is_input)))
     strides = _visible_output_strides(parts.forward, user_strides, inference=False)
     reported: list = []
-    fw_call = _compile(parts.forward, {"trace": traced_ms + split_ms}, overrides, strides, free_layout=saved,
-                       saved=saved, family=family, record=recorded["graphs"].append, static_inputs=static,
-                       reported_strides=reported)
-    _restride_saved(parts.backward, reported[joint.num_outputs:])
-    with progress.compiling(label + " (backward)", opts["progress"]):
-        bw_call = _compile(parts.backward, {}, overrides, donated=parts.donated, backward=True, family=family,
-                           record=recorded["graphs"].append)
+    later = KernelsLater()
+    try:
+        fw_call = _compile(parts.forward, {"trace": traced_ms + split_ms}, overrides, strides, free_layout=saved,
+                           saved=saved, family=family, record=recorded["graphs"].append, static_inputs=static,
+                           reported_strides=reported, kernels_later=later)
+        _restride_saved(parts.backward, reported[joint.num_outputs:])
+        with progress.compiling(label + " (backward)", opts["progress"]):
+            bw_call = _compile(parts.backward, {}, overrides, donated=parts.donated, backward=True, family=family,
+                               record=recorded["graphs"].append)
+    finally:
+        later.wait()
     runtime = aot_runtime.direct_training_runtime(joint, parts.saved_is_input, example_inputs, joint.unsafe_views)
     recorded["runtime"] = aot_runtime.add_backward(runtime, parts.backward, None, parts.donated)
     if cache_key is not None:
         _store_graph(cache_key, opts, recorded, "training")
     return aot_runtime.training_call(fw_call, bw_call, recorded["runtime"], boxed)
+
+
+class KernelsLater:
+    """Kernel compiles that run on a thread of their own while the caller compiles the next
+    graph: a training graph's forward kernels compile in the worker processes while its backward
+    is generated, and the workers never idle between the two batches. `wait()` before a launch."""
+
+    def __init__(self) -> None:
+        import concurrent.futures
+
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrocore-kernels")
+        self._pending: list = []
+
+    def submit(self, fn: Callable) -> None:
+        self._pending.append(self._pool.submit(fn))
+
+    def wait(self) -> None:
+        try:
+            for future in self._pending:
+                future.result()
+        finally:
+            self._pool.shutdown(wait=True)
 
 
 def _restride_saved(backward: torch.fx.GraphModule, strides: list) -> None:
@@ -599,12 +625,14 @@ class _AotClock:
 def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
              free_layout: list | None = None, donated: list | None = None, backward: bool = False,
              saved: list | None = None, family=None, record: Callable | None = None,
-             static_inputs: list | None = None, reported_strides: list | None = None) -> Callable:
+             static_inputs: list | None = None, reported_strides: list | None = None,
+             kernels_later: KernelsLater | None = None) -> Callable:
     """Compiles one ATen graph; `record` receives the CompiledGraph (static graphs only, the
     compiled-graph cache's entries). `static_inputs`: the inputs that keep their addresses
     across calls (parameters, buffers), when AOT autograd's metadata does not say.
     `reported_strides` receives the strides the compiled graph writes its outputs with (where
-    `free_layout` let ferrocore choose them); otherwise AOT autograd is told."""
+    `free_layout` let ferrocore choose them); otherwise AOT autograd is told. `kernels_later`:
+    see `_load_graph`."""
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -687,7 +715,8 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     )
     if record is not None:
         record(graph)
-    call, module = _load_graph(graph, timings, cpp_cache_hit=bool(result.get("cpp_cache_hit", False)))
+    call, module = _load_graph(graph, timings, cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
+                               kernels_later=kernels_later)
     if opts["cudagraphs"]:
         from . import cudagraphs
 
@@ -703,10 +732,12 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     return call
 
 
-def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: bool, **fields) -> tuple:
+def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: bool,
+                kernels_later: "KernelsLater | None" = None, **fields) -> tuple:
     """Runs a compiled graph's wrapper module (freshly compiled, or from the compiled-graph
-    cache): its kernels load from their caches, Triton's are compiled now. Returns (the boxed
-    call, with host scalars moved and lifted constants appended; the module)."""
+    cache): its kernels load from their caches, Triton's are compiled now, or with
+    `kernels_later` on its thread while the caller goes on (the caller waits before any launch).
+    Returns (the boxed call, with host scalars moved and lifted constants appended; the module)."""
     opts = json.loads(graph.options)
     device = torch.device(graph.device) if graph.device is not None else None
     start = time.perf_counter()
@@ -714,23 +745,30 @@ def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: 
     with runtime.compile_options(graph.options):
         module = _import_module(graph.module_path, graph.name, graph.module_source)
     timings["load"] = (time.perf_counter() - start) * 1e3
-    tuned = {}
-    if device is not None and getattr(module, "TRITON_KERNELS", None):
-        start = time.perf_counter()
-        reporter = progress.current()
-        reporter.stage("Triton kernels", len(module.TRITON_KERNELS))
-        timeline: list = []
-        tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
-                                          autotune=opts["autotune"], cache_dir=opts["cache_dir"],
-                                          source=graph.module_source, workers=opts.get("compile_workers", 0),
-                                          on_kernel=reporter.advance, timeline=timeline)
-        if "kernel_compile" in opts["logs"]:
-            text = kernel_binaries.timeline_text(graph.name, timeline, start, opts.get("compile_workers", 0))
-            print(f"[ferrocore:kernel_compile]\n{text}", file=sys.stderr)
-        timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
-    _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not cpp_cache_hit)
-    metrics.record(_entry(graph.name, timings, cpp_cache_hit=cpp_cache_hit, module_path=graph.module_path,
-                          **graph.counts, **fields, **tuned))
+    reporter = progress.current()
+
+    def compile_kernels() -> None:
+        tuned = {}
+        if device is not None and getattr(module, "TRITON_KERNELS", None):
+            start = time.perf_counter()
+            reporter.stage("Triton kernels", len(module.TRITON_KERNELS))
+            timeline: list = []
+            tuned = runtime.precompile_triton(module.TRITON_KERNELS, device, getattr(module, "TRITON_LAUNCHERS", None),
+                                              autotune=opts["autotune"], cache_dir=opts["cache_dir"],
+                                              source=graph.module_source, workers=opts.get("compile_workers", 0),
+                                              on_kernel=reporter.advance, timeline=timeline)
+            if "kernel_compile" in opts["logs"]:
+                text = kernel_binaries.timeline_text(graph.name, timeline, start, opts.get("compile_workers", 0))
+                print(f"[ferrocore:kernel_compile]\n{text}", file=sys.stderr)
+            timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
+        _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not cpp_cache_hit)
+        metrics.record(_entry(graph.name, timings, cpp_cache_hit=cpp_cache_hit, module_path=graph.module_path,
+                              **graph.counts, **fields, **tuned))
+
+    if kernels_later is not None and device is not None and getattr(module, "TRITON_KERNELS", None):
+        kernels_later.submit(compile_kernels)
+    else:
+        compile_kernels()
 
     call = module.call
     host_scalars, gpu_scalars, constants = graph.host_scalars, graph.gpu_scalars, graph.constants
