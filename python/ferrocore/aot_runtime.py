@@ -182,7 +182,11 @@ def add_backward(runtime: dict, bw_graph: torch.fx.GraphModule, bw_inputs, donat
 
 
 def training_call(fw_call, bw_call, runtime: dict, boxed: bool):
-    """The callable Dynamo gets for a cached training graph."""
+    """The callable Dynamo gets for a cached or directly traced training graph. Neither it nor
+    the backward is Dynamo's to trace (a backward run from a compiled frame would be)."""
+    from torch._dynamo import disable
+
+    bw_call = disable(bw_call, reason="do not trace the compiled backward")
     function = _autograd_function(fw_call, bw_call, runtime)
     detached, bumped = runtime["detached_inputs"], runtime["bumped_inputs"]
 
@@ -203,7 +207,7 @@ def training_call(fw_call, bw_call, runtime: dict, boxed: bool):
                 torch._C._set_view_replay_enabled(False)
         return list(outs)
 
-    return _dynamo_callable(run, boxed)
+    return _dynamo_callable(disable(run, reason="do not trace the compiled graph"), boxed)
 
 
 def _autograd_function(fw_call, bw_call, runtime: dict) -> type:
