@@ -124,6 +124,7 @@ def child(spec: dict) -> dict:
             import ferrocore
 
             out["parts_s"] = ferrocore.metrics.compile_time()
+            out["stages_ms"] = dict(ferrocore.metrics.total["timings_ms"])  # each part's stages
             out["graph_cache"] = ferrocore.metrics.total.get("graph_cache", {})
         return out
 

@@ -144,3 +144,17 @@ def test_a_new_process_launches_the_cached_binaries(cache_dir):
     # the timeline names where each kernel compiled, and when the workers were ready
     assert "[ferrocore:kernel_compile]" in runs[0].stderr and "(worker " in runs[0].stderr, runs[0].stderr[-3000:]
     assert "workers: " in runs[0].stderr and " 0 Triton kernels compiled" in runs[1].stderr
+
+
+def test_kernels_go_to_the_workers_dearest_first():
+    from types import SimpleNamespace
+
+    from ferrocore import kernel_binaries
+
+    plain = SimpleNamespace(src="    tmp0 = tmp1 + tmp2\n" * 40)
+    longer = SimpleNamespace(src="    tmp0 = tmp1 + tmp2\n" * 80)
+    rotary = SimpleNamespace(src="    tmp0 = tl.math.cos(tmp1)\n    tmp2 = tl.math.sin(tmp1)\n" * 4)
+    assert kernel_binaries.compile_cost(longer) > kernel_binaries.compile_cost(plain)
+    assert len(rotary.src) < len(plain.src)
+    assert kernel_binaries.compile_cost(rotary) > kernel_binaries.compile_cost(longer)
+    assert kernel_binaries.compile_cost(SimpleNamespace()) == 0  # a kernel without source text

@@ -127,12 +127,10 @@ def test_a_padded_linear_adds_its_bias_in_the_gemm_and_returns_the_padded_view(c
     assert "torch.addmm(" in err, "the bias is added by the library call"
 
 
-def test_a_padded_gemm_reads_an_operand_that_needs_no_padding_in_place():
+def test_a_padded_gemm_reads_an_operand_that_needs_no_padding_in_place(capfd):
     # an LM head over a layer norm saved for the backward: only the weight and the bias are
-    # padded, and the GEMM reads the saved normalized rows themselves (a copy of them was live
+    # padded, and the GEMMs read the normalized rows themselves (a copy of them was live
     # beside BERT's logits GEMM)
-    import ferrocore
-
     torch.manual_seed(0)
     head = torch.nn.Linear(24, 37).bfloat16()
     ln = torch.nn.LayerNorm(24).bfloat16()
@@ -147,14 +145,20 @@ def test_a_padded_gemm_reads_an_operand_that_needs_no_padding_in_place():
     for p in (*head.parameters(), *ln.parameters()):
         p.grad = None
     torch._dynamo.reset()
-    loss = torch.compile(f, backend="ferrocore", options={"pad_mm": "always"})(x)
-    forward = open(ferrocore.metrics.last["module_path"]).read()
+    options = {"pad_mm": "always", "logs": "output_code", "graph_cache": False}
+    loss = torch.compile(f, backend="ferrocore", options=options)(x)
     loss.backward()
     got = [x.grad] + [p.grad for p in (*head.parameters(), *ln.parameters())]
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
-    rows = [line for line in forward.splitlines() if re.search(r"empty_strided\w*\(\(16, 24\)", line)]
-    assert len(rows) == 1, rows
+    code = capfd.readouterr().err
+    forward, backward = code.split("# ferrocore output code for graph")[1:]
+    # the forward's GEMM reads the normalized rows where the layer norm wrote them, uncopied
+    assert not re.search(r"empty_strided\w*\(\(16, 24\)", forward), forward
+    # and the backward's weight gradient reads them as saved
+    inputs = re.search(r"\n    (.*) = args\n", backward).group(1).split(", ")
+    read = re.findall(r"mm\(.*?reinterpret\((\w+), \(16, 24\), \(24, 1\), 0\)", backward)
+    assert any(name in inputs for name in read), read
 
 
 def test_measured_padding_pads_exactly_the_named_gemm():
@@ -177,6 +181,34 @@ def test_measured_padding_pads_exactly_the_named_gemm():
     text = "".join(log["text"] for log in out["logs"] if log["channel"] == "padding")
     assert text.startswith("pad: mm [64, 13] x [13, 50]") and "0.500 ms padded" in text
     assert "mm_1" not in text
+
+
+def test_only_gemms_with_an_unaligned_leading_dimension_are_measured():
+    from ferrocore import padding
+
+    def gemm(a, b):
+        return a @ b
+
+    cases = [
+        ((3152, 768), (768, 3072), False),  # BERT's rows: only M is odd, and M leads nothing
+        ((4096, 768), (768, 30522), True),  # an LM head: the result's rows are 30522 wide
+        ((4096, 30522), (30522, 768), True),  # its input gradient: the left operand's rows
+        ((768, 4096), (4096, 30522), True),
+        ((64, 768), (768, 64), False),
+    ]
+    for a_shape, b_shape, measured in cases:
+        with FakeTensorMode():
+            args = [torch.empty(s, dtype=torch.bfloat16, device="cuda") for s in (a_shape, b_shape)]
+            gm = make_fx(gemm, tracing_mode="fake")(*args)
+        (mm,) = [n for n in gm.graph.nodes if n.op == "call_function"]
+        assert (padding._unaligned_operands(mm) is not None) == measured, (a_shape, b_shape)
+    # a column-major operand leads with its rows' count
+    with FakeTensorMode():
+        a = torch.empty(13, 61, dtype=torch.bfloat16, device="cuda").t()
+        b = torch.empty(13, 64, dtype=torch.bfloat16, device="cuda")
+        gm = make_fx(gemm, tracing_mode="fake")(a, b)
+    (mm,) = [n for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    assert padding._unaligned_operands(mm) is not None
 
 
 class ConvNet(torch.nn.Module):

@@ -161,6 +161,7 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
             if training:
                 traced = direct_trace.trace_joint(gm, example_inputs, decompositions(training=True))
                 traced_ms = (time.perf_counter() - start) * 1e3
+                gemms = padding.Measurements(traced.graph, opts)  # timed while the graphs compile
                 parts = joint_split.split(traced.graph, traced.num_outputs, len(traced.requires_grad),
                                           set(direct_trace.static_inputs(gm)), set(traced.written))
             else:
@@ -176,7 +177,7 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
         if training:
             split_ms = (time.perf_counter() - start) * 1e3 - traced_ms
             return _compile_joint(traced, parts, gm, example_inputs, opts, overrides, user_strides, cache_key, boxed,
-                                  label, (traced_ms, split_ms))
+                                  label, (traced_ms, split_ms), gemms)
         traced_ms = (time.perf_counter() - start) * 1e3
         _log_trace(opts, f"{label} traced directly ({len(traced.graph.nodes)} nodes, {traced_ms:.0f} ms)")
         recorded: dict = {"graphs": [], "bypass": None, "runtime": aot_runtime.plain_inference_runtime()}
@@ -190,9 +191,10 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
 
 def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torch.fx.GraphModule, example_inputs,
                    opts: dict, overrides: dict, user_strides: list, cache_key: str | None, boxed: bool, label: str,
-                   spent_ms: tuple) -> Callable:
+                   spent_ms: tuple, gemms: padding.Measurements) -> Callable:
     """Compiles a directly traced joint graph's forward and backward, both now (AOT autograd
-    would compile the backward at its first call). `spent_ms`: (tracing, splitting)."""
+    would compile the backward at its first call). `spent_ms`: (tracing, splitting); `gemms`:
+    the joint graph's GEMM timings, for both graphs' padding."""
     from . import cudagraphs  # (it imports this module)
 
     traced_ms, split_ms = spent_ms
@@ -208,11 +210,11 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
     try:
         fw_call = _compile(parts.forward, {"trace": traced_ms + split_ms}, overrides, strides, free_layout=saved,
                            saved=saved, family=family, record=recorded["graphs"].append, static_inputs=static,
-                           reported_strides=reported, kernels_later=later)
+                           reported_strides=reported, kernels_later=later, measured=gemms)
         _restride_saved(parts.backward, reported[joint.num_outputs:])
         with progress.compiling(label + " (backward)", opts["progress"]):
             bw_call = _compile(parts.backward, {}, overrides, donated=parts.donated, backward=True, family=family,
-                               record=recorded["graphs"].append)
+                               record=recorded["graphs"].append, measured=gemms)
     finally:
         later.wait()
     runtime = aot_runtime.direct_training_runtime(joint, parts.saved_is_input, example_inputs, joint.unsafe_views)
@@ -626,13 +628,13 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
              free_layout: list | None = None, donated: list | None = None, backward: bool = False,
              saved: list | None = None, family=None, record: Callable | None = None,
              static_inputs: list | None = None, reported_strides: list | None = None,
-             kernels_later: KernelsLater | None = None) -> Callable:
+             kernels_later: KernelsLater | None = None, measured: padding.Measurements | None = None) -> Callable:
     """Compiles one ATen graph; `record` receives the CompiledGraph (static graphs only, the
     compiled-graph cache's entries). `static_inputs`: the inputs that keep their addresses
     across calls (parameters, buffers), when AOT autograd's metadata does not say.
     `reported_strides` receives the strides the compiled graph writes its outputs with (where
     `free_layout` let ferrocore choose them); otherwise AOT autograd is told. `kernels_later`:
-    see `_load_graph`."""
+    see `_load_graph`; `measured`: GEMM timings taken ahead (`padding.Measurements`)."""
     opts = _options.build_options(overrides)
     data_dependent = partition.has_data_dependent_nodes(gm)
     if data_dependent or _is_symbolic(gm):
@@ -655,7 +657,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     padded = {}
     if device is not None:
         t = time.perf_counter()
-        padded = padding.padded_matmuls(gm, opts)
+        padded = padding.padded_matmuls(gm, opts, measured)
         timings["padding"] = (time.perf_counter() - t) * 1e3
         start += time.perf_counter() - t
     else:

@@ -313,7 +313,7 @@ class _Recorder(TorchDispatchMode):
                                       name=func.overloadpacket.__name__)
         out = func(*args, **kwargs)
         self._annotate(node)
-        if _is_factory(func) and isinstance(out, torch.Tensor):
+        if is_factory(func) and isinstance(out, torch.Tensor):
             # torch's factory functions detach a result Python still holds: the node keeps an alias
             self.bind(out, node, val=out.detach())
         else:
@@ -469,6 +469,6 @@ def _same_layout(a, b) -> bool:
 
 
 @functools.lru_cache(None)
-def _is_factory(func) -> bool:
+def is_factory(func) -> bool:
     """Ops taking tensor options (arange, full, zeros_like...)."""
     return any(a.name == "pin_memory" for a in func._schema.arguments)

@@ -144,7 +144,7 @@ def _is_fake(x) -> bool:
 def _put_graph(put, gm: torch.fx.GraphModule, path: str) -> None:
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         raise Bypass(f"{path} holds parameters or buffers")
-    put(path, gm.code)
+    put(path, _graph_text(gm))
     for n in gm.graph.nodes:
         if n.op == "call_module":
             raise Bypass(f"node {n.name} calls a module")
@@ -164,6 +164,51 @@ def _put_graph(put, gm: torch.fx.GraphModule, path: str) -> None:
                     hashlib.sha256(_bytes_of(dense)).hexdigest())
             else:
                 raise Bypass(f"attribute {n.target} is a {type(value).__name__}")
+
+
+# argument types whose repr says all there is (floats tell 0.0 from -0.0, bools from ints by type)
+_PLAIN = (int, float, bool, complex, str, type(None), type(Ellipsis), torch.dtype, torch.device, torch.layout,
+          torch.memory_format)
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _graph_text(gm: torch.fx.GraphModule) -> str:
+    """What the graph computes, as text: each node's op, name, target and arguments. Generating
+    the graph's Python code says the same but costs ten times more (a warm start pays it too);
+    a graph with an argument this does not spell out is keyed by its code."""
+    try:
+        lines = [type(gm.graph._codegen).__qualname__, repr(getattr(gm.graph._codegen, "pytree_info", None))]
+        for n in gm.graph.nodes:
+            lines.append(f"{n.op} {n.name} {_target_text(n)} {_arg_text(n.args)} {_arg_text(n.kwargs)}")
+        return "\n".join(lines)
+    except _NotPlain:
+        return gm.code
+
+
+def _target_text(n: torch.fx.Node) -> str:
+    t = n.target
+    if isinstance(t, str):
+        return t
+    if isinstance(t, torch._ops.OpOverload):
+        return str(t)
+    return f"{getattr(t, '__module__', None)}.{getattr(t, '__qualname__', None) or getattr(t, '__name__', repr(t))}"
+
+
+def _arg_text(a) -> str:
+    if isinstance(a, torch.fx.Node):
+        return f"%{a.name}"
+    if isinstance(a, (list, tuple)):
+        return f"{type(a).__name__}({','.join(map(_arg_text, a))})"
+    if isinstance(a, dict):
+        return "{" + ",".join(f"{k!r}:{_arg_text(v)}" for k, v in a.items()) + "}"
+    if isinstance(a, slice):
+        return f"slice({_arg_text(a.start)},{_arg_text(a.stop)},{_arg_text(a.step)})"
+    if type(a) in _PLAIN:
+        return f"{type(a).__name__}:{a!r}"
+    raise _NotPlain
 
 
 def global_state() -> tuple:

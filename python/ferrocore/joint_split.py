@@ -7,7 +7,9 @@ forward saves are chosen by a minimum cut of a flow network over the values the 
 compute: each value is an edge `in -> out` whose capacity is what saving it costs (its bytes,
 twice that where its users would otherwise fuse it away), the source feeds the values the forward
 must compute and may not be recomputed (matmuls, convolutions, random ops, reductions that
-shrink their input, the primals), and the sink takes every value the backward reads. Cheap
+shrink their input, the primals, values a matmul or convolution of the backward reads, and every
+hundredth value of a long pointwise chain), and the sink takes every value the backward reads.
+As in AOT's partitioner, saving a value costs more the farther it lies from the backward. Cheap
 values on the sink's side (pointwise chains, views, gathers) are recomputed in the backward,
 where ferrocore fuses them into its kernels. The cut is solved in Rust (`ferrocore::min_cut`).
 """
@@ -15,13 +17,14 @@ where ferrocore fuses them into its kernels. The cut is solved in Rust (`ferroco
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import operator
 
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .direct_trace import NeedsAot, graph_module
+from .direct_trace import NeedsAot, graph_module, is_factory
 
 aten = torch.ops.aten
 _INFINITE = (2 ** 63 - 1) // 4  # ferrocore::min_cut::INFINITE
@@ -121,6 +124,15 @@ def _ancestors(roots: list) -> set:
 
 # ---- the cut -----------------------------------------------------------------------------------
 
+# A chain of fusible forward values longer than this (in forward order) is cut by a saved value:
+# the backward would otherwise recompute a model-long chain (a residual stream, a post-norm
+# model's normalized activations) from the values beside it, in one huge kernel.
+_LONGEST_CHAIN = 100
+# Saving a value costs this factor more per step it lies from the backward (up to _FARTHEST
+# steps), so that of two equal cuts the one the backward reads directly wins.
+_DISTANCE_COST = 1.1
+_FARTHEST = 100
+
 
 def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, primals: list,
                   free_inputs: set, written: set) -> list:
@@ -140,14 +152,16 @@ def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, p
     read_by_backward |= {g for g in grads if isinstance(g, torch.fx.Node) and g in index}
     if overwritten & read_by_backward:
         raise NeedsAot("the backward reads an input the forward writes into")
+    banned = _banned(computable, forward_needs)
+    distance = _distances(nodes, forward_needs)
     edges = []
     for n in computable:
-        weight = _INFINITE if n in overwritten else 0 if n in free else _weight(n)
+        weight = _INFINITE if n in overwritten else 0 if n in free else _weight(n, distance[n])
         edges.append((vin(n), vout(n), weight))
         for a in n.all_input_nodes:
             if a in index:
                 edges.append((vout(a), vin(n), _INFINITE))
-        if n.op in ("placeholder", "get_attr") or (n in forward_needs and not _recomputable(n)):
+        if n.op in ("placeholder", "get_attr") or n in banned:
             edges.append((source, vin(n), _INFINITE))
         if n in read_by_backward:
             edges.append((vout(n), sink, _INFINITE))
@@ -155,34 +169,102 @@ def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, p
     return [n for n in computable if side[vin(n)] and not side[vout(n)]]
 
 
-def _weight(node: torch.fx.Node) -> int:
+def _banned(computable: list, forward_needs: set) -> set:
+    """Forward values the backward may not recompute: those dearer to recompute than to load,
+    those the backward must write to memory anyway (a matmul or convolution there reads them, so
+    recomputing adds a write and a read), and breaks in long fusible chains."""
+    banned = {n for n in computable if n in forward_needs
+              and (not _recomputable(n) or _materialized_in_backward(n, forward_needs))}
+    order = {n: i for i, n in enumerate(computable) if n in forward_needs}
+    visited: set = set()
+    for start in order:
+        # walk the fusible values downstream of `start` in forward order; where the walk has
+        # narrowed to one value _LONGEST_CHAIN past the start, that value is saved
+        frontier = [(order[start], start)]
+        while frontier:
+            _, cur = heapq.heappop(frontier)
+            if cur in visited:
+                continue
+            visited.add(cur)
+            if order[cur] > order[start] + _LONGEST_CHAIN and not frontier:
+                if not _is_view(cur.target):
+                    banned.add(cur)
+                break
+            if not _fusible(cur):
+                continue
+            for u in cur.users:
+                if u in order and u not in banned and _fusible(u):
+                    heapq.heappush(frontier, (order[u], u))
+    return banned
+
+
+def _materialized_in_backward(node: torch.fx.Node, forward_needs: set) -> bool:
+    """Whether a backward op that cannot fuse it (a matmul, a convolution, the graph's output)
+    reads the value, directly or through views."""
+    if node.op == "call_function" and _is_view(node.target):
+        return False
+    frontier, seen = [node], {node}
+    while frontier:
+        for u in frontier.pop().users:
+            if u not in forward_needs and not _fusible(u):
+                return True
+            if u not in seen and u.op == "call_function" and _is_view(u.target):
+                seen.add(u)
+                frontier.append(u)
+    return False
+
+
+def _distances(nodes: list, forward_needs: set) -> dict:
+    """Per node, how many steps its nearest backward reader lies ahead (0 for values the
+    forward does not need)."""
+    far = 10 ** 9
+    distance: dict = {}
+    for n in reversed(nodes):
+        if n.op == "output":
+            continue
+        distance[n] = min((distance.get(u, far) + 1 for u in n.users), default=far) if n in forward_needs else 0
+    return distance
+
+
+def _weight(node: torch.fx.Node, distance: int) -> int:
     """What saving the value costs: its bytes, doubled where its users would fuse it away (it
-    would not be written to memory otherwise); views and non-tensors are never saved."""
+    would not be written to memory otherwise), and more the farther it lies from the backward;
+    views and non-tensors are never saved."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or _is_view(node.target):
         return _INFINITE
     size = max(val.numel() * val.element_size(), 1)
+    size = int(size * _DISTANCE_COST ** max(min(distance, _FARTHEST), 1))
     materialized = node.op == "placeholder" or not _recomputable(node) or any(
-        u.op == "output" or not _recomputable(u) for u in node.users)
-    return size if materialized else 2 * size
+        u.op == "output" or not _fusible(u) for u in node.users)
+    return min(size if materialized else 2 * size, _INFINITE // 1024)
+
+
+def _fusible(node: torch.fx.Node) -> bool:
+    """Whether ferrocore fuses the op with its neighbours: pointwise ops, views, cheap gathers
+    and copies, factories and reductions."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return (torch.Tag.pointwise in target.tags or _is_view(target) or target in _CHEAP or is_factory(target)
+            or target in _REDUCTIONS)
 
 
 def _recomputable(node: torch.fx.Node) -> bool:
     """Whether the backward may recompute the value instead of loading it."""
     if node.op != "call_function":
         return node.op != "placeholder"
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
+    if not _fusible(node):
         return False
-    if torch.Tag.pointwise in target.tags or _is_view(target) or target in _CHEAP or _takes_options(target):
-        return True
-    if target in _REDUCTIONS:
+    if node.target in _REDUCTIONS:
         # a reduction that shrinks its input is cheap to save and dear to recompute
         ins = sum(_bytes(a) for a in node.all_input_nodes)
         return 4 * _bytes(node) >= ins
-    return False
+    return True
 
 
 def _bytes(node: torch.fx.Node) -> int:
@@ -192,11 +274,6 @@ def _bytes(node: torch.fx.Node) -> int:
 
 def _is_view(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.is_view
-
-
-def _takes_options(target) -> bool:
-    """Factories (arange, full, zeros_like...)."""
-    return any(a.name == "pin_memory" for a in target._schema.arguments)
 
 
 # ---- the two graphs ----------------------------------------------------------------------------

@@ -131,6 +131,14 @@ def triton_unit(module_source: str) -> str | None:
     return module_source[start + len(TRITON_UNIT_BEGIN):end]
 
 
+def compile_cost(fn) -> int:
+    """A guess at how long Triton takes to compile a kernel: its source's length, and more for
+    each transcendental function, whose libdevice body the compile inlines and optimizes (a
+    rotary embedding's sine and cosine took longer than kernels twice its length)."""
+    src = getattr(fn, "src", "") or ""
+    return len(src) + 1500 * (src.count("tl.math.") + src.count("libdevice."))
+
+
 def job(unit: str, entry, arch: int) -> tuple:
     """What a worker needs to compile one `TRITON_KERNELS` entry of the Triton unit `unit`."""
     fn, signature, constexprs, launch = entry

@@ -1,8 +1,8 @@
 """Which GEMMs of a GPU graph run faster on zero-padded operands: measured on the device, cached
 on disk, and handed to the Rust `padding` pass (`padded_matmuls` in the graph document).
 
-cuBLAS leaves its fast kernels when a 16-bit matrix's rows are not 16-byte aligned (a dim that is
-not a multiple of 8): GPT-2's LM head, 768 -> 50257, ran a pre-Hopper kernel for 3.3 ms on an
+cuBLAS leaves its fast kernels when a 16-bit matrix's rows are not 16-byte aligned (a leading
+dimension that is not a multiple of 8): GPT-2's LM head, 768 -> 50257, ran a pre-Hopper kernel for 3.3 ms on an
 H100. Padding costs a copy of each operand and a larger result, so each unaligned GEMM is timed
 both ways on random data of its own shapes and strides (median of CUDA-event timings, the
 copies included) and padded only when that is faster. Decisions are cached per shape, stride,
@@ -11,7 +11,11 @@ dtype, device and torch version under `cache_dir/pad_mm`.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import statistics
+import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -27,20 +31,86 @@ _GEMMS = {
 }
 
 
-def padded_matmuls(gm: torch.fx.GraphModule, opts: dict) -> dict:
-    """{GEMM node name: what was measured} for the GEMMs that run faster padded."""
-    if opts.get("pad_mm", "measured") != "measured" or not torch.cuda.is_available():
+def padded_matmuls(gm: torch.fx.GraphModule, opts: dict, measured: "Measurements | None" = None) -> dict:
+    """{GEMM node name: what was measured} for the GEMMs that run faster padded; `measured`: the
+    timings a `Measurements` started earlier has taken (or is taking)."""
+    if not _measuring(opts):
         return {}
     chosen = {}
     for n in gm.graph.nodes:
         operands = _unaligned_operands(n)
         if operands is None:
             continue
-        a, b = operands
-        plain, padded = _timings(n, a, b, opts.get("cache_dir"))
+        gemm = _Gemm.of(n.target, *operands)
+        plain, padded = measured.timings(gemm) if measured is not None else gemm.timings(opts.get("cache_dir"))
         if padded is not None and plain is not None and padded < MIN_GAIN * plain:
             chosen[n.name] = f"measured {plain:.3f} ms as traced, {padded:.3f} ms padded"
     return chosen
+
+
+class Measurements:
+    """The unaligned GEMMs of a graph, timed on a thread of their own: a training graph's joint
+    graph starts it once traced, and its forward and backward (split from it meanwhile) take
+    their timings from it (`padded_matmuls`). The GPU runs nothing else while the graphs compile."""
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: dict):
+        self._timings: dict = {}
+        self._cache_dir = opts.get("cache_dir")
+        if not _measuring(opts):
+            return
+        jobs = []
+        for n in gm.graph.nodes:
+            operands = _unaligned_operands(n)
+            if operands is not None:
+                gemm = _Gemm.of(n.target, *operands)
+                if gemm.key not in self._timings:
+                    self._timings[gemm.key] = Future()
+                    jobs.append(gemm)
+        if jobs:
+            threading.Thread(target=self._measure, args=(jobs,), daemon=True, name="ferrocore-pad-mm").start()
+
+    def _measure(self, jobs: list) -> None:
+        for gemm in jobs:
+            future = self._timings[gemm.key]
+            try:
+                future.set_result(gemm.timings(self._cache_dir))
+            except BaseException as e:  # noqa: BLE001 - reported where the timing is read
+                future.set_exception(e)
+
+    def timings(self, gemm: "_Gemm") -> tuple:
+        future = self._timings.get(gemm.key)
+        return future.result() if future is not None else gemm.timings(self._cache_dir)
+
+
+def _measuring(opts: dict) -> bool:
+    return opts.get("pad_mm", "measured") == "measured" and torch.cuda.is_available()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gemm:
+    """An unaligned GEMM, as its operands' metadata (plain values a thread may read)."""
+
+    target: object
+    a: tuple  # (shape, stride, dtype, device) of each operand
+    b: tuple
+    key: str
+
+    @staticmethod
+    def of(target, a: torch.Tensor, b: torch.Tensor) -> "_Gemm":
+        key = [str(target), list(a.shape), list(a.stride()), list(b.shape), list(b.stride()),
+               str(a.dtype), torch.cuda.get_device_name(a.device), torch.__version__]
+        spec = lambda t: (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)  # noqa: E731
+        return _Gemm(target, spec(a), spec(b), json.dumps(key))
+
+    def timings(self, cache_dir) -> tuple:
+        """(ms as traced, ms padded), or (None, None) where it could not be measured."""
+        ms = cached_measurement(cache_dir, "pad_mm", json.loads(self.key), self._measure,
+                                errors=(RuntimeError, torch.OutOfMemoryError))
+        return tuple(ms) if ms is not None else (None, None)
+
+    def _measure(self) -> tuple:
+        with torch.cuda.device(self.a[3]):
+            return _measure(self.target, _random_like(*self.a), _random_like(*self.b))
 
 
 def _unaligned_operands(n: torch.fx.Node):
@@ -55,23 +125,30 @@ def _unaligned_operands(n: torch.fx.Node):
     if a.device.type != "cuda" or a.dtype not in (torch.float16, torch.bfloat16) or b.dtype != a.dtype:
         return None
     m, k, nn = a.shape[-2], a.shape[-1], b.shape[-1]
-    if all(d % ALIGN == 0 for d in (m, k, nn)) or 0 in (m, k, nn):
+    if 0 in (m, k, nn):
+        return None
+    # cuBLAS reads the operands and writes the (row-major) result along their leading
+    # dimensions: only those must be aligned (a row-major [M, K] operand's M is not one)
+    if all(d is not None and d % ALIGN == 0 for d in (_leading_dim(a), _leading_dim(b), nn)):
         return None
     return a, b
 
 
-def _timings(n: torch.fx.Node, a: torch.Tensor, b: torch.Tensor, cache_dir) -> tuple:
-    key = [str(n.target), list(a.shape), list(a.stride()), list(b.shape), list(b.stride()),
-           str(a.dtype), torch.cuda.get_device_name(a.device), torch.__version__]
-    ms = cached_measurement(cache_dir, "pad_mm", key, lambda: _measure(n.target, a, b),
-                            errors=(RuntimeError, torch.OutOfMemoryError))
-    return tuple(ms) if ms is not None else (None, None)
+def _leading_dim(t: torch.Tensor) -> int | None:
+    """The stride between a matrix operand's rows (row-major) or columns (column-major); None
+    for a layout that is neither (it is copied first)."""
+    s0, s1 = t.stride()[-2], t.stride()[-1]
+    if s1 == 1 and s0 >= t.shape[-1]:
+        return s0
+    if s0 == 1 and s1 >= t.shape[-2]:
+        return s1
+    return None
 
 
-def _random_like(t: torch.Tensor) -> torch.Tensor:
-    """Random data with `t`'s shape, strides, dtype and device."""
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return torch.randn(span, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+def _random_like(shape: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Random data of this shape, strides, dtype and device."""
+    span = 1 + sum((s - 1) * st for s, st in zip(shape, stride))
+    return torch.randn(span, dtype=dtype, device=device).as_strided(shape, stride)
 
 
 def _zero_padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -85,10 +162,10 @@ def _zero_padded(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def _measure(target, a: torch.Tensor, b: torch.Tensor) -> tuple:
-    """(ms as traced, ms padded): medians of CUDA-event timings, the copies included."""
-    A, B = _random_like(a), _random_like(b)
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+def _measure(target, A: torch.Tensor, B: torch.Tensor) -> tuple:
+    """(ms as traced, ms padded) on the operands `A`, `B`: medians of CUDA-event timings, the
+    copies included."""
+    m, k, n = A.shape[-2], A.shape[-1], B.shape[-1]
     up = lambda d: (d + ALIGN - 1) // ALIGN * ALIGN  # noqa: E731
     gemm = torch.bmm if A.dim() == 3 else torch.mm
 

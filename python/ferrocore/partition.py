@@ -41,10 +41,19 @@ DATA_DEPENDENT_CALLS = {
 
 
 def _unbacked(value: Any) -> set:
+    if isinstance(value, torch.Tensor) and _static_layout(value):
+        return set()  # most values: walking them for symbols costs more than the rest of the check
     try:
         return set(free_unbacked_symbols(value))
     except Exception:  # values free_unbacked_symbols does not walk (None, strings, devices)
         return set()
+
+
+def _static_layout(t: torch.Tensor) -> bool:
+    try:
+        return all(type(x) is int for x in (*t.shape, *t.stride(), t.storage_offset()))
+    except (RuntimeError, NotImplementedError):  # layouts without strides (sparse, nested)
+        return False
 
 
 def binds_unbacked(node: torch.fx.Node) -> bool:

@@ -531,6 +531,8 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
     pool = kernel_binaries.compile_pool(workers, arch) if unit is not None else None
     if pool is None:
         return left + [e for e, _, _ in missing]
+    # the dearest first, so that none starts late and keeps the rest waiting for it
+    missing.sort(key=lambda m: kernel_binaries.compile_cost(m[0][0]), reverse=True)
     futures = [(e, k, launcher, pool.submit(kernel_binaries.job(unit, e, arch))) for e, k, launcher in missing]
 
     def done(e, future) -> None:
