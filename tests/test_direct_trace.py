@@ -368,6 +368,37 @@ def test_training_step_is_eagers(capfd):
     assert got2.requires_grad
 
 
+def test_training_forward_cpp_compiles_on_a_thread_while_the_backward_compiles(capfd, monkeypatch):
+    import copy
+    import threading
+
+    import ferrocore
+    from ferrocore import runtime
+
+    on_main_thread = []  # of each C++ library compiled (or found cached) and loaded
+    load = runtime.load_kernels_reporting
+
+    def recording(source):
+        on_main_thread.append(threading.current_thread() is threading.main_thread())
+        return load(source)
+
+    monkeypatch.setattr(runtime, "load_kernels_reporting", recording)
+    torch.manual_seed(0)
+    model, x = _NormedMlp().train(), torch.randn(7, 8)
+    eager = copy.deepcopy(model)
+    want = eager(x)
+    want.backward()
+    got, log = _compiled(model, x, capfd=capfd)
+    got.backward()
+    assert "traced directly with its backward" in log, log
+    assert False in on_main_thread, on_main_thread  # the forward's C++, while the backward compiled
+    total = ferrocore.metrics.total
+    assert total["graphs"] == 2 and total["timings_ms"]["cpp_compile"] > 0, total
+    torch.testing.assert_close(got, want)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
 def _writes_into_view_of_input(x, w):
     x[0].mul_(2)
     return (x * w).sum()

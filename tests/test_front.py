@@ -71,7 +71,7 @@ class FakeExtension:
         path = self.tmp_path / "libm.so"
         if not path.exists():
             shutil.copy(_libm_path(), path)
-        return str(path), os.open(path, os.O_RDONLY)
+        return str(path), os.open(path, os.O_RDONLY), True
 
 
 def _libm_path() -> str:

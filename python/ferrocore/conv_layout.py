@@ -29,7 +29,7 @@ MIN_GAIN = 0.95
 REPS = 5
 SLOW_CALL_S = 0.05
 # bumped when the measurement changes, so that cached timings of an older one are not used
-_METHOD = 2
+_METHOD = 3
 
 
 def choose(gm: torch.fx.GraphModule, opts: dict) -> tuple[str, str] | None:
@@ -37,7 +37,7 @@ def choose(gm: torch.fx.GraphModule, opts: dict) -> tuple[str, str] | None:
     `conv_layout = auto`; None otherwise (the compiler's own rule then applies)."""
     if opts.get("conv_layout", "auto") != "auto":
         return None
-    signatures = [s for s in (_signature(n) for n in gm.graph.nodes) if s is not None and not _compiled(s)]
+    signatures = _weighed(gm)
     if not signatures:
         return None
     nchw = nhwc = 0.0
@@ -50,6 +50,20 @@ def choose(gm: torch.fx.GraphModule, opts: dict) -> tuple[str, str] | None:
     if nhwc < MIN_GAIN * nchw:
         return "channels_last", f"layout: channels-last: {measured}"
     return "contiguous", f"layout: eager's: {measured}"
+
+
+def measure_ahead(gm: torch.fx.GraphModule, opts: dict) -> None:
+    """Times (or finds cached) the convolutions `choose` weighs in `gm`, a training graph's
+    joint graph, before its forward and backward compile: the backward's are chosen while the
+    forward's C++ compiles on another core, which would slow and skew what they time."""
+    if opts.get("conv_layout", "auto") == "auto":
+        for sig in _weighed(gm):
+            _timings(sig, opts.get("cache_dir"))
+
+
+def _weighed(gm: torch.fx.GraphModule) -> list:
+    """The signatures of the convolutions that take part in the choice."""
+    return [s for s in (_signature(n) for n in gm.graph.nodes) if s is not None and not _compiled(s)]
 
 
 def _signature(n: torch.fx.Node) -> dict | None:
@@ -99,8 +113,10 @@ def _compiled(sig: dict) -> bool:
 
 
 def _timings(sig: dict, cache_dir) -> list | None:
-    """(NCHW ms, NHWC ms) of the convolution `sig`, measured once per machine and thread count."""
-    key = [sig, torch.get_num_threads(), _cpu_name(), torch.__version__, _METHOD]
+    """(NCHW ms, NHWC ms) of the convolution `sig`, measured once per machine and thread count
+    (a backward convolution is timed by its forward's call: one entry for both)."""
+    call = {k: v for k, v in sig.items() if k != "backward"}
+    key = [call, torch.get_num_threads(), _cpu_name(), torch.__version__, _METHOD]
 
     def measure():
         with torch.no_grad():

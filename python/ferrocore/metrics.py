@@ -6,6 +6,8 @@ separate graphs); `metrics.total` sums every graph since the last `reset()`.
 
 from __future__ import annotations
 
+import threading
+
 # (GPU kernels: binaries loaded from the cache, and compiled by worker processes)
 _COUNTS = ("kernels", "externs", "fallbacks", "kernel_binary_hits", "compiled_in_workers")
 
@@ -16,6 +18,7 @@ STAGES = ("import", "lowering", "scheduling", "codegen", "wrapper")  # Rust's st
 
 class Metrics:
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
@@ -36,7 +39,12 @@ class Metrics:
         self._dynamo_base = _dynamo_seconds()
 
     def record(self, entry: dict) -> None:
-        """Adds one compiled (or eagerly run) graph; `entry` becomes `last`."""
+        """Adds one compiled (or eagerly run) graph; `entry` becomes `last`. A training graph's
+        forward may record from the thread its kernels compiled on while its backward records."""
+        with self._lock:
+            self._add(entry)
+
+    def _add(self, entry: dict) -> None:
         self.last = entry
         t = self.total
         t["graphs"] += 1

@@ -30,27 +30,33 @@ _libraries: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _load_ids = itertools.count()
 _load_lock = threading.Lock()
 # Options of the compile that is importing a wrapper module, so its kernels are looked up in the
-# same cache with the same compiler; None outside the backend (e.g. running output_code.py).
-_compile_options: str | None = None
+# same cache with the same compiler; unset outside the backend (e.g. running output_code.py).
+# Per thread: a training graph's forward may be imported on a thread while its backward is.
+_compile_options = threading.local()
 
 
 @contextlib.contextmanager
 def compile_options(options: str):
-    global _compile_options
-    saved, _compile_options = _compile_options, options
+    saved = getattr(_compile_options, "value", None)
+    _compile_options.value = options
     try:
         yield
     finally:
-        _compile_options = saved
+        _compile_options.value = saved
 
 
 def load_kernels(source: str) -> ctypes.CDLL:
-    """Compiles (or finds cached) the C++ translation unit `source` and loads it. Rust verifies
-    the cached library against its manifest and hands over an open file of the verified bytes;
-    that file is what is loaded, whatever the path names by then."""
+    """Compiles (or finds cached) the C++ translation unit `source` and loads it."""
+    return load_kernels_reporting(source)[0]
+
+
+def load_kernels_reporting(source: str) -> tuple:
+    """(`load_kernels(source)`, whether the library was in the cache). Rust verifies the cached
+    library against its manifest and hands over an open file of the verified bytes; that file
+    is what is loaded, whatever the path names by then. The compile runs without the GIL."""
     from . import _ferrocore
 
-    path, fd = _ferrocore.load_cpp(source, _compile_options or options_json())
+    path, fd, cache_hit = _ferrocore.load_cpp(source, getattr(_compile_options, "value", None) or options_json())
     try:
         with _load_lock:
             lib = _libraries.get(path)
@@ -58,7 +64,7 @@ def load_kernels(source: str) -> ctypes.CDLL:
                 lib = _libraries[path] = _load_open_file(path, fd)
     finally:
         os.close(fd)
-    return lib
+    return lib, cache_hit
 
 
 def host_kernel(lib: ctypes.CDLL, name: str, pointers: int):

@@ -92,29 +92,38 @@ fn compile_graph_detached(graph_json: &str, options_json: &str, progress: &runti
             "graph_fallback": r.graph_fallback,
             "output_strides": r.output_strides,
             "extern_ops": r.extern_ops,
+            "cpp_source": r.cpp_source,
         });
         Ok(out.to_string())
     })
 }
 
-/// Compiles (or finds in the cache) a C++ translation unit; returns the library path.
+/// Compiles (or finds in the cache) a C++ translation unit; returns the library path. Like
+/// every entry point below that reads files, runs the compiler or calls the driver, it releases
+/// the GIL: the backend's other threads (kernel compiles, GEMM timings) and the graph being
+/// serialized meanwhile would otherwise stall for the whole call.
 #[pyfunction]
-fn compile_cpp(source: &str, options_json: &str) -> PyResult<String> {
-    guarded("compile_cpp", || {
-        let options = parse_options(options_json)?;
-        let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
-        Ok(lib.path.to_string_lossy().into_owned())
+fn compile_cpp(py: Python<'_>, source: &str, options_json: &str) -> PyResult<String> {
+    py.detach(|| {
+        guarded("compile_cpp", || {
+            let options = parse_options(options_json)?;
+            let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
+            Ok(lib.path.to_string_lossy().into_owned())
+        })
     })
 }
 
 /// Like `compile_cpp`, plus an open file descriptor of the verified library (the caller loads
-/// `/proc/self/fd/N` and closes it): what is loaded is what was verified.
+/// `/proc/self/fd/N` and closes it: what is loaded is what was verified) and whether it was in
+/// the cache.
 #[pyfunction]
-fn load_cpp(source: &str, options_json: &str) -> PyResult<(String, i32)> {
-    guarded("load_cpp", || {
-        let options = parse_options(options_json)?;
-        let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
-        Ok((lib.path.to_string_lossy().into_owned(), lib.file.into_raw_fd()))
+fn load_cpp(py: Python<'_>, source: &str, options_json: &str) -> PyResult<(String, i32, bool)> {
+    py.detach(|| {
+        guarded("load_cpp", || {
+            let options = parse_options(options_json)?;
+            let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
+            Ok((lib.path.to_string_lossy().into_owned(), lib.file.into_raw_fd(), lib.cache_hit))
+        })
     })
 }
 
@@ -135,32 +144,36 @@ fn prepare_cpp(py: Python<'_>, options_json: &str) -> PyResult<bool> {
 /// The bytes of cache entry `rel` under `cache_dir` if they match its manifest, else None.
 #[pyfunction]
 fn cache_read<'py>(py: Python<'py>, cache_dir: &str, rel: &str) -> PyResult<Option<Bound<'py, PyBytes>>> {
-    let entry = guarded("cache_read", || {
-        let cache = runtime::Cache::open(Path::new(cache_dir)).map_err(|e| e.to_string())?;
-        cache.load(rel).map_err(|e| e.to_string())
+    let entry = py.detach(|| {
+        guarded("cache_read", || {
+            let cache = runtime::Cache::open(Path::new(cache_dir)).map_err(|e| e.to_string())?;
+            cache.load(rel).map_err(|e| e.to_string())
+        })
     })?;
     Ok(entry.map(|e| PyBytes::new(py, &e.bytes)))
 }
 
 /// Writes cache entry `rel` under `cache_dir` and its manifest.
 #[pyfunction]
-fn cache_write(cache_dir: &str, rel: &str, data: &[u8]) -> PyResult<()> {
-    guarded("cache_write", || {
-        let cache = runtime::Cache::open(Path::new(cache_dir)).map_err(|e| e.to_string())?;
-        cache.store(rel, data).map(|_| ()).map_err(|e| e.to_string())
+fn cache_write(py: Python<'_>, cache_dir: &str, rel: &str, data: &[u8]) -> PyResult<()> {
+    py.detach(|| {
+        guarded("cache_write", || {
+            let cache = runtime::Cache::open(Path::new(cache_dir)).map_err(|e| e.to_string())?;
+            cache.store(rel, data).map(|_| ()).map_err(|e| e.to_string())
+        })
     })
 }
 
 /// Evicts least recently used entries until `cache_dir` holds at most `max_bytes`; JSON stats.
 #[pyfunction]
-fn evict_cache(cache_dir: &str, max_bytes: u64, stale_after_s: f64) -> PyResult<String> {
-    guarded("evict_cache", || {
+fn evict_cache(py: Python<'_>, cache_dir: &str, max_bytes: u64, stale_after_s: f64) -> PyResult<String> {
+    py.detach(|| guarded("evict_cache", || {
         let cache = runtime::Cache::open(Path::new(cache_dir)).map_err(|e| e.to_string())?;
         let stale = Duration::try_from_secs_f64(stale_after_s).map_err(|e| format!("stale_after_s: {e}"))?;
         let r = runtime::evict::evict(&cache, max_bytes, stale).map_err(|e| e.to_string())?;
         Ok(json!({"total_bytes": r.total_bytes, "removed_entries": r.removed_entries, "removed_bytes": r.removed_bytes})
             .to_string())
-    })
+    }))
 }
 
 /// The default cache directory (what `Options::default` uses).
@@ -184,10 +197,12 @@ impl CudaDriver {
 
     /// Loads kernel `name` of `cubin` on `device`; `trailing_nulls` null pointers follow the
     /// buffers at each launch (a Triton kernel's scratch parameters).
-    fn load(&self, cubin: &[u8], name: &str, device: i32, num_warps: u32, shared: u32, trailing_nulls: u32) -> PyResult<CudaKernel> {
-        guarded("CudaDriver.load", || {
-            let config = cuda::LaunchConfig { num_warps, shared, trailing_nulls };
-            cuda::Kernel::load(&self.driver, cubin, name, device, config).map(|kernel| CudaKernel { kernel }).map_err(|e| e.to_string())
+    fn load(&self, py: Python<'_>, cubin: &[u8], name: &str, device: i32, num_warps: u32, shared: u32, trailing_nulls: u32) -> PyResult<CudaKernel> {
+        py.detach(|| {
+            guarded("CudaDriver.load", || {
+                let config = cuda::LaunchConfig { num_warps, shared, trailing_nulls };
+                cuda::Kernel::load(&self.driver, cubin, name, device, config).map(|kernel| CudaKernel { kernel }).map_err(|e| e.to_string())
+            })
         })
     }
 }

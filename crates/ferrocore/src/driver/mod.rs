@@ -118,6 +118,9 @@ pub struct CompileResult {
     pub output_strides: Vec<Option<Vec<i64>>>,
     /// The callee of every library call, in program order.
     pub extern_ops: Vec<String>,
+    /// The C++ translation unit, when the options left its compile to the caller
+    /// (`skip_native_compile`): the front compiles it on a thread while the next graph compiles.
+    pub cpp_source: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -231,6 +234,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
                 graph_fallback: Some(reason),
                 output_strides: Vec::new(),
                 extern_ops: Vec::new(),
+                cpp_source: None,
             });
         }
         Err(e) => return Err(CompileError { stage: "codegen", message: e.to_string() }),
@@ -241,7 +245,9 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
     });
     st.emit("output_code", || module.clone());
     let mut cache_hit = false;
-    if !options.skip_native_compile && !kernels.launches.is_empty() && language == KernelLanguage::Cpp {
+    let native = !kernels.launches.is_empty() && language == KernelLanguage::Cpp;
+    let cpp_source = (native && options.skip_native_compile).then(|| kernels.source.clone());
+    if native && !options.skip_native_compile {
         let lib = st
             .time("cpp_compile", || runtime::compile_cpp(&kernels.source, &options.cache_dir, &options.cxx, progress))
             .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
@@ -281,6 +287,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         graph_fallback: None,
         output_strides,
         extern_ops,
+        cpp_source,
     })
 }
 
