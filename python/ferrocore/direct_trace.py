@@ -15,8 +15,10 @@ which `joint_split` splits into forward and backward.
 What the lean pass does not handle raises `NeedsAot` with the reason, and the graph goes
 through AOT autograd as before: symbolic sizes, parameters held by the graph module,
 higher-order ops, grad-mode changes (in a training graph: grad mode left off), data-dependent
-ops, writes into views or into inputs autograd tracks (any input, for inference), and outputs
-aliasing inputs or each other. Around an inference graph traced here, AOT autograd's runtime is
+ops, writes into a tensor that has views, into a view of anything but a dense tensor the graph
+made (such a write is a scatter into its base, `as_strided_scatter`, whose other views are read
+anew), or into inputs autograd tracks (any input, for inference), and outputs aliasing inputs or
+each other. Around an inference graph traced here, AOT autograd's runtime is
 a call with grad off (`aot_runtime.inference_call`); around a training graph, its
 autograd.Function (`aot_runtime.training_call`).
 """
@@ -352,7 +354,9 @@ class _Recorder(TorchDispatchMode):
                 or written[0] is not func._schema.arguments[0] or not isinstance(args[0], torch.Tensor)):
             raise NeedsAot(f"{func} writes into a tensor")
         target = args[0]
-        self._check_writable(func, target)
+        base = None if torch.Tag.inplace_view in func.tags else self._fresh_base(target)
+        if base is None:
+            self._check_writable(func, target)
         functional = getattr(getattr(torch.ops.aten, packet[:-1], None), func._overloadname, None)
         if functional is None:
             raise NeedsAot(f"{func} has no functional form")
@@ -365,8 +369,40 @@ class _Recorder(TorchDispatchMode):
             func(*args, **kwargs)  # the fake takes the view's sizes and strides
         if not isinstance(out, torch.Tensor) or not _same_layout(out, target):
             raise NeedsAot(f"{func} changes its tensor's layout")
-        self.nodes[target] = self.nodes[out]
+        if base is not None:
+            self._write_into_view(base, target, out)
+        else:
+            self.nodes[target] = self.nodes[out]
         return target
+
+    def _fresh_base(self, target: torch.Tensor) -> torch.Tensor | None:
+        """The base of `target` when it is a view of a dense tensor the graph made (no input,
+        no constant), which a write into the view may rewrite (`_write_into_view`); else None."""
+        base = target._base
+        if base is None or target not in self.nodes or base not in self.nodes:
+            return None
+        if id(base) in self.read_only or id(target) in self.read_only or id(base) in self.inputs:
+            return None
+        if not base.is_contiguous() or base.storage_offset() != 0:
+            return None
+        return base
+
+    def _write_into_view(self, base: torch.Tensor, target: torch.Tensor, value: torch.Tensor) -> None:
+        """What functionalization makes of a write into a view of a fresh tensor: the base with
+        the view's new `value` scattered in, and every live tensor on its storage read from that
+        (autograd's backward of some views copies the gradient into an `as_strided` view of
+        zeros it lays out itself)."""
+        storage = StorageWeakRef(base.untyped_storage())
+        aliases = [t for t in list(self.nodes.keys())
+                   if t is not base and StorageWeakRef(t.untyped_storage()) == storage]
+        with self:
+            new_base = torch.ops.aten.as_strided_scatter.default(base, value, target.size(), target.stride(),
+                                                                 target.storage_offset())
+        self.nodes[base] = self.nodes[new_base]
+        for alias in aliases:
+            with self:
+                view = torch.ops.aten.as_strided.default(new_base, alias.size(), alias.stride(), alias.storage_offset())
+            self.nodes[alias] = self.nodes[view]
 
     def _write_through_twin(self, func, twin, written: list, args, kwargs):
         schema = func._schema
