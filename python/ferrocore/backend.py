@@ -229,6 +229,9 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
     recorded: dict = {"graphs": [], "bypass": None}
     family = cudagraphs.Family()
     saved = list(range(joint.num_outputs, joint.num_outputs + len(parts.saved_is_input)))
+    if _gpu_of(example_inputs) is None and not overrides.get("cpp_jobs"):
+        # the forward's C++ compiles on a thread beside the backward's: half the CPUs each
+        overrides = {**overrides, "cpp_jobs": max(1, len(os.sched_getaffinity(0)) // 2)}
     strides = _visible_output_strides(parts.forward, user_strides, inference=False)
     reported: list = []
     later = KernelsLater()

@@ -96,7 +96,7 @@ def _bytes_of(dense: torch.Tensor) -> bytes:
 
 # ---- the key ----------------------------------------------------------------------------------
 
-UNKEYED_OPTIONS = ("compile_workers", "progress")
+UNKEYED_OPTIONS = ("compile_workers", "progress", "cpp_jobs")
 
 
 def key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str:

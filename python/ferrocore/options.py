@@ -24,7 +24,8 @@ LOG_CHANNELS = (
     "trace",
 )
 _KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
-         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers", "progress", "direct_trace")
+         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers", "progress", "direct_trace",
+         "cpp_jobs")
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
@@ -67,6 +68,9 @@ def build_options(overrides: dict | None = None) -> dict:
         # inference graphs traced to ATen in one pass where AOT autograd's machinery is not
         # needed (`direct_trace`); "0" sends every graph through AOT autograd; front only
         "direct_trace": _flag(os.environ.get("FERROCORE_DIRECT_TRACE") or "1"),
+        # C++ translation units one graph's compile runs at once (0: one per CPU, at most 8); a
+        # training graph's forward and backward compile side by side with half the CPUs each
+        "cpp_jobs": int(os.environ.get("FERROCORE_CPP_JOBS") or 0),
     }
     for key, value in (overrides or {}).items():
         if key in _KEYS:

@@ -107,7 +107,9 @@ fn compile_cpp(py: Python<'_>, source: &str, options_json: &str) -> PyResult<Str
     py.detach(|| {
         guarded("compile_cpp", || {
             let options = parse_options(options_json)?;
-            let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
+            let jobs = runtime::CppJobs::at_most(options.cpp_jobs);
+            let lib = runtime::compile_cpp_with(source, &options.cache_dir, &options.cxx, &jobs, &runtime::Progress::default())
+                .map_err(|e| e.to_string())?;
             Ok(lib.path.to_string_lossy().into_owned())
         })
     })
@@ -121,7 +123,9 @@ fn load_cpp(py: Python<'_>, source: &str, options_json: &str) -> PyResult<(Strin
     py.detach(|| {
         guarded("load_cpp", || {
             let options = parse_options(options_json)?;
-            let lib = runtime::compile_cpp(source, &options.cache_dir, &options.cxx, &runtime::Progress::default()).map_err(|e| e.to_string())?;
+            let jobs = runtime::CppJobs::at_most(options.cpp_jobs);
+            let lib = runtime::compile_cpp_with(source, &options.cache_dir, &options.cxx, &jobs, &runtime::Progress::default())
+                .map_err(|e| e.to_string())?;
             Ok((lib.path.to_string_lossy().into_owned(), lib.file.into_raw_fd(), lib.cache_hit))
         })
     })

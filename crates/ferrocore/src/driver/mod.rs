@@ -28,6 +28,8 @@ pub struct Options {
     pub cxx: String,
     /// Skip the native compile (for tests of the earlier stages).
     pub skip_native_compile: bool,
+    /// Translation units one C++ compile may run at once (0: one per CPU, up to 8).
+    pub cpp_jobs: usize,
     /// Which kernel backend renders the fused kernels.
     pub backend: BackendChoice,
     /// How convolution graphs lay out their activations (`auto`, `channels_last`, `contiguous`).
@@ -76,6 +78,7 @@ impl Default for Options {
             debug_dir: None,
             cxx: "g++".into(),
             skip_native_compile: false,
+            cpp_jobs: 0,
             backend: BackendChoice::Auto,
             conv_layout: ConvLayout::Auto,
             pad_mm: PadMm::Measured,
@@ -249,7 +252,9 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
     let cpp_source = (native && options.skip_native_compile).then(|| kernels.source.clone());
     if native && !options.skip_native_compile {
         let lib = st
-            .time("cpp_compile", || runtime::compile_cpp(&kernels.source, &options.cache_dir, &options.cxx, progress))
+            .time("cpp_compile", || {
+                runtime::compile_cpp_with(&kernels.source, &options.cache_dir, &options.cxx, &runtime::CppJobs::at_most(options.cpp_jobs), progress)
+            })
             .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
         cache_hit = lib.cache_hit;
     }

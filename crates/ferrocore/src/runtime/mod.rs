@@ -181,6 +181,16 @@ pub struct CppJobs {
     pub min_unit_bytes: usize,
 }
 
+impl CppJobs {
+    /// At most `jobs` units (0: as many as `cpp_unit_jobs`): a compile that runs beside another
+    /// takes its share of the CPUs, since each extra unit costs a compiler process, the
+    /// precompiled prelude's load and a link.
+    pub fn at_most(jobs: usize) -> CppJobs {
+        let jobs = if jobs == 0 { cpp_unit_jobs() } else { jobs.min(MAX_UNITS) };
+        CppJobs { jobs, min_unit_bytes: MIN_UNIT_BYTES }
+    }
+}
+
 /// `compile_cpp` under the unit policy `split`.
 pub fn compile_cpp_with(source: &str, cache_dir: &Path, cxx: &str, split: &CppJobs, progress: &Progress) -> Result<CompiledLibrary, RuntimeError> {
     let (jobs, min_unit_bytes) = (split.jobs, split.min_unit_bytes);
