@@ -359,24 +359,31 @@ class _NormedMlp(torch.nn.Module):
             + self.fc2(self.norm(self.fc1(x))).logsumexp(-1).mean()
 
 
-def test_training_step_is_eagers(capfd):
+def _training_step_against_eager(batch: int, capfd):
+    """A training step of `_NormedMlp` compiled and eager: (the compiled model, the eager one);
+    checks the loss and the gradients, and that the graph was traced directly."""
     import copy
 
-    import ferrocore
-
     torch.manual_seed(0)
-    model, x = _NormedMlp().train(), torch.randn(6, 8)
+    model, x = _NormedMlp().train(), torch.randn(batch, 8)
     eager = copy.deepcopy(model)
     want = eager(x)
     want.backward()
     got, log = _compiled(model, x, capfd=capfd)
     got.backward()
     assert "traced directly with its backward" in log, log
-    parts = ferrocore.metrics.compile_time()
-    assert parts["trace"] > 0 and parts["aot"] == 0, parts
     torch.testing.assert_close(got, want)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+    return model, eager, x
+
+
+def test_training_step_is_eagers(capfd):
+    import ferrocore
+
+    model, eager, x = _training_step_against_eager(6, capfd)
+    parts = ferrocore.metrics.compile_time()
+    assert parts["trace"] > 0 and parts["aot"] == 0, parts
     for (name, b), c in zip(model.named_buffers(), eager.buffers()):  # running statistics, written twice
         torch.testing.assert_close(b, c, msg=name)
         assert b.dtype == c.dtype
@@ -387,7 +394,6 @@ def test_training_step_is_eagers(capfd):
 
 
 def test_training_forward_cpp_compiles_on_a_thread_while_the_backward_compiles(capfd, monkeypatch):
-    import copy
     import threading
 
     import ferrocore
@@ -401,20 +407,10 @@ def test_training_forward_cpp_compiles_on_a_thread_while_the_backward_compiles(c
         return load(source)
 
     monkeypatch.setattr(runtime, "load_kernels_reporting", recording)
-    torch.manual_seed(0)
-    model, x = _NormedMlp().train(), torch.randn(7, 8)
-    eager = copy.deepcopy(model)
-    want = eager(x)
-    want.backward()
-    got, log = _compiled(model, x, capfd=capfd)
-    got.backward()
-    assert "traced directly with its backward" in log, log
+    _training_step_against_eager(7, capfd)
     assert False in on_main_thread, on_main_thread  # the forward's C++, while the backward compiled
     total = ferrocore.metrics.total
     assert total["graphs"] == 2 and total["timings_ms"]["cpp_compile"] > 0, total
-    torch.testing.assert_close(got, want)
-    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
 def _strided_view_of_a_permute(x, w):

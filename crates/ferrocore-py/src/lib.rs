@@ -104,15 +104,7 @@ fn compile_graph_detached(graph_json: &str, options_json: &str, progress: &runti
 /// serialized meanwhile would otherwise stall for the whole call.
 #[pyfunction]
 fn compile_cpp(py: Python<'_>, source: &str, options_json: &str) -> PyResult<String> {
-    py.detach(|| {
-        guarded("compile_cpp", || {
-            let options = parse_options(options_json)?;
-            let jobs = runtime::CppJobs::at_most(options.cpp_jobs);
-            let lib = runtime::compile_cpp_with(source, &options.cache_dir, &options.cxx, &jobs, &runtime::Progress::default())
-                .map_err(|e| e.to_string())?;
-            Ok(lib.path.to_string_lossy().into_owned())
-        })
-    })
+    py.detach(|| guarded("compile_cpp", || Ok(compiled_library(source, options_json)?.path.to_string_lossy().into_owned())))
 }
 
 /// Like `compile_cpp`, plus an open file descriptor of the verified library (the caller loads
@@ -122,13 +114,16 @@ fn compile_cpp(py: Python<'_>, source: &str, options_json: &str) -> PyResult<Str
 fn load_cpp(py: Python<'_>, source: &str, options_json: &str) -> PyResult<(String, i32, bool)> {
     py.detach(|| {
         guarded("load_cpp", || {
-            let options = parse_options(options_json)?;
-            let jobs = runtime::CppJobs::at_most(options.cpp_jobs);
-            let lib = runtime::compile_cpp_with(source, &options.cache_dir, &options.cxx, &jobs, &runtime::Progress::default())
-                .map_err(|e| e.to_string())?;
+            let lib = compiled_library(source, options_json)?;
             Ok((lib.path.to_string_lossy().into_owned(), lib.file.into_raw_fd(), lib.cache_hit))
         })
     })
+}
+
+fn compiled_library(source: &str, options_json: &str) -> Result<runtime::CompiledLibrary, String> {
+    let options = parse_options(options_json)?;
+    let jobs = runtime::CppJobs::at_most(options.cpp_jobs);
+    runtime::compile_cpp_with(source, &options.cache_dir, &options.cxx, &jobs, &runtime::Progress::default()).map_err(|e| e.to_string())
 }
 
 /// Builds the C++ prelude's precompiled header if the cache lacks it (without holding the GIL:
