@@ -802,6 +802,7 @@ class _GraphLoad:
         self.device = torch.device(graph.device) if graph.device is not None else None
         self.reporter = progress.current()
         self.module = None
+        self.ticket = metrics.ticket()
 
     def run(self, cpp_source: str | None) -> None:
         self.run_module(cpp_source)
@@ -840,7 +841,7 @@ class _GraphLoad:
             timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
         _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not self.cpp_cache_hit)
         metrics.record(_entry(graph.name, timings, cpp_cache_hit=self.cpp_cache_hit, module_path=graph.module_path,
-                              **graph.counts, **self.fields, **tuned))
+                              **graph.counts, **self.fields, **tuned), self.ticket)
 
 
 def _with_argument_moves(call: Callable, graph: graph_cache.CompiledGraph) -> Callable:

@@ -6,6 +6,7 @@ separate graphs); `metrics.total` sums every graph since the last `reset()`.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 # (GPU kernels: binaries loaded from the cache, and compiled by worker processes)
@@ -23,6 +24,8 @@ class Metrics:
 
     def reset(self) -> None:
         self.last: dict = {}
+        self._tickets = itertools.count()
+        self._last_ticket = -1
         self.total: dict = {
             "graphs": 0,
             "kernels": 0,
@@ -38,14 +41,23 @@ class Metrics:
         }
         self._dynamo_base = _dynamo_seconds()
 
-    def record(self, entry: dict) -> None:
-        """Adds one compiled (or eagerly run) graph; `entry` becomes `last`. A training graph's
-        forward may record from the thread its kernels compiled on while its backward records."""
+    def ticket(self) -> int:
+        """A graph's place in compile order, taken before its kernels compile: a training graph's
+        forward may record from the thread its kernels compiled on after its backward recorded,
+        and `last` stays the backward."""
         with self._lock:
+            return next(self._tickets)
+
+    def record(self, entry: dict, ticket: int | None = None) -> None:
+        """Adds one compiled (or eagerly run) graph; `entry` becomes `last` unless a graph later
+        in compile order (`ticket`) recorded already."""
+        with self._lock:
+            ticket = next(self._tickets) if ticket is None else ticket
+            if ticket >= self._last_ticket:
+                self.last, self._last_ticket = entry, ticket
             self._add(entry)
 
     def _add(self, entry: dict) -> None:
-        self.last = entry
         t = self.total
         t["graphs"] += 1
         for key in _COUNTS:
