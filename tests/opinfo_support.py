@@ -342,14 +342,14 @@ def observe_ferrocore():
 
     reasons: list[str] = []
 
-    def record(entry, _original=type(metrics).record):
+    def record(entry, *more, _original=type(metrics).record):
         observed.graphs += 1
         observed.graph_fallbacks += int(bool(entry.get("graph_fallback")))
         observed.fallback_ops.extend(entry.get("fallback_ops") or [])
         if entry.get("graph_fallback"):
             reason = reasons.pop() if reasons else "?"
             observed.fallback_ops.append(f"<graph ran eagerly: {reason}>")
-        _original(metrics, entry)
+        _original(metrics, entry, *more)
 
     original_compile = getattr(backend, "_compile", None)
     original_serialize = getattr(backend, "serialize_graph", None)

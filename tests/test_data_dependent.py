@@ -42,9 +42,9 @@ def observed(monkeypatch):
     entries = []
     original = type(metrics).record
 
-    def record(self, entry):
+    def record(self, entry, *more):
         entries.append(entry)
-        original(self, entry)
+        original(self, entry, *more)
 
     monkeypatch.setattr(type(metrics), "record", record)
     return entries

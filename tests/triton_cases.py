@@ -473,9 +473,9 @@ def run_case(name: str) -> dict:
     entries = []
     record = fc_backend.metrics.record
 
-    def spy(entry):
+    def spy(entry, *more):
         entries.append(entry)
-        record(entry)
+        record(entry, *more)
 
     fc_backend.metrics.record = spy
     try:
