@@ -52,7 +52,7 @@ class Measurements:
     (`padded_matmuls`). They are timed on the calling thread, before the graphs compile: timed
     on a thread of its own while the compile ran Python, each launch waited for the interpreter
     lock and the CUDA events counted the waits (a padded GEMM, with more launches, measured up
-    to 25% slower than alone), and GPT-2's three took 444 ms instead of 46."""
+    to 25% slower than alone), and BERT's three took 444 ms instead of 46."""
 
     def __init__(self, gm: torch.fx.GraphModule, opts: dict):
         self._timings: dict = {}

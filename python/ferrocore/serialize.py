@@ -99,12 +99,11 @@ def graph_to_dict(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> dict:
     graph = gm.graph if isinstance(gm, torch.fx.GraphModule) else gm
     nodes = list(graph.nodes)
     constants = lifted_constants(gm)
-    op_names: dict = {}
     # placeholders refer to nothing: the lifted constants go right after the real inputs
-    inputs = [_node(n, op_names) for n in nodes if n.op == "placeholder"]
+    inputs = [_node(n) for n in nodes if n.op == "placeholder"]
     lifted = [n for n in nodes if n.op == "get_attr"]
     inputs += [_constant_input(n, t) for n, t in zip(lifted, constants)]
-    rest = [_node(n, op_names) for n in nodes if n.op not in ("placeholder", "get_attr")]
+    rest = [_node(n) for n in nodes if n.op not in ("placeholder", "get_attr")]
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -117,7 +116,7 @@ def _constant_input(n: torch.fx.Node, t: torch.Tensor) -> dict:
     return {"kind": "placeholder", "name": n.name, "meta": _meta(t, n)}
 
 
-def _node(n: torch.fx.Node, op_names: dict) -> dict:
+def _node(n: torch.fx.Node) -> dict:
     if n.op == "placeholder":
         val = n.meta.get("val")
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -140,7 +139,7 @@ def _node(n: torch.fx.Node, op_names: dict) -> dict:
         return {
             "kind": "call_function",
             "name": n.name,
-            "target": _target(n, op_names),
+            "target": _target(n),
             "args": [_arg(a, n) for a in n.args],
             "kwargs": {k: _arg(v, n) for k, v in n.kwargs.items()},
             "meta": _meta(n.meta.get("val"), n),
@@ -151,19 +150,14 @@ def _node(n: torch.fx.Node, op_names: dict) -> dict:
     raise UnsupportedGraph(f"node {n.name} is a {n.op} node")
 
 
-def _target(n: torch.fx.Node, op_names: dict) -> str:
-    """The node's op as the importer names it; `op_names` keeps each op's name once made (a
-    graph calls a few dozen ops thousands of times)."""
+def _target(n: torch.fx.Node) -> str:
     t = n.target
     if t is operator.getitem:
         return "getitem"
     if isinstance(t, torch._ops.OpOverload):
         # e.g. "aten.add.Tensor"; other namespaces (prims, custom ops) have no lowering and run
         # as logged per-node fallbacks through `torch.ops.<name>`
-        name = op_names.get(t)
-        if name is None:
-            name = op_names[t] = str(t)
-        return name
+        return str(t)
     qualname = getattr(t, "__qualname__", None) or getattr(t, "__name__", repr(t))
     raise UnsupportedGraph(
         f"node {n.name} calls python:{getattr(t, '__module__', '?')}.{qualname}"

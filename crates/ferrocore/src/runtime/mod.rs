@@ -171,7 +171,7 @@ fn line_directive_name(path: &Path) -> String {
 /// (`plan_cpp_units`) compiled by parallel compiler processes, then linked; the cache key is the
 /// whole source's, however it was built.
 pub fn compile_cpp(source: &str, cache_dir: &Path, cxx: &str, progress: &Progress) -> Result<CompiledLibrary, RuntimeError> {
-    compile_cpp_with(source, cache_dir, cxx, &CppJobs { jobs: cpp_unit_jobs(), min_unit_bytes: MIN_UNIT_BYTES }, progress)
+    compile_cpp_with(source, cache_dir, cxx, &CppJobs::at_most(0), progress)
 }
 
 /// How a source may be cut into units: at most `jobs`, of at least `min_unit_bytes` of kernels.
