@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .fake_calls import FakeCalls
 from .serialize import module_attr
 
 
@@ -215,6 +216,7 @@ class _Recorder(TorchDispatchMode):
         self.tangents = 0
         self.table = decompositions
         self.fake_mode = fake_mode
+        self.fake_calls = FakeCalls(fake_mode)
         self.root = torch.nn.Module()
         self.graph = torch.fx.Graph()
         self.meta: dict = {}  # the meta of the Dynamo node being run
@@ -313,7 +315,7 @@ class _Recorder(TorchDispatchMode):
             func = torch.ops.aten.lift_fresh_copy.default  # the constant stays unwritten (as make_fx)
         node = self.graph.create_node("call_function", func, self._node_of(args), self._node_of(_explicit(func, kwargs)),
                                       name=func.overloadpacket.__name__)
-        out = func(*args, **kwargs)
+        out = self.fake_calls(func, args, kwargs)
         self._annotate(node)
         if is_factory(func) and isinstance(out, torch.Tensor):
             # torch's factory functions detach a result Python still holds: the node keeps an alias
