@@ -146,6 +146,27 @@ def test_training_compiles_forward_and_backward(fake):
     assert ferrocore.metrics.total["kernels"] == 4
 
 
+def test_a_compile_defers_full_collections_and_restores_the_collector(fake, monkeypatch):
+    import gc
+
+    from ferrocore import backend
+
+    seen = []
+    compile_graph = backend._compile_dynamo_graph
+
+    def spy(*args):
+        seen.append((gc.get_threshold()[2], gc.get_freeze_count() > 0))
+        return compile_graph(*args)
+
+    monkeypatch.setattr(backend, "_compile_dynamo_graph", spy)
+    before = gc.get_threshold()
+    fn = torch.compile(lambda x: x.cos() + 1, backend=ferrocore_backend, dynamic=False)
+    x = torch.randn(4)
+    torch.testing.assert_close(fn(x), x.cos() + 1)
+    assert seen == [(max(before[2], backend._FULL_COLLECTION_DEFERRED), True)]
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
 def test_symbolic_graph_is_specialized_to_the_call_shapes(fake):
     fn = torch.compile(lambda x: x.cos() + 1, backend=ferrocore_backend, dynamic=True)
     x = torch.randn(6)

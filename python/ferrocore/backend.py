@@ -58,6 +58,9 @@ def _start_compile_workers_early() -> None:
 # torch.compile modes that record CUDA graphs, and those that autotune kernels, as Inductor's do.
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
+# the collector's generation-2 threshold during a compile: a full collection after this many
+# generation-1 collections (CPython's default is 10)
+_FULL_COLLECTION_DEFERRED = 1000
 
 
 def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
@@ -71,20 +74,24 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
 
 @contextlib.contextmanager
 def _collector_spared():
-    """Keeps the cyclic garbage collector off the objects that existed before a compile (the
-    model, Dynamo's state): a compile allocates enough to set off full collections, each of which
-    walked the whole heap (GPT-2's training graph on the H100's host: one of 0.39 s inside its
-    backward's serialization; 0.31 s with the older objects spared). What dies meanwhile is
-    collected once the compile is over. Left alone where the program froze objects itself, or
-    turned the collector off."""
+    """Keeps the cyclic garbage collector's full collections out of a compile. A compile
+    allocates enough to set off several, each walking the whole heap (GPT-2's training graph on
+    the H100's host: one of 0.39 s inside its backward's serialization). The objects that existed
+    before (the model, Dynamo's state) are frozen, and full collections wait until the compile is
+    over (torch 2.15's Dynamo defers them likewise, `gc_gen2_threshold_during_compile`); the
+    younger generations are still collected. Left alone where the program froze objects itself,
+    or turned the collector off."""
     if gc.get_freeze_count() or not gc.isenabled():
         yield
         return
+    thresholds = gc.get_threshold()
+    gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], _FULL_COLLECTION_DEFERRED))
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 def _compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict) -> Callable:

@@ -291,9 +291,13 @@ class _Recorder(TorchDispatchMode):
     # ---- ops ----
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         if func is torch.ops.prim.device.default:
-            return func(*args, **kwargs)
+            # (thousands of calls a trace) what FakeTensor answers, without the dispatch there
+            x = args[0]
+            if type(x) is torch._subclasses.FakeTensor and not x.fake_mode.in_kernel_invocation:
+                return x.fake_device
+            return func(*args)
+        kwargs = kwargs or {}
         if func._schema.is_mutable:
             # before any decomposition: functionalization turns `hardswish_` into `hardswish`,
             # whose decomposition make_fx then records

@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 _UNREMEMBERED_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
                       torch.Tag.nondeterministic_seeded, torch.Tag.inplace_view)
-_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_PLAIN = frozenset((int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,17 +55,17 @@ class FakeCalls:
         self.mode = fake_mode
         self.entries: dict = {}
         self.hits = 0
-        self.never: set = set()  # ops never remembered (by their tags)
+        self.rememberable: dict = {}  # op -> whether its calls may be remembered (by its tags)
 
     def __call__(self, func, args, kwargs):
-        if func in self.never:
-            return func(*args, **kwargs)
-        if any(tag in func.tags for tag in _UNREMEMBERED_TAGS):
-            self.never.add(func)
+        rememberable = self.rememberable.get(func)
+        if rememberable is None:
+            rememberable = self.rememberable[func] = not any(tag in func.tags for tag in _UNREMEMBERED_TAGS)
+        if not rememberable:
             return func(*args, **kwargs)
         tensors: list = []
         try:
-            key = (func, _key(args, tensors), _key(kwargs, tensors))
+            key = (func, _key(args, tensors), _key(kwargs, tensors) if kwargs else None)
         except _Unkeyed:
             return func(*args, **kwargs)
         entry = self.entries.get(key)
@@ -96,21 +96,20 @@ class FakeCalls:
 
 def _key(value, tensors: list):
     """A hashable key of `value`'s metadata; its fake tensors are appended to `tensors`."""
-    if type(value) is FakeTensor:
+    kind = type(value)
+    if kind is FakeTensor:
         if value.constant is not None or value.layout != torch.strided:
             raise _Unkeyed
         tensors.append(value)
         return (FakeTensor, value.shape, value.stride(), value.storage_offset(), value.dtype, value.device,
                 value.requires_grad, value.is_conj(), value.is_neg())
-    if isinstance(value, torch.Tensor):
-        raise _Unkeyed
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_key(v, tensors) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple((k, _key(v, tensors)) for k, v in value.items()))
-    if value is None or isinstance(value, _PLAIN):
+    if kind in _PLAIN or value is None:
         # the type too: full(..., 1) and full(..., 1.0) differ in dtype, yet 1 == 1.0
-        return (type(value), value)
+        return (kind, value)
+    if kind is list or kind is tuple:
+        return (kind, tuple([_key(v, tensors) for v in value]))
+    if kind is dict:
+        return (dict, tuple([(k, _key(v, tensors)) for k, v in value.items()]))
     raise _Unkeyed
 
 
