@@ -147,24 +147,46 @@ def test_training_compiles_forward_and_backward(fake):
 
 
 def test_a_compile_defers_full_collections_and_restores_the_collector(fake, monkeypatch):
+    import contextlib
     import gc
 
     from ferrocore import backend
 
-    seen = []
-    compile_graph = backend._compile_dynamo_graph
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    with backend._collector_spared():
+        if frozen == 0 and gc.isenabled():
+            assert gc.get_threshold()[2] == max(before[2], backend._FULL_COLLECTION_DEFERRED)
+            assert gc.get_freeze_count() > 0
+        else:  # the program's own settings stand
+            assert (gc.get_threshold(), gc.get_freeze_count()) == (before, frozen)
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (before, frozen)
+    gc.disable()
+    try:
+        with backend._collector_spared():
+            assert (gc.get_threshold(), gc.get_freeze_count()) == (before, frozen)
+    finally:
+        gc.enable()
 
-    def spy(*args):
-        seen.append((gc.get_threshold()[2], gc.get_freeze_count() > 0))
+    # every backend call runs inside it
+    entered, calls = [], []
+    spared, compile_graph = backend._collector_spared, backend._compile_dynamo_graph
+
+    @contextlib.contextmanager
+    def counted():
+        entered.append(True)
+        with spared():
+            yield
+
+    def counted_compile(*args):
+        calls.append(True)
         return compile_graph(*args)
 
-    monkeypatch.setattr(backend, "_compile_dynamo_graph", spy)
-    before = gc.get_threshold()
+    monkeypatch.setattr(backend, "_collector_spared", counted)
+    monkeypatch.setattr(backend, "_compile_dynamo_graph", counted_compile)
     fn = torch.compile(lambda x: x.cos() + 1, backend=ferrocore_backend, dynamic=False)
     x = torch.randn(4)
     torch.testing.assert_close(fn(x), x.cos() + 1)
-    assert seen == [(max(before[2], backend._FULL_COLLECTION_DEFERRED), True)]
-    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert calls and len(entered) == len(calls)
 
 
 def test_symbolic_graph_is_specialized_to_the_call_shapes(fake):
