@@ -5,6 +5,7 @@ metrics, options and the runtime helpers. The real extension is exercised by tes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import importlib.util
 import json
@@ -212,16 +213,38 @@ def test_extension_errors_propagate(fake, monkeypatch):
         fn(torch.randn(3))
 
 
-def test_torch_compile_options_and_mode_are_accepted(fake):
+def test_torch_compile_options_and_mode_are_accepted(fake, tmp_path):
     fn = torch.compile(
         lambda x: x * 3,
         backend=ferrocore_backend,
         dynamic=False,
-        options={"cxx": "clang++", "logs": "graph", "unknown": 1},
+        options={"cxx": "clang++", "logs": ["graph"], "debug_dir": tmp_path / "dumps", "cpp_jobs": 2},
     )
     fn(torch.randn(2))
     (_, opts), = fake.graphs
-    assert opts["cxx"] == "clang++" and opts["logs"] == ["graph"] and "unknown" not in opts
+    assert opts["cxx"] == "clang++" and opts["logs"] == ["graph"] and opts["cpp_jobs"] == 2
+    assert opts["debug_dir"] == str(tmp_path / "dumps")
+    fn = torch.compile(lambda x: x * 4, backend=ferrocore_backend, dynamic=False, mode="default")
+    fn(torch.randn(2))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"options": {"unknown": 1}}, "unknown option 'unknown'; the options are cache_dir, logs"),
+    ({"options": {"cpp_jobs": "2"}}, "option 'cpp_jobs': expected int, got str '2'"),
+    ({"options": {"graph_cache": 0}}, "option 'graph_cache': expected bool, got int 0"),
+    ({"options": {"cpp_jobs": True}}, "option 'cpp_jobs': expected int, got bool True"),
+    ({"options": {"compile_workers": -1}}, "option 'compile_workers': must be >= 0"),
+    ({"options": {"logs": "graph,fusoin"}}, "option 'logs': unknown channel 'fusoin'"),
+    ({"options": {"pad_mm": "sometimes"}}, "option 'pad_mm': 'sometimes' is not one of measured"),
+    ({"mode": "bogus"}, "unknown mode 'bogus'; the modes are default, reduce-overhead"),
+], ids=["key", "type", "bool", "int-not-bool", "range", "log-channel", "choice", "mode"])
+def test_wrong_options_and_modes_raise_errors_naming_them(fake, kwargs, message):
+    fn = torch.compile(lambda x: x * 5, backend=ferrocore_backend, dynamic=False, **kwargs)
+    with pytest.raises(Exception, match=re.escape(message)) as caught:
+        fn(torch.randn(2))
+    # (Dynamo wraps what a backend raises)
+    assert isinstance(getattr(caught.value, "inner_exception", caught.value), options.OptionError)
+    assert not fake.graphs
 
 
 def test_compile_graph_helper_on_make_fx_graph(fake):

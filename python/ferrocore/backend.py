@@ -58,6 +58,7 @@ def _start_compile_workers_early() -> None:
 # torch.compile modes that record CUDA graphs, and those that autotune kernels, as Inductor's do.
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
+MODES = (None, "default", *CUDAGRAPH_MODES, *AUTOTUNE_MODES[1:])
 # the collector's generation-2 threshold during a compile: a full collection after this many
 # generation-1 collections (CPython's default is 10)
 _FULL_COLLECTION_DEFERRED = 1000
@@ -67,7 +68,7 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
     """Dynamo backend. `options=` (a dict) overrides env options; `mode="reduce-overhead"`
     records GPU graphs (inference, forward and backward) as CUDA graphs,
     "max-autotune-no-cudagraphs" times each Triton kernel's candidate configurations,
-    "max-autotune" does both; other arguments are ignored."""
+    "max-autotune" does both; another mode, or an unknown option, raises OptionError."""
     with _collector_spared():
         return _compile_dynamo_graph(gm, example_inputs, kwargs)
 
@@ -95,6 +96,9 @@ def _collector_spared():
 
 
 def _compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict) -> Callable:
+    if kwargs.get("mode") not in MODES:
+        raise _options.OptionError(f"ferrocore: unknown mode {kwargs['mode']!r}; the modes are "
+                                   f"{', '.join(m for m in MODES if m)}")
     overrides = dict(kwargs.get("options") or {})
     if kwargs.get("mode") in CUDAGRAPH_MODES:
         overrides.setdefault("cudagraphs", True)

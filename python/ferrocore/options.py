@@ -1,7 +1,8 @@
 """The options JSON handed to Rust, built from the environment at each compile.
 
 Env is read per call, not at import, so a test or notebook can change `FERROCORE_LOGS` between
-compiles. `torch.compile(..., options={...})` overrides individual keys; unknown keys are ignored.
+compiles. `torch.compile(..., options={...})` overrides individual keys; an unknown key, or a
+value of the wrong type, raises `OptionError` naming the key (as Inductor's options do).
 """
 
 from __future__ import annotations
@@ -23,9 +24,17 @@ LOG_CHANNELS = (
     "kernel_compile",
     "trace",
 )
-_KEYS = ("cache_dir", "logs", "debug_dir", "cxx", "backend", "cudagraphs", "autotune", "conv_layout", "pad_mm",
-         "check_inputs", "cache_max_bytes", "graph_cache", "compile_workers", "progress", "direct_trace",
-         "cpp_jobs")
+_PATH = (str, os.PathLike)
+# each key `options=` may set, and the types it takes
+_TYPES = {"cache_dir": _PATH, "logs": (str, list, tuple), "debug_dir": (*_PATH, type(None)), "cxx": (str,),
+          "backend": (str,), "cudagraphs": (bool,), "autotune": (bool,), "conv_layout": (str,), "pad_mm": (str,),
+          "check_inputs": (bool,), "cache_max_bytes": (int, type(None)), "graph_cache": (bool,),
+          "compile_workers": (int,), "progress": (str, bool), "direct_trace": (bool,), "cpp_jobs": (int,)}
+
+
+class OptionError(ValueError):
+    """An option set wrongly (an unknown key, a value of the wrong type or out of range); the
+    message names the key."""
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
@@ -73,17 +82,30 @@ def build_options(overrides: dict | None = None) -> dict:
         "cpp_jobs": int(os.environ.get("FERROCORE_CPP_JOBS") or 0),
     }
     for key, value in (overrides or {}).items():
-        if key in _KEYS:
-            opts[key] = parse_logs(value) if key == "logs" and isinstance(value, str) else value
+        opts[key] = _checked(key, value)
     opts["check_inputs"] = bool(opts["check_inputs"])
-    if opts["backend"] not in BACKENDS:
-        raise ValueError(f"ferrocore backend {opts['backend']!r}: expected one of {BACKENDS}")
-    if opts["pad_mm"] not in PAD_MM:
-        raise ValueError(f"ferrocore pad_mm {opts['pad_mm']!r}: expected one of {PAD_MM}")
     opts["progress"] = _progress_mode(opts["progress"])
-    if opts["conv_layout"] not in CONV_LAYOUTS:
-        raise ValueError(f"ferrocore conv_layout {opts['conv_layout']!r}: expected one of {CONV_LAYOUTS}")
+    for key, allowed in (("backend", BACKENDS), ("pad_mm", PAD_MM), ("conv_layout", CONV_LAYOUTS)):
+        if opts[key] not in allowed:  # (from options= or the FERROCORE_ variable)
+            raise OptionError(f"ferrocore option {key!r}: {opts[key]!r} is not one of {', '.join(allowed)}")
     return opts
+
+
+def _checked(key: str, value):
+    """An `options=` entry's value as the options hold it; raises OptionError naming the key."""
+    expected = _TYPES.get(key)
+    if expected is None:
+        raise OptionError(f"ferrocore: unknown option {key!r}; the options are {', '.join(_TYPES)}")
+    if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+        names = " or ".join("None" if t is type(None) else t.__name__ for t in expected)
+        raise OptionError(f"ferrocore option {key!r}: expected {names}, got {type(value).__name__} {value!r}")
+    if key == "logs":
+        return parse_logs(value if isinstance(value, str) else ",".join(map(str, value)), option=True)
+    if isinstance(value, os.PathLike) or (key in ("cache_dir", "debug_dir") and value is not None):
+        return _abspath(os.fspath(value))
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise OptionError(f"ferrocore option {key!r}: must be >= 0, got {value}")
+    return value
 
 
 def _progress_mode(value) -> str:
@@ -149,8 +171,9 @@ def options_json(overrides: dict | None = None) -> str:
     return json.dumps(build_options(overrides))
 
 
-def parse_logs(spec: str) -> list:
-    """`"graph, output_code"` -> `["graph", "output_code"]`; `all` names every channel."""
+def parse_logs(spec: str, option: bool = False) -> list:
+    """`"graph, output_code"` -> `["graph", "output_code"]`; `all` names every channel. An
+    unknown channel is a warning in FERROCORE_LOGS, an OptionError in `options=` (`option`)."""
     logs = []
     for name in spec.split(","):
         name = name.strip().lower().lstrip("+")  # TORCH_LOGS habit: "+name" means verbose
@@ -158,6 +181,9 @@ def parse_logs(spec: str) -> list:
             continue
         if name == "all":
             return list(LOG_CHANNELS)
+        if name not in LOG_CHANNELS and option:
+            raise OptionError(f"ferrocore option 'logs': unknown channel {name!r}; the channels are "
+                              f"{', '.join(LOG_CHANNELS)}")
         if name not in LOG_CHANNELS:
             warnings.warn(f"FERROCORE_LOGS: unknown channel {name!r}; known: {LOG_CHANNELS}")
             continue
