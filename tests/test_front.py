@@ -228,6 +228,21 @@ def test_torch_compile_options_and_mode_are_accepted(fake, tmp_path):
     fn(torch.randn(2))
 
 
+def test_an_unusable_debug_dir_raises_an_error_naming_it(fake, tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    fn = torch.compile(lambda x: x * 6, backend=ferrocore_backend, dynamic=False,
+                       options={"debug_dir": str(blocker / "dumps")})
+    with pytest.raises(Exception, match=re.escape("option 'debug_dir' (FERROCORE_DEBUG_DIR): cannot make")):
+        fn(torch.randn(2))
+    monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(blocker))  # a file, not a directory
+    with pytest.raises(options.OptionError, match="debug_dir"):
+        options.build_options()
+    monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(tmp_path / "new" / "dumps"))
+    assert options.build_options()["debug_dir"] == str(tmp_path / "new" / "dumps")
+    assert (tmp_path / "new" / "dumps").is_dir()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"options": {"unknown": 1}}, "unknown option 'unknown'; the options are cache_dir, logs"),
     ({"options": {"cpp_jobs": "2"}}, "option 'cpp_jobs': expected int, got str '2'"),
@@ -255,6 +270,19 @@ def test_compile_graph_helper_on_make_fx_graph(fake):
     x = torch.randn(3)
     (out,) = f(x)
     torch.testing.assert_close(out, x.exp() - 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_a_gpu_graph_without_a_gpu_fails_at_compile_time(fake):
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        x = torch.empty(8, device="cuda")
+        gm = make_fx(lambda a: (a.exp() + 1,), tracing_mode="fake")(x)
+    with pytest.raises(RuntimeError, match=r"computes on cuda(:0)?, but this machine has no usable GPU"):
+        ferrocore.compile_graph(gm)
+    assert not fake.graphs
 
 
 def test_options_read_env_at_each_call(monkeypatch, tmp_path):

@@ -693,6 +693,10 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     _unwrap_effects(gm)
     _wrap_integer_clamp_bounds(gm)
     device, host_scalars = _host_scalars(gm)
+    if device is not None and not torch.cuda.is_available():
+        # (a graph traced on fake GPU tensors) rather than the driver's message at the first call
+        raise RuntimeError(f"ferrocore: graph {name} computes on {device}, but this machine has no usable GPU "
+                           "(torch.cuda.is_available() is False)")
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
     padded = {}

@@ -10,8 +10,8 @@ or for a view the argument's storage under the view's sizes.
 
 A call is not remembered where its outputs depend on more than that: ops whose results depend on
 data or on randomness, arguments that are not fake tensors or carry a constant's value (which
-FakeTensorMode propagates), outputs that are not tensors, carry a constant, or share storage in
-any way but a view of the one tensor argument.
+FakeTensorMode propagates), outputs that are not tensors, carry a constant, are an argument
+itself, or share storage in any way but a view of the one tensor argument.
 """
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def _entry(out, tensors: list) -> _Entry | None:
             outputs.append(None)
             continue
         if type(o) is not FakeTensor or o.constant is not None or o.layout != torch.strided \
-                or o.is_conj() or o.is_neg():
+                or o.is_conj() or o.is_neg() or any(o is t for t in tensors):  # (an argument itself)
             return None
         storage = StorageWeakRef(o.untyped_storage())
         view = storage in storages

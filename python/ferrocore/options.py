@@ -29,7 +29,10 @@ _PATH = (str, os.PathLike)
 _TYPES = {"cache_dir": _PATH, "logs": (str, list, tuple), "debug_dir": (*_PATH, type(None)), "cxx": (str,),
           "backend": (str,), "cudagraphs": (bool,), "autotune": (bool,), "conv_layout": (str,), "pad_mm": (str,),
           "check_inputs": (bool,), "cache_max_bytes": (int, type(None)), "graph_cache": (bool,),
-          "compile_workers": (int,), "progress": (str, bool), "direct_trace": (bool,), "cpp_jobs": (int,)}
+          "compile_workers": (int,), "progress": (str, bool), "direct_trace": (bool,), "cpp_jobs": (int,),
+          # generate the module, leave its C++ uncompiled (Rust's option: a CPU training graph's
+          # forward compiles its C++ on a thread; tests read generated code)
+          "skip_native_compile": (bool,)}
 
 
 class OptionError(ValueError):
@@ -84,6 +87,8 @@ def build_options(overrides: dict | None = None) -> dict:
     for key, value in (overrides or {}).items():
         opts[key] = _checked(key, value)
     opts["check_inputs"] = bool(opts["check_inputs"])
+    if opts["debug_dir"] is not None:
+        _writable_dir("debug_dir", opts["debug_dir"])
     opts["progress"] = _progress_mode(opts["progress"])
     for key, allowed in (("backend", BACKENDS), ("pad_mm", PAD_MM), ("conv_layout", CONV_LAYOUTS)):
         if opts[key] not in allowed:  # (from options= or the FERROCORE_ variable)
@@ -106,6 +111,18 @@ def _checked(key: str, value):
     if isinstance(value, int) and not isinstance(value, bool) and value < 0:
         raise OptionError(f"ferrocore option {key!r}: must be >= 0, got {value}")
     return value
+
+
+def _writable_dir(key: str, path: str) -> None:
+    """Makes `path` if it is missing; raises OptionError naming the key (and its variable) where
+    it cannot be made or written into (the stage dumps would be lost without a word)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OptionError(f"ferrocore option {key!r} (FERROCORE_{key.upper()}): cannot make {path}: "
+                          f"{e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OptionError(f"ferrocore option {key!r} (FERROCORE_{key.upper()}): cannot write into {path}")
 
 
 def _progress_mode(value) -> str:
