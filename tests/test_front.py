@@ -355,7 +355,7 @@ def test_dynamic_shapes_compile_once_per_signature():
 
     torch._dynamo.reset()
     cf = torch.compile(f, backend="ferrocore", dynamic=True)
-    graphs = ferrocore.metrics.total["graphs"]
+    graphs, recompiles = ferrocore.metrics.total["graphs"], ferrocore.metrics.total.get("recompiles", 0)
     for rows, n in ((3, 5), (6, 7), (6, 7), (2, 9)):
         x, y = torch.randn(rows, 4), torch.randn(n)
         for got, want in zip(cf(x, y), f(x, y)):
@@ -363,11 +363,26 @@ def test_dynamic_shapes_compile_once_per_signature():
             assert got.stride() == want.stride()
         assert not ferrocore.metrics.last["graph_fallback"]
     assert ferrocore.metrics.total["graphs"] - graphs == 3  # one per distinct signature
+    assert ferrocore.metrics.total["recompiles"] - recompiles == 2  # the first is no recompile
 
     xr = torch.randn(5, 3, requires_grad=True)
     g = torch.compile(lambda t: (t.sin() * t.shape[0]).sum(), backend="ferrocore", dynamic=True)
     g(xr).backward()
     torch.testing.assert_close(xr.grad, xr.detach().cos() * 5)
+
+
+def test_each_specialization_of_a_dynamic_graph_is_announced_with_what_changed(monkeypatch, capfd):
+    monkeypatch.setenv("FERROCORE_LOGS", "recompiles")
+    torch._dynamo.reset()
+    cf = torch.compile(lambda x: x.cos() * x.shape[0], backend="ferrocore", dynamic=True)
+    for rows in (3, 6, 6, 2):
+        cf(torch.randn(rows, 4))
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[ferrocore:recompiles]")]
+    assert len(lines) == 3
+    assert "signature 1, compiled as graph_" in lines[0] and lines[0].endswith(": its first call")
+    # (Dynamo passes the symbolic sizes as int inputs too)
+    assert "signature 2" in lines[1] and "sizes (3, 4) -> (6, 4)" in lines[1] and "(int) 3 -> 6" in lines[1]
+    assert "signature 3" in lines[2] and "sizes (6, 4) -> (2, 4)" in lines[2]
 
 
 def test_cpu_scalars_of_a_gpu_graph_are_found():

@@ -1085,12 +1085,41 @@ def _specialization(compiled: dict, key: tuple, gm: torch.fx.GraphModule, args: 
     with _compile_lock:
         fn = compiled.get(key)
         if fn is None:
+            previous = next(reversed(compiled), None)
             if len(compiled) >= SPECIALIZATION_LIMIT:
                 fn = _eager_beyond_limit(gm, timings)
             else:
                 fn = _specialize(gm, list(args), dict(timings), overrides, output_strides)
             compiled[key] = fn
+            _announce_specialization(previous, key, len(compiled), overrides)
     return fn
+
+
+def _announce_specialization(previous: tuple | None, key: tuple, count: int, overrides: dict) -> None:
+    """Counts a dynamic-shape graph's compile for a signature after its first (`recompiles` in
+    the metrics) and logs each on the `recompiles` channel, with what changed."""
+    if previous is not None:
+        metrics.count("recompiles")
+    if "recompiles" not in _options.build_options(overrides)["logs"]:
+        return
+    why = "its first call" if previous is None else _signature_change(previous, key)
+    done = (f"compiled as {metrics.last.get('name')}" if count <= SPECIALIZATION_LIMIT
+            else "beyond the limit, run eagerly")
+    print(f"[ferrocore:recompiles] a dynamic-shape graph's signature {count}, {done}: {why}", file=sys.stderr)
+
+
+def _signature_change(old: tuple, new: tuple) -> str:
+    """What differs between two input signatures (as `_specializing` keys them)."""
+    fields = ("sizes", "strides", "offset", "dtype", "device")
+    changes = []
+    for i, (a, b) in enumerate(zip(old, new)):
+        if a == b:
+            continue
+        if len(a) == len(b) == len(fields):
+            changes += [f"input {i} {name} {x} -> {y}" for name, x, y in zip(fields, a, b) if x != y]
+        else:
+            changes.append(f"input {i} ({a[0]}) {a[-1]!r} -> {b[-1]!r}")
+    return "; ".join(changes)
 
 
 try:

@@ -77,7 +77,9 @@ class Metrics:
         mode="reduce-overhead", `cudagraph_recordings`, `cudagraph_replays` (a recording run again),
         `cudagraph_plain_calls` (warm-up calls, and calls whose recordings' outputs are all still
         held) and `cudagraph_capture_failures`; `direct_trace_failures` (inference graphs the
-        direct trace failed on, for a reason it does not know, and AOT autograd traced)."""
+        direct trace failed on, for a reason it does not know, and AOT autograd traced);
+        `recompiles` (compiles of a dynamic-shape graph for an input signature after its first,
+        each logged on the `recompiles` channel)."""
         self.total[key] = self.total.get(key, 0) + n
 
     def compile_time(self) -> dict:

@@ -23,6 +23,7 @@ LOG_CHANNELS = (
     "graph_cache",
     "kernel_compile",
     "trace",
+    "recompiles",
 )
 _PATH = (str, os.PathLike)
 # each key `options=` may set, and the types it takes
