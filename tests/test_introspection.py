@@ -27,6 +27,23 @@ def test_logs_print_every_requested_stage(monkeypatch, capfd):
     assert "local: " in err  # a fusion decision with its reason
 
 
+@pytest.mark.cpu_only("the C++ prelude")
+def test_output_code_prints_the_cpp_prelude_once(monkeypatch, capfd, tmp_path):
+    monkeypatch.setenv("FERROCORE_LOGS", "output_code")
+    monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(tmp_path))
+    _compile_and_run(lambda x: x.cos() + 1, torch.randn(8))
+    _compile_and_run(lambda x: (x.sin() * 2).sum(), torch.randn(8))
+    err = capfd.readouterr().err
+    # the first graph this process printed shows it (another test may have printed it already)
+    assert err.count("// ferrocore C++ kernel prelude") <= 1
+    assert "// (the C++ prelude: " in err and ", as printed with graph_" in err
+    assert 'extern "C" int cpp_' in err.split("// (the C++ prelude: ")[1]  # the kernels still printed
+    dumps = list(tmp_path.glob("*/output_code.py"))
+    assert len(dumps) == 2
+    for dump in dumps:  # the dumps keep it whole
+        assert "// ferrocore C++ kernel prelude" in dump.read_text()
+
+
 def test_fallback_channel_names_the_op(monkeypatch, capfd):
     monkeypatch.setenv("FERROCORE_LOGS", "fallback")
     _compile_and_run(lambda x: torch.cummax(x, 0)[0] + 1, torch.randn(6, 5))

@@ -1355,7 +1355,31 @@ def _print_logs(logs) -> None:
         if log["channel"] != channel:
             channel = log["channel"]
             print(f"[ferrocore:{channel}]", file=sys.stderr)
-        print(log["text"].rstrip("\n"), file=sys.stderr)
+        text = _prelude_once(log["text"]) if channel == "output_code" else log["text"]
+        print(text.rstrip("\n"), file=sys.stderr)
+
+
+# C++ unit boundary (Rust's `runtime::CPP_UNIT_MARK`): the kernel source's prelude ends at the first
+_CPP_UNIT_MARK = "// ferrocore: unit boundary\n"
+# the preludes printed on the output_code channel so far in this process -> the graph that showed it
+_preludes_shown: dict = {}
+
+
+def _prelude_once(module_text: str) -> str:
+    """An output_code module with its C++ prelude (some 180 lines, the same for every graph) cut
+    to one line after the first graph that printed it; the debug directory's dumps keep it."""
+    start = module_text.find("KERNEL_SOURCE = r'''")
+    end = module_text.find(_CPP_UNIT_MARK, start)
+    if start < 0 or end < 0:
+        return module_text
+    start += len("KERNEL_SOURCE = r'''")
+    prelude = module_text[start:end]
+    name = module_text.split("'", 2)[1] if module_text.startswith("# ferrocore output code for graph '") else "?"
+    shown = _preludes_shown.setdefault(prelude, name)
+    if shown == name:
+        return module_text
+    lines = prelude.count("\n")
+    return f"{module_text[:start]}// (the C++ prelude: {lines} lines, as printed with {shown})\n{module_text[end:]}"
 
 
 _start_compile_workers_early()
