@@ -44,6 +44,21 @@ def test_output_code_prints_the_cpp_prelude_once(monkeypatch, capfd, tmp_path):
         assert "// ferrocore C++ kernel prelude" in dump.read_text()
 
 
+@pytest.mark.cpu_only("asserts on the C++ backend's output")
+def test_torch_logs_turn_on_ferrocores_channels_of_the_same_name(monkeypatch, capfd):
+    monkeypatch.delenv("FERROCORE_LOGS", raising=False)
+    torch._logging.set_logs(output_code=True, fusion=True)
+    try:
+        _compile_and_run(lambda x: torch.softmax(x * 3, -1), torch.randn(8, 32))
+    finally:
+        torch._logging.set_logs()
+    err = capfd.readouterr().err
+    assert "[ferrocore:output_code]" in err and 'extern "C" int cpp_red_fused' in err
+    assert "[ferrocore:fusion]" in err
+    _compile_and_run(lambda x: torch.softmax(x * 4, -1), torch.randn(8, 32))
+    assert "[ferrocore:" not in capfd.readouterr().err  # off again with torch's
+
+
 def test_fallback_channel_names_the_op(monkeypatch, capfd):
     monkeypatch.setenv("FERROCORE_LOGS", "fallback")
     _compile_and_run(lambda x: torch.cummax(x, 0)[0] + 1, torch.randn(6, 5))

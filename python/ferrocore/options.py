@@ -87,6 +87,7 @@ def build_options(overrides: dict | None = None) -> dict:
     }
     for key, value in (overrides or {}).items():
         opts[key] = _checked(key, value)
+    opts["logs"] += [c for c in torch_log_channels() if c not in opts["logs"]]
     opts["check_inputs"] = bool(opts["check_inputs"])
     if opts["debug_dir"] is not None:
         _writable_dir("debug_dir", opts["debug_dir"])
@@ -95,6 +96,21 @@ def build_options(overrides: dict | None = None) -> dict:
         if opts[key] not in allowed:  # (from options= or the FERROCORE_ variable)
             raise OptionError(f"ferrocore option {key!r}: {opts[key]!r} is not one of {', '.join(allowed)}")
     return opts
+
+
+# ferrocore's channels that torch's logging names too (Inductor's artifacts of the same meaning):
+# `TORCH_LOGS=output_code` or `torch._logging.set_logs(output_code=True)` turns them on as well
+TORCH_ARTIFACTS = ("output_code", "fusion", "ir_pre_fusion", "ir_post_fusion", "recompiles")
+
+
+def torch_log_channels() -> list:
+    """The channels of TORCH_ARTIFACTS that torch's logging has on now."""
+    try:
+        from torch._logging._internal import log_state
+    except ImportError:
+        return []
+    enabled = getattr(log_state, "is_artifact_enabled", None)
+    return [c for c in TORCH_ARTIFACTS if enabled is not None and enabled(c)]
 
 
 def _checked(key: str, value):
