@@ -39,6 +39,8 @@ _TYPES = {"cache_dir": _PATH, "logs": (str, list, tuple), "debug_dir": (*_PATH, 
 class OptionError(ValueError):
     """An option set wrongly (an unknown key, a value of the wrong type or out of range); the
     message names the key."""
+
+
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
