@@ -731,7 +731,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     cpp_later = device is None and kernels_later is not None
     result = json.loads(_ferrocore.compile_graph(graph_json, json.dumps({**opts, "skip_native_compile": True})
                                                  if cpp_later else options, native_progress))
-    _print_logs(result.get("logs", ()))
+    _print_logs(result.get("logs", ()), name)
     if result.get("graph_fallback"):
         # the kernel backend cannot render this graph yet (e.g. a scan for Triton)
         timings.update(result.get("timings_ms", {}))
@@ -1349,32 +1349,32 @@ def _release_source(path: str) -> None:
     linecache.cache.pop(path, None)
 
 
-def _print_logs(logs) -> None:
+def _print_logs(logs, name: str) -> None:
     channel = None
     for log in logs:
         if log["channel"] != channel:
             channel = log["channel"]
             print(f"[ferrocore:{channel}]", file=sys.stderr)
-        text = _prelude_once(log["text"]) if channel == "output_code" else log["text"]
+        text = _prelude_once(log["text"], name) if channel == "output_code" else log["text"]
         print(text.rstrip("\n"), file=sys.stderr)
 
 
 # C++ unit boundary (Rust's `runtime::CPP_UNIT_MARK`): the kernel source's prelude ends at the first
 _CPP_UNIT_MARK = "// ferrocore: unit boundary\n"
+_KERNEL_SOURCE = "KERNEL_SOURCE = r'''"
 # the preludes printed on the output_code channel so far in this process -> the graph that showed it
 _preludes_shown: dict = {}
 
 
-def _prelude_once(module_text: str) -> str:
-    """An output_code module with its C++ prelude (some 180 lines, the same for every graph) cut
-    to one line after the first graph that printed it; the debug directory's dumps keep it."""
-    start = module_text.find("KERNEL_SOURCE = r'''")
+def _prelude_once(module_text: str, name: str) -> str:
+    """Graph `name`'s output_code module with its C++ prelude (some 200 lines, the same for every
+    graph) cut to one line after the first graph that printed it; the debug dumps keep it."""
+    start = module_text.find(_KERNEL_SOURCE)
     end = module_text.find(_CPP_UNIT_MARK, start)
     if start < 0 or end < 0:
         return module_text
-    start += len("KERNEL_SOURCE = r'''")
+    start += len(_KERNEL_SOURCE)
     prelude = module_text[start:end]
-    name = module_text.split("'", 2)[1] if module_text.startswith("# ferrocore output code for graph '") else "?"
     shown = _preludes_shown.setdefault(prelude, name)
     if shown == name:
         return module_text

@@ -78,19 +78,18 @@ class FakeCalls:
         return out
 
     def _rebuild(self, entry: _Entry, tensors: list):
-        outs = []
-        for o in entry.outputs:
-            if o is None:
-                outs.append(None)
-                continue
-            with in_kernel_invocation_manager(self.mode):
-                if o.view:
+        metas = []
+        with in_kernel_invocation_manager(self.mode):
+            for o in entry.outputs:
+                if o is None:
+                    metas.append(None)
+                elif o.view:
                     meta = torch.empty((), dtype=o.dtype, device="meta", requires_grad=o.requires_grad)
-                    meta.set_(tensors[0].untyped_storage(), o.offset, o.shape, o.stride)
+                    metas.append(meta.set_(tensors[0].untyped_storage(), o.offset, o.shape, o.stride))
                 else:
-                    meta = torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device="meta",
-                                               requires_grad=o.requires_grad)
-            outs.append(FakeTensor(self.mode, meta, o.device))
+                    metas.append(torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device="meta",
+                                                     requires_grad=o.requires_grad))
+        outs = [None if m is None else FakeTensor(self.mode, m, o.device) for m, o in zip(metas, entry.outputs)]
         return outs[0] if entry.kind is None else entry.kind(outs)
 
 
