@@ -21,6 +21,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 // -fno-math-errno lets math calls vectorize (libmvec) and sqrt inline; NaN/inf semantics stay IEEE.
+// -fno-trapping-math lets g++ if-convert a select between float values (`x > 0 ? x : 0.1f * x`,
+// the range checks in `ferro_expf`) into a blend: with trapping math it keeps the branch, and the
+// loop does not vectorize. Kernels never enable floating-point exceptions, so no result changes.
 // -ffp-contract=off: `a * b - c` rounds the product as eager does (g++ fuses it into an FMA by
 // default under -march=native: var of constant data then gives 1e-17, not 0); explicit
 // `std::fma` in the prelude still compiles to the FMA instruction.
@@ -32,6 +35,7 @@ pub const CXX_FLAGS: &[&str] = &[
     "-fPIC",
     "-std=c++17",
     "-fno-math-errno",
+    "-fno-trapping-math",
     "-fno-finite-math-only",
     "-ffp-contract=off",
 ];
