@@ -131,7 +131,9 @@ def test_compiles_through_the_extension(fake, capfd):
     assert last["graph_fallback"] is False and last["cpp_cache_hit"] is True
     assert {"trace", "serialize", "lowering", "cpp_compile", "load"} <= set(last["timings_ms"])
     assert ferrocore.metrics.total["graphs"] == 1
-    assert "[ferrocore:output_code]\ndef call(args): ..." in capfd.readouterr().err
+    # the block names its graph and the module's file
+    header = f"[ferrocore:output_code] {last['name']} ({last['module_path']})\ndef call(args): ..."
+    assert header in capfd.readouterr().err
 
 
 def test_training_compiles_forward_and_backward(fake):

@@ -96,6 +96,7 @@ def _hostile_docs(p):
         ("dtype arg", _unary_graph("aten._to_copy.default", kwargs={"dtype": {"dtype": p}})),
         ("target", _unary_graph(p)),
         ("padded_matmuls key", dict(_doc([x, out]), padded_matmuls={p: "why"})),
+        ("sources key", dict(_doc([x, out]), sources={p: "File \"m.py\", line 1, in f"})),
     ]
 
 
@@ -176,6 +177,36 @@ def test_hostile_fallback_string_is_escaped_in_code_and_comment(tmp_path, marker
         with pytest.raises(RuntimeError, match="approximate"):
             module.call([torch.randn(4)])
         assert _only_expected_files(tmp_path)
+
+
+@pytest.mark.cpu_only("hand-made graphs that declare CPU tensors")
+def test_hostile_source_lines_are_escaped_comments(tmp_path, marker):
+    """A node's source line (from its stack trace: any text) becomes one escaped comment line
+    before its kernel and its library call; the module computes the graph and runs nothing else."""
+    x = torch.randn(4)
+    for i, p in enumerate(_payloads(marker)):
+        doc = _unary_graph("aten.relu.default")
+        call = dict(doc["nodes"][1], name="mm", target="aten.mm.default", args=[{"node": "y"}, {"node": "y"}],
+                    meta=_meta([4, 4]))
+        doc["nodes"][0]["meta"] = doc["nodes"][1]["meta"] = _meta([4, 4])
+        doc["nodes"].insert(2, call)
+        doc["nodes"][3]["args"] = [{"node": "mm"}]
+        doc["sources"] = {"y": p, "mm": p + " (mm)"}
+        result = _compile(doc, tmp_path, debug=True)
+        source = result["module_source"]
+        assert all(c == "\n" or " " <= c <= "~" for c in source)
+        assert source.count("    # graph nodes: ") == 2 and "# graph nodes: y\n" in source
+        module = _load(result, f"source_{i}")
+        a = torch.randn(4, 4)
+        (out,) = module.call([a])
+        torch.testing.assert_close(out, a.relu() @ a.relu())
+        assert _only_expected_files(tmp_path)
+
+
+def test_a_source_line_that_is_not_text_is_refused(tmp_path):
+    doc = dict(_unary_graph(), sources={"y": 3})
+    with pytest.raises(ferrocore.FerrocoreError, match="source line must be a string"):
+        _compile(doc, tmp_path)
 
 
 @pytest.mark.cpu_only("hand-made graphs that declare CPU tensors")

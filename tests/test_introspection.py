@@ -1,6 +1,11 @@
 """FERROCORE_LOGS prints each stage; FERROCORE_DEBUG_DIR writes them, one folder per graph."""
 
+import json
+import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +62,96 @@ def test_torch_logs_turn_on_ferrocores_channels_of_the_same_name(monkeypatch, ca
     assert "[ferrocore:fusion]" in err
     _compile_and_run(lambda x: torch.softmax(x * 4, -1), torch.randn(8, 32))
     assert "[ferrocore:" not in capfd.readouterr().err  # off again with torch's
+
+
+@pytest.mark.cpu_only("asserts on the C++ backend's output")
+def test_the_ferrocore_component_of_torchs_logging(monkeypatch, capfd):
+    """`TORCH_LOGS=ferrocore` (INFO) shows what was redone or fell back; `+ferrocore` (DEBUG) every
+    stage, each block naming its graph."""
+    monkeypatch.delenv("FERROCORE_LOGS", raising=False)
+    blocks = {}
+    for level, scale in ((logging.INFO, 0.8125), (logging.DEBUG, 0.6875)):
+        torch._logging.set_logs(modules={"ferrocore": level})
+        try:
+            _compile_and_run(lambda x: torch.softmax(x * scale, -1), torch.randn(8, 32))
+        finally:
+            torch._logging.set_logs()
+        err = capfd.readouterr().err
+        blocks[level] = {line.split("]")[0][len("[ferrocore:"):] for line in err.splitlines()
+                         if line.startswith("[ferrocore:")}
+    assert f"[ferrocore:output_code] {ferrocore.metrics.last['name']} (" in err
+    assert "graph_cache" in blocks[logging.INFO] and "output_code" not in blocks[logging.INFO], blocks
+    assert {"graph", "ir_pre_fusion", "fusion", "ir_post_fusion", "output_code"} <= blocks[logging.DEBUG], blocks
+    _compile_and_run(lambda x: torch.softmax(x * 0.5625, -1), torch.randn(8, 32))
+    assert "[ferrocore:" not in capfd.readouterr().err  # off again with torch's
+
+
+@pytest.mark.cpu_only("asserts on the C++ backend's dumps")
+def test_torch_compile_debug_puts_the_dumps_in_torchs_debug_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("FERROCORE_DEBUG_DIR", raising=False)
+    monkeypatch.setenv("TORCH_COMPILE_DEBUG", "1")
+    monkeypatch.setattr(torch._dynamo.config, "debug_dir_root", str(tmp_path))
+    _compile_and_run(lambda x: (x.cos() * 3).sum(0), torch.randn(4, 6))
+    _compile_and_run(lambda x: x.tanh() - 2, torch.randn(5))
+    runs = list(tmp_path.glob("run_*"))
+    assert len(runs) == 1, runs  # one run folder for the process
+    dumps = sorted(runs[0].glob("ferrocore/*/output_code.py"))
+    assert len(dumps) == 2 and "def call(args)" in dumps[0].read_text(), dumps
+
+
+_TRACED_RUN = """
+import torch, ferrocore
+fn = torch.compile(lambda x: torch.softmax(x * 2, -1).relu(), backend="ferrocore")
+fn(torch.randn(8, 32))
+"""
+
+
+@pytest.mark.cpu_only("a C++ graph's stages")
+def test_torch_trace_records_each_stage_for_tlparse(tmp_path):
+    """A TORCH_TRACE run (with `TORCH_LOGS=+ferrocore`) records ferrocore's stages as artifacts of
+    the compile; tlparse lists them, and they hold the graph, the IR and the module."""
+    env = {**os.environ, "TORCH_TRACE": str(tmp_path / "trace"), "TORCH_LOGS": "+ferrocore",
+           "FERROCORE_GRAPH_CACHE": "0"}
+    env.pop("FERROCORE_LOGS", None)
+    run = subprocess.run([sys.executable, "-c", _TRACED_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "[ferrocore:output_code] graph_0 (" in run.stderr  # the component turned every channel on
+    tlparse = Path(sys.executable).with_name("tlparse")
+    logs = list((tmp_path / "trace").iterdir())
+    out = tmp_path / "tlparse"
+    parsed = subprocess.run([str(tlparse), str(logs[0]), "-o", str(out), "--no-browser"], capture_output=True,
+                            text=True, timeout=120)
+    assert parsed.returncode == 0, parsed.stderr
+    index = (out / "index.html").read_text()
+    for stage in ("graph", "ir_pre_fusion", "fusion", "ir_post_fusion", "output_code", "module_path"):
+        assert f"ferrocore_graph_0_{stage}_" in index, stage
+    code = next(out.glob("*/ferrocore_graph_0_output_code_*.txt")).read_text()
+    assert "def call(args)" in code and 'extern "C" int cpp_' in code
+    assert "aten._softmax.default" in next(out.glob("*/ferrocore_graph_0_graph_*.txt")).read_text()
+    module = next(out.glob("*/ferrocore_graph_0_module_path_*.txt")).read_text().strip()
+    assert Path(module).read_text() == json.loads(json.dumps(code))  # the module as written
+
+
+def test_every_kernel_and_library_call_names_its_model_source_lines():
+    """The demo's transformer block: each launch and library call in the module is preceded by
+    the graph nodes it computes and the lines of examples/models.py they came from."""
+    from examples.models import BlockConfig, make_block, make_block_input
+
+    cfg = BlockConfig()
+    block, x = make_block(cfg), make_block_input(cfg)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(block, backend="ferrocore")(x), block(x), rtol=1e-4, atol=1e-4)
+    last = ferrocore.metrics.last
+    lines = Path(last["module_path"]).read_text().split("def call(args):")[1].splitlines()
+    calls = [i for i, line in enumerate(lines) if line.startswith("    # graph nodes: ")]
+    assert len(calls) == last["kernels"] + last["externs"] + last["fallbacks"], calls
+    for i in calls:
+        assert lines[i + 1].startswith("    # File ") and "examples/models.py\", line " in lines[i + 1], lines[i:i + 3]
+    # a fused kernel is named after what it computes, not after the view that stores it
+    names = [line.split("(")[0].strip() for line in lines if "_fused_" in line and "(" in line]
+    assert names and not any(n.split("_fused_")[1].startswith("view") for n in names), names
+    assert any("softmax" in n for n in names) and any("native_layer_norm" in n for n in names), names
 
 
 def test_fallback_channel_names_the_op(monkeypatch, capfd):

@@ -260,7 +260,7 @@ def test_a_gpu_convolutions_bias_is_added_by_the_kernel_after_it():
     call = src[src.index("def _call("):]
     assert "torch.convolution(buf3, w_1, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 8)" in call
     assert call.count("launch_triton_") == 2  # channels-last copy of x, then bias + ReLU + mul
-    assert "launch_triton_poi_fused_mul_1(buf4, b_1, buf5)" in call
+    assert "launch_triton_poi_fused_convolution_relu_mul_1(buf4, b_1, buf5)" in call
     # a CPU convolution keeps its bias (oneDNN adds it in the convolution); a grouped one goes
     # channels-last (see lowering/layout.rs), its input and weight copied so
     def grouped_conv_relu(x, w, b):

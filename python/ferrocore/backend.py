@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import aot_runtime, conv_layout, direct_trace, graph_cache, joint_split, kernel_binaries, padding, partition, progress, runtime
+from . import aot_runtime, conv_layout, direct_trace, graph_cache, joint_split, kernel_binaries, padding, partition, progress, runtime, torch_logs
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
@@ -729,9 +729,14 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     progress.current().watch(native_progress)
     # a CPU graph whose kernels may compile later has its C++ compiled on that thread
     cpp_later = device is None and kernels_later is not None
-    result = json.loads(_ferrocore.compile_graph(graph_json, json.dumps({**opts, "skip_native_compile": True})
-                                                 if cpp_later else options, native_progress))
-    _print_logs(result.get("logs", ()), name)
+    traced = torch_logs.tracing()
+    asked = {**opts, "logs": list(dict.fromkeys([*opts["logs"], *torch_logs.TRACED]))} if traced else opts
+    result = json.loads(_ferrocore.compile_graph(graph_json, json.dumps({**asked, "skip_native_compile": True})
+                                                 if cpp_later else json.dumps(asked), native_progress))
+    logs = result.get("logs", ())
+    if traced:
+        torch_logs.trace_graph(name, result.get("module_path", ""), logs)
+    _print_logs([log for log in logs if log["channel"] in opts["logs"]], name, result.get("module_path", ""))
     if result.get("graph_fallback"):
         # the kernel backend cannot render this graph yet (e.g. a scan for Triton)
         timings.update(result.get("timings_ms", {}))
@@ -1349,12 +1354,15 @@ def _release_source(path: str) -> None:
     linecache.cache.pop(path, None)
 
 
-def _print_logs(logs, name: str) -> None:
+def _print_logs(logs, name: str, module_path: str = "") -> None:
+    """Graph `name`'s channel texts on stderr, each block headed by its channel and graph (and
+    for output_code, the module's file)."""
     channel = None
     for log in logs:
         if log["channel"] != channel:
             channel = log["channel"]
-            print(f"[ferrocore:{channel}]", file=sys.stderr)
+            where = f" ({module_path})" if channel == "output_code" and module_path else ""
+            print(f"[ferrocore:{channel}] {name}{where}", file=sys.stderr)
         text = _prelude_once(log["text"], name) if channel == "output_code" else log["text"]
         print(text.rstrip("\n"), file=sys.stderr)
 

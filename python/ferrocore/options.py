@@ -11,6 +11,8 @@ import json
 import os
 import warnings
 
+from . import torch_logs
+
 LOG_CHANNELS = (
     "graph",
     "ir_pre_fusion",
@@ -56,7 +58,7 @@ BACKENDS = ("auto", "cpp", "triton")
 
 
 def build_options(overrides: dict | None = None) -> dict:
-    debug_dir = os.environ.get("FERROCORE_DEBUG_DIR") or None
+    debug_dir = os.environ.get("FERROCORE_DEBUG_DIR") or torch_logs.compile_debug_dir()
     opts = {
         "cache_dir": default_cache_dir(),
         "logs": parse_logs(os.environ.get("FERROCORE_LOGS", "")),
@@ -89,7 +91,7 @@ def build_options(overrides: dict | None = None) -> dict:
     }
     for key, value in (overrides or {}).items():
         opts[key] = _checked(key, value)
-    opts["logs"] += [c for c in torch_log_channels() if c not in opts["logs"]]
+    opts["logs"] += [c for c in parse_logs(",".join(torch_logs.channels())) if c not in opts["logs"]]
     opts["check_inputs"] = bool(opts["check_inputs"])
     if opts["debug_dir"] is not None:
         _writable_dir("debug_dir", opts["debug_dir"])
@@ -98,21 +100,6 @@ def build_options(overrides: dict | None = None) -> dict:
         if opts[key] not in allowed:  # (from options= or the FERROCORE_ variable)
             raise OptionError(f"ferrocore option {key!r}: {opts[key]!r} is not one of {', '.join(allowed)}")
     return opts
-
-
-# ferrocore's channels that torch's logging names too (Inductor's artifacts of the same meaning):
-# `TORCH_LOGS=output_code` or `torch._logging.set_logs(output_code=True)` turns them on as well
-TORCH_ARTIFACTS = ("output_code", "fusion", "ir_pre_fusion", "ir_post_fusion", "recompiles")
-
-
-def torch_log_channels() -> list:
-    """The channels of TORCH_ARTIFACTS that torch's logging has on now."""
-    try:
-        from torch._logging._internal import log_state
-    except ImportError:
-        return []
-    enabled = getattr(log_state, "is_artifact_enabled", None)
-    return [c for c in TORCH_ARTIFACTS if enabled is not None and enabled(c)]
 
 
 def _checked(key: str, value):

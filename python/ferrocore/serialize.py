@@ -104,12 +104,44 @@ def graph_to_dict(gm: torch.fx.GraphModule | torch.fx.Graph, name: str) -> dict:
     lifted = [n for n in nodes if n.op == "get_attr"]
     inputs += [_constant_input(n, t) for n, t in zip(lifted, constants)]
     rest = [_node(n) for n in nodes if n.op not in ("placeholder", "get_attr")]
-    return {
+    doc = {
         "format": FORMAT,
         "version": VERSION,
         "name": name,
         "nodes": inputs + rest,
     }
+    sources = _sources(n for n in nodes if n.op == "call_function")
+    if sources:
+        doc["sources"] = sources
+    return doc
+
+
+def _sources(nodes) -> dict:
+    """{node name: the model line it came from}: the innermost frame of each node's stack trace
+    (which Dynamo records and the traces to ATen copy), for the generated module's comments."""
+    out: dict = {}
+    frames: dict = {}  # a decomposed op's nodes share one trace
+    for n in nodes:
+        trace = n.meta.get("stack_trace")
+        if not isinstance(trace, str) or not trace:
+            continue
+        frame = frames.get(trace)
+        if frame is None:
+            frame = frames[trace] = _innermost_frame(trace)
+        if frame:
+            out[n.name] = frame
+    return out
+
+
+def _innermost_frame(trace: str) -> str:
+    """`File "m.py", line 42, in forward: x = self.fc(x)` from a formatted stack trace."""
+    lines = trace.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        head = lines[i].strip()
+        if head.startswith("File "):
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{head}: {code}" if code and not code.startswith("File ") else head
+    return ""
 
 
 def _constant_input(n: torch.fx.Node, t: torch.Tensor) -> dict:

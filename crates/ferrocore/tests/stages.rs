@@ -321,7 +321,7 @@ fn triton_source_of_fused_pointwise_and_reduction_kernels() {
         .output(&["sum_1", "amax", "mul"]);
     let (src, launches) = triton_kernels(&doc);
     let names: Vec<&str> = launches.iter().map(|l| l.name.as_str()).collect();
-    assert_eq!(names, ["triton_red_fused_sum_mul_0", "triton_red_fused_amax_1"], "{src}");
+    assert_eq!(names, ["triton_red_fused_relu_add_sum_mul_0", "triton_red_fused_amax_1"], "{src}");
     assert!(src.contains("for r0offset in range(0, 10000, 1024):"), "{src}");
     check("triton_kernels.txt", &src);
 }

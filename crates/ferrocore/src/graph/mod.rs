@@ -134,6 +134,9 @@ pub struct Graph {
     /// Input positions the caller hands over (a backward's saved activations, which AOT autograd
     /// drops as it calls): their storage may hold a result once they are read for the last time.
     pub donated_inputs: Vec<usize>,
+    /// Node name -> the model source line it came from (`File "m.py", line 42, in forward: ...`),
+    /// for the generated module's comments; untrusted text, escaped wherever it is written.
+    pub sources: std::collections::HashMap<String, String>,
 }
 
 impl Graph {

@@ -20,7 +20,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     let name = doc.get("name").and_then(Value::as_str).unwrap_or("graph").to_string();
     let raw_nodes = doc.get("nodes").and_then(Value::as_array).ok_or_else(|| err(None, "missing 'nodes' list"))?;
 
-    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new(), padded_matmuls: HashMap::new(), donated_inputs: Vec::new() };
+    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new(), padded_matmuls: HashMap::new(), donated_inputs: Vec::new(), sources: HashMap::new() };
     let mut by_name: HashMap<String, NodeId> = HashMap::new();
     let mut saw_output = false;
     for raw in raw_nodes {
@@ -107,6 +107,19 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
             }
         }
         Some(_) => return Err(err(None, "padded_matmuls must map node names to reasons")),
+    }
+    match doc.get("sources") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(items)) => {
+            for (name, line) in items {
+                let Some(line) = line.as_str() else { return Err(err(Some(name), "a source line must be a string")) };
+                if !by_name.contains_key(name) {
+                    return Err(err(Some(name), "sources names no node of the graph"));
+                }
+                g.sources.insert(name.clone(), line.to_string());
+            }
+        }
+        Some(_) => return Err(err(None, "sources must map node names to source lines")),
     }
     super::names::check_names(&g)?;
     super::validate::check_metadata(&g)?;

@@ -40,6 +40,20 @@ fn malformed_input_names_the_node() {
 }
 
 #[test]
+fn source_lines_are_read_and_checked() {
+    let out = r#"{"name":"output","kind":"output","args":[{"node":"x"}]}"#;
+    let with_sources = |sources: &str| {
+        let d = doc(&format!("{X},{out}"));
+        format!(r#"{},"sources":{sources}}}"#, &d[..d.len() - 1])
+    };
+    let g = parse_graph(&with_sources(r#"{"x":"File \"m.py\", line 3, in f: y = x"}"#)).unwrap();
+    assert_eq!(g.sources["x"], "File \"m.py\", line 3, in f: y = x");
+    assert_eq!(parse_graph(&with_sources(r#"{"zz":"line"}"#)).unwrap_err().to_string(), "graph import: node 'zz': sources names no node of the graph");
+    assert_eq!(parse_graph(&with_sources(r#"{"x":1}"#)).unwrap_err().to_string(), "graph import: node 'x': a source line must be a string");
+    assert_eq!(parse_graph(&with_sources("[]")).unwrap_err().to_string(), "graph import: sources must map node names to source lines");
+}
+
+#[test]
 fn unknown_aten_ops_are_kept_for_fallback() {
     let text = doc(&format!(
         r#"{X},{{"name":"y","kind":"call_function","target":"aten.cummax.default","args":[{{"node":"x"}},{{"int":0}}],"meta":null}},{{"name":"output","kind":"output","args":[]}}"#

@@ -229,9 +229,18 @@ pub struct LoopBody {
     pub dtypes: Vec<DType>,
     pub store: Option<Store>,
     cse: HashMap<Key, ValueId>,
+    /// Graph nodes whose lazily computed values this body evaluates, inputs first (provenance:
+    /// a fused kernel's name and source lines).
+    pub inlined: Vec<String>,
 }
 
 impl LoopBody {
+    /// Records that this body evaluates graph node `name`'s value (once).
+    pub fn note_inlined(&mut self, name: &str) {
+        if !self.inlined.iter().any(|n| n == name) {
+            self.inlined.push(name.to_string());
+        }
+    }
     pub fn dtype(&self, v: ValueId) -> DType {
         self.dtypes[v.0 as usize]
     }

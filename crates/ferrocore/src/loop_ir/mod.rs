@@ -248,6 +248,8 @@ pub struct LoopProgram {
     /// `as_strided` views of inputs: the wrapper checks at run time that each lies within its
     /// input's storage (only then is the storage's size known).
     pub input_storage_views: Vec<InputStorageView>,
+    /// Graph node name -> its model source line (`Graph::sources`), for the module's comments.
+    pub sources: std::collections::HashMap<String, String>,
 }
 
 /// An `as_strided` view of a graph input, in elements from the input's data pointer.

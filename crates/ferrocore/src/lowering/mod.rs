@@ -221,6 +221,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         decisions: layout_decision.into_iter().map(|d| ("layout", d)).collect(),
     };
     cx.prog.input_names = graph.inputs.iter().map(|i| graph.node(*i).name.clone()).collect();
+    cx.prog.sources = graph.sources.clone();
     for (i, id) in graph.inputs.iter().enumerate() {
         let t = graph.node(*id).meta.tensor().cloned().ok_or_else(|| LowerError {
             node: graph.node(*id).name.clone(),
@@ -271,6 +272,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
             }
         };
         let lowered = cx.maybe_realize(id, lowered);
+        let lowered = if matches!(target, Target::GetItem) { lowered } else { noting_origin(lowered, &node.name) };
         cx.values[id.0 as usize] = Some(lowered);
     }
     cx.lower_outputs().map_err(|(kind, message)| LowerError { node: "output".into(), target: "output".into(), kind, message })?;
@@ -280,6 +282,24 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         cx.fallback(id, reason).map_err(|(kind, message)| LowerError { node: node.name.clone(), target: "aten.copy_.default".into(), kind, message })?;
     }
     Ok(LoweringResult { program: cx.prog, fallbacks: cx.fallbacks, decisions: cx.decisions })
+}
+
+/// `l` with each lazy value recording graph node `name` in the bodies that evaluate it, after
+/// its inputs (a getitem's element already records the node that made the tuple).
+fn noting_origin(l: Lowered, name: &str) -> Lowered {
+    match l {
+        Lowered::Tensor(TensorValue { size, dtype, device, src: Src::Lazy { f, reads, ops } }) => {
+            let name: Rc<str> = name.into();
+            let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                let v = f(bx, idx);
+                bx.body.note_inlined(&name);
+                v
+            });
+            Lowered::Tensor(TensorValue { size, dtype, device, src: Src::Lazy { f, reads, ops } })
+        }
+        Lowered::Tuple(items) => Lowered::Tuple(items.into_iter().map(|i| i.map(|l| noting_origin(l, name))).collect()),
+        other => other,
+    }
 }
 
 /// The loop body writing `tv` into a buffer of `layout` (loops in the layout's order, so the
@@ -583,7 +603,16 @@ impl<'g> Ctx<'g> {
         r
     }
 
-    pub fn push_node(&mut self, node: LoopNode) -> usize {
+    /// Adds a loop node; its origins become the nodes its body inlined, then its own.
+    pub fn push_node(&mut self, mut node: LoopNode) -> usize {
+        let own = std::mem::take(&mut node.origins);
+        let mut origins = std::mem::take(&mut node.body.inlined);
+        for o in own {
+            if !origins.contains(&o) {
+                origins.push(o);
+            }
+        }
+        node.origins = origins;
         let i = self.prog.nodes.len();
         self.prog.nodes.push(node);
         self.prog.steps.push(Step::Node(i));

@@ -474,21 +474,26 @@ fn shared_bytes(p: &LoopProgram, touched: &HashSet<BufferId>, reads: &[BufferId]
         .sum()
 }
 
+/// FX node names (by their op, `view_4` -> `view`) that only move or relabel data: a kernel is
+/// named after what it computes, and after these only when it computes nothing else.
+const MOVING_WORDS: &[&str] =
+    &["view", "reshape", "permute", "expand", "t", "transpose", "unsqueeze", "squeeze", "slice", "select", "alias", "clone", "unsafe_view"];
+
 fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &str, index: usize) -> String {
     const WORDS: usize = 6;
     let mut words: Vec<String> = Vec::new();
     for &m in members {
-        if words.len() == WORDS {
-            break;
-        }
         for o in &p.nodes[m].origins {
             // FX names like `add_3` -> `add`
-            let base = o.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').to_string();
+            let base = o.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').trim_start_matches('_');
             let base: String = base.chars().take(32).map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
             if !base.is_empty() && !words.contains(&base) {
                 words.push(base);
             }
         }
+    }
+    if words.iter().any(|w| !MOVING_WORDS.contains(&w.as_str())) {
+        words.retain(|w| !MOVING_WORDS.contains(&w.as_str()));
     }
     words.truncate(WORDS);
     let kind = if plan.groups.iter().any(|g| g.reduction) { "red" } else { "poi" };

@@ -263,6 +263,42 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
 
 /// Renders the plan as a Python module; `check_inputs`: whether `call` checks its inputs'
 /// sizes, strides, dtypes and devices (`checks.rs`).
+/// Each kernel's graph nodes, by kernel name: its members' origins in order, once each.
+fn kernel_origins(s: &Schedule) -> HashMap<&str, Vec<String>> {
+    let mut out = HashMap::new();
+    for it in &s.items {
+        if let Item::Kernel(k) = it {
+            let mut origins: Vec<String> = Vec::new();
+            for kn in &k.plan.nodes {
+                for o in &s.program.nodes[kn.node].origins {
+                    if !origins.contains(o) {
+                        origins.push(o.clone());
+                    }
+                }
+            }
+            out.insert(k.name.as_str(), origins);
+        }
+    }
+    out
+}
+
+/// The comment before a launch or library call: the graph nodes it computes, then the model
+/// source lines they came from (once each). Both are graph text, escaped onto one line each.
+fn provenance_comment(p: &LoopProgram, origins: &[String]) -> String {
+    if origins.is_empty() {
+        return String::new();
+    }
+    let mut c = format!("    # graph nodes: {}\n", py_comment(&origins.join(", ")));
+    let mut shown: Vec<&str> = Vec::new();
+    for line in origins.iter().filter_map(|o| p.sources.get(o)) {
+        if !shown.contains(&line.as_str()) {
+            shown.push(line);
+            let _ = writeln!(c, "    # {}", py_comment(line));
+        }
+    }
+    c
+}
+
 pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, graph_name: &str, check_inputs: bool) -> String {
     let p = &s.program;
     let used = used_buffers(s, kernels);
@@ -411,6 +447,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
         }
         None => {}
     }
+    let kernel_origins = kernel_origins(s);
     for step in &plan.steps {
         match step {
             HostStep::Alloc(b) => {
@@ -429,6 +466,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
             }
             HostStep::Launch(l) => {
                 let k = &kernels.launches[*l];
+                m.push_str(&provenance_comment(p, kernel_origins.get(k.name.as_str()).map(Vec::as_slice).unwrap_or(&[])));
                 match &k.shape {
                     LaunchShape::Host => {
                         let args: Vec<String> = k.args.iter().map(|b| format!("{}.data_ptr()", p.buffer(*b).name)).collect();
@@ -459,6 +497,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
             }
             HostStep::Extern(e) => {
                 let x = &p.externs[*e];
+                m.push_str(&provenance_comment(p, std::slice::from_ref(&x.origin)));
                 let mut args: Vec<String> = x.args.iter().map(|a| extern_arg_py(p, a)).collect();
                 args.extend(x.kwargs.iter().map(|(k, v)| kwarg_py(k, extern_arg_py(p, v))));
                 let note = match &x.reason {
