@@ -157,6 +157,7 @@ def _report(profiler, spec: dict) -> None:
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(60)
     stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats("ferrocore", 40)  # the backend's own, under Dynamo's
     name = f"{spec['model']}-{spec['task']}-{spec['backend']}-{spec['phase']}.txt"
     Path(spec["profile"]).mkdir(parents=True, exist_ok=True)
     (Path(spec["profile"]) / name).write_text(text.getvalue())

@@ -347,3 +347,16 @@ def test_other_device_argument_is_unsupported():
     )
     with pytest.raises(UnsupportedGraph, match="device meta"):
         serialize_graph(graph, "g")
+
+
+def test_a_nodes_source_line_is_its_innermost_frame_outside_torch():
+    from ferrocore.serialize import _TORCH_DIR, _innermost_frame
+
+    trace = ('  File "/w/model.py", line 66, in forward\n    x = self.block(x)\n'
+             '  File "/w/block.py", line 12, in forward\n    return self.fc(x)\n'
+             f'  File "{_TORCH_DIR}utils/_contextlib.py", line 120, in decorate_context\n'
+             '    return func(*args, **kwargs)\n')
+    assert _innermost_frame(trace) == 'File "/w/block.py", line 12, in forward: return self.fc(x)'
+    only_torch = f'  File "{_TORCH_DIR}nn/modules/module.py", line 9, in _call_impl\n    return f(x)\n'
+    assert _innermost_frame(only_torch).endswith("in _call_impl: return f(x)")
+    assert _innermost_frame("no frames here") == ""

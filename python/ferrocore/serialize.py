@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import os
 from typing import Any
 
 import torch
@@ -133,15 +134,24 @@ def _sources(nodes) -> dict:
     return out
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
 def _innermost_frame(trace: str) -> str:
-    """`File "m.py", line 42, in forward: x = self.fc(x)` from a formatted stack trace."""
+    """`File "m.py", line 42, in forward: x = self.fc(x)` from a formatted stack trace: its
+    innermost frame outside torch's own files (a `no_grad`-decorated forward's trace ends in
+    torch's context-manager wrapper), else its innermost."""
     lines = trace.rstrip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        head = lines[i].strip()
+    frames = []
+    for i, line in enumerate(lines):
+        head = line.strip()
         if head.startswith("File "):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{head}: {code}" if code and not code.startswith("File ") else head
-    return ""
+            frames.append((head, f"{head}: {code}" if code and not code.startswith("File ") else head))
+    for head, frame in reversed(frames):
+        if _TORCH_DIR not in head:
+            return frame
+    return frames[-1][1] if frames else ""
 
 
 def _constant_input(n: torch.fx.Node, t: torch.Tensor) -> dict:
