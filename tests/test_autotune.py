@@ -32,7 +32,7 @@ def test_triton_kernels_list_valid_candidates(tmp_path, monkeypatch):
     src = open(ferrocore.metrics.last["module_path"]).read()
     entry = next(line for line in src.splitlines() if "'candidates'" in line)
     _, _, constexprs, launch = eval(entry.strip().rstrip(","), {"__builtins__": {}},
-                                    {"triton_red_fused__softmax_add_0": None})
+                                    {"triton_red_fused_softmax_add_0": None})
     cands = [tuple(c) for c in launch["candidates"]]
     assert cands[0] == (launch["grid"], constexprs["XBLOCK"], launch["num_warps"], launch["num_stages"])
     assert len(cands) > 1 and len(set(cands)) == len(cands)
