@@ -479,17 +479,29 @@ fn shared_bytes(p: &LoopProgram, touched: &HashSet<BufferId>, reads: &[BufferId]
 const MOVING_WORDS: &[&str] =
     &["view", "reshape", "permute", "expand", "t", "transpose", "unsqueeze", "squeeze", "slice", "select", "alias", "clone", "unsafe_view"];
 
+/// The graph nodes a kernel computes: its member loop nodes' origins in order, once each (its
+/// name, and the module's provenance comments).
+pub fn kernel_origins<'p>(p: &'p LoopProgram, members: impl IntoIterator<Item = usize>) -> Vec<&'p str> {
+    let mut origins: Vec<&str> = Vec::new();
+    for m in members {
+        for o in &p.nodes[m].origins {
+            if !origins.contains(&o.as_str()) {
+                origins.push(o);
+            }
+        }
+    }
+    origins
+}
+
 fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &str, index: usize) -> String {
     const WORDS: usize = 6;
     let mut words: Vec<String> = Vec::new();
-    for &m in members {
-        for o in &p.nodes[m].origins {
-            // FX names like `add_3` -> `add`
-            let base = o.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').trim_start_matches('_');
-            let base: String = base.chars().take(32).map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-            if !base.is_empty() && !words.contains(&base) {
-                words.push(base);
-            }
+    for o in kernel_origins(p, members.iter().copied()) {
+        // FX names like `add_3` -> `add`
+        let base = o.trim_end_matches(|c: char| c.is_ascii_digit()).trim_end_matches('_').trim_start_matches('_');
+        let base: String = base.chars().take(32).map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+        if !base.is_empty() && !words.contains(&base) {
+            words.push(base);
         }
     }
     if words.iter().any(|w| !MOVING_WORDS.contains(&w.as_str())) {

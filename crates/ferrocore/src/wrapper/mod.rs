@@ -7,7 +7,7 @@ use crate::codegen::literal::{py_bool, py_comment, py_float, py_int, py_source_s
 use crate::codegen::{KernelLanguage, LaunchShape, RenderedKernels};
 use crate::graph::DType;
 use crate::loop_ir::*;
-use crate::scheduler::{Item, Schedule, Storage};
+use crate::scheduler::{kernel_origins, Item, Schedule, Storage};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -261,36 +261,21 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     render_module_with(s, kernels, plan, graph_name, true)
 }
 
-/// Renders the plan as a Python module; `check_inputs`: whether `call` checks its inputs'
-/// sizes, strides, dtypes and devices (`checks.rs`).
-/// Each kernel's graph nodes, by kernel name: its members' origins in order, once each.
-fn kernel_origins(s: &Schedule) -> HashMap<&str, Vec<String>> {
-    let mut out = HashMap::new();
-    for it in &s.items {
-        if let Item::Kernel(k) = it {
-            let mut origins: Vec<String> = Vec::new();
-            for kn in &k.plan.nodes {
-                for o in &s.program.nodes[kn.node].origins {
-                    if !origins.contains(o) {
-                        origins.push(o.clone());
-                    }
-                }
-            }
-            out.insert(k.name.as_str(), origins);
-        }
-    }
-    out
+/// Each kernel's graph nodes (`scheduler::kernel_origins`), by kernel name.
+fn origins_by_kernel(s: &Schedule) -> HashMap<&str, Vec<&str>> {
+    let kernels = s.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k) } else { None });
+    kernels.map(|k| (k.name.as_str(), kernel_origins(&s.program, k.plan.nodes.iter().map(|kn| kn.node)))).collect()
 }
 
 /// The comment before a launch or library call: the graph nodes it computes, then the model
 /// source lines they came from (once each). Both are graph text, escaped onto one line each.
-fn provenance_comment(p: &LoopProgram, origins: &[String]) -> String {
+fn provenance_comment(p: &LoopProgram, origins: &[&str]) -> String {
     if origins.is_empty() {
         return String::new();
     }
     let mut c = format!("    # graph nodes: {}\n", py_comment(&origins.join(", ")));
     let mut shown: Vec<&str> = Vec::new();
-    for line in origins.iter().filter_map(|o| p.sources.get(o)) {
+    for line in origins.iter().filter_map(|o| p.sources.get(*o)) {
         if !shown.contains(&line.as_str()) {
             shown.push(line);
             let _ = writeln!(c, "    # {}", py_comment(line));
@@ -299,6 +284,8 @@ fn provenance_comment(p: &LoopProgram, origins: &[String]) -> String {
     c
 }
 
+/// Renders the plan as a Python module; `check_inputs`: whether `call` checks its inputs'
+/// sizes, strides, dtypes and devices (`checks.rs`).
 pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, graph_name: &str, check_inputs: bool) -> String {
     let p = &s.program;
     let used = used_buffers(s, kernels);
@@ -447,7 +434,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
         }
         None => {}
     }
-    let kernel_origins = kernel_origins(s);
+    let kernel_origins = origins_by_kernel(s);
     for step in &plan.steps {
         match step {
             HostStep::Alloc(b) => {
@@ -497,7 +484,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
             }
             HostStep::Extern(e) => {
                 let x = &p.externs[*e];
-                m.push_str(&provenance_comment(p, std::slice::from_ref(&x.origin)));
+                m.push_str(&provenance_comment(p, &[x.origin.as_str()]));
                 let mut args: Vec<String> = x.args.iter().map(|a| extern_arg_py(p, a)).collect();
                 args.extend(x.kwargs.iter().map(|(k, v)| kwarg_py(k, extern_arg_py(p, v))));
                 let note = match &x.reason {
