@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Idempotent setup: a .venv with torch, numpy, pytest, expecttest, maturin and tlparse, the model
+# Idempotent setup: a .venv with torch, numpy, pytest, expecttest, maturin, tlparse and playwright
+# (with Debian's Chromium, when run as root), the model
 # benchmark's development dependencies (transformers, torchvision: bench/model_zoo.py builds its
 # models from their configs), and ferrocore built in release mode and installed into it
 # (editable: python/ changes apply without rebuilding).
-# The network is needed only for what is missing: PyPI packages and crates.io.
+# The network is needed only for what is missing: PyPI, crates.io and Debian packages.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -15,11 +16,20 @@ export VIRTUAL_ENV="$REPO/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 
 # pip honours PIP_INDEX_URL / PIP_EXTRA_INDEX_URL, e.g. for CPU-only torch wheels.
-if ! python -c "import torch, numpy, pytest, expecttest, transformers, torchvision" 2>/dev/null \
+if ! python -c "import torch, numpy, pytest, expecttest, transformers, torchvision, playwright" 2>/dev/null \
         || [ ! -x .venv/bin/maturin ] || [ ! -x .venv/bin/tlparse ]; then
     # expecttest: torch's OpInfo db; torchvision is resolved together with torch (matching builds);
-    # tlparse: reads TORCH_TRACE logs (a test checks ferrocore's entries in them)
-    python -m pip install torch torchvision numpy pytest maturin expecttest transformers tlparse
+    # tlparse: reads TORCH_TRACE logs (a test checks ferrocore's entries in them); playwright
+    # drives Chromium in the compile report's browser test (its own browser download is not used)
+    python -m pip install torch torchvision numpy pytest maturin expecttest transformers tlparse playwright
+fi
+
+# Debian's Chromium, for the compile report's browser test (tests/test_report.py); installed
+# where this runs as root with apt-get, otherwise that test says it is skipped and why.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }
 fi
 
 # cargo's incremental build makes a rerun cheap.

@@ -355,6 +355,9 @@ def _graph_cache_key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> st
     if opts["cudagraphs"]:
         graph_cache.log(opts, "bypass: CUDA-graph recordings are not cached")
         return None
+    if opts["debug_dir"] is not None:
+        graph_cache.log(opts, "bypass: the stage dumps and the compile report are written by a compile")
+        return None
     try:
         return graph_cache.key(gm, example_inputs, opts)
     except graph_cache.Bypass as e:
@@ -731,12 +734,17 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     cpp_later = device is None and kernels_later is not None
     traced = torch_logs.tracing()
     asked = {**opts, "logs": list(dict.fromkeys([*opts["logs"], *torch_logs.TRACED]))} if traced else opts
+    if opts["debug_dir"] is not None:
+        asked = {**asked, "front_timings_ms": list(timings.items())}  # for the compile report
     result = json.loads(_ferrocore.compile_graph(graph_json, json.dumps({**asked, "skip_native_compile": True})
                                                  if cpp_later else json.dumps(asked), native_progress))
     logs = result.get("logs", ())
     if traced:
         torch_logs.trace_graph(name, result.get("module_path", ""), logs)
     _print_logs([log for log in logs if log["channel"] in opts["logs"]], name, result.get("module_path", ""))
+    report_path = result.get("report_path")
+    if report_path:
+        print(f"[ferrocore] {name}: compile report {report_path}", file=sys.stderr)
     if result.get("graph_fallback"):
         # the kernel backend cannot render this graph yet (e.g. a scan for Triton)
         timings.update(result.get("timings_ms", {}))
@@ -771,7 +779,8 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     if record is not None:
         record(graph)
     call, module = _load_graph(graph, timings, cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
-                               kernels_later=kernels_later, cpp_source=result.get("cpp_source"))
+                               kernels_later=kernels_later, cpp_source=result.get("cpp_source"),
+                               **({"report_path": report_path} if report_path else {}))
     if opts["cudagraphs"]:
         from . import cudagraphs
 

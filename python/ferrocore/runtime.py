@@ -212,8 +212,10 @@ except ImportError:
     reinterpret = _reinterpret_as_strided
 
 
-def benchmark(call, args, reps: int = 100) -> float:
-    """Prints and returns the median time of `call(list(args))` in ms."""
+def benchmark(call, args, reps: int = 100, report: str | None = None, module: dict | None = None) -> float:
+    """Prints and returns the median time of `call(list(args))` in ms. With `report` (a compile
+    report's path) and `module` (the compiled module's globals), also profiles `reps` runs and
+    writes the time by kernel and library call into the report's runtime section."""
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(min(reps, 10)):
@@ -227,7 +229,24 @@ def benchmark(call, args, reps: int = 100) -> float:
         times.append((time.perf_counter() - start) * 1e3)
     median = statistics.median(times)
     print(f"median {median:.4f} ms over {reps} runs")
+    if report is not None:
+        from . import report as compile_report
+
+        rows = compile_report.measure(call, args, module or {}, reps)
+        compile_report.fill_runtime(report, compile_report.runtime_html(rows, median, "cuda" if cuda else "cpu"))
+        print(f"runtime by kernel written into {report}")
     return median
+
+
+def benchmark_main(benchmark_compiled_module) -> None:
+    """A compiled module's `__main__`: `python MODULE.py [--reps N] [--report REPORT.html]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Times the compiled graph on random inputs.")
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--report", help="a compile report of this module: fill in its runtime section")
+    a = parser.parse_args()
+    benchmark_compiled_module(a.reps, report=a.report)
 
 
 def restride(t: torch.Tensor | None, size, stride, dtype) -> torch.Tensor | None:

@@ -93,6 +93,7 @@ fn compile_graph_detached(graph_json: &str, options_json: &str, progress: &runti
             "output_strides": r.output_strides,
             "extern_ops": r.extern_ops,
             "cpp_source": r.cpp_source,
+            "report_path": r.report_path,
         });
         Ok(out.to_string())
     })

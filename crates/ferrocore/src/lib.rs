@@ -8,5 +8,6 @@ pub mod scheduler;
 pub mod codegen;
 pub mod wrapper;
 pub mod runtime;
+pub mod report;
 pub mod driver;
 pub mod min_cut;

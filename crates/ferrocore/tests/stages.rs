@@ -7,7 +7,7 @@ use ferrocore::codegen::{CodegenErrorKind, KernelBackend};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::parse_graph;
 use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
-use ferrocore::scheduler::{schedule, schedule_for, ScheduleOptions};
+use ferrocore::scheduler::{schedule, schedule_for, Item, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
 const TRITON_WHOLE: ScheduleOptions = ScheduleOptions { prefix: "triton", split: None, complex_as_real: true, welford_min_len: None };
@@ -232,6 +232,63 @@ fn a_large_output_lowered_last_keeps_apart_from_a_large_temporary() {
     assert_eq!(k, 2, "{post}");
     let last = post.rsplit("  kernel ").next().unwrap();
     assert_eq!(last.matches("buf").count(), 1, "y alone in the last kernel:\n{post}");
+}
+
+#[test]
+fn fusion_decisions_name_kernels_as_the_generated_code_does() {
+    // the GEMM is a slot of the schedule but no kernel: a decision about the kernel after it
+    // must name that kernel, not the slot's number
+    let doc = G::new()
+        .input("x", &[512, 512], "float32")
+        .input("w", &[512, 512], "float32")
+        .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[512, 1], "float32"))
+        .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[512, 512], "float32"))
+        .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[512, 512], "float32"))
+        .call("y", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[512, 512], "float32"))
+        .output(&["g", "y"]);
+    let s = schedule(lower_graph(&parse_graph(&doc).unwrap()).unwrap().program).unwrap();
+    let names: Vec<&str> = s.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k.name.as_str()) } else { None }).collect();
+    assert_eq!(names.len(), 2, "{:?}", s.decisions);
+    assert!(s.decisions.iter().all(|d| !d.contains('#')), "{:?}", s.decisions);
+    let refused = s.decisions.iter().find(|d| d.starts_with("no fusion: ")).expect("a refused fusion");
+    assert!(refused.contains(&format!("into kernel {}", names[0])), "{refused}");
+    assert!(s.decisions.iter().any(|d| d.starts_with(&format!("new kernel {}: ", names[1]))), "{:?}", s.decisions);
+}
+
+/// The `href="#..."` targets of an HTML page that no element's `id` names.
+fn dangling_links(html: &str) -> Vec<String> {
+    let ids: std::collections::HashSet<&str> = html.split("id=\"").skip(1).filter_map(|s| s.split('"').next()).collect();
+    html.split("href=\"#").skip(1).filter_map(|s| s.split('"').next()).filter(|t| !ids.contains(t)).map(String::from).collect()
+}
+
+#[test]
+fn compile_report_links_graph_nodes_and_kernels_both_ways() {
+    let doc = G::new()
+        .input("x", &[64, 64], "float32")
+        .input("w", &[64, 64], "float32")
+        .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[64, 1], "float32"))
+        .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[64, 64], "float32"))
+        .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[64, 64], "float32"))
+        .call("y", "aten.relu.default", &n("g"), &meta(&[64, 64], "float32"))
+        .output(&["y"])
+        .replacen(r#""nodes":["#, r#""sources":{"t":"File \"m.py\", line 3, in f: x - m </pre><script>alert(1)</script>"},"nodes":["#, 1);
+    let dir = std::env::temp_dir().join(format!("ferrocore-report-{}", std::process::id()));
+    let opts = Options { cache_dir: dir.join("cache"), debug_dir: Some(dir.join("debug")), skip_native_compile: true, ..Options::default() };
+    let r = compile_graph(&doc, &opts).unwrap();
+    let html = std::fs::read_to_string(r.report_path.as_deref().expect("a report beside the dumps")).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(html.starts_with("<!DOCTYPE html>") && html.trim_end().ends_with("</html>"));
+    assert!(!html.contains("<script") && html.contains("&lt;/pre&gt;&lt;script&gt;alert(1)"), "graph text is escaped");
+    assert_eq!(dangling_links(&html), Vec::<String>::new());
+    let kernels: Vec<&str> = html.split("<h3>kernel ").skip(1).filter_map(|s| s.split('<').next()).collect();
+    assert_eq!(kernels.len(), r.kernels, "{kernels:?}");
+    let row = |node: &str| html.split("<tr id=\"node-").find(|r| r.contains(&format!("<code>{node}</code>"))).unwrap().split("</tr>").next().unwrap().to_string();
+    // graph -> kernel: the row of `t` links to the kernel that computes it; kernel -> graph back
+    let t_kernel = kernels.iter().find(|k| row("t").contains(&format!("href=\"#kernel-{k}\""))).expect("t's kernel");
+    let section = html.split(&format!("id=\"kernel-{t_kernel}\"")).nth(1).unwrap().split("</div>").next().unwrap();
+    assert!(section.contains(">t</a>") && section.contains("line 3, in f"), "{section}");
+    assert!(row("g").contains("href=\"#call-"), "the GEMM is a library call: {}", row("g"));
+    assert!(html.contains("<section id=\"runtime\">") && html.contains(ferrocore::report::RUNTIME_START));
 }
 
 #[test]

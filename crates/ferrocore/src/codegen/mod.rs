@@ -61,6 +61,9 @@ pub struct KernelLaunch {
     /// Per parameter, the elements its buffer spans (in the signature's element type): what an
     /// autotuner allocates to time the kernel on.
     pub arg_numel: Vec<i64>,
+    /// Where its definition lies in `RenderedKernels::source` (byte range; a Triton launch of a
+    /// kernel defined once for several launches points at that one definition).
+    pub text: std::ops::Range<usize>,
 }
 
 /// One launch configuration of a Triton kernel.

@@ -11,6 +11,7 @@ use crate::graph::parse_graph;
 use crate::loop_ir::OutputValue;
 use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
 use crate::runtime::{self, Progress};
+use crate::report::{self, ReportInput};
 use crate::scheduler::schedule_for;
 use crate::wrapper::{plan_host, render_module_with};
 use serde::{Deserialize, Serialize};
@@ -39,6 +40,8 @@ pub struct Options {
     /// Whether compiled modules check their inputs' sizes, strides, dtypes and devices at each
     /// call (`wrapper/checks.rs`); off only for a measured hot path whose callers guarantee them.
     pub check_inputs: bool,
+    /// The front's stages before this one (Dynamo, AOT autograd, ...) in ms, for the report.
+    pub front_timings_ms: Vec<(String, f64)>,
 }
 
 /// The kernel backend: by the graph's device (CUDA tensors -> Triton, CPU -> C++), or forced.
@@ -83,6 +86,7 @@ impl Default for Options {
             conv_layout: ConvLayout::Auto,
             pad_mm: PadMm::Measured,
             check_inputs: true,
+            front_timings_ms: Vec::new(),
         }
     }
 }
@@ -124,6 +128,8 @@ pub struct CompileResult {
     /// The C++ translation unit, when the options left its compile to the caller
     /// (`skip_native_compile`): the front compiles it on a thread while the next graph compiles.
     pub cpp_source: Option<String>,
+    /// The compile report (`report`), written where the stage dumps go.
+    pub report_path: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -238,13 +244,15 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
                 output_strides: Vec::new(),
                 extern_ops: Vec::new(),
                 cpp_source: None,
+                report_path: None,
             });
         }
         Err(e) => return Err(CompileError { stage: "codegen", message: e.to_string() }),
     };
-    let module = st.time("wrapper", || {
+    let (plan, module) = st.time("wrapper", || {
         let plan = plan_host(&sched, &kernels);
-        render_module_with(&sched, &kernels, &plan, &graph.name, options.check_inputs)
+        let module = render_module_with(&sched, &kernels, &plan, &graph.name, options.check_inputs);
+        (plan, module)
     });
     st.emit("output_code", || module.clone());
     let mut cache_hit = false;
@@ -267,6 +275,13 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         };
         let _ = runtime::write_atomic(&d.join(file), kernels.source.as_bytes());
     }
+    let report_path = st.dump_dir.as_ref().and_then(|d| {
+        let timings: Vec<(String, f64)> = options.front_timings_ms.iter().chain(&st.timings).cloned().collect();
+        let module_path = module_path.to_string_lossy();
+        let input = ReportInput { graph: &graph, schedule: &sched, kernels: &kernels, plan: &plan, timings: &timings, module_path: &module_path, backend: backend.name() };
+        let path = d.join("report.html");
+        runtime::write_atomic(&path, report::render(&input).as_bytes()).ok().map(|_| path.to_string_lossy().into_owned())
+    });
     let externs = sched.program.externs.iter().filter(|e| !e.fallback).count();
     let p = &sched.program;
     let output_strides = p
@@ -293,6 +308,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         output_strides,
         extern_ops,
         cpp_source,
+        report_path,
     })
 }
 

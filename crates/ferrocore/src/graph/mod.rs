@@ -203,7 +203,8 @@ impl fmt::Display for ImportError {
 
 impl std::error::Error for ImportError {}
 
-fn fmt_arg(g: &Graph, a: &Arg) -> String {
+/// An argument as the graph's text shows it.
+pub fn fmt_arg(g: &Graph, a: &Arg) -> String {
     match a {
         Arg::None => "None".into(),
         Arg::Node(n) => g.node(*n).name.clone(),
@@ -219,7 +220,8 @@ fn fmt_arg(g: &Graph, a: &Arg) -> String {
     }
 }
 
-fn fmt_meta(m: &Meta) -> String {
+/// A node's metadata as the graph's text shows it (`dtype[shape]/[stride]`).
+pub fn fmt_meta(m: &Meta) -> String {
     match m {
         Meta::Tensor(t) => format!("{}{:?}/{:?}", t.dtype, t.shape, t.stride),
         Meta::Tuple(items) => format!(

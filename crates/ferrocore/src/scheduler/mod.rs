@@ -191,16 +191,24 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
 
     let mut items = Vec::new();
     let mut kernel_index = 0;
+    let mut slot_names = Vec::new();
     for slot in slots {
         match slot {
-            Slot::Extern(e) => items.push(Item::Extern(e)),
+            Slot::Extern(e) => {
+                items.push(Item::Extern(e));
+                slot_names.push(String::new());
+            }
             Slot::Kernel(k) => {
                 let plan = k.plan.into_plan();
                 let name = kernel_name(&program, &k.members, &plan, prefix, kernel_index);
                 kernel_index += 1;
+                slot_names.push(name.clone());
                 items.push(Item::Kernel(FusedKernel { name, plan }));
             }
         }
+    }
+    for d in &mut decisions {
+        *d = with_kernel_names(d, &slot_names);
     }
     decisions.extend(order::sink_steps(&program, &mut items));
     let storage = plan_storage(&program, &items, &mut decisions);
@@ -208,6 +216,28 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
     let reused = inplace::reuse_dying_buffers(&mut schedule);
     schedule.decisions.extend(reused);
     Ok(schedule)
+}
+
+/// A decision as fusion wrote it (`kernel #3`: the slot it was deciding on) with the kernel's
+/// final name, the one the generated code and the compile report use.
+fn with_kernel_names(decision: &str, slot_names: &[String]) -> String {
+    const MARK: &str = "kernel #";
+    let mut out = String::with_capacity(decision.len() + 32);
+    let mut rest = decision;
+    while let Some(at) = rest.find(MARK) {
+        let digits = rest[at + MARK.len()..].bytes().take_while(u8::is_ascii_digit).count();
+        let number = rest[at + MARK.len()..at + MARK.len() + digits].parse::<usize>().ok();
+        match number.and_then(|n| slot_names.get(n)).filter(|n| !n.is_empty()) {
+            Some(name) => {
+                out.push_str(&rest[..at + "kernel ".len()]);
+                out.push_str(name);
+            }
+            None => out.push_str(&rest[..at + MARK.len() + digits]),
+        }
+        rest = &rest[at + MARK.len() + digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 #[derive(Debug, Clone)]
@@ -481,7 +511,7 @@ const MOVING_WORDS: &[&str] =
 
 /// The graph nodes a kernel computes: its member loop nodes' origins in order, once each (its
 /// name, and the module's provenance comments).
-pub fn kernel_origins<'p>(p: &'p LoopProgram, members: impl IntoIterator<Item = usize>) -> Vec<&'p str> {
+pub fn kernel_origins(p: &LoopProgram, members: impl IntoIterator<Item = usize>) -> Vec<&str> {
     let mut origins: Vec<&str> = Vec::new();
     for m in members {
         for o in &p.nodes[m].origins {

@@ -549,7 +549,8 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
         };
         let _ = writeln!(m, "        {gen}.as_strided({}, {}),", py_tuple(&l.size), py_tuple(&l.stride));
     }
-    m.push_str("    ]\n\n\ndef benchmark_compiled_module(reps=100):\n    from ferrocore.runtime import benchmark\n    return benchmark(call, make_inputs(), reps)\n\n\n");
-    m.push_str("if __name__ == '__main__':\n    benchmark_compiled_module()\n");
+    m.push_str("    ]\n\n\ndef benchmark_compiled_module(reps=100, report=None):\n    from ferrocore.runtime import benchmark\n");
+    m.push_str("    return benchmark(call, make_inputs(), reps, report=report, module=globals())\n\n\n");
+    m.push_str("if __name__ == '__main__':\n    from ferrocore.runtime import benchmark_main\n    benchmark_main(benchmark_compiled_module)\n");
     m
 }

@@ -47,6 +47,7 @@ impl KernelBackend for CppBackend {
                 // the text before the first mark is exactly `prelude`: what the runtime precompiles
                 source.push_str(crate::runtime::CPP_UNIT_MARK);
                 source.push('\n');
+                let start = source.len();
                 source.push_str(&text);
                 let checks_indices = k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].checks_indices());
                 launches.push(KernelLaunch {
@@ -58,6 +59,7 @@ impl KernelBackend for CppBackend {
                     signature: Vec::new(),
                     candidates: Vec::new(),
                     arg_numel: Vec::new(),
+                    text: start..source.len(),
                 });
             }
         }

@@ -73,18 +73,20 @@ impl KernelBackend for TritonBackend {
         let mut launches = Vec::new();
         // Kernels that differ only in name (the same layer repeated through a model) are defined
         // once and launched under the first one's name: Triton compiles each definition.
-        let mut defined: HashMap<String, String> = HashMap::new();
+        let mut defined: HashMap<String, (String, std::ops::Range<usize>)> = HashMap::new();
         for it in &s.items {
             if let Item::Kernel(k) = it {
                 check_supported(s, k, self.cpu_tensors)?;
                 let (text, mut launch) = render_kernel(s, k)?;
                 let unnamed = text.replacen(&format!("def {}(", k.name), "def (", 1);
-                if let Some(first) = defined.get(&unnamed) {
+                if let Some((first, span)) = defined.get(&unnamed) {
                     launch.name = first.clone();
+                    launch.text = span.clone();
                 } else {
-                    defined.insert(unnamed, k.name.clone());
                     source.push_str("\n\n");
+                    launch.text = source.len()..source.len() + text.len();
                     source.push_str(&text);
+                    defined.insert(unnamed, (k.name.clone(), launch.text.clone()));
                 }
                 launches.push(launch);
             }
@@ -628,6 +630,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
         signature,
         candidates: candidates(&space, base),
         arg_numel,
+        text: 0..0, // placed by `render`
     };
     Ok((out, launch))
 }
