@@ -264,6 +264,15 @@ def test_wrong_options_and_modes_raise_errors_naming_them(fake, kwargs, message)
     assert not fake.graphs
 
 
+def test_triton_kernels_for_a_cpu_graph_without_the_interpreter_raise_a_clear_error(fake, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fn = torch.compile(lambda x: x * 7, backend=ferrocore_backend, dynamic=False, options={"backend": "triton"})
+    with pytest.raises(Exception, match=re.escape("run only under Triton's interpreter; set TRITON_INTERPRET=1")) as caught:
+        fn(torch.randn(2))
+    assert isinstance(getattr(caught.value, "inner_exception", caught.value), options.OptionError)
+    assert not fake.graphs
+
+
 def test_compile_graph_helper_on_make_fx_graph(fake):
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -700,6 +700,11 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         # (a graph traced on fake GPU tensors) rather than the driver's message at the first call
         raise RuntimeError(f"ferrocore: graph {name} computes on {device}, but this machine has no usable GPU "
                            "(torch.cuda.is_available() is False)")
+    if device is None and opts["backend"] == "triton" and not _triton_interpreted():
+        # rather than Triton's "0 active drivers" at the first launch
+        raise _options.OptionError(
+            "ferrocore option 'backend' (FERROCORE_BACKEND): 'triton' kernels for a graph on the CPU run only under "
+            "Triton's interpreter; set TRITON_INTERPRET=1 before triton is imported, or use 'auto' or 'cpp'")
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
     padded = {}
@@ -1291,6 +1296,10 @@ def _fold_constant_asserts(gm: torch.fx.GraphModule) -> None:
             folded = True
     if folded:
         gm.recompile()
+
+
+def _triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
 def _entry(name: str, timings: dict, **fields) -> dict:
