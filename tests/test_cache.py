@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import ferrocore
 import ferrocore.cache
-from ferrocore import backend, options, runtime
+from ferrocore import backend, graph_names, options, runtime
 
 pytestmark = pytest.mark.cpu_only("the C++ kernel cache")
 
@@ -37,14 +37,14 @@ X = torch.arange(16, dtype=torch.float32)
 def cache(tmp_path, monkeypatch):
     d = tmp_path / "cache"
     monkeypatch.setenv("FERROCORE_CACHE_DIR", str(d))
-    monkeypatch.setattr(backend, "_graph_ids", itertools.count())
+    monkeypatch.setattr(graph_names, "_counter", itertools.count())
     return d
 
 
 def _compile(f=_f):
     """The graph's boxed call (its `__globals__` are the wrapper module's), named as in a fresh
     process (the name is part of the wrapper's text and file name)."""
-    backend._graph_ids = itertools.count()
+    graph_names._counter = itertools.count()
     return backend._compile(make_fx(f)(X), {}, {})
 
 

@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,7 @@ def test_output_code_prints_the_cpp_prelude_once(monkeypatch, capfd, tmp_path):
     err = capfd.readouterr().err
     # the first graph this process printed shows it (another test may have printed it already)
     assert err.count("// ferrocore C++ kernel prelude") <= 1
-    assert "// (the C++ prelude: " in err and ", as printed with graph_" in err
+    assert "// (the C++ prelude: " in err and re.search(r", as printed with \w+\)", err)
     assert 'extern "C" int cpp_' in err.split("// (the C++ prelude: ")[1]  # the kernels still printed
     dumps = list(tmp_path.glob("*/output_code.py"))
     assert len(dumps) == 2
@@ -115,7 +116,8 @@ def test_torch_trace_records_each_stage_for_tlparse(tmp_path):
     env.pop("FERROCORE_LOGS", None)
     run = subprocess.run([sys.executable, "-c", _TRACED_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "[ferrocore:output_code] graph_0 (" in run.stderr  # the component turned every channel on
+    # the component turned every channel on; the graph is named after the lambda and compile 0/0
+    assert "[ferrocore:output_code] lambda_0_0_inference (" in run.stderr
     tlparse = Path(sys.executable).with_name("tlparse")
     logs = list((tmp_path / "trace").iterdir())
     out = tmp_path / "tlparse"
@@ -124,12 +126,36 @@ def test_torch_trace_records_each_stage_for_tlparse(tmp_path):
     assert parsed.returncode == 0, parsed.stderr
     index = (out / "index.html").read_text()
     for stage in ("graph", "ir_pre_fusion", "fusion", "ir_post_fusion", "output_code", "module_path"):
-        assert f"ferrocore_graph_0_{stage}_" in index, stage
-    code = next(out.glob("*/ferrocore_graph_0_output_code_*.txt")).read_text()
+        assert f"ferrocore_lambda_0_0_inference_{stage}_" in index, stage
+    code = next(out.glob("*/ferrocore_lambda_0_0_inference_output_code_*.txt")).read_text()
     assert "def call(args)" in code and 'extern "C" int cpp_' in code
-    assert "aten._softmax.default" in next(out.glob("*/ferrocore_graph_0_graph_*.txt")).read_text()
-    module = next(out.glob("*/ferrocore_graph_0_module_path_*.txt")).read_text().strip()
+    assert "aten._softmax.default" in next(out.glob("*/ferrocore_lambda_0_0_inference_graph_*.txt")).read_text()
+    module = next(out.glob("*/ferrocore_lambda_0_0_inference_module_path_*.txt")).read_text().strip()
     assert Path(module).read_text() == json.loads(json.dumps(code))  # the module as written
+
+
+_NAMED_RUN = """
+import torch, ferrocore
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+torch.compile(model, backend="ferrocore")(torch.randn(4, 8)).sum().backward()
+def scaled(x):
+    return (x * 2).softmax(-1)
+f = torch.compile(scaled, backend="ferrocore", dynamic=False)
+f(torch.randn(4, 8))
+f(torch.randn(5, 8))  # a new size: Dynamo compiles the frame again (compile 1/1)
+"""
+
+
+@pytest.mark.cpu_only("counts the C++ graphs of a CPU run")
+def test_graphs_are_named_by_function_compile_and_part_alike_in_every_process():
+    env = {**os.environ, "FERROCORE_LOGS": "fusion", "FERROCORE_GRAPH_CACHE": "0"}
+    names = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _NAMED_RUN], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        names.append(re.findall(r"\[ferrocore:fusion\] (\w+)", run.stderr))
+    assert names[0] == names[1]
+    assert sorted(names[0]) == ["Sequential_0_0_bw", "Sequential_0_0_fw", "scaled_1_0_inference", "scaled_1_1_inference"]
 
 
 def test_every_kernel_and_library_call_names_its_model_source_lines():

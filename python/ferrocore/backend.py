@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import gc
 import importlib.util
-import itertools
 import json
 import linecache
 import math
@@ -31,11 +30,11 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import aot_runtime, conv_layout, direct_trace, graph_cache, joint_split, kernel_binaries, padding, partition, progress, runtime, torch_logs
+from . import (aot_runtime, conv_layout, direct_trace, graph_cache, graph_names, joint_split, kernel_binaries, padding,
+               partition, progress, runtime, torch_logs)
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
 
-_graph_ids = itertools.count()
 
 
 def _start_compile_workers_early() -> None:
@@ -96,6 +95,11 @@ def _collector_spared():
 
 
 def _compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict) -> Callable:
+    with graph_names.naming(graph_names.base_for(gm)):
+        return _compile_named_dynamo_graph(gm, example_inputs, kwargs)
+
+
+def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict) -> Callable:
     if kwargs.get("mode") not in MODES:
         raise _options.OptionError(f"ferrocore: unknown mode {kwargs['mode']!r}; the modes are "
                                    f"{', '.join(m for m in MODES if m)}")
@@ -147,11 +151,14 @@ def _compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict
         recorded["call"] = _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
         return recorded["call"]
 
+    base = graph_names.current_base()
+
     def backward(graph, inputs):
         _take_input_strides(graph, inputs)
         donated = _donated_inputs()
         # AOT autograd may compile the backward at its first call, outside the forward's line
-        with progress.compiling(label + " (backward)", opts["progress"]), _collector_spared():
+        with progress.compiling(label + " (backward)", opts["progress"]), _collector_spared(), \
+                graph_names.naming(base):
             compiled = _compile(graph, state.take(), overrides, donated=donated, backward=True, family=family,
                                 record=recorded["graphs"].append)
         if cache_key is not None:
@@ -379,6 +386,7 @@ def _describe_runtime(recorded: dict, describe: Callable) -> None:
 
 # an entry's kind, and how many compiled graphs it holds
 _ENTRY_GRAPHS = {"inference": 1, "training": 2}
+_ENTRY_PARTS = {"inference": ("inference",), "training": ("fw", "bw")}
 
 
 def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
@@ -391,7 +399,8 @@ def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
     if _ENTRY_GRAPHS.get(entry["kind"]) != len(entry["graphs"]):
         graph_cache.log(opts, f"miss {cache_key[:16]}: an entry of kind {entry['kind']!r} cannot be run")
         return None
-    graphs = [dataclasses.replace(g, name=f"graph_{next(_graph_ids)}") for g in entry["graphs"]]
+    graphs = [dataclasses.replace(g, name=graph_names.next_name(part))
+              for g, part in zip(entry["graphs"], _ENTRY_PARTS[entry["kind"]])]
     calls = []
     for graph in graphs:
         timings = {"graph_cache": (time.perf_counter() - start) * 1e3}
@@ -691,7 +700,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         if data_dependent:
             return _partitioned(gm, timings, overrides, output_strides)
         return _specializing(gm, timings, overrides, output_strides)
-    name = f"graph_{next(_graph_ids)}"
+    name = graph_names.next_name("bw" if backward else "fw" if saved is not None else "inference")
     start = time.perf_counter()
     _unwrap_effects(gm)
     _wrap_integer_clamp_bounds(gm)
@@ -1011,7 +1020,7 @@ def _partitioned(gm: torch.fx.GraphModule, timings: dict, overrides: dict, outpu
     (`partition.split`): those nodes run as ATen calls, every other segment is compiled (and
     specialized to the concrete values when it reads them)."""
     segments = partition.split(gm)
-    name = f"graph_{next(_graph_ids)}"
+    name = graph_names.next_name("segments")
     for seg in segments:
         if seg.call is not None:
             target = str(seg.call.target)
@@ -1150,7 +1159,7 @@ except ImportError:  # a torch without it: a lock of ferrocore's own
 
 
 def _eager_beyond_limit(gm: torch.fx.GraphModule, timings: dict) -> Callable:
-    name = f"graph_{next(_graph_ids)}"
+    name = graph_names.next_name("eager")
     print(f"[ferrocore:fallback] graph {name} runs eagerly: more than {SPECIALIZATION_LIMIT} "
           "input signatures of one symbolic graph", file=sys.stderr)
     metrics.record(_entry(name, dict(timings), graph_fallback=True))
