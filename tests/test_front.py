@@ -268,7 +268,7 @@ def test_triton_kernels_for_a_cpu_graph_without_the_interpreter_raise_a_clear_er
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fn = torch.compile(lambda x: x * 7, backend=ferrocore_backend, dynamic=False, options={"backend": "triton"})
     with pytest.raises(Exception, match=re.escape("run only under Triton's interpreter; set TRITON_INTERPRET=1")) as caught:
-        fn(torch.randn(2))
+        fn(torch.randn(2, device="cpu"))
     assert isinstance(getattr(caught.value, "inner_exception", caught.value), options.OptionError)
     assert not fake.graphs
 

@@ -66,8 +66,10 @@ def test_runtime_section_lists_every_kernel(block_report):
     runtime = page.split('<section id="runtime">')[1]
     assert "Not measured yet." not in runtime and "Median wall time per run" in runtime
     timed = set(re.findall(r'<a href="#kernel-(\w+)">', runtime))
-    assert timed == set(_kernels(page))
-    assert "aten::addmm" in runtime  # the block's linear layers are library calls
+    # a Triton kernel identical to an earlier one is launched under that one's name
+    shared = set(re.findall(r'<div class="step" id="kernel-(\w+)">(?:(?!</div>).)*?<p class="note">Launched as ', page, re.S))
+    assert timed == set(_kernels(page)) - shared
+    assert "<td>library</td>" in runtime  # the linear layers are library calls (aten::addmm, cuBLAS)
 
 
 def test_report_renders_and_its_links_work_in_chromium(block_report):
@@ -106,6 +108,7 @@ def test_report_renders_and_its_links_work_in_chromium(block_report):
             assert page.evaluate("document.querySelector(':target').id").startswith("kernel-")
             # a kernel's code opens
             page.locator(f"#kernel-{kernel} summary").click()
-            assert page.locator(f"#kernel-{kernel} pre", has_text=f'extern "C" int {kernel}(').is_visible()
+            code = page.locator(f"#kernel-{kernel} details pre")
+            assert code.is_visible() and ("extern \"C\" int " in code.inner_text() or "@triton.jit" in code.inner_text())
         finally:
             browser.close()

@@ -23,7 +23,7 @@ RUNTIME_END = "<!-- /ferrocore:runtime -->"
 @dataclass
 class Row:
     name: str
-    kind: str  # "kernel", "library", "allocation" (the module's own buffers) or "other"
+    kind: str  # "kernel", "library", "allocation" (the module's own buffers), "copy" or "other"
     calls: float  # per run of the module
     ms: float  # per run of the module
 
@@ -68,10 +68,12 @@ def measure(call, args, module: dict, reps: int) -> list:
     totals: dict = {}
     for e in prof.events():
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
-            kind = "kernel" if e.name in names else "library"
+            kind = "kernel" if e.name in names else "copy" if e.name.startswith(("Memcpy", "Memset")) else "library"
+        elif not cuda and e.name in names:
+            kind = "kernel"
         elif not cuda and e.cpu_parent is None:
-            kind = ("kernel" if e.name in names else "allocation" if e.name in _ALLOCATIONS
-                    else "library" if e.name.startswith("aten::") else "other")
+            # what `call` runs itself: library calls, its allocations, the rest
+            kind = "allocation" if e.name in _ALLOCATIONS else "library" if e.name.startswith("aten::") else "other"
         else:
             continue
         row = totals.setdefault(e.name, Row(e.name, kind, 0.0, 0.0))

@@ -214,6 +214,10 @@ fn steps(h: &mut String, r: &ReportInput) {
                     }
                 };
                 let _ = writeln!(h, "<div class=\"step\" id=\"kernel-{}\"><h3>kernel {}</h3>\n<p class=\"note\">{shape}</p>", k.name, k.name);
+                if launch.name != k.name {
+                    // (Triton: kernels that differ only in name are defined once)
+                    let _ = writeln!(h, "<p class=\"note\">Launched as {}: the same code.</p>", kernel_link(&launch.name));
+                }
                 origins_html(h, g, &index, p, &kernel_origins(p, k.plan.nodes.iter().map(|kn| kn.node)));
                 let why: Vec<&String> = r.schedule.decisions.iter().filter(|d| mentions(d, &k.name)).collect();
                 if !why.is_empty() {
