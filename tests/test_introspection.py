@@ -180,6 +180,26 @@ def test_every_kernel_and_library_call_names_its_model_source_lines():
     assert any("softmax" in n for n in names) and any("native_layer_norm" in n for n in names), names
 
 
+@pytest.mark.parametrize("direct_trace", ["1", "0"], ids=["direct-trace", "aot-autograd"])
+def test_backward_kernels_name_the_forward_lines_they_differentiate(monkeypatch, direct_trace):
+    """A training step of the demo's block: every launch and library call of the backward names
+    the model lines of the forward ops whose gradients it computes."""
+    from examples.models import make_block, make_block_input
+
+    monkeypatch.setenv("FERROCORE_DIRECT_TRACE", direct_trace)
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+    block, x = make_block(), make_block_input()
+    torch._dynamo.reset()
+    torch.compile(block, backend="ferrocore")(x).sum().backward()
+    last = ferrocore.metrics.last
+    assert re.fullmatch(r"TransformerBlock_0_0_bw(_\d+)?", last["name"]), last["name"]  # (_n: compiled again)
+    lines = Path(last["module_path"]).read_text().split("def call(args):")[1].splitlines()
+    calls = [i for i, line in enumerate(lines) if line.startswith("    # graph nodes: ")]
+    assert len(calls) == last["kernels"] + last["externs"] + last["fallbacks"] > 0
+    for i in calls:
+        assert lines[i + 1].startswith("    # File ") and "examples/models.py\", line " in lines[i + 1], lines[i:i + 3]
+
+
 def test_fallback_channel_names_the_op(monkeypatch, capfd):
     monkeypatch.setenv("FERROCORE_LOGS", "fallback")
     _compile_and_run(lambda x: torch.cummax(x, 0)[0] + 1, torch.randn(6, 5))

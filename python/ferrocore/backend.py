@@ -33,7 +33,7 @@ from . import options as _options
 from . import (aot_runtime, conv_layout, direct_trace, graph_cache, graph_names, joint_split, kernel_binaries, padding,
                partition, progress, runtime, torch_logs)
 from .metrics import metrics
-from .serialize import UnsupportedGraph, lifted_constants, serialize_graph
+from .serialize import UnsupportedGraph, lend_forward_lines, lifted_constants, serialize_graph
 
 
 
@@ -476,6 +476,7 @@ def _partition(joint, joint_inputs, **kwargs):
     intermediate, since ferrocore fuses the recomputation into the backward's kernels."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    lend_forward_lines(joint.graph)
     return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
 

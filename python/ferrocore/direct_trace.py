@@ -179,6 +179,24 @@ def _tracing(example_inputs, decompositions: dict, writable_inputs: bool = False
             yield recorder, fakes
 
 
+# an autograd node's metadata key: the stack trace of the Dynamo node that made it, which the
+# backward ops it runs take (`_Recorder._annotate`), as AOT autograd's do by `seq_nr`
+_FORWARD_TRACE = "ferrocore_forward_trace"
+
+
+def _tag_autograd_nodes(result, trace: str | None) -> None:
+    """Tags the autograd nodes not tagged yet behind `result` (the ones its Dynamo node made)."""
+    if not trace or not torch.is_grad_enabled():
+        return
+    todo = [t.grad_fn for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or _FORWARD_TRACE in fn.metadata:
+            continue
+        fn.metadata[_FORWARD_TRACE] = trace
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+
+
 def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
     """Runs Dynamo's graph on fake tensors with the recorder on; returns its outputs."""
     env: dict = {}
@@ -193,10 +211,12 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
         elif node.op == "call_function":
             with recorder:
                 env[node] = node.target(*load(node.args), **load(node.kwargs))
+            _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
         elif node.op == "call_method":
             self_arg, *args = load(node.args)
             with recorder:
                 env[node] = getattr(self_arg, node.target)(*args, **load(node.kwargs))
+            _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
         elif node.op == "output":
             return load(node.args[0])
         else:
@@ -287,6 +307,11 @@ class _Recorder(TorchDispatchMode):
         for key in _COPIED_META:
             if key in self.meta:
                 node.meta[key] = self.meta[key]
+        if "stack_trace" not in self.meta:
+            running = torch._C._current_autograd_node()  # a backward op: its forward op's line
+            trace = running.metadata.get(_FORWARD_TRACE) if running is not None else None
+            if trace:
+                node.meta["stack_trace"] = trace
 
     # ---- ops ----
 

@@ -36,9 +36,10 @@ def function_name(gm: torch.fx.GraphModule) -> str:
     """What Dynamo compiled: a module's class (its `forward`, or torch's wrapper around a module
     call), else the function's name; the outermost frame of a node's stack trace when Dynamo
     does not say."""
-    code = _traced_code()
+    tx = _translator()
+    code = getattr(tx, "f_code", None)
     if code is None or code.co_name == "forward" or code.co_filename.startswith(_TORCH_DIR):
-        module = _root_module(gm)
+        module = _root_module(gm, getattr(tx, "f_locals", None) or {})
         if module is not None:
             return identifier(module)
     if code is not None:
@@ -50,20 +51,23 @@ def function_name(gm: torch.fx.GraphModule) -> str:
     return "graph"
 
 
-def _traced_code():
+def _translator():
     try:
-        return torch._dynamo.symbolic_convert.InstructionTranslator.current_tx().f_code
+        return torch._dynamo.symbolic_convert.InstructionTranslator.current_tx()
     except Exception:  # noqa: BLE001 - not inside Dynamo's trace, or a Dynamo without it
         return None
 
 
-def _root_module(gm: torch.fx.GraphModule) -> str | None:
-    """The class of the outermost module a node was traced in (`nn_module_stack`)."""
+def _root_module(gm: torch.fx.GraphModule, frame_locals: dict) -> str | None:
+    """The class of the module the compiled frame runs: its `self` (a `forward`), or the module
+    torch's call wrapper was handed (`fn`), as the frame's locals or `nn_module_stack` say."""
+    for key in ("self", "fn"):
+        if isinstance(frame_locals.get(key), torch.nn.Module):
+            return type(frame_locals[key]).__name__
     for n in gm.graph.nodes:
-        stack = n.meta.get("nn_module_stack")
-        if stack:
-            _, cls = next(iter(stack.values()))
-            return cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
+        for path, cls in (n.meta.get("nn_module_stack") or {}).values():
+            if path in ("L['self']", "L['fn']"):
+                return cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
     return None
 
 

@@ -154,6 +154,20 @@ def _innermost_frame(trace: str) -> str:
     return frames[-1][1] if frames else ""
 
 
+def lend_forward_lines(graph: torch.fx.Graph) -> None:
+    """A joint graph's backward nodes carry no stack trace: each takes the trace of the forward
+    op whose gradient it computes (the first node of its autograd `seq_nr` that has one), so the
+    backward's kernels and library calls name model lines too."""
+    traces: dict = {}
+    for n in graph.nodes:
+        seq, trace = n.meta.get("seq_nr"), n.meta.get("stack_trace")
+        if seq is not None and trace and seq not in traces:
+            traces[seq] = trace
+    for n in graph.nodes:
+        if n.op == "call_function" and not n.meta.get("stack_trace") and n.meta.get("seq_nr") in traces:
+            n.meta["stack_trace"] = traces[n.meta["seq_nr"]]
+
+
 def _constant_input(n: torch.fx.Node, t: torch.Tensor) -> dict:
     return {"kind": "placeholder", "name": n.name, "meta": _meta(t, n)}
 
