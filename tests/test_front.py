@@ -273,6 +273,12 @@ def test_triton_kernels_for_a_cpu_graph_without_the_interpreter_raise_a_clear_er
     assert not fake.graphs
 
 
+def test_readme_describes_every_option():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    described = set(re.findall(r"^\| `(\w+)` \| ", readme, re.M))
+    assert set(options._TYPES) <= described, set(options._TYPES) - described
+
+
 def test_compile_graph_helper_on_make_fx_graph(fake):
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -200,6 +200,24 @@ def test_backward_kernels_name_the_forward_lines_they_differentiate(monkeypatch,
         assert lines[i + 1].startswith("    # File ") and "examples/models.py\", line " in lines[i + 1], lines[i:i + 3]
 
 
+def test_dynamo_recompiles_are_announced_with_dynamos_reason(monkeypatch, capfd):
+    monkeypatch.setenv("FERROCORE_LOGS", "recompiles")
+    torch._dynamo.reset()
+    before = ferrocore.metrics.total.get("recompiles", 0)
+
+    def scaled(x):
+        return (x * 2).softmax(-1)
+
+    f = torch.compile(scaled, backend="ferrocore", dynamic=False)
+    f(torch.randn(4, 8))
+    assert "[ferrocore:recompiles]" not in capfd.readouterr().err  # a first compile is none
+    f(torch.randn(5, 8))
+    err = capfd.readouterr().err
+    assert re.search(r"\[ferrocore:recompiles\] scaled_\d+_1: Dynamo compiles frame \d+ again \(compile \d+/1\): "
+                     r".*size mismatch at index 0\. expected 4, actual 5", err), err
+    assert ferrocore.metrics.total["recompiles"] == before + 1
+
+
 def test_fallback_channel_names_the_op(monkeypatch, capfd):
     monkeypatch.setenv("FERROCORE_LOGS", "fallback")
     _compile_and_run(lambda x: torch.cummax(x, 0)[0] + 1, torch.randn(6, 5))

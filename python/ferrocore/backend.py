@@ -109,6 +109,7 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
     if kwargs.get("mode") in AUTOTUNE_MODES:
         overrides.setdefault("autotune", True)
     opts = _options.build_options(overrides)
+    _announce_dynamo_recompile(opts)
     boxed = isinstance(gm, getattr(torch._dynamo.utils, "GmWrapper", ()))
     cache_key = _graph_cache_key(gm, example_inputs, opts)
     if cache_key is not None:
@@ -1122,6 +1123,31 @@ def _specialization(compiled: dict, key: tuple, gm: torch.fx.GraphModule, args: 
             compiled[key] = fn
             _announce_specialization(previous, key, len(compiled), overrides)
     return fn
+
+
+_announced_compiles: set = set()
+
+
+def _announce_dynamo_recompile(opts: dict) -> None:
+    """Dynamo compiling a frame again (a guard failed: a new size, dtype, ...): counted
+    (`recompiles` in the metrics) and logged once per compile on the `recompiles` channel, with
+    Dynamo's reason."""
+    try:
+        compile_id = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001 - a Dynamo without compile ids
+        return
+    if not getattr(compile_id, "frame_compile_id", 0) or str(compile_id) in _announced_compiles:
+        return
+    _announced_compiles.add(str(compile_id))
+    metrics.count("recompiles")
+    if "recompiles" in opts["logs"]:
+        try:  # (Dynamo keeps it in its metrics for the compile, under this key)
+            reason = torch._dynamo.utils.get_metrics_context()._metrics.get("recompile_reason")
+        except Exception:  # noqa: BLE001 - a Dynamo that keeps it elsewhere
+            reason = None
+        print(f"[ferrocore:recompiles] {graph_names.current_base()}: Dynamo compiles frame {compile_id.frame_id} "
+              f"again (compile {compile_id}): {reason or 'a guard failed (TORCH_LOGS=recompiles shows which)'}",
+              file=sys.stderr)
 
 
 def _announce_specialization(previous: tuple | None, key: tuple, count: int, overrides: dict) -> None:
