@@ -5,6 +5,7 @@ compiling; corrupt entries are rebuilt; graphs the cache cannot vouch for bypass
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -84,6 +85,31 @@ def _two_processes(script: str, cache_dir: str) -> list:
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     return runs
+
+
+def test_a_hit_shows_its_module_on_output_code_and_in_torch_trace(cache_dir, tmp_path):
+    """A cache hit in a new process prints the module on `output_code` and records it (with a
+    note of the hit) under TORCH_TRACE, as a compile would."""
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        sys.path.insert(0, sys.argv[2])
+        from test_graph_cache import _block, _inputs
+        with torch.no_grad():
+            torch.compile(_block, backend="ferrocore", options={"cache_dir": sys.argv[1], "logs": sys.argv[3]})(*_inputs())
+        """
+    )
+    here = str(Path(__file__).resolve().parent)
+    run = lambda logs, env: subprocess.run([sys.executable, "-c", script, cache_dir, here, logs],  # noqa: E731
+                                           capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    # (the logs asked for are part of the key: the same in both)
+    assert run("graph_cache,output_code", {}).returncode == 0
+    hit = run("graph_cache,output_code", {"TORCH_TRACE": str(tmp_path / "trace")})
+    assert hit.returncode == 0 and "hit " in hit.stderr, hit.stderr[-3000:]
+    assert re.search(r"\[ferrocore:output_code\] block_\d+_\d+_inference \(", hit.stderr), hit.stderr[-3000:]
+    trace = "".join(p.read_text() for p in (tmp_path / "trace").iterdir())
+    assert re.search(r"ferrocore_block_\d+_\d+_inference_graph_cache", trace)
+    assert re.search(r"ferrocore_block_\d+_\d+_inference_output_code", trace)
 
 
 def test_a_new_process_hits_and_matches_eager(cache_dir):

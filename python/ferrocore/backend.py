@@ -406,12 +406,22 @@ def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
     for graph in graphs:
         timings = {"graph_cache": (time.perf_counter() - start) * 1e3}
         calls.append(_load_graph(graph, timings, cpp_cache_hit=True, graph_cache="hit")[0])
+        _show_cached_module(graph, opts, cache_key)
         start = time.perf_counter()
     names = ", ".join(f"{g.name} ({g.counts.get('kernels', 0)} kernels)" for g in graphs)
     graph_cache.log(opts, f"hit {cache_key[:16]}: {names}")
     if entry["kind"] == "training":
         return aot_runtime.training_call(calls[0], calls[1], entry["runtime"], boxed)
     return aot_runtime.inference_call(calls[0], entry["runtime"], boxed)
+
+
+def _show_cached_module(graph: graph_cache.CompiledGraph, opts: dict, cache_key: str) -> None:
+    """A cache hit's module where a compile's would show: the `output_code` channel (and torch's
+    switch of that name) and, under TORCH_TRACE, its artifacts with a note of the hit."""
+    code = [{"channel": "output_code", "text": graph.module_source}]
+    if torch_logs.tracing():
+        torch_logs.trace_graph(graph.name, graph.module_path, code, note=f"compiled-graph cache hit {cache_key[:16]}")
+    _print_logs([log for log in code if log["channel"] in opts["logs"]], graph.name, graph.module_path)
 
 
 def _store_graph(cache_key: str, opts: dict, recorded: dict, kind: str) -> bool:

@@ -69,9 +69,10 @@ def tracing() -> bool:
             and (getattr(handler, "root_dir", None) is not None or getattr(handler, "stream", None) is not None))
 
 
-def trace_graph(name: str, module_path: str, logs) -> None:
+def trace_graph(name: str, module_path: str, logs, note: str | None = None) -> None:
     """Records graph `name`'s stages (`logs`: the compile's channel texts) as structured-trace
-    artifacts, one per stage, and where its module was written."""
+    artifacts, one per stage, and where its module was written; `note` (a cache hit's) as
+    `ferrocore_<name>_graph_cache`."""
     from torch._logging import trace_structured
 
     def artifact(what: str, text: str) -> None:
@@ -87,3 +88,5 @@ def trace_graph(name: str, module_path: str, logs) -> None:
             artifact(channel, texts[channel])
     if module_path:
         artifact("module_path", module_path + "\n")
+    if note:
+        artifact("graph_cache", note + "\n")
