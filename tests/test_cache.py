@@ -232,3 +232,25 @@ def test_eight_processes_compiling_the_same_graphs_into_one_cache(cache):
     assert not failed, failed[0]
     assert len(_entries(cache, "*.so")) == 2 and len(_entries(cache, "*.so.hmac")) == 2
     assert not [p for p in cache.rglob(".*") if p.is_file()], "temporary files left behind"
+
+
+def test_module_bytecode_is_cached_and_a_bad_entry_rebuilt(cache, monkeypatch):
+    """A wrapper module's code object is compiled once, then read from the cache; an entry that
+    does not verify is compiled again and rewritten."""
+    compiles = []
+    monkeypatch.setitem(backend.__dict__, "compile", lambda *a: compiles.append(a) or compile(*a))
+    source = "x = 40 + 2\n"
+    backend._module_code(source, "/graphs/m.py", str(cache))
+    entries = list(Path(cache, "bytecode").rglob("*.marshal"))
+    assert len(entries) == 1 and len(compiles) == 1
+    namespace: dict = {}
+    exec(backend._module_code(source, "/graphs/m.py", str(cache)), namespace)
+    assert namespace["x"] == 42 and len(compiles) == 1  # read back, not compiled
+    backend._module_code(source, "/graphs/other.py", str(cache))  # another file name: another entry
+    assert len(compiles) == 2
+    entries[0].write_bytes(b"\x00" * 8)  # edited behind the cache's back
+    namespace = {}
+    exec(backend._module_code(source, "/graphs/m.py", str(cache)), namespace)
+    assert namespace["x"] == 42 and len(compiles) == 3
+    exec(backend._module_code(source, "/graphs/m.py", str(cache)), namespace)
+    assert len(compiles) == 3  # rewritten whole

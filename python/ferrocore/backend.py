@@ -11,9 +11,11 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import hashlib
 import importlib.util
 import json
 import linecache
+import marshal
 import math
 import operator
 import os
@@ -875,7 +877,7 @@ class _GraphLoad:
                 library, self.cpp_cache_hit = runtime.load_kernels_reporting(cpp_source)
                 self.timings["cpp_compile"] = (time.perf_counter() - start) * 1e3
             start = time.perf_counter()
-            self.module = _import_module(graph.module_path, graph.name, graph.module_source)
+            self.module = _import_module(graph.module_path, graph.name, graph.module_source, self.opts.get("cache_dir"))
             del library  # the module holds it now
         self.timings["load"] = (time.perf_counter() - start) * 1e3
 
@@ -1374,7 +1376,31 @@ def _extension():
     return _ferrocore
 
 
-def _import_module(path: str, name: str, source: str):
+def _module_code(source: str, path: str, cache_dir: str | None):
+    """The module's code object, compiled once and then read back from the cache: `compile` of a
+    GPU graph's module (thousands of lines) is a large part of a warm start. marshal's format,
+    signed and verified like every cache entry, keyed by the source, the file name its
+    tracebacks report and the interpreter's version."""
+    if not cache_dir:
+        return compile(source, path, "exec")
+    _ferrocore = _extension()
+    key = hashlib.sha256("\0".join((sys.version, path, source)).encode()).hexdigest()
+    rel = f"bytecode/{key[:2]}/{key}.marshal"
+    data = _ferrocore.cache_read(cache_dir, rel)
+    if data is not None:
+        try:
+            return marshal.loads(data)
+        except (EOFError, ValueError, TypeError):
+            pass  # (verified, but not this interpreter's: compiled again and rewritten)
+    code = compile(source, path, "exec")
+    try:
+        _ferrocore.cache_write(cache_dir, rel, marshal.dumps(code))
+    except Exception:  # noqa: BLE001 - a cache that cannot be written costs only the compile
+        pass
+    return code
+
+
+def _import_module(path: str, name: str, source: str, cache_dir: str | None = None):
     """Runs the wrapper module's source as the compiler returned it, never what the cached file
     holds by now (an edited or planted file runs nothing; Rust rewrites it). The file name is
     the cached path, for tracebacks; `linecache` holds this very source under it, so tracebacks
@@ -1383,7 +1409,7 @@ def _import_module(path: str, name: str, source: str):
     mod_name = f"ferrocore_output_code_{name}"
     module = types.ModuleType(mod_name)
     module.__file__ = path
-    code = compile(source, path, "exec")
+    code = _module_code(source, path, cache_dir)
     _hold_source(path, source, module.__dict__)
     sys.modules[mod_name] = module  # while it runs: a module may look itself up
     try:
