@@ -216,18 +216,23 @@ fn small_results_lowered_last_join_the_kernel_that_computes_what_they_read() {
     assert!(post.starts_with("  kernel cpp_red_fused_m_u_0: outer=256\n    group 0: reduce [64]"), "{post}");
 }
 
-#[test]
-fn a_large_output_lowered_last_keeps_apart_from_a_large_temporary() {
-    // t = x - rowmax(x) feeds a GEMM (a large temporary); y = 2x is returned: fused with t, both
-    // would be live at once, so y gets a kernel of its own after the GEMM
-    let doc = G::new()
+/// t = x - rowmax(x) feeds a GEMM (a large temporary); y = 2x, returned, is lowered after it.
+fn gemm_then_large_output() -> String {
+    G::new()
         .input("x", &[512, 512], "float32")
         .input("w", &[512, 512], "float32")
         .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[512, 1], "float32"))
         .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[512, 512], "float32"))
         .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[512, 512], "float32"))
         .call("y", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[512, 512], "float32"))
-        .output(&["g", "y"]);
+        .output(&["g", "y"])
+}
+
+#[test]
+fn a_large_output_lowered_last_keeps_apart_from_a_large_temporary() {
+    // t = x - rowmax(x) feeds a GEMM (a large temporary); y = 2x is returned: fused with t, both
+    // would be live at once, so y gets a kernel of its own after the GEMM
+    let doc = gemm_then_large_output();
     let (_, post, _, k) = stages(&doc);
     assert_eq!(k, 2, "{post}");
     let last = post.rsplit("  kernel ").next().unwrap();
@@ -238,14 +243,7 @@ fn a_large_output_lowered_last_keeps_apart_from_a_large_temporary() {
 fn fusion_decisions_name_kernels_as_the_generated_code_does() {
     // the GEMM is a slot of the schedule but no kernel: a decision about the kernel after it
     // must name that kernel, not the slot's number
-    let doc = G::new()
-        .input("x", &[512, 512], "float32")
-        .input("w", &[512, 512], "float32")
-        .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[512, 1], "float32"))
-        .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[512, 512], "float32"))
-        .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[512, 512], "float32"))
-        .call("y", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[512, 512], "float32"))
-        .output(&["g", "y"]);
+    let doc = gemm_then_large_output();
     let s = schedule(lower_graph(&parse_graph(&doc).unwrap()).unwrap().program).unwrap();
     let names: Vec<&str> = s.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k.name.as_str()) } else { None }).collect();
     assert_eq!(names.len(), 2, "{:?}", s.decisions);
