@@ -723,11 +723,6 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         # (a graph traced on fake GPU tensors) rather than the driver's message at the first call
         raise RuntimeError(f"ferrocore: graph {name} computes on {device}, but this machine has no usable GPU "
                            "(torch.cuda.is_available() is False)")
-    if device is None and opts["backend"] == "triton" and not _triton_interpreted():
-        # rather than Triton's "0 active drivers" at the first launch
-        raise _options.OptionError(
-            "ferrocore option 'backend' (FERROCORE_BACKEND): 'triton' kernels for a graph on the CPU run only under "
-            "Triton's interpreter; set TRITON_INTERPRET=1 before triton is imported, or use 'auto' or 'cpp'")
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
     padded = {}
@@ -820,7 +815,23 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False),
                                               copied=_copied_inputs(gm, backward, static_inputs), saved=saved or (),
                                               donated_writes=getattr(module, "DONATED_WRITES", False), family=family)
+    if device is None and opts["backend"] == "triton" and not _triton_interpreted():
+        call = _refusing_uninterpreted_triton(name)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
+    return call
+
+
+def _refusing_uninterpreted_triton(name: str) -> Callable:
+    """A CPU graph's Triton module without Triton's interpreter can be generated and imported
+    (tests read it, workers compile its kernels for a GPU) but not run: its call says why,
+    rather than Triton's "0 active drivers" at the first launch."""
+
+    def call(args, **kw):
+        raise _options.OptionError(
+            f"ferrocore option 'backend' (FERROCORE_BACKEND): graph {name} is on the CPU, and 'triton' kernels for "
+            "CPU tensors run only under Triton's interpreter; set TRITON_INTERPRET=1 before triton is imported, "
+            "or use 'auto' or 'cpp'")
+
     return call
 
 
@@ -1137,9 +1148,6 @@ def _specialization(compiled: dict, key: tuple, gm: torch.fx.GraphModule, args: 
     return fn
 
 
-_announced_compiles: set = set()
-
-
 def _announce_dynamo_recompile(opts: dict) -> None:
     """Dynamo compiling a frame again (a guard failed: a new size, dtype, ...): counted
     (`recompiles` in the metrics) and logged once per compile on the `recompiles` channel, with
@@ -1148,9 +1156,10 @@ def _announce_dynamo_recompile(opts: dict) -> None:
         compile_id = torch._guards.CompileContext.current_compile_id()
     except Exception:  # noqa: BLE001 - a Dynamo without compile ids
         return
-    if not getattr(compile_id, "frame_compile_id", 0) or str(compile_id) in _announced_compiles:
+    context = torch._guards.CompileContext.try_get()
+    if not getattr(compile_id, "frame_compile_id", 0) or getattr(context, "_ferrocore_announced", False):
         return
-    _announced_compiles.add(str(compile_id))
+    context._ferrocore_announced = True  # (a graph break's later graphs belong to the same compile)
     metrics.count("recompiles")
     if "recompiles" in opts["logs"]:
         try:  # (Dynamo keeps it in its metrics for the compile, under this key)
