@@ -723,6 +723,10 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         # (a graph traced on fake GPU tensors) rather than the driver's message at the first call
         raise RuntimeError(f"ferrocore: graph {name} computes on {device}, but this machine has no usable GPU "
                            "(torch.cuda.is_available() is False)")
+    if device is None and opts["autotune"] and not _said["cpu_autotune"]:
+        _said["cpu_autotune"] = True
+        print(f"[ferrocore] {name} is on the CPU: autotuning (mode='max-autotune') times Triton kernels only; "
+              "C++ kernels compile as in the default mode", file=sys.stderr)
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
     padded = {}
@@ -819,6 +823,10 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         call = _refusing_uninterpreted_triton(name)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
     return call
+
+
+# what the process has been told once
+_said = {"cpu_autotune": False}
 
 
 def _refusing_uninterpreted_triton(name: str) -> Callable:
