@@ -242,12 +242,17 @@ fn steps(h: &mut String, r: &ReportInput) {
     let _ = writeln!(h, "</section>");
 }
 
-/// Whether `text` names the kernel `name` as a whole word (not a longer kernel's prefix).
-fn mentions(text: &str, name: &str) -> bool {
-    text.match_indices(name).any(|(at, _)| {
-        let next = text[at + name.len()..].chars().next();
-        !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+/// Where `name` stands in `text` as a whole word: not inside a longer identifier, nor an
+/// anchor's `kernel-NAME`.
+fn whole_words<'t>(text: &'t str, name: &'t str) -> impl Iterator<Item = usize> + 't {
+    let word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    text.match_indices(name).map(|(at, _)| at).filter(move |&at| {
+        !text[..at].chars().next_back().is_some_and(|c| word(c) || c == '-') && !text[at + name.len()..].chars().next().is_some_and(word)
     })
+}
+
+fn mentions(text: &str, name: &str) -> bool {
+    whole_words(text, name).next().is_some()
 }
 
 /// Every decision, in the order the scheduler made them, kernel names linked.
@@ -268,16 +273,13 @@ fn fusion(h: &mut String, s: &Schedule) {
 /// `text` with each whole-word `name` made a link to its kernel.
 fn link_word(text: &str, name: &str) -> String {
     let mut out = String::new();
-    let mut rest = text;
-    while let Some(at) = rest.find(name) {
-        let after = &rest[at + name.len()..];
-        let before_ok = !rest[..at].chars().next_back().is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        let after_ok = !after.chars().next().is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
-        out.push_str(&rest[..at]);
-        out.push_str(&if before_ok && after_ok { kernel_link(name) } else { name.to_string() });
-        rest = after;
+    let mut done = 0;
+    for at in whole_words(text, name) {
+        out.push_str(&text[done..at]);
+        out.push_str(&kernel_link(name));
+        done = at + name.len();
     }
-    out.push_str(rest);
+    out.push_str(&text[done..]);
     out
 }
 
