@@ -526,3 +526,19 @@ def test_training_bfloat16_batch_norm_statistics(capfd):
         torch.testing.assert_close(b, c, atol=2e-2, rtol=2e-2)
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=5e-2, rtol=5e-2)
+
+
+def test_training_dropout_is_traced_directly(capfd):
+    # in-place dropout (torchvision's classifiers) on a CPU tensor writes its mask with
+    # `bernoulli_.float`, whose functional form is
+    # `bernoulli.p` (another overload name): traced directly, not sent to AOT autograd
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    w = torch.randn(32, requires_grad=True)
+    got, log = _compiled(lambda a, b: torch.nn.functional.dropout(a * b, 0.5, training=True, inplace=True), x, w, capfd=capfd)
+    got.sum().backward()
+    assert "traced directly with its backward" in log, log
+    kept = got != 0
+    assert 0.3 < kept.float().mean().item() < 0.7
+    torch.testing.assert_close(got[kept], (2 * x * w.detach())[kept])
+    torch.testing.assert_close(w.grad, (2 * x * kept).sum(0))

@@ -5,6 +5,7 @@ inductor, whose design ferrocore follows); the cache test needs ferrocore's metr
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -55,6 +56,29 @@ def test_many_small_outputs_fuse_into_kernels_a_call_can_take():
         return [x[i] * (i + 1) for i in range(1100)]
 
     check(many, torch.randn(1100, 4))
+
+
+@pytest.mark.ferrocore_only
+def test_kernels_that_differ_only_in_name_are_defined_once():
+    # the same bias+GELU kernel after each of three matmuls: one definition in the source the
+    # compiler builds (C++ or Triton), launched three times, each launch naming its own nodes
+    metrics = ferrocore_metrics()
+    w = torch.randn(16, 16) * 0.3
+
+    def layers(x, b):
+        for _ in range(3):
+            x = F.gelu(x @ w + b)
+        return x
+
+    check(layers, torch.randn(8, 16), torch.randn(16))
+    with open(metrics.last["module_path"]) as f:
+        module = f.read()
+    launches = re.findall(r"^    (\w*fused_add_gelu\w*)[(\[]", module, re.M)
+    assert len(launches) == 3 and len(set(launches)) == 1, launches
+    definitions = re.findall(r"(?:int|def) (\w*fused_add_gelu\w*)\(", module)
+    assert definitions == [launches[0].removeprefix("launch_")], definitions  # (Triton's launcher)
+    for nodes in ("add, gelu", "add_1, gelu_1", "add_2, gelu_2"):
+        assert f"# graph nodes: {nodes}\n" in module, nodes
 
 
 @pytest.mark.ferrocore_only

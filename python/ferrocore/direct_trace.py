@@ -388,11 +388,11 @@ class _Recorder(TorchDispatchMode):
         base = None if torch.Tag.inplace_view in func.tags else self._fresh_base(target)
         if base is None:
             self._check_writable(func, target)
-        functional = getattr(getattr(torch.ops.aten, packet[:-1], None), func._overloadname, None)
+        functional = _functional_form(func)
         if functional is None:
             raise NeedsAot(f"{func} has no functional form")
         with self:
-            out = functional(*args, **kwargs)
+            out = functional(*_with_defaults(func, functional, args), **kwargs)
         if torch.Tag.inplace_view in func.tags:
             node = self.nodes[target]
             if node.meta.get("val") is target:
@@ -528,6 +528,37 @@ def _composite_implicit(func, args, kwargs) -> bool:
             backend = torch._C._parse_dispatch_key(torch._C._dispatch_key_for_device(a.device.type))
             return not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), backend)
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _functional_form(func):
+    """The functional overload of the in-place aten op `func` (`relu_.default` -> `relu.default`),
+    found as functionalization finds it: the overload of the same name, else the one taking the
+    same arguments (`bernoulli_.float` -> `bernoulli.p`, dropout's mask); None if there is none."""
+    packet = getattr(torch.ops.aten, func.overloadpacket.__name__[:-1], None)
+    if packet is None:
+        return None
+    same_name = getattr(packet, func._overloadname, None)
+    if same_name is not None:
+        return same_name
+    wanted = [(a.name, str(a.type), a.kwarg_only) for a in func._schema.arguments]
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        if [(a.name, str(a.type), a.kwarg_only) for a in overload._schema.arguments] == wanted:
+            return overload
+    return None
+
+
+def _with_defaults(func, functional, args: tuple) -> tuple:
+    """`args` of a call of `func` for its functional form: the dispatcher leaves out trailing
+    arguments at their defaults, which the functional overload may not share (`bernoulli_.float`'s
+    `p=0.5`, `bernoulli.p`'s `p` without one)."""
+    positional = [a for a in func._schema.arguments if not a.kwarg_only]
+    taken = [a for a in functional._schema.arguments if not a.kwarg_only]
+    missing = positional[len(args):len(taken)]
+    if not missing or all(a.has_default_value() for a in taken[len(args):]):
+        return args
+    return tuple(args) + tuple(a.default_value for a in missing)
 
 
 def _same_layout(a, b) -> bool:

@@ -177,3 +177,30 @@ pub fn next_power_of_two(n: i64) -> i64 {
     }
     p
 }
+
+/// A source's kernel definitions, each written once: kernels that differ only in name (the same
+/// layer repeated through a model, the same normalization after every convolution) share the
+/// first one's definition, so the compiler (g++, Triton) builds each body once.
+#[derive(Default)]
+pub struct Definitions {
+    /// the text with its kernel's name taken out -> (that kernel's name, its span in the source)
+    by_body: HashMap<String, (String, std::ops::Range<usize>)>,
+}
+
+impl Definitions {
+    /// Points `launch` at the definition of a kernel with the same body as `text` (the kernel
+    /// `launch.name`'s), or appends `text` after `separator` to `source` as a new one.
+    pub fn define(&mut self, source: &mut String, separator: &str, text: &str, launch: &mut KernelLaunch) {
+        // the name's first occurrence is the definition's own (`def name(`, `int name(`)
+        let body = text.replacen(&launch.name, "", 1);
+        if let Some((first, span)) = self.by_body.get(&body) {
+            launch.name = first.clone();
+            launch.text = span.clone();
+            return;
+        }
+        source.push_str(separator);
+        launch.text = source.len()..source.len() + text.len();
+        source.push_str(text);
+        self.by_body.insert(body, (launch.name.clone(), launch.text.clone()));
+    }
+}

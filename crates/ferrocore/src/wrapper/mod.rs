@@ -261,10 +261,11 @@ pub fn render_module(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, g
     render_module_with(s, kernels, plan, graph_name, true)
 }
 
-/// Each kernel's graph nodes (`scheduler::kernel_origins`), by kernel name.
-fn origins_by_kernel(s: &Schedule) -> HashMap<&str, Vec<&str>> {
+/// Each launch's graph nodes (`scheduler::kernel_origins`), in launch order: by position, not by
+/// name (kernels that differ only in name launch under one name, `codegen::Definitions`).
+fn origins_by_launch(s: &Schedule) -> Vec<Vec<&str>> {
     let kernels = s.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k) } else { None });
-    kernels.map(|k| (k.name.as_str(), kernel_origins(&s.program, k.plan.nodes.iter().map(|kn| kn.node)))).collect()
+    kernels.map(|k| kernel_origins(&s.program, k.plan.nodes.iter().map(|kn| kn.node))).collect()
 }
 
 /// The comment before a launch or library call: the graph nodes it computes, then the model
@@ -302,7 +303,8 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
                 let _ = writeln!(m, "KERNEL_SOURCE = {}", py_source_str(&kernels.source));
                 m.push_str("\n_lib = load_kernels(KERNEL_SOURCE)\n");
                 // declared pointer arguments: a call passes `data_ptr()` ints, no ctypes objects
-                for l in &kernels.launches {
+                let mut bound = std::collections::HashSet::new();
+                for l in kernels.launches.iter().filter(|l| bound.insert(l.name.as_str())) {
                     let _ = writeln!(m, "{0} = host_kernel(_lib, {1}, {2})", l.name, py_str(&l.name), l.args.len());
                 }
             }
@@ -434,7 +436,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
         }
         None => {}
     }
-    let kernel_origins = origins_by_kernel(s);
+    let kernel_origins = origins_by_launch(s);
     for step in &plan.steps {
         match step {
             HostStep::Alloc(b) => {
@@ -453,7 +455,7 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
             }
             HostStep::Launch(l) => {
                 let k = &kernels.launches[*l];
-                m.push_str(&provenance_comment(p, kernel_origins.get(k.name.as_str()).map(Vec::as_slice).unwrap_or(&[])));
+                m.push_str(&provenance_comment(p, kernel_origins.get(*l).map(Vec::as_slice).unwrap_or(&[])));
                 match &k.shape {
                     LaunchShape::Host => {
                         let args: Vec<String> = k.args.iter().map(|b| format!("{}.data_ptr()", p.buffer(*b).name)).collect();

@@ -4,7 +4,7 @@
 
 mod expr;
 
-use super::{kernel_buffers, kernel_numel, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
+use super::{kernel_buffers, kernel_numel, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
 use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
@@ -41,16 +41,14 @@ impl KernelBackend for CppBackend {
         let complex = s.program.buffers.iter().any(|b| b.layout.dtype.is_complex());
         let mut source = prelude(complex);
         let mut launches = Vec::new();
+        let mut definitions = Definitions::default();
+        // the text before the first mark is exactly `prelude`: what the runtime precompiles
+        let separator = format!("{}\n", crate::runtime::CPP_UNIT_MARK);
         for it in &s.items {
             if let Item::Kernel(k) = it {
                 let (text, args) = render_kernel(s, k)?;
-                // the text before the first mark is exactly `prelude`: what the runtime precompiles
-                source.push_str(crate::runtime::CPP_UNIT_MARK);
-                source.push('\n');
-                let start = source.len();
-                source.push_str(&text);
                 let checks_indices = k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].checks_indices());
-                launches.push(KernelLaunch {
+                let mut launch = KernelLaunch {
                     name: k.name.clone(),
                     args,
                     checks_indices,
@@ -59,8 +57,10 @@ impl KernelBackend for CppBackend {
                     signature: Vec::new(),
                     candidates: Vec::new(),
                     arg_numel: Vec::new(),
-                    text: start..source.len(),
-                });
+                    text: 0..0,
+                };
+                definitions.define(&mut source, &separator, &text, &mut launch);
+                launches.push(launch);
             }
         }
         Ok(RenderedKernels { language: KernelLanguage::Cpp, source, launches })
@@ -159,7 +159,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let section = em.section_of(&value);
             let vdt = kn.body.dtype(store.value);
             // the value as a reader of the buffer sees it: rounded to the buffer's type
-            let local = format!("loc_{}_{pos}", p.buffer(out_buf).name);
+            // by position, not buffer name: kernels that differ only in buffers share one definition
+            let local = format!("loc_{pos}");
             let conv = expr::cast_expr(&value, vdt, out_layout.dtype);
             let ct = c_type(out_layout.dtype);
             let line = format!("{ct} {local} = {conv};\n");

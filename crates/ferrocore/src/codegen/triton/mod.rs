@@ -11,7 +11,7 @@
 
 mod expr;
 
-use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels, TuneConfig};
+use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels, TuneConfig};
 use crate::graph::{DType, Device};
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
@@ -71,23 +71,12 @@ impl KernelBackend for TritonBackend {
     fn render(&self, s: &Schedule) -> Result<RenderedKernels, CodegenError> {
         let mut source = String::from(PRELUDE);
         let mut launches = Vec::new();
-        // Kernels that differ only in name (the same layer repeated through a model) are defined
-        // once and launched under the first one's name: Triton compiles each definition.
-        let mut defined: HashMap<String, (String, std::ops::Range<usize>)> = HashMap::new();
+        let mut definitions = Definitions::default();
         for it in &s.items {
             if let Item::Kernel(k) = it {
                 check_supported(s, k, self.cpu_tensors)?;
                 let (text, mut launch) = render_kernel(s, k)?;
-                let unnamed = text.replacen(&format!("def {}(", k.name), "def (", 1);
-                if let Some((first, span)) = defined.get(&unnamed) {
-                    launch.name = first.clone();
-                    launch.text = span.clone();
-                } else {
-                    source.push_str("\n\n");
-                    launch.text = source.len()..source.len() + text.len();
-                    source.push_str(&text);
-                    defined.insert(unnamed, (k.name.clone(), launch.text.clone()));
-                }
+                definitions.define(&mut source, "\n\n", &text, &mut launch);
                 launches.push(launch);
             }
         }
