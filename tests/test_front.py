@@ -38,9 +38,6 @@ class FakeExtension:
     class FerrocoreError(Exception):
         pass
 
-    def prepare_cpp(self, options_json: str) -> bool:
-        return False
-
     def cache_read(self, cache_dir: str, rel: str):
         return None  # (the module's bytecode: compiled each time)
 

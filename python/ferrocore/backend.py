@@ -122,8 +122,6 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
     if opts["compile_workers"] and opts["backend"] != "cpp" and gpu is not None:
         # its processes start while AOT autograd traces
         kernel_binaries.compile_pool(opts["compile_workers"], runtime.cuda_arch(gpu))
-    elif gpu is None or opts["backend"] == "cpp":
-        runtime.prepare_cpp_prelude(opts)  # its precompiled header builds while AOT autograd traces
     user_strides = _user_output_strides(gm)
     label = _progress_label()
     start = time.perf_counter()

@@ -497,30 +497,6 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
     return stats
 
 
-# (cache_dir, compiler) pairs whose precompiled C++ prelude this process has started building
-_prelude_prepared: set = set()
-
-
-def prepare_cpp_prelude(opts: dict) -> None:
-    """Builds the C++ prelude's precompiled header, if the cache lacks it, on a daemon thread:
-    the backend starts it while AOT autograd traces, so that the first C++ compile finds it
-    (`runtime/pch.rs`). Once per cache and compiler in a process."""
-    from . import _ferrocore
-
-    key = (opts["cache_dir"], opts["cxx"])
-    if key in _prelude_prepared:
-        return
-    _prelude_prepared.add(key)
-
-    def build():
-        try:
-            _ferrocore.prepare_cpp(json.dumps(opts))
-        except _ferrocore.FerrocoreError:
-            pass  # the compile then parses the prelude itself, and reports any real problem
-
-    threading.Thread(target=build, name="ferrocore-prelude", daemon=True).start()
-
-
 def cuda_arch(device) -> int | None:
     """The GPU's architecture as Triton names its target (90 for sm_90), or None off CUDA."""
     if device.type != "cuda":

@@ -127,20 +127,6 @@ fn compiled_library(source: &str, options_json: &str) -> Result<runtime::Compile
     runtime::compile_cpp_with(source, &options.cache_dir, &options.cxx, &jobs, &runtime::Progress::default()).map_err(|e| e.to_string())
 }
 
-/// Builds the C++ prelude's precompiled header if the cache lacks it (without holding the GIL:
-/// the backend runs it on a thread while AOT autograd traces). True when one is ready.
-#[pyfunction]
-fn prepare_cpp(py: Python<'_>, options_json: &str) -> PyResult<bool> {
-    let options_json = options_json.to_string();
-    py.detach(move || {
-        guarded("prepare_cpp", || {
-            let options = parse_options(&options_json)?;
-            let prelude = ferrocore::codegen::cpp::prelude(false);
-            runtime::pch::prepare(&options.cache_dir, &prelude, &options.cxx).map_err(|e| e.to_string())
-        })
-    })
-}
-
 /// The bytes of cache entry `rel` under `cache_dir` if they match its manifest, else None.
 #[pyfunction]
 fn cache_read<'py>(py: Python<'py>, cache_dir: &str, rel: &str) -> PyResult<Option<Bound<'py, PyBytes>>> {
@@ -252,7 +238,6 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FerrocoreError", m.py().get_type::<FerrocoreError>())?;
     m.add_function(wrap_pyfunction!(compile_graph, m)?)?;
     m.add_function(wrap_pyfunction!(compile_cpp, m)?)?;
-    m.add_function(wrap_pyfunction!(prepare_cpp, m)?)?;
     m.add_class::<CompileProgress>()?;
     m.add_function(wrap_pyfunction!(load_cpp, m)?)?;
     m.add_function(wrap_pyfunction!(cache_read, m)?)?;

@@ -1,5 +1,5 @@
 //! Compile, cache and locate native kernels. A graph's C++ source is compiled once by the system
-//! C++ compiler (a large one as parallel units, against the precompiled prelude of `pch`) into a
+//! C++ compiler (a large one as parallel units) into a
 //! shared library stored under a key that hashes the source, the compiler and its flags. The cache directory's trust rules (ownership, modes, HMAC manifests) are `cache`;
 //! size limits are `evict`. A library is compiled from a private temporary source into a private
 //! temporary name, then installed with its manifest, and handed to the loader as an open file of
@@ -9,7 +9,6 @@
 pub mod cache;
 pub mod cuda;
 pub mod evict;
-pub mod pch;
 pub mod progress;
 
 pub use cache::{default_cache_dir, Cache};
@@ -102,13 +101,13 @@ fn cpp_entry_names(source: &str, cxx: &str) -> (String, String) {
 }
 
 /// Marks where a C++ source may be cut into translation units compiled in parallel: the text
-/// before the first mark (the prelude) is repeated in every unit, or precompiled (`pch`); each
-/// marked piece (one kernel, self-contained) goes to exactly one unit.
+/// before the first mark (the prelude) is repeated in every unit; each marked piece (one
+/// kernel, self-contained) goes to exactly one unit.
 pub const CPP_UNIT_MARK: &str = "// ferrocore: unit boundary\n";
 
 /// Kernel text per unit below which another unit costs more than it saves: each unit costs a
-/// compiler process and the prelude (~0.05 s precompiled, ~0.15 s parsed), what about 8 KiB of
-/// vectorized kernels take to optimize.
+/// compiler process and the prelude (~0.05 s together), what about 8 KiB of vectorized kernels
+/// take to optimize.
 const MIN_UNIT_BYTES: usize = 8 * 1024;
 const MAX_UNITS: usize = 8;
 
@@ -117,9 +116,8 @@ pub fn cpp_unit_jobs() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(MAX_UNITS)
 }
 
-/// One translation unit: kernels, each after a `#line` that points the compiler's messages at
-/// the line of the whole source (as stored in the cache) where it begins; the prelude first
-/// unless it is precompiled.
+/// One translation unit: the prelude, then kernels, each after a `#line` that points the
+/// compiler's messages at the line of the whole source (as stored in the cache) where it begins.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CppUnit {
     pub text: String,
@@ -127,18 +125,17 @@ pub struct CppUnit {
 }
 
 /// Cuts `source` at `CPP_UNIT_MARK`s into at most `jobs` units of about equal kernel text, each
-/// at least `min_bytes` of it (a unit is the whole source when it cannot be cut and carries its
-/// prelude). `shown_as` is the name `#line` gives the source.
-pub fn plan_cpp_units(source: &str, jobs: usize, min_bytes: usize, shown_as: &str, with_prelude: bool) -> Vec<CppUnit> {
+/// at least `min_bytes` of it (the whole source when it cannot be cut). `shown_as` is the name
+/// `#line` gives the source.
+pub fn plan_cpp_units(source: &str, jobs: usize, min_bytes: usize, shown_as: &str) -> Vec<CppUnit> {
     let mut pieces = source.split(CPP_UNIT_MARK);
     let prelude = pieces.next().unwrap_or("");
     let kernels: Vec<&str> = pieces.collect();
     let kernel_bytes: usize = kernels.iter().map(|k| k.len()).sum();
     let units = jobs.min(kernel_bytes / min_bytes.max(1)).min(kernels.len()).max(1);
-    if units == 1 && (with_prelude || kernels.is_empty()) {
+    if units == 1 {
         return vec![CppUnit { text: source.to_string(), kernels: kernels.len() }];
     }
-    let head = if with_prelude { prelude } else { "" };
     // line where each piece starts in `source`: after the prelude, its mark, and earlier pieces
     let mut line = 1 + prelude.matches('\n').count();
     let target = kernel_bytes.div_ceil(units);
@@ -147,7 +144,7 @@ pub fn plan_cpp_units(source: &str, jobs: usize, min_bytes: usize, shown_as: &st
     for k in kernels {
         line += 1; // the mark's own line
         if out.is_empty() || (filled + k.len() > target && out.len() < units) {
-            out.push(CppUnit { text: head.to_string(), kernels: 0 });
+            out.push(CppUnit { text: prelude.to_string(), kernels: 0 });
             filled = 0;
         }
         let unit = out.last_mut().expect("a unit was opened above");
@@ -170,10 +167,9 @@ fn line_directive_name(path: &Path) -> String {
     }
 }
 
-/// Returns a shared library built from `source`, compiling it only on a cache miss. The prelude
-/// of a marked source is precompiled (`pch`) and a large one is cut into units
-/// (`plan_cpp_units`) compiled by parallel compiler processes, then linked; the cache key is the
-/// whole source's, however it was built.
+/// Returns a shared library built from `source`, compiling it only on a cache miss. A large
+/// marked source is cut into units (`plan_cpp_units`) compiled by parallel compiler processes,
+/// then linked; the cache key is the whole source's, however it was built.
 pub fn compile_cpp(source: &str, cache_dir: &Path, cxx: &str, progress: &Progress) -> Result<CompiledLibrary, RuntimeError> {
     compile_cpp_with(source, cache_dir, cxx, &CppJobs::at_most(0), progress)
 }
@@ -214,22 +210,11 @@ pub fn compile_cpp_with(source: &str, cache_dir: &Path, cxx: &str, split: &CppJo
             let _ = fs::remove_file(t);
         }
     };
-    let marked = source.contains(CPP_UNIT_MARK);
-    let prelude = source.split(CPP_UNIT_MARK).next().unwrap_or("");
-    if marked {
-        progress.stage("C++ prelude", 0);
-    }
-    let header = if marked { pch::precompiled_prelude(&cache, prelude, cxx).ok().flatten() } else { None };
     let shown_as = line_directive_name(&source_path);
-    let mut built = cache::write_private_atomic(&tmp_src, source.as_bytes()).and_then(|_| {
-        let units = plan_cpp_units(source, jobs, min_unit_bytes, &shown_as, header.is_none());
-        build.units(&units, header.as_deref(), &mut temps)
+    let built = cache::write_private_atomic(&tmp_src, source.as_bytes()).and_then(|_| {
+        let units = plan_cpp_units(source, jobs, min_unit_bytes, &shown_as);
+        build.units(&units, &mut temps)
     });
-    if built.is_err() && header.is_some() {
-        // an unusable precompiled header (evicted meanwhile, say) is no reason to fail
-        let units = plan_cpp_units(source, jobs, min_unit_bytes, &shown_as, true);
-        built = build.units(&units, None, &mut temps);
-    }
     if let Err(e) = built {
         cleanup(&temps);
         let _ = cache.store(&src_rel, source.as_bytes()); // for the user to read the error against
@@ -261,9 +246,9 @@ struct Build<'a> {
 }
 
 impl Build<'_> {
-    /// Compiles the units (`-include`ing `header` when given) into `tmp_lib`: one unit in one
-    /// compiler run, several to object files all at once, then linked.
-    fn units(&self, units: &[CppUnit], header: Option<&Path>, temps: &mut Vec<PathBuf>) -> Result<(), RuntimeError> {
+    /// Compiles the units into `tmp_lib`: one unit in one compiler run, several to object files
+    /// all at once, then linked.
+    fn units(&self, units: &[CppUnit], temps: &mut Vec<PathBuf>) -> Result<(), RuntimeError> {
         let kernels: usize = units.iter().map(|u| u.kernels).sum();
         self.progress.stage(&format!("C++ compile of {kernels} kernels in {} units", units.len()), units.len());
         let mut files = Vec::new();
@@ -275,20 +260,20 @@ impl Build<'_> {
             cache::write_private_atomic(&src, u.text.as_bytes())?;
             files.push((src, obj));
         }
-        let include: Vec<&std::ffi::OsStr> = header.map(|h| vec!["-include".as_ref(), h.as_os_str()]).unwrap_or_default();
         if let [(src, _)] = &files[..] {
-            let r = self.run(src, |c| c.args(CXX_FLAGS).args(&include).arg("-o").arg(self.tmp_lib).arg(src).args(CXX_LIBS));
+            let r = self.run(src, |c| c.args(CXX_FLAGS).arg("-o").arg(self.tmp_lib).arg(src).args(CXX_LIBS));
             self.progress.advance();
             return r;
         }
-        let flags = pch::compile_flags();
-        let (flags, include) = (&flags, &include);
+        // the library's flags, less linking
+        let flags: Vec<&str> = CXX_FLAGS.iter().copied().filter(|f| *f != "-shared").collect();
+        let flags = &flags;
         let results: Vec<Result<(), RuntimeError>> = std::thread::scope(|s| {
             let handles: Vec<_> = files
                 .iter()
                 .map(|(src, obj)| {
                     s.spawn(move || {
-                        let r = self.run(src, |c| c.args(flags).args(include).arg("-c").arg("-o").arg(obj).arg(src));
+                        let r = self.run(src, |c| c.args(flags).arg("-c").arg("-o").arg(obj).arg(src));
                         self.progress.advance();
                         r
                     })

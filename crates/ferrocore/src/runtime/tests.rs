@@ -195,9 +195,9 @@ fn marked_source(kernels: usize) -> String {
 #[test]
 fn unit_plan_balances_kernels_and_keeps_their_lines() {
     let src = marked_source(5);
-    assert_eq!(plan_cpp_units(&src, 8, 1 << 20, "k.cpp", true).len(), 1, "too little text to split");
-    assert_eq!(plan_cpp_units(&src, 1, 1, "k.cpp", true)[0].text, src);
-    let units = plan_cpp_units(&src, 2, 1, "k.cpp", true);
+    assert_eq!(plan_cpp_units(&src, 8, 1 << 20, "k.cpp").len(), 1, "too little text to split");
+    assert_eq!(plan_cpp_units(&src, 1, 1, "k.cpp")[0].text, src);
+    let units = plan_cpp_units(&src, 2, 1, "k.cpp");
     assert_eq!(units.iter().map(|u| u.kernels).collect::<Vec<_>>(), vec![2, 3]);
     for u in &units {
         assert!(u.text.starts_with("static inline int base()"), "every unit has the prelude");
@@ -211,41 +211,7 @@ fn unit_plan_balances_kernels_and_keeps_their_lines() {
             assert_eq!(lines[n - 1], after, "{d}");
         }
     }
-    assert_eq!(plan_cpp_units(&src, 8, 1, "k.cpp", true).len(), 5, "at most one unit per kernel");
-    // with the prelude precompiled, even one unit is the kernels alone
-    let alone = plan_cpp_units(&src, 1, 1, "k.cpp", false);
-    assert_eq!(alone.len(), 1);
-    assert!(alone[0].text.starts_with("#line 4 \"k.cpp\"\nextern") && !alone[0].text.contains("base() {"), "{}", alone[0].text);
-}
-
-#[test]
-fn the_prelude_is_precompiled_on_the_side_and_a_corrupt_one_rebuilt() {
-    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = tmpdir("pch");
-    let gchs = |d: &Path| walk(d).into_iter().filter(|p| p.to_string_lossy().ends_with(".h.gch")).collect::<Vec<_>>();
-    let jobs = CppJobs { jobs: 2, min_unit_bytes: 1 };
-    let src = marked_source(2);
-    let prelude = src.split(CPP_UNIT_MARK).next().unwrap();
-    // a compile never builds it (it would wait ~0.5 s for it)
-    compile_cpp_with(&src, &dir, "g++", &jobs, &Progress::default()).unwrap();
-    assert!(gchs(&dir).is_empty());
-    assert!(pch::prepare(&dir, prelude, "g++").unwrap());
-    let built = gchs(&dir);
-    assert_eq!(built.len(), 1, "{built:?}");
-    let first = fs::read(&built[0]).unwrap();
-    assert!(pch::precompiled_prelude(&Cache::open(&dir).unwrap(), prelude, "g++").unwrap().is_some());
-    // built once: preparing again, or compiling other kernels, leaves it as it is
-    assert!(pch::prepare(&dir, prelude, "g++").unwrap());
-    compile_cpp_with(&marked_source(3), &dir, "g++", &jobs, &Progress::default()).unwrap();
-    assert_eq!((gchs(&dir), fs::read(&built[0]).unwrap()), (built.clone(), first));
-    // a corrupt one fails verification: not used (the library still right), then rebuilt
-    fs::write(&built[0], b"garbage").unwrap();
-    assert!(pch::precompiled_prelude(&Cache::open(&dir).unwrap(), prelude, "g++").unwrap().is_none());
-    let lib = compile_cpp_with(&marked_source(4), &dir, "g++", &jobs, &Progress::default()).unwrap();
-    assert!(!lib.cache_hit);
-    assert!(pch::prepare(&dir, prelude, "g++").unwrap());
-    assert!(fs::read(&built[0]).unwrap().len() > 1000, "rebuilt");
-    let _ = fs::remove_dir_all(&dir);
+    assert_eq!(plan_cpp_units(&src, 8, 1, "k.cpp").len(), 5, "at most one unit per kernel");
 }
 
 #[test]
@@ -253,8 +219,6 @@ fn units_compile_in_parallel_into_one_library() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmpdir("units");
     let src = marked_source(4);
-    // with the prelude precompiled: each unit `-include`s it
-    assert!(pch::prepare(&dir, src.split(CPP_UNIT_MARK).next().unwrap(), "g++").unwrap());
     let progress = Progress::default();
     let lib = compile_cpp_with(&src, &dir, "g++", &CppJobs { jobs: 3, min_unit_bytes: 1 }, &progress).unwrap();
     assert!(!lib.cache_hit);

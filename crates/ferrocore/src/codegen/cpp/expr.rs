@@ -141,6 +141,16 @@ impl Acc {
     }
 }
 
+/// Where a math function of values of `dt` lives: the prelude's `ferro` (real types: builtins,
+/// without <cmath>'s 0.2 s of parsing per compile), or <complex>'s `std`.
+fn math_namespace(dt: DType) -> &'static str {
+    if dt.is_complex() {
+        "std"
+    } else {
+        "ferro"
+    }
+}
+
 pub fn reduce_init(op: ReduceOp, dt: DType) -> String {
     let ty = c_type(dt);
     match op {
@@ -166,8 +176,8 @@ pub fn combine(op: ReduceOp, dt: DType, acc: &str, v: &str) -> String {
         ReduceOp::Any => format!("{acc} || {v}"),
         ReduceOp::Max if dt.is_float() => format!("ferro_max({acc}, {v})"),
         ReduceOp::Min if dt.is_float() => format!("ferro_min({acc}, {v})"),
-        ReduceOp::Max => format!("std::max({acc}, {v})"),
-        ReduceOp::Min => format!("std::min({acc}, {v})"),
+        ReduceOp::Max => format!("ferro::max({acc}, {v})"),
+        ReduceOp::Min => format!("ferro::min({acc}, {v})"),
     }
 }
 
@@ -285,51 +295,52 @@ impl OpsHandler for BodyEmitter<'_> {
     fn unary(&mut self, op: UnaryOp, x: &String, xd: DType, dtype: DType) -> String {
         let fl = xd.is_float();
         let ty = c_type(dtype);
+        let m = math_namespace(xd);
         let e = match op {
-            UnaryOp::Abs => if fl { format!("std::abs({x})") } else if xd == DType::Bool { x.clone() } else { format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})") },
+            UnaryOp::Abs => if fl { format!("{m}::abs({x})") } else if xd == DType::Bool { x.clone() } else { format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})") },
             UnaryOp::Neg => format!("static_cast<{ty}>(-{x})"),
             UnaryOp::Exp if ty == "float" => format!("ferro_expf({x})"),
-            UnaryOp::Exp => format!("std::exp({x})"),
-            UnaryOp::Exp2 => format!("std::exp2({x})"),
-            UnaryOp::Expm1 => format!("std::expm1({x})"),
-            UnaryOp::Log => format!("std::log({x})"),
-            UnaryOp::Log2 => format!("std::log2({x})"),
-            UnaryOp::Log10 => format!("std::log10({x})"),
-            UnaryOp::Log1p => format!("std::log1p({x})"),
-            UnaryOp::Sqrt => format!("std::sqrt({x})"),
-            UnaryOp::Rsqrt => format!("static_cast<{ty}>(1) / std::sqrt({x})"),
-            UnaryOp::Sin => format!("std::sin({x})"),
-            UnaryOp::Cos => format!("std::cos({x})"),
-            UnaryOp::Tan => format!("std::tan({x})"),
-            UnaryOp::Asin => format!("std::asin({x})"),
-            UnaryOp::Acos => format!("std::acos({x})"),
-            UnaryOp::Atan => format!("std::atan({x})"),
-            UnaryOp::Sinh => format!("std::sinh({x})"),
-            UnaryOp::Cosh => format!("std::cosh({x})"),
-            UnaryOp::Tanh => format!("std::tanh({x})"),
-            UnaryOp::Asinh => format!("std::asinh({x})"),
-            UnaryOp::Acosh => format!("std::acosh({x})"),
-            UnaryOp::Atanh => format!("std::atanh({x})"),
+            UnaryOp::Exp => format!("{m}::exp({x})"),
+            UnaryOp::Exp2 => format!("{m}::exp2({x})"),
+            UnaryOp::Expm1 => format!("{m}::expm1({x})"),
+            UnaryOp::Log => format!("{m}::log({x})"),
+            UnaryOp::Log2 => format!("{m}::log2({x})"),
+            UnaryOp::Log10 => format!("{m}::log10({x})"),
+            UnaryOp::Log1p => format!("{m}::log1p({x})"),
+            UnaryOp::Sqrt => format!("{m}::sqrt({x})"),
+            UnaryOp::Rsqrt => format!("static_cast<{ty}>(1) / {m}::sqrt({x})"),
+            UnaryOp::Sin => format!("{m}::sin({x})"),
+            UnaryOp::Cos => format!("{m}::cos({x})"),
+            UnaryOp::Tan => format!("{m}::tan({x})"),
+            UnaryOp::Asin => format!("{m}::asin({x})"),
+            UnaryOp::Acos => format!("{m}::acos({x})"),
+            UnaryOp::Atan => format!("{m}::atan({x})"),
+            UnaryOp::Sinh => format!("{m}::sinh({x})"),
+            UnaryOp::Cosh => format!("{m}::cosh({x})"),
+            UnaryOp::Tanh => format!("{m}::tanh({x})"),
+            UnaryOp::Asinh => format!("{m}::asinh({x})"),
+            UnaryOp::Acosh => format!("{m}::acosh({x})"),
+            UnaryOp::Atanh => format!("{m}::atanh({x})"),
             UnaryOp::Sigmoid if ty == "float" => format!("1.0f / (1.0f + ferro_expf(-{x}))"),
-            UnaryOp::Sigmoid => format!("static_cast<{ty}>(1) / (static_cast<{ty}>(1) + std::exp(-{x}))"),
+            UnaryOp::Sigmoid => format!("static_cast<{ty}>(1) / (static_cast<{ty}>(1) + {m}::exp(-{x}))"),
             UnaryOp::Relu => format!("({x} < 0 ? static_cast<{ty}>(0) : {x})"),
-            UnaryOp::Erf => format!("std::erf({x})"),
-            UnaryOp::Erfc => format!("std::erfc({x})"),
-            UnaryOp::Lgamma => format!("std::lgamma({x})"),
+            UnaryOp::Erf => format!("{m}::erf({x})"),
+            UnaryOp::Erfc => format!("{m}::erfc({x})"),
+            UnaryOp::Lgamma => format!("{m}::lgamma({x})"),
             UnaryOp::Conj => format!("std::conj({x})"),
             UnaryOp::Real => format!("std::real({x})"),
             UnaryOp::Imag => format!("std::imag({x})"),
             UnaryOp::Erfcx => format!("static_cast<{ty}>(ferro_erfcx(static_cast<double>({x})))"),
-            UnaryOp::Floor => if fl { format!("std::floor({x})") } else { x.clone() },
-            UnaryOp::Ceil => if fl { format!("std::ceil({x})") } else { x.clone() },
-            UnaryOp::Round => if fl { format!("std::nearbyint({x})") } else { x.clone() },
-            UnaryOp::Trunc => if fl { format!("std::trunc({x})") } else { x.clone() },
+            UnaryOp::Floor => if fl { format!("{m}::floor({x})") } else { x.clone() },
+            UnaryOp::Ceil => if fl { format!("{m}::ceil({x})") } else { x.clone() },
+            UnaryOp::Round => if fl { format!("{m}::nearbyint({x})") } else { x.clone() },
+            UnaryOp::Trunc => if fl { format!("{m}::trunc({x})") } else { x.clone() },
             UnaryOp::Sign => if xd == DType::Bool { x.clone() } else { format!("ferro_sign({x})") },
             UnaryOp::Reciprocal => format!("static_cast<{ty}>(1) / {x}"),
             UnaryOp::BitwiseNot => if xd == DType::Bool { format!("!{x}") } else { format!("static_cast<{ty}>(~{x})") },
             UnaryOp::LogicalNot => format!("!{x}"),
-            UnaryOp::IsNan => if fl { format!("std::isnan({x})") } else { "false".into() },
-            UnaryOp::IsInf => if fl { format!("std::isinf({x})") } else { "false".into() },
+            UnaryOp::IsNan => if fl { format!("{m}::isnan({x})") } else { "false".into() },
+            UnaryOp::IsInf => if fl { format!("{m}::isinf({x})") } else { "false".into() },
         };
         self.emit(dtype, e, &[x])
     }
@@ -337,19 +348,20 @@ impl OpsHandler for BodyEmitter<'_> {
     fn binary(&mut self, op: BinaryOp, a: &String, b: &String, od: DType, dtype: DType) -> String {
         let fl = od.is_float();
         let ty = c_type(dtype);
+        let m = math_namespace(od);
         let e = match op {
             BinaryOp::Add => format!("{a} + {b}"),
             BinaryOp::Sub => format!("{a} - {b}"),
             BinaryOp::Mul => if od == DType::Bool { format!("{a} && {b}") } else { format!("{a} * {b}") },
             BinaryOp::TrueDiv => format!("{a} / {b}"),
             BinaryOp::FloorDiv => if fl { format!("ferro_floordiv_f({a}, {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
-            BinaryOp::TruncDiv => if fl { format!("std::trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
+            BinaryOp::TruncDiv => if fl { format!("{m}::trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
             BinaryOp::Remainder => if fl { format!("ferro_remainder({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
-            BinaryOp::Fmod => if fl { format!("std::fmod({a}, {b})") } else { format!("ferro_fmod_i({a}, {b})") },
-            BinaryOp::Pow => if fl { format!("std::pow({a}, {b})") } else { format!("ferro_ipow<{ty}>({a}, {b})") },
-            BinaryOp::Maximum => if fl { format!("ferro_max({a}, {b})") } else { format!("std::max({a}, {b})") },
-            BinaryOp::Minimum => if fl { format!("ferro_min({a}, {b})") } else { format!("std::min({a}, {b})") },
-            BinaryOp::Atan2 => format!("std::atan2({a}, {b})"),
+            BinaryOp::Fmod => if fl { format!("{m}::fmod({a}, {b})") } else { format!("ferro_fmod_i({a}, {b})") },
+            BinaryOp::Pow => if fl { format!("{m}::pow({a}, {b})") } else { format!("ferro_ipow<{ty}>({a}, {b})") },
+            BinaryOp::Maximum => if fl { format!("ferro_max({a}, {b})") } else { format!("ferro::max({a}, {b})") },
+            BinaryOp::Minimum => if fl { format!("ferro_min({a}, {b})") } else { format!("ferro::min({a}, {b})") },
+            BinaryOp::Atan2 => format!("{m}::atan2({a}, {b})"),
             BinaryOp::Eq => format!("{a} == {b}"),
             BinaryOp::Ne => format!("{a} != {b}"),
             BinaryOp::Lt => format!("{a} < {b}"),
