@@ -184,7 +184,7 @@ pub struct CppJobs {
 impl CppJobs {
     /// At most `jobs` units (0: as many as `cpp_unit_jobs`): a compile that runs beside another
     /// takes its share of the CPUs, since each extra unit costs a compiler process, the
-    /// precompiled prelude's load and a link.
+    /// parse of the prelude and a link.
     pub fn at_most(jobs: usize) -> CppJobs {
         let jobs = if jobs == 0 { cpp_unit_jobs() } else { jobs.min(MAX_UNITS) };
         CppJobs { jobs, min_unit_bytes: MIN_UNIT_BYTES }

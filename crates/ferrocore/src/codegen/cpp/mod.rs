@@ -42,7 +42,7 @@ impl KernelBackend for CppBackend {
         let mut source = prelude(complex);
         let mut launches = Vec::new();
         let mut definitions = Definitions::default();
-        // the text before the first mark is exactly `prelude`: what the runtime precompiles
+        // the text before the first mark is exactly `prelude`: what every unit repeats
         let separator = format!("{}\n", crate::runtime::CPP_UNIT_MARK);
         for it in &s.items {
             if let Item::Kernel(k) = it {
@@ -67,7 +67,7 @@ impl KernelBackend for CppBackend {
     }
 }
 
-/// What every source starts with, before its first unit mark: the part the runtime precompiles.
+/// What every source starts with, before its first unit mark: the part every unit repeats.
 /// <complex> costs the C++ compiler ~0.2 s: included only when a kernel moves complex values.
 pub fn prelude(complex: bool) -> String {
     let mut source = String::from(if complex { "#include <complex>\n" } else { "" });
