@@ -388,11 +388,12 @@ class _Recorder(TorchDispatchMode):
         base = None if torch.Tag.inplace_view in func.tags else self._fresh_base(target)
         if base is None:
             self._check_writable(func, target)
-        functional = _functional_form(func)
-        if functional is None:
+        form = _functional_form(func)
+        if form is None:
             raise NeedsAot(f"{func} has no functional form")
+        functional, defaults = form
         with self:
-            out = functional(*_with_defaults(func, functional, args), **kwargs)
+            out = functional(*args, *defaults[len(args):], **kwargs)
         if torch.Tag.inplace_view in func.tags:
             node = self.nodes[target]
             if node.meta.get("val") is target:
@@ -532,33 +533,27 @@ def _composite_implicit(func, args, kwargs) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _functional_form(func):
-    """The functional overload of the in-place aten op `func` (`relu_.default` -> `relu.default`),
-    found as functionalization finds it: the overload of the same name, else the one taking the
-    same arguments (`bernoulli_.float` -> `bernoulli.p`, dropout's mask); None if there is none."""
+    """The functional overload of the in-place aten op `func` and the positional defaults to
+    complete a call with, found as functionalization finds it: the overload of the same name
+    (`relu_.default` -> `relu.default`, no defaults needed), else the one taking the same
+    arguments (`bernoulli_.float` -> `bernoulli.p`, dropout's mask), with `func`'s defaults: the
+    dispatcher leaves out trailing arguments at their defaults, which that overload may lack
+    (`p=0.5`). None if there is none."""
     packet = getattr(torch.ops.aten, func.overloadpacket.__name__[:-1], None)
     if packet is None:
         return None
     same_name = getattr(packet, func._overloadname, None)
     if same_name is not None:
-        return same_name
+        return same_name, ()
     wanted = [(a.name, str(a.type), a.kwarg_only) for a in func._schema.arguments]
     for name in packet.overloads():
         overload = getattr(packet, name)
         if [(a.name, str(a.type), a.kwarg_only) for a in overload._schema.arguments] == wanted:
-            return overload
+            # (an argument without a default is never left out, so its placeholder is never taken)
+            defaults = tuple(a.default_value if a.has_default_value() else None
+                             for a in func._schema.arguments if not a.kwarg_only)
+            return overload, defaults
     return None
-
-
-def _with_defaults(func, functional, args: tuple) -> tuple:
-    """`args` of a call of `func` for its functional form: the dispatcher leaves out trailing
-    arguments at their defaults, which the functional overload may not share (`bernoulli_.float`'s
-    `p=0.5`, `bernoulli.p`'s `p` without one)."""
-    positional = [a for a in func._schema.arguments if not a.kwarg_only]
-    taken = [a for a in functional._schema.arguments if not a.kwarg_only]
-    missing = positional[len(args):len(taken)]
-    if not missing or all(a.has_default_value() for a in taken[len(args):]):
-        return args
-    return tuple(args) + tuple(a.default_value for a in missing)
 
 
 def _same_layout(a, b) -> bool:
