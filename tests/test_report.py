@@ -109,6 +109,6 @@ def test_report_renders_and_its_links_work_in_chromium(block_report):
             # a kernel's code opens
             page.locator(f"#kernel-{kernel} summary").click()
             code = page.locator(f"#kernel-{kernel} details pre")
-            assert code.is_visible() and ("extern \"C\" int " in code.inner_text() or "@triton.jit" in code.inner_text())
+            assert code.is_visible() and ("extern \"C\" int " in code.inner_text() or "@ferro_jit" in code.inner_text())
         finally:
             browser.close()

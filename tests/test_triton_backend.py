@@ -115,7 +115,7 @@ def test_narrow_reductions_split_in_two_stages(interpreted):
     assert "r0index = tl.arange(0, 64)[None, :]" in src and "r0mask = r0index < 48" in src
     # 256 rows fill the device: one looped kernel, no partial buffer
     src = "".join(Path(p).read_text() for p in interpreted["sum_looped"]["modules"])
-    assert src.count("@triton.jit\ndef triton_red_") == 1
+    assert src.count("@ferro_jit\ndef triton_red_") == 1
 
 
 def test_long_variances_take_one_pass(interpreted):
@@ -133,14 +133,14 @@ def test_split_variances_read_their_input_once(interpreted):
     # mean back
     src = "".join(Path(p).read_text() for p in interpreted["split_variances"]["modules"])
     assert "ferro_welford)" in src
-    first_stages = [k for k in src.split("@triton.jit") if "for r0offset in range(" in k]
+    first_stages = [k for k in src.split("@ferro_jit") if "for r0offset in range(" in k]
     assert first_stages and all("_acc_m2 = tl.where(" in k for k in first_stages), src
 
 
 def test_in_place_writes_follow_the_other_reads(interpreted):
     # one kernel reads the GEMM result for the mask, then writes the doubled values over it
     src = "".join(Path(p).read_text() for p in interpreted["in_place_beside_a_mask"]["modules"])
-    (kernel,) = [k for k in src.split("@triton.jit")[1:] if "def triton_poi" in k]
+    (kernel,) = [k for k in src.split("@ferro_jit")[1:] if "def triton_poi" in k]
     stores = re.findall(r"tl\.store\((\w+) ", kernel)
     loads = re.findall(r"tl\.load\((\w+) ", kernel)
     assert loads == ["out_ptr0"] and stores == ["out_ptr1", "out_ptr0"], kernel
@@ -199,7 +199,7 @@ def test_cpu_graphs_get_cpp_kernels_unless_triton_is_forced(monkeypatch):
     last = ferrocore.metrics.last
     assert last["backend"] == "triton" and last["kernels"] == 1 and not last["graph_fallback"]
     source = Path(last["module_path"]).read_text()
-    assert "@triton.jit\ndef triton_red_fused_" in source and "TRITON_KERNELS" in source
+    assert "@ferro_jit\ndef triton_red_fused_" in source and "TRITON_KERNELS" in source
 
 
 def test_bound_launcher_calls_the_binary_directly(monkeypatch):

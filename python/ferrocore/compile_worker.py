@@ -26,9 +26,9 @@ def compile_kernel(message: tuple, modules: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
 
-    from ferrocore.kernel_binaries import describe
+    from ferrocore.kernel_binaries import describe, jit_function
 
-    fn = _module(source, modules)[name]
+    fn = jit_function(_module(source, modules)[name])
     target = GPUTarget("cuda", arch, warp_size)
     backend = make_backend(target)
     names = list(fn.arg_names)

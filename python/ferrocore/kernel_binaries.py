@@ -23,6 +23,7 @@ import base64
 import functools
 import hashlib
 import json
+import linecache
 import os
 import pickle
 import queue
@@ -42,9 +43,27 @@ def key(fn, signature: dict, constexprs: dict, launch: dict, arch: int) -> str:
     """The cache key of a kernel's binary for its heuristic launch configuration."""
     from .graph_cache import versions
 
-    text = json.dumps([FORMAT, getattr(fn, "src", None), signature, constexprs, launch["num_warps"],
+    text = json.dumps([FORMAT, kernel_source(fn), signature, constexprs, launch["num_warps"],
                        launch["num_stages"], arch, versions()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kernel_source(fn) -> str:
+    """A kernel's definition as its module's text holds it (for cache keys and cost guesses),
+    read from the code object's line span: `triton.jit` reads it with `inspect`, which tokenizes
+    it, and a warm start must not make the JITFunction at all (the prelude's `DeferredJit`)."""
+    code = getattr(getattr(fn, "fn", fn), "__code__", None)
+    if code is not None and hasattr(code, "co_positions"):  # (Python 3.11)
+        lines = linecache.getlines(code.co_filename)
+        last = max((end for _, end, _, _ in code.co_positions() if end is not None), default=0)
+        if lines and last >= code.co_firstlineno:
+            return "".join(lines[code.co_firstlineno - 1:last])
+    return getattr(fn, "src", None) or ""
+
+
+def jit_function(fn):
+    """The `triton.jit` object of a wrapper module's kernel (made now if it was deferred)."""
+    return fn.jit_function() if hasattr(type(fn), "jit_function") else fn
 
 
 def _entry(k: str) -> str:
@@ -135,7 +154,7 @@ def compile_cost(fn) -> int:
     """A guess at how long Triton takes to compile a kernel: its source's length, and more for
     each transcendental function, whose libdevice body the compile inlines and optimizes (a
     rotary embedding's sine and cosine took longer than kernels twice its length)."""
-    src = getattr(fn, "src", "") or ""
+    src = kernel_source(fn)
     return len(src) + 1500 * (src.count("tl.math.") + src.count("libdevice."))
 
 

@@ -614,7 +614,9 @@ class Autotuner:
     def key(self, fn, signature: dict, launch: dict) -> str:
         import triton
 
-        text = json.dumps([getattr(fn, "src", getattr(fn, "__name__", "")), signature, launch.get("arg_numel"),
+        from .kernel_binaries import kernel_source
+
+        text = json.dumps([kernel_source(fn) or getattr(fn, "__name__", ""), signature, launch.get("arg_numel"),
                            [list(c) for c in launch["candidates"]], self.device_name, triton.__version__])
         return hashlib.sha256(text.encode()).hexdigest()
 

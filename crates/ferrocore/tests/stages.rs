@@ -402,7 +402,7 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
     // forced: Triton kernels for CPU tensors (run under TRITON_INTERPRET=1)
     let forced = compile_graph(&doc, &Options { backend: BackendChoice::Triton, ..opts.clone() }).unwrap();
     assert_eq!(forced.backend, "triton");
-    assert!(forced.module_source.contains("@triton.jit"));
+    assert!(forced.module_source.contains("@ferro_jit"));
     // a graph with kernels on both devices cannot launch its CPU kernels through Triton
     let cuda = |shape: &[i64]| meta(shape, "float32").replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
     let mixed = G::new()
@@ -493,7 +493,7 @@ fn triton_index_math_is_int64_only_past_int32() {
     let (src, launches) = triton_kernels(&big);
     for l in &launches {
         let body = src.split(&format!("def {}(", l.name)).nth(1).unwrap_or("");
-        let body = body.split("@triton.jit").next().unwrap_or("");
+        let body = body.split("@ferro_jit").next().unwrap_or("");
         assert!(body.contains("xoffset = tl.program_id(0).to(tl.int64) * XBLOCK"), "{}: {body}", l.name);
     }
     assert!(src.contains("[None, :].to(tl.int64)"), "reduction indices must be int64 too:\n{src}");
@@ -548,7 +548,7 @@ fn split_column_sums_read_along_the_columns() {
     let s = gpu_schedule(&doc);
     assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("outer dim")), "{:?}", s.decisions);
     let src = triton_source(&s);
-    let first = src.split("@triton.jit").find(|k| k.contains("range(0, ")).unwrap_or_else(|| panic!("no looped first stage:\n{src}"));
+    let first = src.split("@ferro_jit").find(|k| k.contains("range(0, ")).unwrap_or_else(|| panic!("no looped first stage:\n{src}"));
     // column tiles of XBLOCK outputs by 128 rows, the rows looped: lanes read along the columns
     assert!(first.contains("reduction over [1024] (looped)"), "{first}");
     assert!(first.contains("tl.full([XBLOCK, 128]"), "{first}");
@@ -817,7 +817,7 @@ fn a_split_variance_reads_its_input_once() {
     assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("Welford M2")), "{:?}", s.decisions);
     let src = triton_source(&s);
     // one kernel reads x: the chunks' M2s and the mean's and the variance's chunk sums together
-    let over_x: Vec<&str> = src.split("@triton.jit").filter(|k| k.contains("in_ptr0 + (") && k.contains("for r0offset in range(")).collect();
+    let over_x: Vec<&str> = src.split("@ferro_jit").filter(|k| k.contains("in_ptr0 + (") && k.contains("for r0offset in range(")).collect();
     assert_eq!(over_x.len(), 1, "{src}");
     assert!(over_x[0].contains("ferro_welford"), "{}", over_x[0]);
 }

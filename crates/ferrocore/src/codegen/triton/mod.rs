@@ -361,7 +361,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
     let mut out = String::new();
     let mut all_params = params.clone();
     all_params.push("XBLOCK: tl.constexpr".into());
-    let _ = writeln!(out, "@triton.jit\ndef {}({}):", k.name, all_params.join(", "));
+    let _ = writeln!(out, "@ferro_jit\ndef {}({}):", k.name, all_params.join(", "));
     let pid = if idx32 { "tl.program_id(0)" } else { "tl.program_id(0).to(tl.int64)" };
     if tiled {
         // XBLOCK columns of the inner variable by TILE rows of x0 (XBLOCK == TILE)
