@@ -110,6 +110,22 @@ def mobile_block(x, dw, scale, shift, pw):
     return F.conv2d(F.hardswish(y * scale[:, None, None] + shift[:, None, None]), pw)
 
 
+def full_sum(x):
+    return x.sum()
+
+
+def column_sum(x):
+    return x.sum(0)
+
+
+def row_var(x):
+    return x.var(-1)
+
+
+def cumsum_rows(x):
+    return x.cumsum(-1)
+
+
 def embedding_layer_norm(ids, table, pos, w, b):
     """GPT-2's first kernel at its tiny size: token + position embedding rows, LayerNorm."""
     return F.layer_norm(table[ids] + pos, (table.shape[1],), w, b)
@@ -163,6 +179,11 @@ def workloads(quick: bool) -> list[Workload]:
                 torch.randn(ln[1], generator=gen),
             ),
         ),
+        # long reductions and scans (their accumulation: see docs/accuracy.md)
+        Workload(f"sum {n / 2**20:g}M f32", full_sum, lambda: (torch.rand(n, generator=gen),), rtol=1e-5),
+        Workload(f"column sum {sm[0]}x{sm[1]}", column_sum, lambda: (torch.randn(sm, generator=gen),)),
+        Workload(f"row var {sm[0]}x{sm[1]}", row_var, lambda: (torch.randn(sm, generator=gen),)),
+        Workload(f"cumsum rows {sm[0]}x{sm[1]}", cumsum_rows, lambda: (torch.randn(sm, generator=gen),), rtol=1e-3, atol=1e-3),
         # the model benchmark's CPU gaps, at the tiny models' sizes in both modes
         Workload(
             "mobile block 2x24x16x16 dw5x5 + 1x1 to 72",

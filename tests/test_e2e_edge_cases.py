@@ -3,6 +3,7 @@ half-type scalars and intermediates, empty intermediates, huge slice steps, flip
 
 import pytest
 import torch
+import torch.nn.functional as F
 import ferrocore
 
 from helpers import check
@@ -106,3 +107,61 @@ def test_half_intermediates_stay_in_float_inside_a_kernel():
     x = torch.randn(64) * 3
     f = torch.compile(lambda t: t.bfloat16().float() * 3, backend="ferrocore")
     assert torch.equal(f(x), x.bfloat16().float() * 3)
+
+
+@pytest.mark.parametrize("exponent", [0.5, -0.5, -2.0, 2.0, 3.0, -1.0, 0.7])
+def test_pow_of_special_values_matches_eager_in_every_lane(exponent):
+    # 0.5 / -0.5 are ATen's sqrt / rsqrt (NaN at -inf, -inf at -0.0), where C's pow gives +inf
+    # and +0.0; nine of each so that vector lanes and scalar tails both see them
+    specials = [float("-inf"), -0.0, float("inf"), float("nan"), 0.0, -2.0, 4.0]
+    x = torch.tensor([v for v in specials for _ in range(9)])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        check(lambda t: t ** exponent, x.to(dtype))
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.int8, 300), (torch.uint8, -256), (torch.int32, 2.0**31),
+                                         (torch.int16, 40000), (torch.float32, 1e39)])
+def test_fill_values_the_dtype_cannot_hold_raise_as_eager(dtype, value):
+    # ATen's checked conversion raises; converting anyway gave 44 for 300 in int8
+    x = torch.arange(4).to(dtype)
+    fns = [lambda t: torch.where(t > 1, t, value), lambda t: t.masked_fill(t > 1, value),
+           lambda t: t + torch.full((4,), value, dtype=dtype), lambda t: t.clone().fill_(value),
+           lambda t: t.index_fill(0, torch.tensor([1]), value)]
+    raised = 0
+    for fn in fns:
+        try:
+            fn(x)
+        except RuntimeError as eager:
+            raised += 1
+            torch._dynamo.reset()
+            with pytest.raises(RuntimeError, match="cannot be converted to type"):
+                torch.compile(fn, backend="ferrocore")(x)
+        else:
+            # a float scalar promotes `where` to float: no conversion, nothing raised
+            check(fn, x, allow_fallbacks=True)
+    assert raised >= 3
+
+
+def test_fill_values_at_the_edge_of_the_dtype_compile():
+    # c10's limits: unsigned types take negatives down to -max (they wrap), floats into integers
+    # below max + 1; a half type's one-element fill converts unchecked (to inf)
+    check(lambda t: t.masked_fill(t > 1, -255), torch.arange(4, dtype=torch.uint8))
+    check(lambda t: t.masked_fill(t > 1, 127.9), torch.arange(4, dtype=torch.int8))
+    check(lambda t: torch.cat([t, torch.full((1,), 70000.0, dtype=torch.float16)]), torch.arange(4, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half"):
+        torch.compile(lambda t: t + torch.full((4,), 70000.0, dtype=torch.float16), backend="ferrocore")(
+            torch.arange(4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("case", ["adaptive1d", "adaptive2d", "adaptive3d", "window6x6"])
+def test_max_pool_indices_of_windows_of_minus_infinity(case):
+    # the window's first element, as eager (a window reduction's index started at 0)
+    ninf = float("-inf")
+    fn, x = {
+        "adaptive1d": (lambda t: F.adaptive_max_pool1d(t, 2, return_indices=True), torch.full((1, 1, 6), ninf)),
+        "adaptive2d": (lambda t: F.adaptive_max_pool2d(t, 2, return_indices=True), torch.full((1, 1, 4, 4), ninf)),
+        "adaptive3d": (lambda t: F.adaptive_max_pool3d(t, 2, return_indices=True), torch.full((1, 1, 4, 4, 4), ninf)),
+        "window6x6": (lambda t: F.max_pool2d(t, 6, return_indices=True), torch.full((1, 1, 12, 12), ninf)),
+    }[case]
+    x = torch.cat([x, torch.randn(x.shape, generator=torch.Generator().manual_seed(0))], 1)
+    check(fn, x)

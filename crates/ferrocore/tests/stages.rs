@@ -563,14 +563,15 @@ fn long_variances_take_one_pass_for_the_gpu() {
         .output(&["v"]);
     let g = parse_graph(&doc).unwrap();
     let opts = (TritonBackend { cpu_tensors: true }).schedule_options();
-    let s = schedule_for(lower_graph(&g).unwrap().program, &opts).unwrap();
+    let lower = || lower_graph_with(&g, &LowerOptions { triton_cpu: true, ..Default::default() }).unwrap().program;
+    let s = schedule_for(lower(), &opts).unwrap();
     s.program.verify().unwrap();
     assert!(s.decisions.iter().any(|d| d.starts_with("welford:")), "{:?}", s.decisions);
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
     let text = s.text();
     assert!(!text.contains("group 1"), "mean and M2 share one loop group:\n{text}");
     // without the option, the second pass reads the mean: two loop groups over x
-    let two = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
+    let two = schedule_for(lower(), &TRITON_WHOLE).unwrap();
     assert!(two.text().contains("group 1"), "{}", two.text());
     // the C++ backend never schedules a Welford reduction
     assert!(schedule(lower_graph(&g).unwrap().program).unwrap().decisions.iter().all(|d| !d.starts_with("welford:")));

@@ -26,6 +26,11 @@ impl Ctx<'_> {
             }
         }
         let dt = out.dtype;
+        if !holds(value, dt, out.shape.iter().product()) {
+            // ATen raises "value cannot be converted to type ... without overflow": the ATen call
+            // in the wrapper raises it at every call, as eager does
+            return unsupported(format!("{value:?} does not fit {dt:?} (ATen raises)"));
+        }
         Ok(TensorValue {
             size: out.shape.clone(),
             dtype: dt,
@@ -222,5 +227,43 @@ impl Ctx<'_> {
                 ops: 12,
             },
         })
+    }
+}
+
+/// Whether ATen's checked conversion of a fill value into `dt` succeeds (c10's `overflows`):
+/// integers within the type's range (unsigned types also take negatives down to -max, which
+/// wrap); floats into integers at least the lowest and below max + 1, never NaN or infinite;
+/// finite values into float32 within its range, into half types too where more than one element
+/// is filled (ATen's one-element fill converts unchecked); double and bool take anything.
+pub(super) fn holds(value: Scalar, dt: DType, numel: i64) -> bool {
+    let int_range = |dt: DType| -> Option<(i128, i128)> {
+        Some(match dt {
+            DType::U8 => (0, u8::MAX as i128),
+            DType::I8 => (i8::MIN as i128, i8::MAX as i128),
+            DType::I16 => (i16::MIN as i128, i16::MAX as i128),
+            DType::I32 => (i32::MIN as i128, i32::MAX as i128),
+            DType::I64 => (i64::MIN as i128, i64::MAX as i128),
+            _ => return None,
+        })
+    };
+    let float_max = match dt {
+        DType::F32 => Some(f32::MAX as f64),
+        DType::F16 if numel != 1 => Some(65504.0),
+        DType::BF16 if numel != 1 => Some(3.3895313892515355e38),
+        _ => None,
+    };
+    match value {
+        Scalar::Bool(_) => true,
+        Scalar::Int(v) => match (int_range(dt), float_max) {
+            (Some((_, max)), _) if dt == DType::U8 => (-max..=max).contains(&(v as i128)),
+            (Some((lo, hi)), _) => (lo..=hi).contains(&(v as i128)),
+            (None, Some(max)) => (v as f64).abs() <= max,
+            (None, None) => true,
+        },
+        Scalar::Float(f) => match (int_range(dt), float_max) {
+            (Some((lo, hi)), _) => f.is_finite() && f >= lo as f64 && f < hi as f64 + 1.0,
+            (None, Some(max)) => !f.is_finite() || f.abs() <= max,
+            (None, None) => true,
+        },
     }
 }

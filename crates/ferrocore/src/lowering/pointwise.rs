@@ -342,20 +342,25 @@ impl Ctx<'_> {
         // reciprocal; also far cheaper than a general pow (GPT-2's tanh GELU cubes its input: 3x
         // the time of a memory-bound kernel). Its cube multiplies in the tensor's type: the
         // square is rounded in bfloat16, and in float16 on the GPU (its CPU float16 kernel
-        // computes in float); its other special exponents differ per dtype
+        // computes in float). 0.5 and -0.5 are a square root and its reciprocal (NaN at -inf,
+        // -0.0 and -inf at -0.0, where C's pow gives +inf and +0.0), -2 the reciprocal of the
+        // square, except in CPU float16, which calls `pow` for every exponent but 2, 3 and -1
         let round_square = out.dtype == DType::BF16 || (out.dtype == DType::F16 && out.device != Device::Cpu);
         let special_pow = match (&b, op) {
             (PwIn::Scalar(Scalar::Float(e)), A::PowTensorScalar) if compute.is_float() => Some(*e),
             (PwIn::Scalar(Scalar::Int(e)), A::PowTensorScalar) if compute.is_float() => Some(*e as f64),
             _ => None,
         }
-        .filter(|e| [2.0, 3.0, -1.0].contains(e));
+        .filter(|e| [2.0, 3.0, -1.0].contains(e) || (!(out.dtype == DType::F16 && out.device == Device::Cpu) && [0.5, -0.5, -2.0].contains(e)));
         // sub: self - alpha*other; rsub: other - alpha*self.
         let f = move |bx: &mut Bx, v: &[ValueId]| {
             if let Some(e) = special_pow {
                 let x = bx.body.cast(v[0], compute);
-                if e == -1.0 {
-                    return bx.body.unary(UnaryOp::Reciprocal, x);
+                match e {
+                    -1.0 => return bx.body.unary(UnaryOp::Reciprocal, x),
+                    0.5 => return bx.body.unary(UnaryOp::Sqrt, x),
+                    -0.5 => return bx.body.unary(UnaryOp::Rsqrt, x),
+                    _ => {}
                 }
                 let square = bx.body.binary(BinaryOp::Mul, x, x);
                 if e == 2.0 {
@@ -367,6 +372,9 @@ impl Ctx<'_> {
                 } else {
                     square
                 };
+                if e == -2.0 {
+                    return bx.body.unary(UnaryOp::Reciprocal, square);
+                }
                 return bx.body.binary(BinaryOp::Mul, square, x);
             }
             let (mut va, mut vb) = (v[0], v[1]);

@@ -88,11 +88,20 @@ impl Ctx<'_> {
         }
         let mean = matches!(op, A::MeanDim | A::MeanDefault);
         let acc = out.dtype.compute();
+        // in bool, a sum is `any` and a product `all` (not any not): ATen's bool accumulation
+        // saturates, where bool arithmetic in a kernel would wrap or miscompile
+        let (rop, all) = match (rop, acc) {
+            (ReduceOp::Sum, DType::Bool) => (ReduceOp::Any, false),
+            (ReduceOp::Prod, DType::Bool) => (ReduceOp::Any, true),
+            (rop, _) => (rop, false),
+        };
         let xs = x.clone();
         let r = self.reduce_node(&x.size, &dims, acc, out.device.clone(), move |bx, full, _| {
             let v = xs.load(bx, full);
-            let v = if rop == ReduceOp::Any { v } else { bx.body.cast(v, acc) };
+            let v = if rop == ReduceOp::Any && acc != DType::Bool { v } else { bx.body.cast(v, acc) };
+            let v = if all { bx.body.unary(UnaryOp::LogicalNot, v) } else { v };
             let r = bx.body.reduce(rop, v);
+            let r = if all { bx.body.unary(UnaryOp::LogicalNot, r) } else { r };
             if mean {
                 let n = bx.body.constant(Scalar::Float(count as f64), acc);
                 bx.body.binary(BinaryOp::TrueDiv, r, n)
@@ -224,6 +233,10 @@ impl Ctx<'_> {
         if !acc.is_float() {
             return unsupported("var of a non-float result");
         }
+        // CPU eager computes a variance in double (Welford over double accumulators): so do C++
+        // kernels, so that var/std are as exact at every size (CUDA eager: float)
+        let cpp = x.device == Device::Cpu && !self.triton_cpu;
+        let acc = if acc == DType::F32 && cpp { DType::F64 } else { acc };
         let (mean_kept, var) = self.variance(&x, &dims, acc, correction);
         let v = self.finish_reduction(var, &vmeta)?;
         if op == AtenOp::VarMeanCorrection {

@@ -115,10 +115,49 @@ pub struct Acc {
     pub index_check: bool,
     /// A running scan value: the loop carries a dependence and must stay sequential.
     pub scan: bool,
+    /// A float sum of a long reduction: the loop adds into `<name>_part`, a partial sum of one
+    /// chunk in the vector lanes, and each chunk's partial is added into the total `<name>_w`,
+    /// which is double for float and half types and compensated (`<name>_c`) for double.
+    pub chunked: bool,
 }
 
 impl Acc {
+    pub fn new(name: String, op: ReduceOp, dtype: DType) -> Acc {
+        Acc { name, op, dtype, value_dtype: None, index_check: false, scan: false, chunked: false }
+    }
+
+    /// The variable the loop body accumulates into.
+    pub fn target(&self, split: bool) -> String {
+        if self.chunked {
+            format!("{}_part", self.name)
+        } else if split {
+            format!("{}_local", self.name)
+        } else {
+            self.name.clone()
+        }
+    }
+
+    /// The variable a `reduction` clause names on the innermost loop.
+    pub fn simd_var(&self, suffix: &str) -> String {
+        if self.chunked {
+            format!("{}_part", self.name)
+        } else {
+            format!("{}{suffix}", self.name)
+        }
+    }
+
     pub fn declare(&self, suffix: &str) -> String {
+        if self.chunked {
+            let total = format!("double {}_w{suffix} = 0.0;", self.name);
+            return if self.dtype == DType::F64 { format!("{total} double {}_c{suffix} = 0.0;", self.name) } else { total };
+        }
+        if self.scan && self.op == ReduceOp::Sum && matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            // a float running sum carries a double total, as ATen's CPU scans do
+            return format!("double {}{suffix} = 0.0;", self.name);
+        }
+        if self.scan && self.op == ReduceOp::Prod && matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return format!("double {}{suffix} = 1.0;", self.name);
+        }
         let mut s = format!("{} {}{suffix} = {};", c_type(self.dtype), self.name, reduce_init(self.op, self.dtype));
         if let Some(vd) = self.value_dtype {
             let init = reduce_init(if self.op == ReduceOp::ArgMax { ReduceOp::Max } else { ReduceOp::Min }, vd);
@@ -126,8 +165,44 @@ impl Acc {
         }
         s
     }
+    /// The partial sum of one chunk, declared before the chunk's loop.
+    pub fn declare_part(&self) -> String {
+        format!("{} {}_part = {};", c_type(self.dtype), self.name, reduce_init(self.op, self.dtype))
+    }
+
+    /// Adds the chunk's partial sum into the total (`<name>_w<suffix>`).
+    pub fn absorb_part(&self, suffix: &str) -> String {
+        let n = &self.name;
+        if self.dtype == DType::F64 {
+            format!("ferro_sum2({n}_w{suffix}, {n}_c{suffix}, {n}_part);")
+        } else {
+            format!("{n}_w{suffix} += static_cast<double>({n}_part);")
+        }
+    }
+
+    /// The accumulated value under the name the code after the loops reads.
+    pub fn finish(&self) -> Option<String> {
+        let n = &self.name;
+        if !self.chunked {
+            return None;
+        }
+        Some(if self.dtype == DType::F64 {
+            format!("double {n} = {n}_w + {n}_c;")
+        } else {
+            format!("{} {n} = static_cast<{}>({n}_w);", c_type(self.dtype), c_type(self.dtype))
+        })
+    }
+
     /// Merges `<name><from>` into `<name><into>` (thread-local partial results).
     pub fn merge(&self, into: &str, from: &str) -> String {
+        if self.chunked {
+            let n = &self.name;
+            return if self.dtype == DType::F64 {
+                format!("ferro_sum2({n}_w{into}, {n}_c{into}, {n}_w{from}); {n}_c{into} += {n}_c{from};")
+            } else {
+                format!("{n}_w{into} += {n}_w{from};")
+            };
+        }
         let (a, b) = (format!("{}{into}", self.name), format!("{}{from}", self.name));
         match self.value_dtype {
             None => format!("{a} = {};", combine(self.op, self.dtype, &a, &b)),
@@ -154,7 +229,8 @@ fn math_namespace(dt: DType) -> &'static str {
 pub fn reduce_init(op: ReduceOp, dt: DType) -> String {
     let ty = c_type(dt);
     match op {
-        ReduceOp::ArgMax | ReduceOp::ArgMin => "static_cast<int64_t>(0)".into(),
+        // no index yet: the first element is taken whatever its value (a window of -inf)
+        ReduceOp::ArgMax | ReduceOp::ArgMin => "INT64_MAX".into(),
         // never scheduled for this backend (`CppBackend::render` refuses it)
         ReduceOp::WelfordM2 => format!("static_cast<{ty}>(0)"),
         ReduceOp::Sum => format!("static_cast<{ty}>(0)"),
@@ -189,6 +265,9 @@ pub struct BodyEmitter<'a> {
     tmp: &'a mut usize,
     /// Accumulate into thread-local copies (`<acc>_local`) of the accumulators.
     split: bool,
+    /// The group's reduction length and the chunk length per dtype: a float sum longer than
+    /// its chunk accumulates per chunk (`Acc::chunked`).
+    pub chunk_sums_above: Option<(i64, fn(DType) -> i64)>,
     sections: HashMap<String, Section>,
     pub pre: String,
     pub inner: String,
@@ -213,6 +292,7 @@ impl<'a> BodyEmitter<'a> {
             ranges,
             tmp,
             split,
+            chunk_sums_above: None,
             sections: HashMap::new(),
             pre: String::new(),
             inner: String::new(),
@@ -257,6 +337,14 @@ impl<'a> BodyEmitter<'a> {
         }
         self.sections.insert(name.clone(), section);
         name
+    }
+
+    /// The double total of a chunked float sum named `v`, where `op` may read it in place of
+    /// the sum rounded to float (infix arithmetic, which C++ computes in double).
+    fn wide_total(&self, v: &str, op: BinaryOp) -> Option<String> {
+        let infix = matches!(op, BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::TrueDiv);
+        let acc = self.accs.iter().find(|a| a.name == v)?;
+        (infix && acc.chunked && acc.dtype != DType::F64).then(|| format!("{v}_w"))
     }
 
     fn emit(&mut self, dt: DType, expr: String, operands: &[&String]) -> String {
@@ -349,6 +437,10 @@ impl OpsHandler for BodyEmitter<'_> {
         let fl = od.is_float();
         let ty = c_type(dtype);
         let m = math_namespace(od);
+        // a long float sum's mean (or any +-*/ of it) reads the double total: one rounding
+        let operands = [a, b];
+        let (wa, wb) = (self.wide_total(a, op), self.wide_total(b, op));
+        let (a, b) = (wa.as_ref().unwrap_or(a), wb.as_ref().unwrap_or(b));
         let e = match op {
             BinaryOp::Add => format!("{a} + {b}"),
             BinaryOp::Sub => format!("{a} - {b}"),
@@ -378,7 +470,7 @@ impl OpsHandler for BodyEmitter<'_> {
             BinaryOp::RShift => format!("ferro_rshift({a}, {b})"),
         };
         let e = if dtype == DType::Bool || op.is_comparison() { e } else { format!("static_cast<{ty}>({e})") };
-        self.emit(dtype, e, &[a, b])
+        self.emit(dtype, e, &operands)
     }
 
     fn where_(&mut self, c: &String, a: &String, b: &String, dtype: DType) -> String {
@@ -392,10 +484,12 @@ impl OpsHandler for BodyEmitter<'_> {
 
     fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
         let acc = self.fresh().replace("tmp", "acc");
-        let target = if self.split { format!("{acc}_local") } else { acc.clone() };
+        let mut a = Acc::new(acc.clone(), op, dtype);
+        a.chunked = op == ReduceOp::Sum && dtype.is_float() && self.chunk_sums_above.is_some_and(|(len, chunk)| len > chunk(dtype));
+        let target = a.target(self.split);
         let line = format!("{target} = {};\n", combine(op, dtype, &target, x));
         self.inner.push_str(&line);
-        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false, scan: false });
+        self.accs.push(a);
         self.sections.insert(acc.clone(), Section::Post);
         acc
     }
@@ -405,8 +499,8 @@ impl OpsHandler for BodyEmitter<'_> {
         let t = if self.split { format!("{acc}_local") } else { acc.clone() };
         let better = if op == ReduceOp::ArgMax { ">" } else { "<" };
         let nan = if vd.is_float() { format!(" || ({value} != {value} && {t}_v == {t}_v)") } else { String::new() };
-        self.inner.push_str(&format!("if (({value} {better} {t}_v){nan}) {{ {t}_v = {value}; {t} = {index}; }}\n"));
-        self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), index_check: false, scan: false });
+        self.inner.push_str(&format!("if (({value} {better} {t}_v){nan} || {t} == INT64_MAX) {{ {t}_v = {value}; {t} = {index}; }}\n"));
+        self.accs.push(Acc { value_dtype: Some(vd), ..Acc::new(acc.clone(), op, DType::I64) });
         self.sections.insert(acc.clone(), Section::Post);
         acc
     }
@@ -419,7 +513,7 @@ impl OpsHandler for BodyEmitter<'_> {
     fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
         let acc = self.fresh().replace("tmp", "acc");
         self.inner.push_str(&format!("{acc} = {};\n", combine(op, dtype, &acc, x)));
-        self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, index_check: false, scan: true });
+        self.accs.push(Acc { scan: true, ..Acc::new(acc.clone(), op, dtype) });
         self.emit_in(Section::Inner, dtype, acc, &[x])
     }
 
@@ -455,7 +549,7 @@ impl OpsHandler for BodyEmitter<'_> {
         } else {
             self.inner.push_str(&line);
         }
-        self.accs.push(Acc { name: flag, op: ReduceOp::Any, dtype: DType::Bool, value_dtype: None, index_check: true, scan: false });
+        self.accs.push(Acc { index_check: true, ..Acc::new(flag, ReduceOp::Any, DType::Bool) });
         // clamped, so that the load stays inside the buffer whatever the input
         let clamped = format!("({wrapped} < 0 ? 0LL : ({wrapped} >= {size}LL ? {}LL : {wrapped}))", size - 1);
         self.emit(DType::I64, clamped, &[&wrapped])

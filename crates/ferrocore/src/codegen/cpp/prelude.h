@@ -130,6 +130,12 @@ template <typename I, typename F> static inline I ferro_f2i(F x) {
   return in_range ? v : std::numeric_limits<I>::min();
 }
 template <typename T> static inline T ferro_sign(T x) { return (T)((T(0) < x) - (x < T(0))); }
+// Neumaier's compensated addition: s + c holds the sum of every v added, rounding errors kept in c
+static inline void ferro_sum2(double& s, double& c, double v) {
+  double t = s + v;
+  c += ferro::abs(s) >= ferro::abs(v) ? (s - t) + v : (v - t) + s;
+  s = t;
+}
 #pragma omp declare reduction(ferro_fmax : float : omp_out = ferro_max(omp_out, omp_in)) initializer(omp_priv = -__builtin_inff())
 #pragma omp declare reduction(ferro_fmin : float : omp_out = ferro_min(omp_out, omp_in)) initializer(omp_priv = __builtin_inff())
 #pragma omp declare reduction(ferro_dmax : double : omp_out = ferro_max(omp_out, omp_in)) initializer(omp_priv = -__builtin_inf())
