@@ -178,6 +178,19 @@ def test_eviction_keeps_loaded_graphs_working(cache):
     _check(_compile())  # rebuilt
 
 
+def test_evicting_everything_leaves_only_the_key(cache):
+    # compiled-graph entries and module bytecode were neither counted nor removed: after
+    # evict(0), 400 files stayed while the report said the cache was empty
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: torch.nn.functional.conv2d(x, w).relu().sum(1), backend="ferrocore")
+    f(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))
+    files = [p.relative_to(cache) for p in cache.rglob("*") if p.is_file()]
+    assert {"cpp", "graphs", "compiled", "bytecode"} <= {p.parts[0] for p in files if len(p.parts) > 1}, files
+    stats = ferrocore.cache.evict(0, str(cache))
+    assert [p.relative_to(cache) for p in cache.rglob("*") if p.is_file()] == [Path("secret.key")]
+    assert stats["removed_bytes"] == stats["total_bytes"] > 0
+
+
 def test_compiles_keep_the_cache_under_its_size_limit(cache, monkeypatch):
     monkeypatch.setattr(backend, "_cache_trimmer", ferrocore.cache.Trimmer(every=2))
     monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "unlimited")

@@ -218,3 +218,24 @@ def test_views_of_an_input_written_in_place_beside_a_data_dependent_size():
         want = f(x_eager, y, m)
         _same(cf(x, y, m), want)
         _same(x, x_eager)
+
+
+ITEM_SIZED = {
+    "topk": lambda x, k: torch.topk(x, k.item()).values,
+    "slice": lambda x, k: x[:k.item()] * 2,
+    "narrow": lambda x, k: x.narrow(0, 0, k.item()) + 1,
+    "zeros": lambda x, k: torch.zeros(k.item()) + x.sum(),
+    "arange": lambda x, k: torch.arange(k.item()) * x[0],
+}
+
+
+@pytest.mark.parametrize("name", list(ITEM_SIZED))
+@torch._dynamo.config.patch(**CAPTURE)
+def test_outputs_sized_by_item_compile(name, observed):
+    # comparing such an output's size with the program's guarded on data and failed the compile
+    fn = ITEM_SIZED[name]
+    cf = _compiled(fn)
+    x = torch.randn(10)
+    for k in (torch.tensor(4), torch.tensor(7)):
+        _same(cf(x, k), fn(x, k))
+    assert not any(e["graph_fallback"] for e in observed)

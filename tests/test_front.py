@@ -248,6 +248,41 @@ def test_an_unusable_debug_dir_raises_an_error_naming_it(fake, tmp_path, monkeyp
     assert (tmp_path / "new" / "dumps").is_dir()
 
 
+def test_a_debug_dir_others_may_write_into_is_refused(tmp_path, monkeypatch):
+    # as the cache: a world-writable folder (the README's example was /tmp/fc) lets another user
+    # plant links at the dump names, which are the same in every process
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(shared))
+    with pytest.raises(options.OptionError, match="others may write into"):
+        options.build_options()
+    monkeypatch.setenv("FERROCORE_DEBUG_DIR", str(tmp_path / "mine"))
+    options.build_options()
+    assert (tmp_path / "mine").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_symlink_planted_at_a_graph_dump_name_is_not_written_through(tmp_path, monkeypatch):
+    import itertools
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ferrocore import graph_names
+
+    gm = make_fx(lambda x: (x.sin() * 2,))(torch.randn(4))
+    debug, target = tmp_path / "debug", tmp_path / "elsewhere"
+    target.mkdir()
+    monkeypatch.setattr(graph_names, "_counter", itertools.count())
+    ferrocore.compile_graph(gm, options={"debug_dir": str(debug)})
+    (dump,) = debug.iterdir()
+    shutil.rmtree(dump)
+    dump.symlink_to(target)
+    monkeypatch.setattr(graph_names, "_counter", itertools.count())
+    with pytest.raises(Exception, match="is a symlink"):
+        ferrocore.compile_graph(gm, options={"debug_dir": str(debug)})
+    assert not list(target.iterdir())
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"options": {"unknown": 1}}, "unknown option 'unknown'; the options are cache_dir, logs"),
     ({"options": {"cpp_jobs": "2"}}, "option 'cpp_jobs': expected int, got str '2'"),

@@ -60,14 +60,29 @@ def _autocast_on() -> bool:
 def inference_runtime() -> dict:
     """What AOT autograd's runtime does around the inference graph it is about to compile, when
     that is a plain call (read from its metadata); raises Bypass otherwise."""
-    _check_plain(_fw_metadata())
-    return plain_inference_runtime()
+    meta = _fw_metadata()
+    _check_plain(meta)
+    return {**plain_inference_runtime(),
+            "written_inputs": [i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata]}
 
 
 def plain_inference_runtime() -> dict:
     """The runtime of an inference graph with no aliased outputs or input mutations: a call
     with grad off, and with autocast off if it was on when the graph was traced."""
-    return {"disable_amp": _autocast_on()}
+    return {"disable_amp": _autocast_on(), "written_inputs": []}
+
+
+def written_inputs(count: int) -> list | None:
+    """The positions of the inputs the graph AOT autograd is compiling writes into, among the
+    `count` inputs Dynamo passes; None where AOT's inputs are not Dynamo's (overlapping inputs
+    it merged into one base) or its metadata is not available."""
+    try:
+        infos = list(_fw_metadata().input_info)
+    except Bypass:
+        return None
+    if len(infos) != count:
+        return None
+    return [i for i, info in enumerate(infos) if info.mutates_data or info.mutates_metadata]
 
 
 def inference_call(graph_call, runtime: dict, boxed: bool):
@@ -137,6 +152,7 @@ def training_runtime(fw_graph: torch.fx.GraphModule) -> dict:
                             for info in meta.input_info],
         "deterministic": getattr(meta, "deterministic", None),
         "disable_amp": _autocast_on(),
+        "written_inputs": [i for i, info in enumerate(meta.input_info) if info.mutates_data or info.mutates_metadata],
     }
 
 
@@ -158,6 +174,7 @@ def direct_training_runtime(joint, saved_is_input: list, example_inputs, unsafe_
         "inputs_non_leaf": [bool(r and not x.is_leaf) for r, x in zip(requires, example_inputs)],
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "disable_amp": _autocast_on(),
+        "written_inputs": list(joint.written),
     }
 
 

@@ -32,8 +32,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import (aot_runtime, conv_layout, direct_trace, graph_cache, graph_names, joint_split, kernel_binaries, padding,
-               partition, progress, runtime, torch_logs)
+from . import (aliasing, aot_runtime, conv_layout, direct_trace, graph_cache, graph_names, joint_split, kernel_binaries,
+               padding, partition, progress, runtime, torch_logs)
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lend_forward_lines, lifted_constants, serialize_graph
 
@@ -97,11 +97,23 @@ def _collector_spared():
 
 
 def _compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict) -> Callable:
+    facts: dict = {}
     with graph_names.naming(graph_names.base_for(gm)):
-        return _compile_named_dynamo_graph(gm, example_inputs, kwargs)
+        compiled = _compile_named_dynamo_graph(gm, example_inputs, kwargs, facts)
+        name = graph_names.current_base()
+
+    def compile_for(args):
+        # the same graph for inputs that overlap otherwise (`aliasing`), compiled at a call
+        with _collector_spared(), graph_names.naming(graph_names.base_for(gm)):
+            return _compile_named_dynamo_graph(gm, args, kwargs, {})
+
+    return aliasing.guarded(compiled, example_inputs, facts.get("written"), compile_for, name,
+                            "recompiles" in facts.get("logs", ()), isinstance(gm, getattr(torch._dynamo.utils, "GmWrapper", ())))
 
 
-def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict) -> Callable:
+def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs: dict, facts: dict) -> Callable:
+    """Compiles one Dynamo graph; sets `facts["written"]` to the positions of the inputs the
+    graph writes into (None where not known) and `facts["logs"]` to the log channels."""
     if kwargs.get("mode") not in MODES:
         raise _options.OptionError(f"ferrocore: unknown mode {kwargs['mode']!r}; the modes are "
                                    f"{', '.join(m for m in MODES if m)}")
@@ -111,11 +123,12 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
     if kwargs.get("mode") in AUTOTUNE_MODES:
         overrides.setdefault("autotune", True)
     opts = _options.build_options(overrides)
+    facts["logs"] = opts["logs"]
     _announce_dynamo_recompile(opts)
     boxed = isinstance(gm, getattr(torch._dynamo.utils, "GmWrapper", ()))
     cache_key = _graph_cache_key(gm, example_inputs, opts)
     if cache_key is not None:
-        hit = _cached_graph(cache_key, opts, boxed)
+        hit = _cached_graph(cache_key, opts, boxed, facts)
         if hit is not None:
             return hit
     gpu = _gpu_of(example_inputs)
@@ -128,7 +141,8 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
     if opts["direct_trace"]:
         direct = _traced_directly(gm, example_inputs, opts, overrides, user_strides, cache_key, boxed, label)
         if direct is not None:
-            return direct
+            facts["written"] = direct[1]
+            return direct[0]
     # a direct trace given up counts as tracing time
     state = _AotClock({"trace": (time.perf_counter() - start) * 1e3} if opts["direct_trace"] else {})
     from . import cudagraphs  # (it imports this module)
@@ -140,6 +154,7 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
     recorded: dict = {"graphs": [], "bypass": None, "runtime": None, "call": None}
 
     def forward(graph, inputs):
+        facts["written"] = aot_runtime.written_inputs(len(example_inputs))
         _describe_runtime(recorded, lambda: aot_runtime.training_runtime(graph))
         strides = _visible_output_strides(graph, user_strides, inference=False)
         saved = _saved_outputs(graph)
@@ -147,6 +162,7 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
                         family=family, record=recorded["graphs"].append)
 
     def inference(graph, inputs):
+        facts["written"] = aot_runtime.written_inputs(len(example_inputs))
         _describe_runtime(recorded, aot_runtime.inference_runtime)
         strides = _visible_output_strides(graph, user_strides, inference=True)
         recorded["call"] = _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
@@ -194,8 +210,9 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
 def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overrides: dict, user_strides: list,
                      cache_key: str | None, boxed: bool, label: str) -> Callable | None:
     """Compiles a graph traced to ATen by ferrocore (`direct_trace`): an inference graph, or a
-    training graph's joint trace split into forward and backward (`joint_split`). Returns None
-    (logged on `trace`) when the graph needs AOT autograd."""
+    training graph's joint trace split into forward and backward (`joint_split`). Returns the
+    callable and the positions of the inputs it writes into, or None (logged on `trace`) when
+    the graph needs AOT autograd."""
     training = _needs_grad(example_inputs)
     with progress.compiling(label, opts["progress"]):
         start = time.perf_counter()
@@ -222,7 +239,7 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
         if training:
             split_ms = (time.perf_counter() - start) * 1e3 - traced_ms
             return _compile_joint(traced, parts, gm, example_inputs, opts, overrides, user_strides, cache_key, boxed,
-                                  label, (traced_ms, split_ms), gemms)
+                                  label, (traced_ms, split_ms), gemms), list(traced.written)
         traced_ms = (time.perf_counter() - start) * 1e3
         _log_trace(opts, f"{label} traced directly ({len(traced.graph.nodes)} nodes, {traced_ms:.0f} ms)")
         recorded: dict = {"graphs": [], "bypass": None, "runtime": aot_runtime.plain_inference_runtime()}
@@ -231,7 +248,7 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
                         record=recorded["graphs"].append)
     if cache_key is not None:
         _store_graph(cache_key, opts, recorded, "inference")
-    return aot_runtime.inference_call(call, recorded["runtime"], boxed)
+    return aot_runtime.inference_call(call, recorded["runtime"], boxed), []
 
 
 def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torch.fx.GraphModule, example_inputs,
@@ -390,8 +407,9 @@ _ENTRY_GRAPHS = {"inference": 1, "training": 2}
 _ENTRY_PARTS = {"inference": ("inference",), "training": ("fw", "bw")}
 
 
-def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
-    """The callable for a compiled-graph cache hit, or None on a miss (logged with its reason)."""
+def _cached_graph(cache_key: str, opts: dict, boxed: bool, facts: dict) -> Callable | None:
+    """The callable for a compiled-graph cache hit, or None on a miss (logged with its reason);
+    sets `facts["written"]`."""
     start = time.perf_counter()
     entry = graph_cache.load(opts["cache_dir"], cache_key)
     if entry is None:
@@ -410,6 +428,7 @@ def _cached_graph(cache_key: str, opts: dict, boxed: bool) -> Callable | None:
         start = time.perf_counter()
     names = ", ".join(f"{g.name} ({g.counts.get('kernels', 0)} kernels)" for g in graphs)
     graph_cache.log(opts, f"hit {cache_key[:16]}: {names}")
+    facts["written"] = entry["runtime"].get("written_inputs")
     if entry["kind"] == "training":
         return aot_runtime.training_call(calls[0], calls[1], entry["runtime"], boxed)
     return aot_runtime.inference_call(calls[0], entry["runtime"], boxed)
@@ -523,7 +542,13 @@ def _visible_output_strides(graph: torch.fx.GraphModule, user: list, *, inferenc
             continue  # also saved for backward, which reads it with the graph's strides
         val = node.meta.get("val")
         shape, stride = want
-        if node.op != "call_function" or not isinstance(val, torch.Tensor) or tuple(val.shape) != shape:
+        if node.op != "call_function" or not isinstance(val, torch.Tensor):
+            continue
+        if not all(type(x) is int for x in (*shape, *stride, *val.shape, *val.stride())):
+            # a size a tensor's data decides (`.item()`): comparing it would guard on data; such
+            # a graph is compiled per concrete size later (`partition`)
+            continue
+        if tuple(val.shape) != shape:
             continue
         if tuple(val.stride()) != stride and is_dense(shape, stride):
             result[node.name] = list(stride)

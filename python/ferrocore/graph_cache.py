@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import aliasing
 from .serialize import module_attr
 
 # Bumped whenever an entry's layout or meaning changes: older entries are then misses.
-FORMAT = 2
+FORMAT = 3
 
 # Modules whose functions may appear as call targets of a cached graph: their behaviour is
 # covered by the versions in the key. A user function (allow_in_graph) is not.
@@ -132,6 +133,11 @@ def key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str:
             put(type(x).__name__, repr(x))
         else:
             raise Bypass(f"input {i} is a {type(x).__name__}")
+    # an entry is compiled for inputs that do not overlap (`aliasing` checks it at every call);
+    # AOT autograd compiles overlapping ones into another graph and runtime
+    overlaps = aliasing.overlapping(example_inputs)
+    if overlaps:
+        raise Bypass(f"inputs {aliasing.describe(overlaps)} overlap in memory")
     return h.hexdigest()
 
 

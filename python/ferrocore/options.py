@@ -120,15 +120,24 @@ def _checked(key: str, value):
 
 
 def _writable_dir(key: str, path: str) -> None:
-    """Makes `path` if it is missing; raises OptionError naming the key (and its variable) where
-    it cannot be made or written into (the stage dumps would be lost without a word)."""
+    """Makes `path` (0700) if it is missing; raises OptionError naming the key (and its
+    variable) where it cannot be made or written into (the stage dumps would be lost without a
+    word), or where it is not the current user's alone, as for the cache: another user's folder
+    (or one others may write into) could hold links that send a compile's writes elsewhere."""
+    where = f"ferrocore option {key!r} (FERROCORE_{key.upper()})"
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
     except OSError as e:
-        raise OptionError(f"ferrocore option {key!r} (FERROCORE_{key.upper()}): cannot make {path}: "
-                          f"{e.strerror or e}") from None
+        raise OptionError(f"{where}: cannot make {path}: {e.strerror or e}") from None
+    if st.st_uid != os.geteuid():
+        raise OptionError(f"{where}: {path} is owned by uid {st.st_uid}, not by the current user "
+                          f"(uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise OptionError(f"{where}: others may write into {path} (mode {st.st_mode & 0o7777:o}); "
+                          "choose a folder of your own")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise OptionError(f"ferrocore option {key!r} (FERROCORE_{key.upper()}): cannot write into {path}")
+        raise OptionError(f"{where}: cannot write into {path}")
 
 
 def _progress_mode(value) -> str:

@@ -106,15 +106,34 @@ def _load_open_file(path: str, fd: int) -> ctypes.CDLL:
     """Loads the file open as `fd` under a name used once: the dynamic loader looks a name up
     among loaded libraries before opening it, so a reused `/proc/self/fd/N` could return
     another library still loaded under it. The name is a symlink to the descriptor, beside
-    the entry in the (checked, private) cache directory, removed once loaded."""
-    link = os.path.join(os.path.dirname(path), f".load-{os.getpid()}-{next(_load_ids)}.so")
-    os.symlink(f"/proc/self/fd/{fd}", link)
+    the entry in the (checked, private) cache directory, removed once loaded; in a private
+    directory of this process where the cache cannot be written (a read-only file system)."""
+    name = f".load-{os.getpid()}-{next(_load_ids)}.so"
+    link = os.path.join(os.path.dirname(path), name)
+    try:
+        os.symlink(f"/proc/self/fd/{fd}", link)
+    except OSError:
+        link = os.path.join(_private_load_dir(), name)
+        os.symlink(f"/proc/self/fd/{fd}", link)
     try:
         lib = ctypes.CDLL(link)
     finally:
         os.unlink(link)
     weakref.finalize(lib, _unload, lib._handle)
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _private_load_dir() -> str:
+    """A directory only this process's user can write (0700, made by `mkdtemp`), removed at
+    exit: where libraries of a read-only cache are loaded from."""
+    import atexit
+    import shutil
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix="ferrocore-load-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def _unload(handle: int) -> None:

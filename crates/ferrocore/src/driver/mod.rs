@@ -190,7 +190,11 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
     let graph = st.time("import", || parse_graph(graph_json)).map_err(|e| CompileError { stage: "import", message: e.to_string() })?;
     if let Some(d) = &options.debug_dir {
         let key = runtime::sha256_hex(graph_json.as_bytes());
-        st.dump_dir = Some(d.join(format!("{}_{}", file_component(&graph.name), &key[..10])));
+        let dir = d.join(format!("{}_{}", file_component(&graph.name), &key[..10]));
+        // the name is the same in every process: a symlink or foreign directory planted there
+        // is refused, never written through
+        runtime::cache::private_dir(&dir).map_err(|e| CompileError { stage: "debug_dir", message: e.to_string() })?;
+        st.dump_dir = Some(dir);
     }
     st.emit("graph", || graph.to_string());
     let lower_options =

@@ -90,6 +90,7 @@ impl Ctx<'_> {
                 return unsupported(format!("{} indices", t.dtype));
             }
         }
+        self.check_gather_shape(op, &src, &idx_tensors, &out.shape)?;
         let weight = if op == AtenOp::Embedding { "weight" } else { "self" };
         if let Some(gathered) = self.gather_computed(op, &src, &idx_tensors, &out)? {
             return Ok(gathered);
@@ -152,6 +153,34 @@ impl Ctx<'_> {
         };
         let (reads, ops) = (2, 3);
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } })
+    }
+
+    /// A gather's result is laid out over the metadata's shape and reads its index tensors at
+    /// positions of that shape: a shape the inputs do not give would read outside them.
+    fn check_gather_shape(&self, op: AtenOp, src: &TensorValue, idx_tensors: &[Option<TensorValue>], shape: &[i64]) -> LResult<()> {
+        let rank = src.size.len();
+        let first = || idx_tensors.first().cloned().flatten().ok_or((LowerErrorKind::Malformed, "no index".to_string()));
+        let expected: Vec<i64> = match op {
+            AtenOp::Embedding if rank == 2 => first()?.size.iter().copied().chain([src.size[1]]).collect(),
+            AtenOp::Embedding => return malformed("embedding weight must be 2-D"),
+            AtenOp::Gather => first()?.size,
+            AtenOp::IndexSelect if rank == 0 => return Ok(()), // reads its one index at 0
+            AtenOp::IndexSelect => {
+                let ind = first()?;
+                if ind.size.len() > 1 {
+                    return malformed(format!("index_select index of rank {}", ind.size.len()));
+                }
+                let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+                let mut s = src.size.clone();
+                s[dim] = ind.size.iter().product();
+                s
+            }
+            _ => super::scatter::AdvancedIndex::new(&src.size, idx_tensors)?.result_shape(&src.size),
+        };
+        if expected != shape {
+            return malformed(format!("the inputs give a result of shape {expected:?}, metadata says {shape:?}"));
+        }
+        Ok(())
     }
 
     /// gather / index_select from a value nothing else reads, computed at the gathered

@@ -66,6 +66,26 @@ pub fn directory_refusal(uid: u32, owner: u32, mode: u32, is_dir: bool) -> Optio
     None
 }
 
+/// Creates `dir` (0700) if it is missing and checks it as the cache's own directories are
+/// checked: a real directory (a symlink planted in its place is refused, not followed) of the
+/// current user that nobody else may write into. For directories written beside the cache
+/// (per-graph debug dumps) under a name that is the same in every process.
+pub fn private_dir(dir: &Path) -> Result<(), RuntimeError> {
+    match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(rerr(format!("cannot create directory {}: {e}", dir.display()))),
+    }
+    let meta = fs::symlink_metadata(dir).map_err(|e| rerr(format!("cannot stat {}: {e}", dir.display())))?;
+    if meta.file_type().is_symlink() {
+        return Err(refused(dir, "is a symlink"));
+    }
+    match directory_refusal(current_uid(), meta.uid(), meta.mode(), meta.is_dir()) {
+        Some(why) => Err(refused(dir, &why)),
+        None => Ok(()),
+    }
+}
+
 /// An open, checked cache directory with its key.
 pub struct Cache {
     root: PathBuf,

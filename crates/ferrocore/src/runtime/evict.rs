@@ -30,8 +30,10 @@ pub struct Eviction {
     pub removed_bytes: u64,
 }
 
-/// The root's directories that hold entries.
-pub const ENTRY_AREAS: [&str; 4] = ["cpp", "graphs", "autotune", "pad_mm"];
+/// The root's directories that hold entries: every area ferrocore writes (C++ libraries,
+/// wrapper modules, compiled graphs, their bytecode, GPU kernel binaries, measurements).
+/// `tests/test_cache.py` checks that `evict(0)` leaves nothing of a compile behind.
+pub const ENTRY_AREAS: [&str; 8] = ["cpp", "graphs", "compiled", "bytecode", "kernels", "autotune", "pad_mm", "conv_layout"];
 
 /// Depth (below the root) of the deepest directory the current layout writes into.
 const LAYOUT_DEPTH: usize = 2;
