@@ -174,3 +174,33 @@ def test_binary_result_dtype_following_promotion_is_accepted(target, dtypes, oth
     nodes += [{"name": "y", "kind": "call_function", "target": target, "args": args, "meta": _meta([4], out)},
               {"name": "output", "kind": "output", "args": [{"node": "y"}]}]
     assert json.loads(_compile(nodes, tmp_path))["graph_fallback"] is None
+
+
+OVERSTATED = {
+    "index_select": (lambda x, i: torch.index_select(x, 0, i), (torch.randn(5, 3), torch.tensor([0, 2]))),
+    "gather": (lambda x, i: torch.gather(x, 1, i), (torch.randn(5, 3), torch.tensor([[0], [1], [2], [0], [1]]))),
+    "index": (lambda x, i: x[i], (torch.randn(5, 3), torch.tensor([0, 2]))),
+    "embedding": (lambda w, i: torch.nn.functional.embedding(i, w), (torch.randn(5, 3), torch.tensor([0, 2]))),
+    "reflection_pad": (lambda x: torch.nn.functional.pad(x, (1, 1, 1, 1), mode="reflect"), (torch.randn(1, 2, 5, 5),)),
+    "select_scatter": (lambda x, s: torch.select_scatter(x, s, 0, 1), (torch.randn(3, 4), torch.randn(4))),
+    "avg_pool": (lambda x: torch.nn.functional.avg_pool2d(x, 2), (torch.randn(2, 3, 8, 8),)),
+    "masked_scatter": (lambda x, m, s: x.masked_scatter(m, s), (torch.randn(4, 3), torch.rand(4, 3) > 0.5, torch.randn(12))),
+    "library_call": (lambda x, w: torch.nn.functional.conv2d(x, w, groups=4, padding=1),
+                     (torch.randn(1, 4, 6, 6), torch.randn(4, 1, 3, 3))),
+}
+
+
+@pytest.mark.parametrize("name", list(OVERSTATED))
+def test_metadata_overstating_a_result_never_reads_outside_a_buffer(name):
+    # a gather whose metadata claimed 1000x its rows read past the index tensor (SIGSEGV or
+    # garbage): now the node is refused by name, or (a library call) the call raises
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fn, args = OVERSTATED[name]
+    gm = make_fx(fn)(*args)
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "call_function" and isinstance(val, torch.Tensor) and val.dim():
+            n.meta["val"] = torch.empty((val.shape[0] * 1000, *val.shape[1:]), dtype=val.dtype)
+    with pytest.raises((ferrocore.FerrocoreError, RuntimeError), match="metadata"):
+        ferrocore.compile_graph(gm)(*args)

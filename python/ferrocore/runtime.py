@@ -271,13 +271,18 @@ def benchmark_main(benchmark_compiled_module) -> None:
 def restride(t: torch.Tensor | None, size, stride, dtype) -> torch.Tensor | None:
     """An extern call's result in the layout and dtype the kernels were compiled for.
 
-    Copied only when ATen returned something else than the graph's metadata promised. A result
-    ATen leaves undefined (None: attention's RNG state without dropout, ...) stays None.
+    Copied only when ATen returned something else than the graph's metadata promised; a shape
+    other than the promised one raises. A result ATen leaves undefined (None: attention's RNG
+    state without dropout, ...) stays None.
     """
     if t is None:
         return None
-    if t.dtype == dtype and t.stride() == stride:
+    if t.dtype == dtype and t.stride() == stride and t.shape == size:
         return t
+    if t.shape != size:
+        # the kernels reading it address the promised shape: they would read outside it
+        raise RuntimeError(f"ferrocore: a library call returned shape {tuple(t.shape)} where the graph's metadata "
+                           f"says {tuple(size)}")
     if t.dtype != dtype:
         t = t.to(dtype)
     if t.numel() <= 1 or all(n <= 1 or a == b for n, a, b in zip(size, t.stride(), stride)):

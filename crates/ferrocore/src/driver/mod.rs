@@ -15,6 +15,7 @@ use crate::report::{self, ReportInput};
 use crate::scheduler::schedule_for;
 use crate::wrapper::{plan_host, render_module_with};
 use serde::{Deserialize, Serialize};
+use std::os::unix::fs::DirBuilderExt;
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -192,8 +193,10 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         let key = runtime::sha256_hex(graph_json.as_bytes());
         let dir = d.join(format!("{}_{}", file_component(&graph.name), &key[..10]));
         // the name is the same in every process: a symlink or foreign directory planted there
-        // is refused, never written through
-        runtime::cache::private_dir(&dir).map_err(|e| CompileError { stage: "debug_dir", message: e.to_string() })?;
+        // is refused, never written through (the front checks the folder itself, as the cache)
+        let refused = |message: String| CompileError { stage: "debug_dir", message };
+        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(d).map_err(|e| refused(format!("cannot create {}: {e}", d.display())))?;
+        runtime::cache::private_dir(&dir).map_err(|e| refused(e.to_string()))?;
         st.dump_dir = Some(dir);
     }
     st.emit("graph", || graph.to_string());

@@ -4,6 +4,7 @@
 //! This module does not know about ATen or about any backend.
 
 mod body;
+mod bounds;
 mod print;
 mod verify;
 

@@ -385,6 +385,8 @@ impl Ctx<'_> {
                         let lim = bx.body.constant(Scalar::Int(size), DType::I64);
                         let fits = bx.body.binary(BinaryOp::Lt, k, lim);
                         let take = bx.body.binary(BinaryOp::LogicalAnd, on, fits);
+                        // a running count is never negative; clamped, the store is provably inside
+                        let k = super::indexing::clamp_index(bx, k, size);
                         let row = bx.body.where_(take, k, lim);
                         let v = bx.body.index(idx[d].clone(), DType::I64);
                         (IndexExpr::constant(d as i64), vec![(row, ndim)], v)
