@@ -191,6 +191,31 @@ def test_evicting_everything_leaves_only_the_key(cache):
     assert stats["removed_bytes"] == stats["total_bytes"] > 0
 
 
+READ_ONLY_CHILD = """
+import torch, ferrocore
+f = torch.compile(lambda x: (x.sin() + 1).sum(1), backend="ferrocore", options={"logs": "graph_cache"})
+print(f(torch.ones(3, 4)).tolist())
+"""
+
+
+def test_a_warm_cache_on_a_read_only_file_system_is_used(cache):
+    # loading a verified library made a file in the cache directory: on a read-only mount the
+    # first call raised
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    warm = subprocess.run([sys.executable, "-c", READ_ONLY_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert warm.returncode == 0, warm.stderr
+    # a read-only bind mount of the cache over itself, in a user and mount namespace of its own
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user and mount namespace here (unshare: {probe.stderr.strip()})")
+    script = (f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && "
+              f"! touch {cache}/probe 2>/dev/null && exec {sys.executable} -c \"$0\"")
+    ro = subprocess.run(["unshare", "-rm", "sh", "-c", script, READ_ONLY_CHILD], env=env, capture_output=True,
+                        text=True, timeout=300)
+    assert ro.returncode == 0, ro.stderr[-2000:]
+    assert ro.stdout == warm.stdout and "hit" in ro.stderr, ro.stderr[-2000:]
+
+
 def test_compiles_keep_the_cache_under_its_size_limit(cache, monkeypatch):
     monkeypatch.setattr(backend, "_cache_trimmer", ferrocore.cache.Trimmer(every=2))
     monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "unlimited")

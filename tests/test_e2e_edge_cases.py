@@ -165,3 +165,17 @@ def test_max_pool_indices_of_windows_of_minus_infinity(case):
     }[case]
     x = torch.cat([x, torch.randn(x.shape, generator=torch.Generator().manual_seed(0))], 1)
     check(fn, x)
+
+
+def test_float_constants_keep_every_bit():
+    # the exchange format's parser rounded some constants by an ulp: nan_to_num's -FLT_MAX came
+    # out past float32's range, and the fill fell back to an ATen call that raised
+    consts = [torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 0.1, 1 / 3, 2.0**-1074,
+              1.7976931348623157e308, 123456.78901234567, -9.87654321e-300]
+    x = torch.zeros(3, dtype=torch.float64)
+    for c in consts:
+        torch._dynamo.reset()
+        got = torch.compile(lambda t: t + c, backend="ferrocore")(x)
+        assert torch.equal(got, x + c), (c, got[0].item())
+    t = torch.tensor([[7, 2], [-4, -2]])
+    check(lambda v: torch.nan_to_num(torch.cos(v) / 0), t)

@@ -6,6 +6,11 @@ an op eager rejects, or one whose result is too large, is dropped and another dr
 Left out on purpose (the compiler's documented or pending behaviour, not a finding):
 integer division or modulo by zero (ATen raises), float -> integer casts of values the target
 cannot hold (NaN, inf, out of range: undefined in C++; the `numerics` work owns them).
+
+Besides small programs (results up to MAX_NUMEL elements), a few per run reduce or scan one
+long input (LONG_SIZES: up to 10^7 elements), write into an input that overlaps another one in
+memory (`Input.base`), or size a result by a tensor's `.item()` (the worker captures scalar
+outputs and data-dependent shapes).
 """
 
 from __future__ import annotations
@@ -103,16 +108,24 @@ def new_input(ctx: Context, shape=None, dtype=None) -> str:
 
 UNARY = ("abs neg exp log sqrt sin cos tanh sigmoid relu floor ceil round trunc sign reciprocal rsqrt "
          "expm1 log1p erf square frac bitwise_not logical_not isnan isinf signbit exp2 log2 atan "
-         "sinh acos asinh erfinv clone").split()
+         "sinh acos asinh erfinv clone tan asin cosh acosh atanh log10 lgamma sinc deg2rad nan_to_num").split()
+# float activations and special functions, as models call them
+ACTIVATIONS = ("F.gelu F.silu F.softplus F.elu F.leaky_relu F.hardsigmoid F.hardswish F.mish F.selu F.celu "
+               "F.logsigmoid F.hardtanh F.relu6 torch.special.erfc torch.logit torch.special.expit").split()
 BINARY = ("add sub mul div floor_divide remainder fmod maximum minimum atan2 pow bitwise_and "
           "bitwise_or bitwise_xor bitwise_left_shift bitwise_right_shift eq ne lt le gt ge "
           "logical_and logical_or logical_xor hypot copysign fmax fmin").split()
 INT_DIVISION = ("floor_divide", "remainder", "fmod", "div_floor", "div_trunc")
 SCALARS = (0, 1, 2, 3, -1, -7, 0.5, -2.25, 1e3, True, False, 1.0)
+# exponents ATen computes specially (square root, reciprocal square root, ...) and others
+POW_SCALARS = (0.5, -0.5, -2, 2, 3, -1, 0.7, 0, -1.5)
+# scalars outside narrow types: arithmetic wraps (eager raises where a fill converts them; such
+# an op is dropped as eager rejects it)
+OUT_OF_RANGE = (300, -129, 70000, 1e39, 2**31, -256, 65536.0)
 
 
 def _scalar(rng) -> str:
-    return repr(rng.choice(SCALARS))
+    return repr(rng.choice(OUT_OF_RANGE if rng.random() < 0.05 else SCALARS))
 
 
 def _broadcast_partner(ctx: Context, a: str) -> str:
@@ -142,6 +155,8 @@ def _broadcasts(s1, s2) -> bool:
 
 def op_unary(ctx: Context):
     a = ctx.pick()
+    if ctx.rng.random() < 0.25:
+        return Op(f"{{t}} = {ctx.rng.choice(ACTIVATIONS)}({{a}})", {"a": a})
     fn = ctx.rng.choice(UNARY)
     return Op(f"{{t}} = torch.{fn}({{a}})", {"a": a})
 
@@ -168,7 +183,9 @@ SCALAR_LEFT = {"add": "{s} + {{a}}", "sub": "{s} - {{a}}", "mul": "{s} * {{a}}",
 
 def _binary_scalar(ctx: Context, fn: str, call: str, a: str):
     rng = ctx.rng
-    s = rng.choice(SCALARS)
+    s = rng.choice(OUT_OF_RANGE if rng.random() < 0.05 else SCALARS)
+    if fn == "pow" and rng.random() < 0.7:
+        s = rng.choice(POW_SCALARS)
     if fn in ("bitwise_left_shift", "bitwise_right_shift"):
         s = rng.randrange(0, 9)
     ta = ctx.t(a)
@@ -253,8 +270,12 @@ def op_reduction(ctx: Context):
     n = ctx.t(a).dim()
     fn = rng.choice(REDUCTIONS)
     keep = rng.choice([True, False])
+    narrow = ["bool", "int8", "uint8", "int16", "int32", "int64"]
+    integral = not ctx.t(a).is_floating_point() and not ctx.t(a).is_complex()
     if fn in ("cumsum",):
-        return Op(f"{{t}} = torch.cumsum({{a}}, {rng.randrange(-n, max(n, 1))})", {"a": a})
+        # integer running sums in a narrow type wrap as eager's
+        dt = f", dtype=torch.{rng.choice(narrow[1:])}" if integral and rng.random() < 0.3 else ""
+        return Op(f"{{t}} = torch.cumsum({{a}}, {rng.randrange(-n, max(n, 1))}{dt})", {"a": a})
     if fn in ("max", "min") and n:
         k = rng.randrange(2)
         return Op(f"{{t}} = torch.{fn}({{a}}, {rng.randrange(-n, n)}, keepdim={keep})[{k}]", {"a": a})
@@ -266,8 +287,11 @@ def op_reduction(ctx: Context):
     if fn in ("var", "std"):
         extra = f", correction={rng.choice([0, 1, 1, 2])}"
     if fn == "sum" and rng.random() < 0.2:
-        # (a float -> integer dtype would be a cast of values the target may not hold)
-        extra = f", dtype=torch.{rng.choice(['float64', 'float32'] + ([] if ctx.t(a).is_floating_point() else ['int64']))}"
+        # (a float -> integer dtype would be a cast of values the target may not hold); bool and
+        # narrow integer sums saturate or wrap as eager's
+        extra = f", dtype=torch.{rng.choice(['float64', 'float32'] + (narrow if integral else []))}"
+    if fn == "prod" and integral and rng.random() < 0.3:
+        extra = f", dtype=torch.{rng.choice(narrow)}"
     if fn in ("any", "all", "prod") and (dims is None or len(dims) > 1):  # one dim or all of them
         dims = None if dims is None else dims[0]
     if dims is None:
@@ -518,9 +542,82 @@ def op_join(ctx: Context):
     return Op(f"{{t}} = F.pad({{a}}, {pads}, mode='{mode}')", {"a": a})
 
 
+LONG_SIZES = (10**5, 10**5, 10**6, 10**6, 10**7)
+LONG_OPS = {
+    "sum": "{a}.sum()", "mean": "{a}.mean()", "var": "{a}.var()", "std": "{a}.std(-1)", "norm": "torch.linalg.vector_norm({a})",
+    "logsumexp": "{a}.logsumexp(-1)", "cumsum": "{a}.cumsum(-1)", "amax": "{a}.amax()", "argmax": "{a}.argmax()",
+    "softmax_sum": "torch.softmax({a}, -1).sum(-1)", "layer_norm": "F.layer_norm({a}, {a}.shape[-1:]).abs().sum()",
+    "mse": "F.mse_loss({a}, {a}.flip(-1))", "sum_rows": "{a}.sum(0)", "sum_f32": "{a}.sum(dtype=torch.float32)",
+}
+LONG_INTEGRAL_OPS = {
+    "sum": "{a}.sum()", "sum_narrow": "{a}.sum(-1, dtype=torch.{n})", "cumsum_narrow": "{a}.cumsum(-1, dtype=torch.{n})",
+    "sum_bool": "{a}.sum(-1, dtype=torch.bool)", "any": "{a}.any()", "amax": "{a}.amax(-1)",
+}
+
+
+def op_long(ctx: Context):
+    """A reduction or scan of one long input (10^5 to 10^7 elements): accumulation at size."""
+    rng = ctx.rng
+    n = rng.choice(LONG_SIZES)
+    rows = rng.choice([1, 1, 1, 2, 16])
+    dtype = rng.choice(["float32"] * 5 + ["float64", "bfloat16", "float16", "int32", "int8", "bool"])
+    values = "special" if rng.random() < 0.1 and dtype != "bool" else "normal"
+    x = ctx.add_input([rows, n // rows] if rows > 1 else [n], dtype, values=values)
+    if dtype in FLOATS:
+        name = rng.choice(list(LONG_OPS))
+        code = LONG_OPS[name]
+        if name == "sum_f32" and dtype not in ("bfloat16", "float16"):
+            code = LONG_OPS["sum"]
+    else:
+        code = LONG_INTEGRAL_OPS[rng.choice(list(LONG_INTEGRAL_OPS))].replace(
+            "{n}", rng.choice(["int8", "uint8", "int16", "int32", "bool"]))
+    ctx.large = True
+    return Op("{t} = " + code, {"a": x})
+
+
+def op_overlap(ctx: Context):
+    """A write into an input that overlaps another input in memory, and a read of the other
+    (before or after the write): compiled graphs must see each other's writes as eager does."""
+    rng = ctx.rng
+    bases = [i for i in ctx.inputs if i.layout == "contiguous" and not i.base and i.dtype != "bool"
+             and 2 <= _numel(i.shape) and i.values in ("normal", "special")]
+    if not bases:
+        return None
+    base = rng.choice(bases)
+    total = _numel(base.shape)
+    m = rng.randint(1, total)
+    offset = rng.randint(0, total - m)
+    shape = [m // 2, 2] if m % 2 == 0 and rng.random() < 0.3 else [m]
+    alias = ctx.add_input(shape, base.dtype, layout="alias", values=base.values)
+    ctx.pending_inputs[-1].base, ctx.pending_inputs[-1].low = base.name, offset
+    exec(ctx.pending_inputs[-1].build_lines()[0], ctx.ns)
+    ctx.values[alias] = ctx.ns[alias]
+    written, read = (base.name, alias) if rng.random() < 0.5 else (alias, base.name)
+    write = rng.choice(["{w}.add_(2)", "{w}.mul_(-1)", "{w}.fill_(3)", "{w}[...] = 7", "{w}.clamp_(min=0)"])
+    read_stmt = "{t} = {r} * 2 + 1"
+    code = f"{write}\n{read_stmt}" if rng.random() < 0.5 else f"{read_stmt}\n{write}"
+    return Op(code.replace("{w}", "{a}").replace("{r}", "{b}"), {"a": written, "b": read}, mutates="a")
+
+
+def op_item(ctx: Context):
+    """A result whose size is a tensor's value (`.item()`), as data-dependent programs make."""
+    rng = ctx.rng
+    a = ctx.pick(lambda t: t.dim() >= 1 and t.shape[0] >= 1)
+    if a is None:
+        return None
+    t = ctx.t(a)
+    k = ctx.index_input([], 0, t.shape[0] + 1)
+    kinds = ["{t} = {a}[:{k}.item()] * 2", "{t} = {a}.narrow(0, 0, {k}.item()) + 1",
+             "{t} = torch.zeros({k}.item()) + {a}.float().sum()", "{t} = torch.arange({k}.item()) * 3"]
+    if t.dim() == 1 and t.is_floating_point():
+        kinds.append("{t} = torch.topk({a}, {k}.item()).values")
+    return Op(rng.choice(kinds), {"a": a, "k": k})
+
+
 BUILDERS = (
     (op_unary, 3), (op_binary, 5), (op_where_clamp, 2), (op_cast, 2), (op_reduction, 3),
     (op_view, 4), (op_index, 2), (op_scatter, 2), (op_mutate, 2), (op_join, 1),
+    (op_long, 0.15), (op_overlap, 0.4), (op_item, 0.3),
 )
 GUARDS = (cast_guard, overlap_guard)
 
@@ -528,6 +625,7 @@ GUARDS = (cast_guard, overlap_guard)
 def _attempt(ctx: Context, build) -> bool:
     """Draws one op, runs it eagerly; keeps it if eager accepts it and its result is small."""
     ctx.pending_inputs = []
+    ctx.large = False  # a long reduction's (op_long) result may exceed MAX_NUMEL
     saved = (dict(ctx.values), ctx.count)
     snapshot = {k: v.clone() for k, v in ctx.values.items()}
     op = build(ctx)
@@ -539,7 +637,7 @@ def _attempt(ctx: Context, build) -> bool:
         try:
             exec(op.render(), ctx.ns)
             value = ctx.ns.get(op.target) if op.target else None
-            ok = (not op.target) or (isinstance(value, torch.Tensor) and value.numel() <= MAX_NUMEL)
+            ok = (not op.target) or (isinstance(value, torch.Tensor) and (ctx.large or value.numel() <= MAX_NUMEL))
         except Exception:
             ok = False
     if not ok:

@@ -38,7 +38,10 @@ class Input:
     tensor along `dim`, from offset 1), "expanded" (size-1 along `dim`, then expanded).
     `values`: "normal", "special" (floats: NaN, +-inf, -0.0 and large values mixed in; ints: the
     dtype's extremes mixed in), "index" (integers in [low, high)), "perm" (`high` distinct indices
-    per slice along `dim`, taken from a permutation of `low` = the indexed size), "mask" (bool)."""
+    per slice along `dim`, taken from a permutation of `low` = the indexed size), "mask" (bool).
+    `base`: another input (contiguous) this one is a view of, `low` elements into its storage,
+    laid out contiguously: the two overlap in memory, as views of one tensor passed to a function
+    do (`layout` "alias")."""
 
     name: str
     shape: list
@@ -49,8 +52,15 @@ class Input:
     values: str = "normal"
     low: int = 0
     high: int = 0
+    base: str = ""
 
     def build_lines(self) -> list:
+        if self.base:
+            stride = [1] * len(self.shape)
+            for d in range(len(self.shape) - 2, -1, -1):
+                stride[d] = stride[d + 1] * max(self.shape[d + 1], 1)
+            return [f"{self.name} = {self.base}.as_strided({list(self.shape)}, {stride}, "
+                    f"{self.base}.storage_offset() + {self.low})"]
         g = f"torch.Generator().manual_seed({self.seed})"
         shape = list(self.shape)
         base = _base_shape(shape, self.layout, self.dim)
@@ -109,6 +119,10 @@ def _values_expr(inp: Input, shape: list, g: str) -> str:
         body = f"_extremes({body}, {info.min}, {info.max}, {g})"
     return f"{body}.to({dt})"
 
+
+# the worker's Dynamo settings: `.item()` and data-dependent shapes go into the graph
+CAPTURE = ("torch._dynamo.config.capture_scalar_outputs = True\n"
+           "torch._dynamo.config.capture_dynamic_output_shape_ops = True\n")
 
 HELPERS = '''\
 def _special(x, g):
@@ -172,6 +186,8 @@ class Program:
     def inputs_source(self, name: str = "make_inputs") -> str:
         lines = [f"def {name}(device='cpu'):"]
         for inp in self.inputs:
+            if inp.base:  # a view of the base as the function receives it (on the device)
+                lines.append(f"    {inp.base} = {inp.base}.to(device)")
             lines += [f"    {line}" for line in inp.build_lines()]
         moved = ", ".join(f"{i.name}.to(device)" for i in self.inputs)
         lines.append(f"    return [{moved}]")
@@ -182,8 +198,9 @@ class Program:
         options = "" if backend == "auto" else f", options={{'backend': '{backend}'}}"
         inputs = self.inputs_source()
         helpers = f"{HELPERS}\n\n" if "_special(" in inputs or "_extremes(" in inputs else ""
+        capture = CAPTURE if ".item()" in self.function_source() else ""
         return (
-            f"# fuzz program {self.ident or '(edited)'}\nimport torch\nimport torch.nn.functional as F\n\n\n{helpers}"
+            f"# fuzz program {self.ident or '(edited)'}\nimport torch\nimport torch.nn.functional as F\n{capture}\n\n{helpers}"
             f"{self.inputs_source()}\n\n{self.function_source()}\n\n"
             f"expected = f(*make_inputs('{device}'))\n"
             f"actual = torch.compile(f, backend='ferrocore', fullgraph=True{options})(*make_inputs('{device}'))\n"
@@ -204,7 +221,7 @@ def batch_repro(programs: list, backend: str = "cpp", device: str = "cpu") -> st
     sources = [(p.inputs_source(f"make_inputs_{k}"), p.function_source(f"f_{k}")) for k, p in enumerate(programs)]
     special = any("_special(" in i or "_extremes(" in i for i, _ in sources)
     lines = [f"# fuzz programs {', '.join(p.ident or '(edited)' for p in programs)}, compiled as one graph",
-             "import torch", "import torch.nn.functional as F", "", ""]
+             "import torch", "import torch.nn.functional as F", CAPTURE, ""]
     if special:
         lines += [HELPERS, ""]
     for inputs, fn in sources:

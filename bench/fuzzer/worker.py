@@ -45,6 +45,9 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # `.item()` values and data-dependent shapes go into the graph (op_item, boolean masks)
+    torch._dynamo.config.capture_scalar_outputs = True
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
     for line in sys.stdin:
         request = json.loads(line)
         programs = [Program.from_dict(p) for p in request["programs"]]

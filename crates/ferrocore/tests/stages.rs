@@ -10,7 +10,8 @@ use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
 use ferrocore::scheduler::{schedule, schedule_for, Item, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
-const TRITON_WHOLE: ScheduleOptions = ScheduleOptions { prefix: "triton", split: None, complex_as_real: true, welford_min_len: None };
+const TRITON_WHOLE: ScheduleOptions =
+    ScheduleOptions { prefix: "triton", split: None, complex_as_real: true, welford_min_len: None, row_scratch: None };
 use std::path::PathBuf;
 
 fn meta(shape: &[i64], dtype: &str) -> String {
@@ -102,6 +103,7 @@ fn softmax_is_one_kernel_storing_its_exponentials_once() {
     assert!(k <= 2, "softmax took {k} kernels");
     assert!(post.contains("(local)"), "max and sum must stay in registers:\n{post}");
     assert_eq!(src.matches("ferro_expf(").count(), 1, "one exp per element:\n{src}");
+    assert!(post.contains("(row)") && src.contains("float row0[64];"), "the exponentials stay in a scratch row:\n{post}");
     check("softmax.txt", &format!("{pre}\n{post}\n{src}"));
 }
 

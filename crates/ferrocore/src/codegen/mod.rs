@@ -132,7 +132,7 @@ pub trait KernelBackend {
 /// A kernel's buffer parameters: buffers read from memory first (in first-read order), then
 /// buffers written (allocated outputs, in node order). A buffer both written and read by the
 /// kernel is passed once, as written. Reads served from registers (per-row scalars, forwarded
-/// values) take no parameter.
+/// values) or from a kernel's scratch row (`Storage::Row`) take no parameter.
 pub fn kernel_buffers(s: &Schedule, k: &FusedKernel) -> (Vec<BufferId>, Vec<BufferId>) {
     let p = &s.program;
     let plan = &k.plan;
@@ -154,7 +154,8 @@ pub fn kernel_buffers(s: &Schedule, k: &FusedKernel) -> (Vec<BufferId>, Vec<Buff
             if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
                 let direct = matches!(e, Expr::Load { .. });
                 let from_memory = !direct || !matches!(local_kinds.get(&(pos, *buf)), Some(LocalRead::Scalar | LocalRead::Forwarded));
-                if from_memory && !written_set.contains(buf) && read_set.insert(*buf) {
+                let in_row = s.storage[buf.0 as usize] == Storage::Row;
+                if from_memory && !in_row && !written_set.contains(buf) && read_set.insert(*buf) {
                     read.push(*buf);
                 }
             }

@@ -268,6 +268,8 @@ pub struct BodyEmitter<'a> {
     /// The group's reduction length and the chunk length per dtype: a float sum longer than
     /// its chunk accumulates per chunk (`Acc::chunked`).
     pub chunk_sums_above: Option<(i64, fn(DType) -> i64)>,
+    /// Buffers in the kernel's scratch rows, and the current element's position in a row.
+    pub rows: Option<(&'a std::collections::HashSet<BufferId>, String)>,
     sections: HashMap<String, Section>,
     pub pre: String,
     pub inner: String,
@@ -293,6 +295,7 @@ impl<'a> BodyEmitter<'a> {
             tmp,
             split,
             chunk_sums_above: None,
+            rows: None,
             sections: HashMap::new(),
             pre: String::new(),
             inner: String::new(),
@@ -362,7 +365,11 @@ impl OpsHandler for BodyEmitter<'_> {
             return name.clone();
         }
         let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
-        let e = load_conv(&format!("{p}[{}]", self.index(index)), dtype);
+        let at = match &self.rows {
+            Some((rows, position)) if rows.contains(&buf) => position.clone(),
+            _ => self.index(index),
+        };
+        let e = load_conv(&format!("{p}[{at}]"), dtype);
         self.emit_in(Self::index_section(index), dtype, e, &[])
     }
 

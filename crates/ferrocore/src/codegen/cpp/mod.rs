@@ -135,6 +135,18 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         out.push_str("  #pragma omp parallel for\n");
     }
     let _ = writeln!(out, "  for (int64_t x0 = 0; x0 < {n}LL; ++x0) {{");
+    // buffers kept in a scratch row (Storage::Row): one array per outer iteration, indexed by
+    // the position in the writing group's loops (readers read back at the same positions)
+    let mut rows: std::collections::HashSet<BufferId> = std::collections::HashSet::new();
+    for kn in &plan.nodes {
+        let b = p.nodes[kn.node].output;
+        if s.storage[b.0 as usize] == Storage::Row && rows.insert(b) {
+            let len: i64 = plan.groups[kn.group].inner.iter().product();
+            let name = format!("row{}", rows.len() - 1);
+            let _ = writeln!(out, "    {} {name}[{len}];", storage_type(p.buffer(b).layout.dtype));
+            ptr.insert(b, name);
+        }
+    }
 
     // names of in-kernel values: buffer -> C++ variable
     let mut locals: HashMap<BufferId, String> = HashMap::new();
@@ -170,6 +182,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let out_layout = &p.buffer(out_buf).layout;
             let is_red = node.kind() == NodeKind::Reduction;
             let mut em = BodyEmitter::new(p, &kn.body, &ptr, &replace, &kn.ranges, &mut tmp, split);
+            em.rows = Some((&rows, row_position(&g.inner)));
             em.chunk_sums_above = reduction_len.map(|r| (r, sum_chunk as fn(DType) -> i64));
             let vals = kn.body.visit(&mut em);
             let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
@@ -182,8 +195,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let conv = expr::cast_expr(&value, vdt, out_layout.dtype);
             let ct = c_type(out_layout.dtype);
             let line = format!("{ct} {local} = {conv};\n");
-            let allocated = s.storage[out_buf.0 as usize] == Storage::Allocated;
-            let mut idx = em.index(&store.index);
+            let allocated = matches!(s.storage[out_buf.0 as usize], Storage::Allocated | Storage::Row);
+            let mut idx = if rows.contains(&out_buf) { row_position(&g.inner) } else { em.index(&store.index) };
             for (v, c) in &store.terms {
                 idx = format!("{idx} + {c}LL * {}", vals[v.0 as usize]);
             }
@@ -232,6 +245,22 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     let mut args = read;
     args.extend(written);
     Ok((out, args))
+}
+
+/// The position of the current element in a group's loops (`x1..`, row-major): where a scratch
+/// row holds it.
+fn row_position(inner: &[i64]) -> String {
+    let mut terms = Vec::new();
+    let mut stride = 1i64;
+    for (d, size) in inner.iter().enumerate().rev() {
+        terms.push(if stride == 1 { format!("x{}", d + 1) } else { format!("{stride}LL * x{}", d + 1) });
+        stride *= size;
+    }
+    if terms.is_empty() {
+        return "0".into();
+    }
+    terms.reverse();
+    terms.join(" + ")
 }
 
 /// The code of one loop group's nodes, by where it runs relative to the group's loops.

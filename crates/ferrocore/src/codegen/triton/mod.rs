@@ -60,6 +60,7 @@ impl KernelBackend for TritonBackend {
 
     fn schedule_options(&self) -> crate::scheduler::ScheduleOptions {
         crate::scheduler::ScheduleOptions {
+            row_scratch: None,
             prefix: "triton",
             split: Some(crate::scheduler::GPU_SPLIT),
             complex_as_real: true,
