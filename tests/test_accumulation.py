@@ -22,17 +22,28 @@ def compiled(fn, *args):
 
 
 N = 10**6
-gen = torch.Generator().manual_seed(0)
+# values drawn on the CPU (the same on every test device), then placed on the test device
+gen = torch.Generator(device="cpu").manual_seed(0)
+
+
+def _on_device(make):
+    def made(*size, **kw):
+        return make(*size, generator=gen, device="cpu", **{k: v for k, v in kw.items() if k != "generator"}).to(
+            torch.get_default_device())
+    return made
+
+
+_rand, _randn = _on_device(torch.rand), _on_device(torch.randn)
 LONG = {
-    "sum": (lambda x: x.sum(), torch.rand(N, generator=gen)),
-    "mean": (lambda x: x.mean(), torch.rand(N, generator=gen)),
-    "var": (lambda x: x.var(), torch.randn(N, generator=gen) + 1000),
-    "norm": (lambda x: torch.linalg.vector_norm(x), torch.randn(N, generator=gen)),
-    "layer_norm": (lambda x: F.layer_norm(x, (N,)), torch.randn(1, N, generator=gen) + 1000),
-    "mse_loss": (lambda x: F.mse_loss(x, x.flip(0) * 0.5), torch.rand(N, generator=gen)),
-    "logsumexp": (lambda x: x.logsumexp(0), torch.randn(N, generator=gen)),
-    "column_sum": (lambda x: x.sum(0), torch.rand(N // 16, 16, generator=gen)),
-    "float64_sum": (lambda x: x.sum(), torch.randn(N, generator=gen, dtype=torch.float64) + 1),
+    "sum": (lambda x: x.sum(), _rand(N)),
+    "mean": (lambda x: x.mean(), _rand(N)),
+    "var": (lambda x: x.var(), _randn(N) + 1000),
+    "norm": (lambda x: torch.linalg.vector_norm(x), _randn(N)),
+    "layer_norm": (lambda x: F.layer_norm(x, (N,)), _randn(1, N) + 1000),
+    "mse_loss": (lambda x: F.mse_loss(x, x.flip(0) * 0.5), _rand(N)),
+    "logsumexp": (lambda x: x.logsumexp(0), _randn(N)),
+    "column_sum": (lambda x: x.sum(0), _rand(N // 16, 16)),
+    "float64_sum": (lambda x: x.sum(), _randn(N, dtype=torch.float64) + 1),
 }
 
 
@@ -54,16 +65,17 @@ def test_a_sum_past_float_precision_counts_every_element():
 
 
 def test_a_half_precision_sum_into_float_is_as_exact_as_eager():
-    x = torch.rand(4 * 10**6, generator=gen).bfloat16()
+    x = _rand(4 * 10**6).bfloat16()
     ref = x.double().sum()
     fn = lambda t: t.sum(dtype=torch.float32)  # noqa: E731
     assert rel_err(compiled(fn, x), ref) <= max(2 * rel_err(fn(x), ref), torch.finfo(torch.float32).eps)
 
 
+@pytest.mark.cpu_only("CPU eager's scans carry a double; CUDA eager's a float")
 @pytest.mark.parametrize("op", ["cumsum", "cumprod"])
 def test_float_scans_carry_a_double_total_as_eager(op):
     # CPU eager's running total is a double, rounded to float per element: bitwise the same
-    x = torch.rand(10**6, generator=gen) * 1e-5 + 1 if op == "cumprod" else torch.rand(10**6, generator=gen)
+    x = _rand(10**6) * 1e-5 + 1 if op == "cumprod" else _rand(10**6)
     fn = (lambda t: t.cumsum(0)) if op == "cumsum" else (lambda t: t.cumprod(0))
     assert torch.equal(compiled(fn, x), fn(x))
 
@@ -71,7 +83,7 @@ def test_float_scans_carry_a_double_total_as_eager(op):
 @pytest.mark.parametrize("shape", [(4, 256), (2, 100000)], ids=["short", "long"])
 def test_bool_sums_saturate_as_eager(shape):
     ones = torch.ones(shape, dtype=torch.bool)
-    mixed = torch.rand(shape, generator=gen) > 0.9
+    mixed = _rand(*shape) > 0.9
     for x in (ones, mixed, ~ones):
         check(lambda t: t.sum(1, dtype=torch.bool), x, allow_constant=True)
         check(lambda t: t.sum(dtype=torch.bool), x, allow_constant=True)

@@ -126,7 +126,7 @@ def test_fill_values_the_dtype_cannot_hold_raise_as_eager(dtype, value):
     x = torch.arange(4).to(dtype)
     fns = [lambda t: torch.where(t > 1, t, value), lambda t: t.masked_fill(t > 1, value),
            lambda t: t + torch.full((4,), value, dtype=dtype), lambda t: t.clone().fill_(value),
-           lambda t: t.index_fill(0, torch.tensor([1]), value)]
+           lambda t: t.index_fill(0, t.new_tensor([1], dtype=torch.int64), value)]
     raised = 0
     for fn in fns:
         try:
@@ -143,14 +143,20 @@ def test_fill_values_the_dtype_cannot_hold_raise_as_eager(dtype, value):
 
 
 def test_fill_values_at_the_edge_of_the_dtype_compile():
-    # c10's limits: unsigned types take negatives down to -max (they wrap), floats into integers
-    # below max + 1; a half type's one-element fill converts unchecked (to inf)
+    # c10's limits: unsigned types take negatives down to -max (they wrap); floats into integers
+    # below max + 1 on the CPU (its fill truncates first), at most max on the GPU; a half type's
+    # one-element fill converts unchecked on the CPU (to inf)
+    cpu = torch.get_default_device().type == "cpu"
     check(lambda t: t.masked_fill(t > 1, -255), torch.arange(4, dtype=torch.uint8))
-    check(lambda t: t.masked_fill(t > 1, 127.9), torch.arange(4, dtype=torch.int8))
-    check(lambda t: torch.cat([t, torch.full((1,), 70000.0, dtype=torch.float16)]), torch.arange(4, dtype=torch.float16))
-    with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half"):
-        torch.compile(lambda t: t + torch.full((4,), 70000.0, dtype=torch.float16), backend="ferrocore")(
-            torch.arange(4, dtype=torch.float16))
+    check(lambda t: t.masked_fill(t > 1, 127.9 if cpu else 127.0), torch.arange(4, dtype=torch.int8))
+    check(lambda t: t.masked_fill(t > 1, -1.5), torch.arange(4, dtype=torch.int8))
+    if cpu:
+        check(lambda t: torch.cat([t, torch.full((1,), 70000.0, dtype=torch.float16)]), torch.arange(4, dtype=torch.float16))
+    for n in (4,) if cpu else (1, 4):
+        with pytest.raises(RuntimeError, match="cannot be converted to type c10::Half"):
+            torch._dynamo.reset()
+            torch.compile(lambda t: t + torch.full((n,), 70000.0, dtype=torch.float16), backend="ferrocore")(
+                torch.arange(n, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("case", ["adaptive1d", "adaptive2d", "adaptive3d", "window6x6"])
@@ -163,7 +169,7 @@ def test_max_pool_indices_of_windows_of_minus_infinity(case):
         "adaptive3d": (lambda t: F.adaptive_max_pool3d(t, 2, return_indices=True), torch.full((1, 1, 4, 4, 4), ninf)),
         "window6x6": (lambda t: F.max_pool2d(t, 6, return_indices=True), torch.full((1, 1, 12, 12), ninf)),
     }[case]
-    x = torch.cat([x, torch.randn(x.shape, generator=torch.Generator().manual_seed(0))], 1)
+    x = torch.cat([x, torch.randn(x.shape, generator=torch.Generator().manual_seed(0), device="cpu").to(x.device)], 1)
     check(fn, x)
 
 

@@ -70,7 +70,11 @@ class Worker:
         ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout * len(programs) ** 0.5)
         line = self.proc.stdout.readline() if ready else ""
         if line:
-            return json.loads(line)
+            reply = json.loads(line)
+            if reply.get("restart"):  # the worker's device broke; it exits
+                self.proc.wait(timeout=60)
+                self.proc = None
+            return reply
         return self._died(bool(ready))
 
     def _died(self, exited: bool):

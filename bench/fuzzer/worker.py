@@ -60,8 +60,30 @@ def main() -> None:
             detail = "".join(traceback.format_exception(e))[-3000:]
             results = [{"class": "harness_error", "detail": detail}] * len(programs)
         reply = {"results": results, "seconds": time.perf_counter() - start}
+        broken = _device_broken(args.device)
+        if broken:
+            # a kernel that faulted (an illegal address) leaves the CUDA context unusable: this
+            # batch crashed, and the runner starts a fresh worker for the next
+            reply = {"results": [{"class": "crash", "detail": broken}] * len(programs), "seconds": reply["seconds"],
+                     "restart": True}
         protocol.write(json.dumps(reply) + "\n")
         protocol.flush()
+        if broken:
+            return
+
+
+def _device_broken(device: str) -> str:
+    """Why the device can run nothing more (a sticky CUDA error), or ""."""
+    if device != "cuda":
+        return ""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+    except Exception as e:  # noqa: BLE001 - any error here means the context is gone
+        return f"the CUDA context broke: {type(e).__name__}: {str(e)[:500]}"
+    return ""
 
 
 if __name__ == "__main__":

@@ -180,6 +180,30 @@ impl Stages<'_> {
     }
 }
 
+impl Stages<'_> {
+    /// The result of a graph that runs eagerly (logged on `fallback`), with why.
+    fn eager(self, graph: &str, backend: &str, fallbacks: Vec<FallbackRecord>, reason: String) -> CompileResult {
+        let mut st = self;
+        st.emit("fallback", || format!("graph {graph} runs eagerly: {reason}\n"));
+        CompileResult {
+            module_path: String::new(),
+            module_source: String::new(),
+            kernels: 0,
+            externs: 0,
+            fallbacks,
+            timings_ms: st.timings,
+            cpp_cache_hit: false,
+            logs: st.logs,
+            backend: backend.to_string(),
+            graph_fallback: Some(reason),
+            output_strides: Vec::new(),
+            extern_ops: Vec::new(),
+            cpp_source: None,
+            report_path: None,
+        }
+    }
+}
+
 /// Compiles one exchange-format graph into a wrapper module on disk.
 pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResult, CompileError> {
     compile_graph_observed(graph_json, options, &Progress::default())
@@ -227,6 +251,16 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         KernelLanguage::Cpp => &CppBackend,
         KernelLanguage::Triton => &triton,
     };
+    // whatever the metadata says, no kernel addresses memory outside a buffer: a proven escape
+    // is malformed metadata (an error naming the node); an index the check cannot bound runs
+    // the graph eagerly rather than risk it
+    if let Err(e) = st.time("bounds", || lowered.program.check_bounds()) {
+        if e.proven {
+            return Err(CompileError { stage: "bounds", message: format!("node '{}': {}", e.node, e.why) });
+        }
+        let reason = format!("node '{}' {}", e.node, e.why);
+        return Ok(st.eager(&graph.name, backend.name(), fallbacks, reason));
+    }
     let sched = st
         .time("scheduling", || schedule_for(lowered.program, &backend.schedule_options()))
         .map_err(|e| CompileError { stage: "scheduling", message: e.to_string() })?;
@@ -234,26 +268,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
     st.emit("ir_post_fusion", || sched.text());
     let kernels = match st.time("codegen", || backend.render(&sched)) {
         Ok(k) => k,
-        Err(e) if e.kind == CodegenErrorKind::Unsupported => {
-            let reason = e.to_string();
-            st.emit("fallback", || format!("graph {} runs eagerly: {reason}\n", graph.name));
-            return Ok(CompileResult {
-                module_path: String::new(),
-                module_source: String::new(),
-                kernels: 0,
-                externs: 0,
-                fallbacks,
-                timings_ms: st.timings,
-                cpp_cache_hit: false,
-                logs: st.logs,
-                backend: backend.name().to_string(),
-                graph_fallback: Some(reason),
-                output_strides: Vec::new(),
-                extern_ops: Vec::new(),
-                cpp_source: None,
-                report_path: None,
-            });
-        }
+        Err(e) if e.kind == CodegenErrorKind::Unsupported => return Ok(st.eager(&graph.name, backend.name(), fallbacks, e.to_string())),
         Err(e) => return Err(CompileError { stage: "codegen", message: e.to_string() }),
     };
     let (plan, module) = st.time("wrapper", || {

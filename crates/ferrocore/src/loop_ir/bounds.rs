@@ -9,6 +9,17 @@ use super::*;
 use crate::graph::DType;
 use std::collections::HashSet;
 
+/// An access `check_bounds` found: the graph node it computes and a sentence naming the buffer;
+/// `proven` where the address range certainly leaves the buffer (metadata the inputs do not
+/// give), not where the analysis could not bound an index value (what a lowering computes from
+/// data behind a condition it does not follow).
+#[derive(Debug, Clone)]
+pub struct OutOfBounds {
+    pub node: String,
+    pub why: String,
+    pub proven: bool,
+}
+
 /// Inclusive range of an integer value; `UNBOUNDED` ends where nothing bounds it.
 type Range = (i128, i128);
 const LOW: i128 = i128::MIN / 4;
@@ -16,11 +27,11 @@ const HIGH: i128 = i128::MAX / 4;
 const UNBOUNDED: Range = (LOW, HIGH);
 
 impl LoopProgram {
-    /// The first load or store that may address an element outside its buffer: (the graph node
-    /// it computes, a sentence naming the buffer); Ok where every address is in range.
-    pub fn check_bounds(&self) -> Result<(), (String, String)> {
+    /// The first load or store that may address an element outside its buffer; Ok where every
+    /// address is in range.
+    pub fn check_bounds(&self) -> Result<(), OutOfBounds> {
         let unchecked: HashSet<BufferId> = self.input_storage_views.iter().map(|v| v.input).collect();
-        for n in &self.nodes {
+        for (ni, n) in self.nodes.iter().enumerate() {
             let ranges = n.var_ranges();
             if ranges.contains(&0) {
                 continue; // no iteration runs
@@ -47,7 +58,8 @@ impl LoopProgram {
                 let node = n.origins.first().cloned().unwrap_or_else(|| self.buffer(n.output).name.clone());
                 let holds = b.layout.storage_numel() as i128;
                 let Some((lo, hi)) = address_range(index, terms, at, &values) else {
-                    return Err((node, format!("{what} {} at an index nothing bounds", b.name)));
+                    let why = format!("{what} {} at an index this check cannot bound:\n{}", b.name, self.node_text(ni));
+                    return Err(OutOfBounds { node, why, proven: false });
                 };
                 if lo < 0 || hi >= holds {
                     let why = format!(
@@ -55,7 +67,7 @@ impl LoopProgram {
                          the graph's metadata is not what its inputs give",
                         b.name, b.layout.size, b.layout.stride
                     );
-                    return Err((node, why));
+                    return Err(OutOfBounds { node, why, proven: true });
                 }
             }
         }

@@ -9,6 +9,7 @@ mod print;
 mod verify;
 
 pub use body::*;
+pub use bounds::OutOfBounds;
 
 use crate::graph::{DType, Device};
 use crate::symbolic::{IndexExpr, Var};

@@ -26,7 +26,7 @@ impl Ctx<'_> {
             }
         }
         let dt = out.dtype;
-        if !holds(value, dt, out.shape.iter().product()) {
+        if !holds(value, dt, out.shape.iter().product(), out.device == Device::Cpu) {
             // ATen raises "value cannot be converted to type ... without overflow": the ATen call
             // in the wrapper raises it at every call, as eager does
             return unsupported(format!("{value:?} does not fit {dt:?} (ATen raises)"));
@@ -230,12 +230,15 @@ impl Ctx<'_> {
     }
 }
 
-/// Whether ATen's checked conversion of a fill value into `dt` succeeds (c10's `overflows`):
-/// integers within the type's range (unsigned types also take negatives down to -max, which
-/// wrap); floats into integers at least the lowest and below max + 1, never NaN or infinite;
-/// finite values into float32 within its range, into half types too where more than one element
-/// is filled (ATen's one-element fill converts unchecked); double and bool take anything.
-pub(super) fn holds(value: Scalar, dt: DType, numel: i64) -> bool {
+/// Whether ATen's checked conversion of a fill value into `dt` succeeds (c10's `overflows`),
+/// as each device's fill kernel applies it (measured on x86 and on an H100):
+/// - integers within the type's range; unsigned types also take negatives down to -max (they
+///   wrap);
+/// - floats into integers: never NaN or infinite, at least the lowest value, and at most the
+///   largest (on the GPU), below the largest + 1 (the CPU's fill truncates before it compares);
+/// - finite values into float32 and the half types within their range, except that the CPU's
+///   one-element fill of a half type converts unchecked (to inf); double and bool take anything.
+pub(super) fn holds(value: Scalar, dt: DType, numel: i64, cpu: bool) -> bool {
     let int_range = |dt: DType| -> Option<(i128, i128)> {
         Some(match dt {
             DType::U8 => (0, u8::MAX as i128),
@@ -246,10 +249,11 @@ pub(super) fn holds(value: Scalar, dt: DType, numel: i64) -> bool {
             _ => return None,
         })
     };
+    let unchecked_half = cpu && numel == 1;
     let float_max = match dt {
         DType::F32 => Some(f32::MAX as f64),
-        DType::F16 if numel != 1 => Some(65504.0),
-        DType::BF16 if numel != 1 => Some(3.3895313892515355e38),
+        DType::F16 if !unchecked_half => Some(65504.0),
+        DType::BF16 if !unchecked_half => Some(3.3895313892515355e38),
         _ => None,
     };
     match value {
@@ -261,7 +265,8 @@ pub(super) fn holds(value: Scalar, dt: DType, numel: i64) -> bool {
             (None, None) => true,
         },
         Scalar::Float(f) => match (int_range(dt), float_max) {
-            (Some((lo, hi)), _) => f.is_finite() && f >= lo as f64 && f < hi as f64 + 1.0,
+            (Some((lo, hi)), _) if cpu => f.is_finite() && f >= lo as f64 && f < hi as f64 + 1.0,
+            (Some((lo, hi)), _) => f.is_finite() && f >= lo as f64 && f <= hi as f64,
             (None, Some(max)) => !f.is_finite() || f.abs() <= max,
             (None, None) => true,
         },

@@ -474,8 +474,8 @@ impl Ctx<'_> {
             let zero = bx.body.constant(Scalar::Int(0), ct);
             let pos = bx.body.where_(inside, pos, zero);
             let pos = bx.body.cast(pos, DType::I64);
-            let last = bx.body.constant(Scalar::Int(bins - 1), DType::I64);
-            let pos = bx.body.binary(BinaryOp::Minimum, pos, last);
+            // a position in range by construction; clamped, the store is provably inside
+            let pos = super::indexing::clamp_index(bx, pos, bins - 1);
             let one = bx.body.constant(Scalar::Int(1), dt);
             let nothing = bx.body.constant(Scalar::Int(0), dt);
             let count = bx.body.where_(inside, one, nothing);

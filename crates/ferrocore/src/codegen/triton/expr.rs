@@ -196,6 +196,19 @@ pub struct Acc {
     pub value_dtype: Option<DType>,
     /// A scan's carry between loop steps: one value per row (`[XBLOCK, 1]`).
     pub carry: bool,
+    /// Held in float64 (`wide_sum`): a float sum or running sum over a looped row.
+    pub wide: bool,
+}
+
+/// Terms each lane of a looped float sum adds one after another (a scan's carry: the steps)
+/// from which it is held in float64: float32 loses digits with every addition (a running sum
+/// over 10^7 elements had 4-6x CUDA eager's error, a variance's sum 3x), and float64 costs
+/// nothing where the loads set the pace.
+const WIDE_SUM_TERMS: i64 = 32;
+
+/// Whether a looped float sum adding `terms` per lane is held in float64 (see WIDE_SUM_TERMS).
+fn wide_sum(op: ReduceOp, dtype: DType, terms: i64) -> bool {
+    op == ReduceOp::Sum && matches!(dtype, DType::F32 | DType::F16 | DType::BF16) && terms >= WIDE_SUM_TERMS
 }
 
 /// An integer constant of `dtype` as the conversion to `dtype` leaves it: wrapped into the type's
@@ -219,6 +232,8 @@ pub struct BodyEmitter<'a> {
     pub two_d: bool,
     /// The group's reductions accumulate over a loop of `rblock`-wide steps.
     pub looped: bool,
+    /// Steps of the group's loop: the terms each lane of a looped reduction adds in turn.
+    pub terms_per_lane: i64,
     pub rblock: i64,
     /// The mask of a value that varies over the group's inner loops.
     pub full_mask: String,
@@ -260,6 +275,7 @@ impl<'a> BodyEmitter<'a> {
             tmp,
             two_d,
             looped,
+            terms_per_lane: 1,
             rblock,
             full_mask,
             err_ptr,
@@ -381,7 +397,7 @@ impl<'a> BodyEmitter<'a> {
                  {acc}_mean = tl.where({m}, {acc}_mean + {name}_d / {name}_w, {acc}_mean)\n\
                  {acc}_m2 = tl.where({m}, {acc}_m2 + {name}_d * ({v} - {acc}_mean), {acc}_m2)\n{acc}_w = {name}_w\n"
             ));
-            self.accs.push(Acc { name: acc.clone(), op: ReduceOp::WelfordM2, dtype, value_dtype: None, carry: false });
+            self.accs.push(Acc { name: acc.clone(), op: ReduceOp::WelfordM2, dtype, value_dtype: None, carry: false, wide: false });
             self.post.push_str(&format!(
                 "{name}_mean, {name}, {name}_w = tl.reduce(({acc}_mean, {acc}_m2, {acc}_w), 1, ferro_welford)\n{name} = {name}[:, None].to({t})\n"
             ));
@@ -572,9 +588,11 @@ impl OpsHandler for BodyEmitter<'_> {
         let name = self.fresh("red");
         if self.looped {
             let acc = format!("{name}_acc");
+            let wide = wide_sum(op, dtype, self.terms_per_lane);
             let v = self.masked_full(x, &init, dtype);
+            let v = if wide { format!("{v}.to(tl.float64)") } else { v };
             self.inner.push_str(&format!("{acc} = tl.where({}, {f}({acc}, {v}), {acc})\n", self.full_mask));
-            self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, carry: false });
+            self.accs.push(Acc { name: acc.clone(), op, dtype, value_dtype: None, carry: false, wide });
             self.post.push_str(&format!("{name} = tl.reduce({acc}, 1, {f})[:, None].to({t})\n"));
         } else {
             let v = self.masked_full(x, &init, dtype);
@@ -600,7 +618,7 @@ impl OpsHandler for BodyEmitter<'_> {
                 "{name}_nv, {name}_ni = {f}({acc}_val, {acc}, {v}, {i})\n{acc}_val = tl.where({m}, {name}_nv, {acc}_val)\n{acc} = tl.where({m}, {name}_ni, {acc})\n",
                 m = self.full_mask
             ));
-            self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), carry: false });
+            self.accs.push(Acc { name: acc.clone(), op, dtype: DType::I64, value_dtype: Some(vd), carry: false, wide: false });
             self.post.push_str(&format!("{name}_v, {name} = tl.reduce(({acc}_val, {acc}), 1, {f})\n{name} = {name}[:, None]\n"));
         } else {
             let section = self.section_of(value).max(self.section_of(index)).max(Section::Inner);
@@ -625,10 +643,12 @@ impl OpsHandler for BodyEmitter<'_> {
         if self.looped {
             // each step scans its block, offset by the carry of the steps before
             let carry = format!("{name}_carry");
+            let wide = wide_sum(op, dtype, self.terms_per_lane);
+            let ct = if wide { "tl.float64" } else { t };
             self.inner.push_str(&format!("{name}_v = {v}\n"));
             self.inner.push_str(&format!("{name} = {f}({carry}, tl.associative_scan({name}_v, 1, {f})).to({t})\n"));
-            self.inner.push_str(&format!("{carry} = {f}({carry}, tl.reduce({name}_v, 1, {f})[:, None]).to({t})\n"));
-            self.accs.push(Acc { name: carry, op, dtype, value_dtype: None, carry: true });
+            self.inner.push_str(&format!("{carry} = {f}({carry}, tl.reduce({name}_v, 1, {f})[:, None]).to({ct})\n"));
+            self.accs.push(Acc { name: carry, op, dtype, value_dtype: None, carry: true, wide });
         } else {
             self.push_line(section, &format!("{name} = tl.associative_scan({v}, 1, {f}).to({t})"));
         }

@@ -461,6 +461,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                 &mut cse,
             );
             em.empty = read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect();
+            em.terms_per_lane = if shape.looped { (shape.numel + shape.rblock - 1) / shape.rblock } else { 1 };
             let vals = kn.body.visit(&mut em);
             if let Some(why) = em.unsupported.take() {
                 return Err(CodegenError::unsupported(&k.name, why));
@@ -582,6 +583,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                     }
                     None => {
                         let width = if a.carry { 1 } else { rb };
+                        let t = if a.wide { "tl.float64" } else { t };
                         let _ = writeln!(out, "    {} = tl.full([XBLOCK, {width}], {}, {t})", a.name, reduction_init(a.op, a.dtype));
                     }
                 }
