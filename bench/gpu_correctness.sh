@@ -2,7 +2,8 @@
 # Correctness on a GPU in one command (a CUDA machine with torch and Triton, no network, no Rust):
 # installs the wheel built elsewhere (`maturin build --release -o .wheels`, see gpu_env.sh), runs
 # the given test files on CUDA tensors, the accuracy of long reductions and scans against float64
-# (bench/accuracy.py), and the differential fuzzer with Triton kernels; prints the tables last.
+# (bench/accuracy.py), and the differential fuzzer (backend auto: Triton kernels for the GPU graphs,
+# C++ for a segment left on the CPU); prints the tables last.
 #
 #   bash bench/gpu_correctness.sh
 #   FUZZ_COUNT=2000 FUZZ_START=0 GPU_TESTS="tests/test_models.py" bash bench/gpu_correctness.sh
@@ -32,7 +33,7 @@ if [ -n "${ACCURACY_SIZES-1e5,1e6,1e7,1e8}" ]; then
 fi
 if [ "${FUZZ_COUNT:-1000}" -gt 0 ]; then
     # each fuzz worker compiles its own kernels: two compile processes apiece on 16 CPUs
-    FERROCORE_COMPILE_WORKERS="${FERROCORE_COMPILE_WORKERS:-2}" timeout "${FUZZ_TIMEOUT:-480}" "$PY" bench/fuzz.py --backend triton --device cuda --seed "${FUZZ_SEED:-0}" \
+    FERROCORE_COMPILE_WORKERS="${FERROCORE_COMPILE_WORKERS:-2}" timeout "${FUZZ_TIMEOUT:-480}" "$PY" bench/fuzz.py --backend auto --device cuda --seed "${FUZZ_SEED:-0}" \
         --start "${FUZZ_START:-0}" --count "${FUZZ_COUNT:-1000}" --jobs "${FUZZ_JOBS:-8}" --minimize-per-class 1 \
         --report "$OUT/fuzz_cuda.md" > "$OUT/fuzz.log" 2>&1 || status=1
 fi

@@ -185,3 +185,12 @@ def test_float_constants_keep_every_bit():
         assert torch.equal(got, x + c), (c, got[0].item())
     t = torch.tensor([[7, 2], [-4, -2]])
     check(lambda v: torch.nan_to_num(torch.cos(v) / 0), t)
+
+
+def test_a_cpu_result_of_a_gpu_graph_is_computed_on_the_cpu():
+    # `torch.arange(n)` without a device beside CUDA tensors: a Triton kernel wrote the CPU
+    # result through a host pointer (an illegal address that broke the CUDA context)
+    if torch.get_default_device().type == "cpu":
+        pytest.skip("needs a GPU graph")
+    x = torch.randn(6)
+    check(lambda t: (torch.arange(5, device="cpu") * 3, t.sin(), torch.ones(3, device="cpu").cumsum(0) + 1), x)

@@ -190,6 +190,8 @@ pub struct Ctx<'g> {
     pub pad_mm: PadMm,
     /// See `LowerOptions::triton_cpu`.
     pub triton_cpu: bool,
+    /// The device the graph's kernels run on where its tensors are on several (a GPU).
+    pub kernel_device: Option<Device>,
     /// Zero-padded GEMM operands made so far (see `matmul::zero_padded`).
     padded: Vec<matmul::PaddedOperand>,
     zero_padded_storage: Vec<matmul::ZeroPaddedStorage>,
@@ -215,6 +217,10 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         channels_last,
         pad_mm: options.pad_mm,
         triton_cpu: options.triton_cpu,
+        kernel_device: graph.nodes.iter().find_map(|n| match &n.meta {
+            Meta::Tensor(t) if t.device != Device::Cpu => Some(t.device),
+            _ => None,
+        }),
         padded: Vec::new(),
         zero_padded_storage: Vec::new(),
         padded_results: Vec::new(),
@@ -395,6 +401,14 @@ impl<'g> Ctx<'g> {
         };
         if bad_meta(&node.meta) && !is_library_call(op) {
             return unsupported("dtype or device not compiled by ferrocore");
+        }
+        // one kernel language per graph (Triton where any tensor is on a GPU): a CPU result of a
+        // GPU graph (`torch.arange(n)` beside CUDA tensors) is ATen's, never a GPU kernel's
+        // writing host memory
+        if let (Some(d), Some(k)) = (device, self.kernel_device) {
+            if d != k && !is_library_call(op) {
+                return unsupported(format!("a {d} result in a graph whose kernels run on {k}"));
+            }
         }
         if let NodeKind::Call { args, kwargs, .. } = &node.kind {
             for a in args.iter().chain(kwargs.iter().map(|(_, a)| a)) {
