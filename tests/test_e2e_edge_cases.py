@@ -193,4 +193,5 @@ def test_a_cpu_result_of_a_gpu_graph_is_computed_on_the_cpu():
     if torch.get_default_device().type == "cpu":
         pytest.skip("needs a GPU graph")
     x = torch.randn(6)
-    check(lambda t: (torch.arange(5, device="cpu") * 3, t.sin(), torch.ones(3, device="cpu").cumsum(0) + 1), x)
+    check(lambda t: (torch.arange(5, device="cpu") * 3, t.sin(), torch.ones(3, device="cpu").cumsum(0) + 1), x,
+          allow_fallbacks=True)
