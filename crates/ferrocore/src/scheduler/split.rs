@@ -315,8 +315,9 @@ fn first_stage(node: &LoopNode, rid: ValueId, op: ReduceOp, operand: ValueId, sh
         x = fb.where_(inside, x, id);
     }
     // a float sum's partials are added and kept in double: each chunk's rounding to float would
-    // cost the result its last digits (10^8 elements: 2.7x CUDA eager's error)
-    if op == ReduceOp::Sum && matches!(body.dtype(operand), DType::F32 | DType::F16 | DType::BF16) {
+    // cost the result its last digits (10^8 elements: 2.7x CUDA eager's error); an outer
+    // reduction's column tiles add in float, as CUDA eager's do
+    if op == ReduceOp::Sum && !outer && matches!(body.dtype(operand), DType::F32 | DType::F16 | DType::BF16) {
         x = fb.cast(x, DType::F64);
     }
     let partial_value = fb.reduce(op, x);
