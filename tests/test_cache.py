@@ -202,12 +202,12 @@ def test_a_warm_cache_on_a_read_only_file_system_is_used(cache):
     # loading a verified library made a file in the cache directory: on a read-only mount the
     # first call raised
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    warm = subprocess.run([sys.executable, "-c", READ_ONLY_CHILD], env=env, capture_output=True, text=True, timeout=300)
-    assert warm.returncode == 0, warm.stderr
     # a read-only bind mount of the cache over itself, in a user and mount namespace of its own
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"no user and mount namespace here (unshare: {probe.stderr.strip()})")
+    warm = subprocess.run([sys.executable, "-c", READ_ONLY_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert warm.returncode == 0, warm.stderr
     script = (f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && "
               f"! touch {cache}/probe 2>/dev/null && exec {sys.executable} -c \"$0\"")
     ro = subprocess.run(["unshare", "-rm", "sh", "-c", script, READ_ONLY_CHILD], env=env, capture_output=True,

@@ -59,7 +59,15 @@ def test_programs_cover_the_op_families_dtypes_and_layouts():
         assert needle in text, needle
     inputs = [i for p in programs for i in p.inputs]
     assert {i.dtype for i in inputs} == set(DTYPES)
-    assert {i.layout for i in inputs} == {"contiguous", "transposed", "sliced", "expanded"}
+    assert {i.layout for i in inputs} == {"contiguous", "transposed", "sliced", "expanded", "alias"}
+    # at size and at the edges (a few programs in a hundred each): long reductions, writes into
+    # overlapping inputs, .item() sizes, pow's special exponents, narrow-integer accumulation
+    more = programs + [generate(CI_SEED, i) for i in range(300, 1200)]
+    text = "".join(p.function_source() for p in more)
+    inputs = [i for p in more for i in p.inputs]
+    assert any(i.base for i in inputs) and any(max(i.shape, default=0) >= 10**5 for i in inputs)
+    for needle in (".item()", ", -0.5)", "dtype=torch.int8", "dtype=torch.bool", "F.silu"):
+        assert needle in text, needle
     assert any(0 in i.shape for i in inputs) and any(1 in i.shape for i in inputs)
     assert any(i.values == "special" for i in inputs)
     assert any(op.mutates for p in programs for op in p.ops), "no in-place op on an input"
