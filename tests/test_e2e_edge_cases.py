@@ -195,3 +195,32 @@ def test_a_cpu_result_of_a_gpu_graph_is_computed_on_the_cpu():
     x = torch.randn(6)
     check(lambda t: (torch.arange(5, device="cpu") * 3, t.sin(), torch.ones(3, device="cpu").cumsum(0) + 1), x,
           allow_fallbacks=True)
+
+
+def test_fuzz_findings_at_the_edges_of_types():
+    # found by the fuzzer's 10,000-program run, each wrong before:
+    # an integer converted to float is +0.0 (g++ folded `(float)(int)x` into trunc(x): -0.0,
+    # and atan2(-0.0, -0.0) is -pi)
+    x = torch.tensor([0.1, -4.2, -1.5, -2.2, -1.1, -5.3, -3.9, 2.2, 1.1, 1.9, 0.955, -2.1, -2.2, 4.4, -0.549])
+    check(lambda t: torch.atan2(t.to(torch.int32), t.to(torch.int32)), x)
+    check(lambda t: torch.atan2(t.double().to(torch.int64).double(), t.double().to(torch.int64).double()), x)
+    # an integer tensor meets a bfloat16 one in bfloat16 (32767 is 32768 there)
+    a = torch.tensor([32767, -32768, 300, 257, 7], dtype=torch.int16)
+    b = torch.tensor([0.7, 1.3, -2.5, 3.3, 0.1], dtype=torch.bfloat16)
+    check(lambda p, q: (torch.remainder(p, q), p + q, p < q), a, b)
+    # hardtanh's float bounds beyond uint8's range bound nothing
+    check(lambda t: F.hardtanh(t), torch.tensor([0, 1, 2, 5, 200], dtype=torch.uint8))
+
+
+def test_empty_inputs_are_never_read():
+    # a load of an empty input hoisted before its loop of no iteration read a null pointer
+    # (SIGSEGV), and a write into an empty input failed to compile
+    empty = torch.zeros(0, dtype=torch.int64)
+    big = torch.randn(6, 6249)
+    check(lambda e, x: (torch.all(e.unsqueeze(-2), 1, keepdim=True), x.argmax()), empty, big, allow_constant=True)
+
+    def write(e, k):
+        e[:, -2:3].mul_(k)
+        return e.to(torch.float32) + 1
+
+    check(write, torch.zeros(7, 1, 0, dtype=torch.uint8), torch.tensor(3), allow_constant=True)

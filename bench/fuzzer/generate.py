@@ -620,7 +620,18 @@ BUILDERS = (
     (op_view, 4), (op_index, 2), (op_scatter, 2), (op_mutate, 2), (op_join, 1),
     (op_long, 0.15), (op_overlap, 0.4), (op_item, 0.3),
 )
-GUARDS = (cast_guard, overlap_guard)
+def nan_sign_guard(ctx: Context, op: Op) -> bool:
+    """No sign read off a NaN (signbit, copysign's sign source): IEEE leaves a NaN's sign
+    unspecified, and the math libraries differ (glibc's log of a negative number gives -NaN,
+    ATen's vectorized one +NaN)."""
+    if "signbit(" not in op.code and "copysign(" not in op.code:
+        return True
+    slot = "b" if "copysign(" in op.code and "b" in op.args else "a"
+    t = ctx.t(op.args[slot])
+    return not (t.is_floating_point() and bool(t.isnan().any()))
+
+
+GUARDS = (cast_guard, overlap_guard, nan_sign_guard)
 
 
 def _attempt(ctx: Context, build) -> bool:

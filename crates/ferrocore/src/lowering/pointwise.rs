@@ -338,6 +338,10 @@ impl Ctx<'_> {
         };
         let round = |p: &PwIn| half && scalar_like(p) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
         let (round_a, round_b, half_dt) = (round(&a), round(&b), out.dtype);
+        // an integer tensor meeting a half-typed one is converted to the half type first (ATen
+        // casts every operand to the common dtype): 32767 is 32768 in bfloat16
+        let through_half = |p: &PwIn| rt.is_float() && rt.compute() != rt && matches!(p, PwIn::Tensor(t) if t.dtype.is_integral());
+        let (half_a, half_b) = (through_half(&a), through_half(&b));
         // ATen's pow(tensor, scalar) computes a square and a cube as products and -1 as a
         // reciprocal; also far cheaper than a general pow (GPT-2's tanh GELU cubes its input: 3x
         // the time of a memory-bound kernel). Its cube multiplies in the tensor's type: the
@@ -383,6 +387,12 @@ impl Ctx<'_> {
             }
             if round_b {
                 vb = bx.body.cast(vb, half_dt);
+            }
+            if half_a {
+                va = bx.body.cast(va, rt);
+            }
+            if half_b {
+                vb = bx.body.cast(vb, rt);
             }
             let x = bx.body.cast(va, compute);
             let y = bx.body.cast(vb, compute);
@@ -585,12 +595,17 @@ fn rounds_half_operand(operand: DType, out: DType) -> bool {
 /// Whether a scalar clamp bound lies past an integer `dtype`'s range on the side it bounds
 /// (above the largest value for a max, below the smallest for a min).
 fn int_bound_beyond(bound: &PwIn, dtype: DType, is_max: bool) -> bool {
-    let PwIn::Scalar(Scalar::Int(v)) = bound else { return false };
     if !dtype.is_integral() || dtype == DType::Bool {
         return false;
     }
     let (min, max) = dtype.int_range();
-    if is_max { *v > max } else { *v < min }
+    // a float bound too (hardtanh's -1.0 on uint8 made every 0 a 1)
+    let v = match bound {
+        PwIn::Scalar(Scalar::Int(v)) => *v as f64,
+        PwIn::Scalar(Scalar::Float(v)) => *v,
+        _ => return false,
+    };
+    if is_max { v > max as f64 } else { v < min as f64 }
 }
 
 /// The result dtype of a binary op follows torch's promotion of its operands (`graph::dtype`):

@@ -70,6 +70,19 @@ pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
             _ => {}
         }
     }
+    if from.is_integral() && from != DType::Bool && to.is_float() {
+        // + a zero g++ cannot see (the prelude's weak `ferro_zero_*`): without trapping math it
+        // folds `(float)(int)x` into `trunc(x)`, which keeps the sign of a negative x truncated
+        // to zero (a literal `+ 0.0f` it drops first, knowing an integer is never -0.0)
+        let zero = if to == DType::F64 { "ferro_zero_d" } else { "ferro_zero_f" };
+        let wide = if to == DType::F64 { "double" } else { "float" };
+        let v = format!("(static_cast<{wide}>({v}) + {zero})");
+        return match to {
+            DType::F16 => format!("ferro_round_half({v})"),
+            DType::BF16 => format!("ferro_round_bf16({v})"),
+            _ => v,
+        };
+    }
     match to {
         DType::Bool => format!("({v} != 0)"),
         DType::F16 => format!("ferro_round_half(static_cast<float>({v}))"),
@@ -364,6 +377,11 @@ impl OpsHandler for BodyEmitter<'_> {
             self.sections.insert(name.clone(), *section);
             return name.clone();
         }
+        if self.program.buffer(buf).layout.numel() == 0 {
+            // an empty buffer is never read (its loop runs no iteration), but a load hoisted
+            // before that loop would still run: it reads nothing
+            return self.emit_in(Section::Pre, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
+        }
         let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
         let at = match &self.rows {
             Some((rows, position)) if rows.contains(&buf) => position.clone(),
@@ -525,6 +543,9 @@ impl OpsHandler for BodyEmitter<'_> {
     }
 
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
+        if self.program.buffer(buf).layout.numel() == 0 {
+            return self.emit_in(Section::Pre, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
+        }
         let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
         let mut addr = self.index(index);
         for (v, c) in terms {

@@ -130,6 +130,11 @@ template <typename I, typename F> static inline I ferro_f2i(F x) {
   return in_range ? v : std::numeric_limits<I>::min();
 }
 template <typename T> static inline T ferro_sign(T x) { return (T)((T(0) < x) - (x < T(0))); }
+// Zeros the compiler cannot fold (weak: another unit could define them): added to an integer
+// converted to float, they turn g++'s `trunc(x)` for `(float)(int)x` back into +0.0 where x
+// was a negative fraction (see `cast_expr`). Never written.
+__attribute__((weak)) float ferro_zero_f = 0.0f;
+__attribute__((weak)) double ferro_zero_d = 0.0;
 // Neumaier's compensated addition: s + c holds the sum of every v added, rounding errors kept in c
 static inline void ferro_sum2(double& s, double& c, double v) {
   double t = s + v;
