@@ -149,6 +149,33 @@ def test_reduction_of_noncontiguous_input():
     check(lambda x: x.t().sum(-1), torch.randn(9, 40))
 
 
+@pytest.mark.parametrize("columns", [16, 40, 1000, 1030])
+def test_column_reductions_of_many_rows(columns):
+    # reductions over the outer dim take a tile of columns per vector loop: the last tile is
+    # partial, 3000 rows add in chunks, and an epilogue runs per column
+    x = torch.randn(3000, columns)
+    x[5, 3] = float("nan")
+    x[2000, ::3] = 10.0
+    check(lambda x: (x.sum(0), x.mean(0) * 2, x.amax(0), x.amin(0, keepdim=True), x.var(0), (x > 5).any(0)), x)
+    check(lambda x: (x.sum(0) + x.abs().sum(0), x.sum(0, dtype=torch.float64)), torch.randn(3000, columns))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.int8, torch.bool])
+def test_column_sums_of_every_type(dtype):
+    x = torch.randint(-3, 4, (700, 40)).to(dtype)
+    check(lambda x: (x.sum(0), x.sum((0, 1)), x.amax(0)), x, allow_constant=True)
+    check(lambda x: x.sum(0), torch.randn(2, 30, 50).to(dtype) if dtype.is_floating_point else x.view(7, 100, 40))
+
+
+def test_column_sum_of_a_million_rows_is_as_exact_as_eager():
+    x = torch.rand(1_000_000, 20) + 1000
+    ref = x.double().sum(0)
+    compiled = torch.compile(lambda x: x.sum(0), backend="ferrocore")(x)
+    eager_err = (x.sum(0).double() - ref).abs().max().item()
+    err = (compiled.double() - ref).abs().max().item()
+    assert err <= max(2 * eager_err, 1e-7 * ref.abs().max().item()), (err, eager_err)
+
+
 def test_reduction_then_pointwise_epilogue():
     check(lambda x: (x.sum(-1, keepdim=True) * x).relu().amax(1) + 1, torch.randn(SHAPE))
 

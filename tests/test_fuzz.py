@@ -156,6 +156,18 @@ def test_cancelling_huge_terms_bound_the_rounding_by_their_magnitude():
     assert compare.explained_by_rounding(eager, compiled, ref, torch.tensor([20.0], dtype=torch.float64), 16) is None
 
 
+def test_the_float64_reference_starts_from_the_values_eager_holds():
+    # a float16 input's values are rounded before widening: the reference differs from eager by
+    # the program's rounding, not the inputs' (atan of an unrounded input was a false mismatch)
+    from fuzzer.check import Prepared, _widened
+
+    program = _program([Op("{t} = torch.atan({a})", {"a": "x0"}, target="v1")], ["v1"], dtype="float16")
+    widened = _widened(program)
+    assert widened.inputs[0].dtype == "float64" and widened.inputs[0].rounded == "float16"
+    eager_in = Prepared(program, "cpu").make_inputs("cpu")[0]
+    assert torch.equal(Prepared(widened, "cpu").make_inputs("cpu")[0], eager_in.double())
+
+
 def test_rounding_deviations_need_eager_to_be_as_far_from_float64():
     ref = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     eager = torch.tensor([1.0, 2.1, 3.0])

@@ -28,7 +28,7 @@ def _widened(program: Program) -> Program:
     p = Program.from_dict(program.to_dict())
     for inp in p.inputs:
         if inp.dtype in FLOATS:
-            inp.dtype = "float64"
+            inp.rounded, inp.dtype = inp.dtype, "float64"
     for op in p.ops:
         op.code = re.sub(r"torch\.(float16|bfloat16|float32|half|float)\b", "torch.float64", op.code)
         op.code = op.code.replace(".half()", ".double()").replace(".float()", ".double()")

@@ -41,7 +41,8 @@ class Input:
     per slice along `dim`, taken from a permutation of `low` = the indexed size), "mask" (bool).
     `base`: another input (contiguous) this one is a view of, `low` elements into its storage,
     laid out contiguously: the two overlap in memory, as views of one tensor passed to a function
-    do (`layout` "alias")."""
+    do (`layout` "alias"). `rounded`: a float type the values pass through first (the float64
+    reference run takes the values eager's inputs hold)."""
 
     name: str
     shape: list
@@ -53,6 +54,7 @@ class Input:
     low: int = 0
     high: int = 0
     base: str = ""
+    rounded: str = ""
 
     def build_lines(self) -> list:
         if self.base:
@@ -111,6 +113,8 @@ def _values_expr(inp: Input, shape: list, g: str) -> str:
         body = f"torch.randn({size}, generator={g}, dtype=torch.float64)"
         if inp.values == "special":
             body = f"_special({body}, {g})"
+        if inp.rounded:
+            return f"({body} * 3).to(torch.{inp.rounded}).to({dt})"
         return f"({body} * 3).to({dt})"
     info = torch.iinfo(DTYPES[inp.dtype])
     lo, hi = (0, 16) if inp.dtype == "uint8" else (-12, 13)

@@ -94,6 +94,22 @@ fn relu_add_sum_is_one_kernel() {
 }
 
 #[test]
+fn column_reductions_vectorize_across_a_tile_of_columns() {
+    // sum and max over the outer dim of [2000, 40]: the lanes take consecutive columns (40 is
+    // not a multiple of the tile: the last tile is partial); 2000 rows add in chunks of 1024
+    let doc = G::new()
+        .input("x", &[2000, 40], "float32")
+        .call("sum_1", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[40], "float32"))
+        .call("amax", "aten.amax.default", &over("x", 0, false), &meta(&[40], "float32"))
+        .call("add", "aten.add.Tensor", &format!("{},{}", n("sum_1"), n("amax")), &meta(&[40], "float32"))
+        .output(&["add"]);
+    let (_, post, src, k) = stages(&doc);
+    assert_eq!(k, 1, "{post}");
+    assert!(src.contains("x0t += 16LL") && src.contains("for (int64_t x0j = 0; x0j < x0n; ++x0j)"), "{src}");
+    check("column_reductions.txt", &src);
+}
+
+#[test]
 fn softmax_is_one_kernel_storing_its_exponentials_once() {
     let doc = G::new()
         .input("x", &[16, 64], "float32")
@@ -818,7 +834,8 @@ fn a_split_variance_reads_its_input_once() {
     let doc = G::new()
         .input("x", &[4096, 64], "float32")
         .call("v", "aten.var.correction", &over("x", 0, false), &meta(&[64], "float32"))
-        .output(&["v"]);
+        .output(&["v"])
+        .replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
     let s = gpu_schedule(&doc);
     assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("Welford M2")), "{:?}", s.decisions);
     let src = triton_source(&s);

@@ -159,28 +159,45 @@ impl Acc {
         }
     }
 
-    pub fn declare(&self, suffix: &str) -> String {
+    /// The variables holding the accumulated value across the loop: (C type, name, initial
+    /// value). A chunked sum's total (and compensation); a float scan's double running value.
+    pub fn totals(&self, suffix: &str) -> Vec<(String, String, String)> {
+        let n = &self.name;
         if self.chunked {
-            let total = format!("double {}_w{suffix} = 0.0;", self.name);
-            return if self.dtype == DType::F64 { format!("{total} double {}_c{suffix} = 0.0;", self.name) } else { total };
+            let mut v = vec![("double".to_string(), format!("{n}_w{suffix}"), "0.0".to_string())];
+            if self.dtype == DType::F64 {
+                v.push(("double".to_string(), format!("{n}_c{suffix}"), "0.0".to_string()));
+            }
+            return v;
         }
-        if self.scan && self.op == ReduceOp::Sum && matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
-            // a float running sum carries a double total, as ATen's CPU scans do
-            return format!("double {}{suffix} = 0.0;", self.name);
+        let float = matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16);
+        if self.scan && float && matches!(self.op, ReduceOp::Sum | ReduceOp::Prod) {
+            // a float running sum or product carries a double total, as ATen's CPU scans do
+            let init = if self.op == ReduceOp::Sum { "0.0" } else { "1.0" };
+            return vec![("double".to_string(), format!("{n}{suffix}"), init.to_string())];
         }
-        if self.scan && self.op == ReduceOp::Prod && matches!(self.dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return format!("double {}{suffix} = 1.0;", self.name);
-        }
-        let mut s = format!("{} {}{suffix} = {};", c_type(self.dtype), self.name, reduce_init(self.op, self.dtype));
+        let mut v = vec![(c_type(self.dtype).to_string(), format!("{n}{suffix}"), reduce_init(self.op, self.dtype))];
         if let Some(vd) = self.value_dtype {
             let init = reduce_init(if self.op == ReduceOp::ArgMax { ReduceOp::Max } else { ReduceOp::Min }, vd);
-            s.push_str(&format!(" {} {}{suffix}_v = {init};", c_type(vd), self.name));
+            v.push((c_type(vd).to_string(), format!("{n}{suffix}_v"), init));
         }
-        s
+        v
     }
+
+    pub fn declare(&self, suffix: &str) -> String {
+        let decls: Vec<String> = self.totals(suffix).into_iter().map(|(ty, name, init)| format!("{ty} {name} = {init};")).collect();
+        decls.join(" ")
+    }
+
+    /// The chunk's partial sum: (C type, name, initial value).
+    pub fn part(&self) -> (String, String, String) {
+        (c_type(self.dtype).to_string(), format!("{}_part", self.name), reduce_init(self.op, self.dtype))
+    }
+
     /// The partial sum of one chunk, declared before the chunk's loop.
     pub fn declare_part(&self) -> String {
-        format!("{} {}_part = {};", c_type(self.dtype), self.name, reduce_init(self.op, self.dtype))
+        let (ty, name, init) = self.part();
+        format!("{ty} {name} = {init};")
     }
 
     /// Adds the chunk's partial sum into the total (`<name>_w<suffix>`).

@@ -7,7 +7,7 @@ mod expr;
 use super::{kernel_buffers, kernel_numel, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
 use crate::graph::DType;
 use crate::loop_ir::*;
-use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
+use crate::scheduler::{FusedKernel, Item, KernelPlan, LocalRead, Schedule, Storage};
 use expr::{c_type, storage_type, Acc, BodyEmitter, Section};
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -126,24 +126,16 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     // kernels return nonzero when a gathered index was out of range (the wrapper raises)
     let _ = writeln!(out, "extern \"C\" int {}({}) {{", k.name, params.join(", "));
     out.push_str("  int ferro_err = 0;\n");
-    let single_flat = plan.groups.len() == 1 && plan.groups[0].inner.is_empty() && !plan.groups[0].reduction;
-    if single_flat {
-        if parallel {
-            out.push_str(if vectorize { "  #pragma omp parallel for simd\n" } else { "  #pragma omp parallel for\n" });
-        }
-    } else if outer_parallel {
-        out.push_str("  #pragma omp parallel for\n");
-    }
-    let _ = writeln!(out, "  for (int64_t x0 = 0; x0 < {n}LL; ++x0) {{");
     // buffers kept in a scratch row (Storage::Row): one array per outer iteration, indexed by
     // the position in the writing group's loops (readers read back at the same positions)
     let mut rows: std::collections::HashSet<BufferId> = std::collections::HashSet::new();
+    let mut row_decls = String::new();
     for kn in &plan.nodes {
         let b = p.nodes[kn.node].output;
         if s.storage[b.0 as usize] == Storage::Row && rows.insert(b) {
             let len: i64 = plan.groups[kn.group].inner.iter().product();
             let name = format!("row{}", rows.len() - 1);
-            let _ = writeln!(out, "    {} {name}[{len}];", storage_type(p.buffer(b).layout.dtype));
+            let _ = writeln!(row_decls, "    {} {name}[{len}];", storage_type(p.buffer(b).layout.dtype));
             ptr.insert(b, name);
         }
     }
@@ -156,7 +148,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     for (r, b, kind) in &plan.local_reads {
         local_reads_at.entry(*r).or_default().push((*b, *kind));
     }
-    for (gi, g) in plan.groups.iter().enumerate() {
+    let mut codes: Vec<(GroupCode, bool)> = Vec::new();
+    for g in &plan.groups {
         let mut pre = String::new();
         let mut inner = String::new();
         let mut post = String::new();
@@ -239,7 +232,35 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             }
             locals.insert(out_buf, local);
         }
-        emit_group(&mut out, gi, g, GroupCode { pre, inner, post, accs }, split, vectorize);
+        codes.push((GroupCode { pre, inner, post, accs }, split));
+    }
+    let tile = if rows.is_empty() && vectorize { column_tile(plan, &codes) } else { None };
+    let single_flat = plan.groups.len() == 1 && plan.groups[0].inner.is_empty() && !plan.groups[0].reduction;
+    if single_flat {
+        if parallel {
+            out.push_str(if vectorize { "  #pragma omp parallel for simd\n" } else { "  #pragma omp parallel for\n" });
+        }
+    } else if outer_parallel {
+        out.push_str("  #pragma omp parallel for\n");
+    }
+    if let Some(t) = tile {
+        let _ = writeln!(out, "  for (int64_t x0t = 0; x0t < {n}LL; x0t += {t}LL) {{");
+        let _ = writeln!(out, "    const int64_t x0n = ferro::min<int64_t>({t}LL, {n}LL - x0t);");
+        let mut codes = codes.into_iter().map(|(c, _)| c);
+        let mut code = codes.next().ok_or_else(|| err("a tiled kernel without groups".into()))?;
+        for (gi, later) in codes.enumerate() {
+            let _ = writeln!(code.post, "// group {}: loop []", gi + 1);
+            code.post.push_str(&later.pre);
+            code.post.push_str(&later.inner);
+            code.post.push_str(&later.post);
+        }
+        emit_column_tiled_group(&mut out, &plan.groups[0], code, t);
+    } else {
+        let _ = writeln!(out, "  for (int64_t x0 = 0; x0 < {n}LL; ++x0) {{");
+        out.push_str(&row_decls);
+        for (gi, (code, split)) in codes.into_iter().enumerate() {
+            emit_group(&mut out, gi, &plan.groups[gi], code, split, vectorize);
+        }
     }
     out.push_str("  }\n  return ferro_err;\n}\n");
     let mut args = read;
@@ -352,6 +373,133 @@ fn emit_group(out: &mut String, gi: usize, g: &crate::scheduler::LoopGroup, code
     for a in accs.iter().filter(|a| a.index_check) {
         let _ = writeln!(out, "      if ({}) {{\n        #pragma omp atomic write\n        ferro_err = 1;\n      }}", a.name);
     }
+}
+
+/// Columns an outer reduction's kernel reduces together (see `column_tile`).
+const COLUMN_TILE: i64 = 64;
+/// The tile when the kernel has too few columns for many tiles of `COLUMN_TILE`.
+const NARROW_COLUMN_TILE: i64 = 16;
+
+/// The tile width when the kernel is one reduction over an outer dim (a column sum: its loads
+/// are contiguous along `x0` and strided along the innermost reduction loop), optionally
+/// followed by code per column. Such a kernel walks `x0` in tiles, keeps one accumulator per
+/// column of the tile, and puts the tile's columns innermost, so the vector lanes take
+/// consecutive columns instead of gathering one column's strided elements. None for any other
+/// kernel.
+fn column_tile(plan: &KernelPlan, codes: &[(GroupCode, bool)]) -> Option<i64> {
+    let (Some(g), Some((code, split))) = (plan.groups.first(), codes.first()) else {
+        return None;
+    };
+    // the groups after the reduction are code per column (an epilogue), no loops
+    let epilogue = plan.groups[1..].iter().zip(&codes[1..]).all(|(g, (c, _))| !g.reduction && g.inner.is_empty() && c.accs.is_empty());
+    if !epilogue || !g.reduction || g.inner.is_empty() || *split || !code.pre.is_empty() || code.accs.is_empty() || plan.outer < NARROW_COLUMN_TILE {
+        return None;
+    }
+    if code.accs.iter().any(|a| a.scan || a.index_check || a.value_dtype.is_some()) {
+        return None;
+    }
+    let (column, red) = (crate::symbolic::Var(0), crate::symbolic::Var(g.inner.len() as u32));
+    let mut strided = false;
+    for e in plan.nodes.iter().flat_map(|kn| &kn.body.exprs) {
+        if let Expr::Load { index, .. } = e {
+            let along_column = index.affine_coeff(column);
+            match index.affine_coeff(red) {
+                // contiguous along the reduction for each column: a row reduction
+                Some(1 | -1) if along_column != Some(0) => return None,
+                Some(c) if c != 0 && along_column == Some(1) => strided = true,
+                _ => {}
+            }
+        }
+    }
+    strided.then_some(if plan.outer >= 16 * COLUMN_TILE { COLUMN_TILE } else { NARROW_COLUMN_TILE })
+}
+
+/// Declares one array of `t` lanes per variable (`<name>_t`) and sets every lane.
+fn declare_lanes(out: &mut String, pad: &str, vars: &[(String, String, String)], t: i64) {
+    if vars.is_empty() {
+        return;
+    }
+    let mut init = String::new();
+    for (ty, name, value) in vars {
+        let _ = writeln!(out, "{pad}{ty} {name}_t[{t}];");
+        let _ = write!(init, " {name}_t[x0j] = {value};");
+    }
+    let _ = writeln!(out, "{pad}for (int64_t x0j = 0; x0j < {t}LL; ++x0j) {{{init} }}");
+}
+
+/// `<type>& <name> = <name>_t[x0j];` for each variable: the loop body's code reads and writes
+/// the current column's lane under the scalar names.
+fn bind_lanes(vars: &[(String, String, String)]) -> String {
+    vars.iter().map(|(ty, name, _)| format!("{ty}& {name} = {name}_t[x0j];\n")).collect()
+}
+
+/// Writes the reduction group of a column-tiled kernel (see `column_tile`; `code.post` holds the
+/// epilogue groups' code too) inside the loop over tiles (`x0t`, `x0n` columns): per-column
+/// accumulator arrays, the reduction loops, the tile's columns innermost under `omp simd`, then
+/// the code after the loops per column.
+fn emit_column_tiled_group(out: &mut String, g: &crate::scheduler::LoopGroup, code: GroupCode, t: i64) {
+    let GroupCode { inner, post, accs, .. } = code;
+    let _ = writeln!(out, "    // group 0: reduction {:?}, {t} columns at a time", g.inner);
+    let totals: Vec<_> = accs.iter().flat_map(|a| a.totals("")).collect();
+    let parts: Vec<_> = accs.iter().filter(|a| a.chunked).map(Acc::part).collect();
+    let targets: Vec<_> = accs.iter().map(|a| if a.chunked { a.part() } else { a.totals("").swap_remove(0) }).collect();
+    declare_lanes(out, "    ", &totals, t);
+    let chunk = accs.iter().filter(|a| a.chunked).map(|a| sum_chunk(a.dtype)).min();
+    let depth = g.inner.len();
+    let mut level = 0;
+    for (d, &size) in g.inner.iter().enumerate() {
+        let var = format!("x{}", d + 1);
+        let pad = " ".repeat(4 + 2 * level);
+        if let (true, Some(ch)) = (d + 1 == depth, chunk) {
+            if size > ch {
+                let _ = writeln!(out, "{pad}for (int64_t {var}b = 0; {var}b < {size}LL; {var}b += {ch}LL) {{");
+                let _ = writeln!(out, "{pad}  const int64_t {var}e = ferro::min<int64_t>({var}b + {ch}LL, {size}LL);");
+            } else {
+                let _ = writeln!(out, "{pad}{{");
+            }
+            level += 1;
+            let pad = " ".repeat(4 + 2 * level);
+            declare_lanes(out, &pad, &parts, t);
+            let (from, to) = if size > ch { (format!("{var}b"), format!("{var}e")) } else { ("0".to_string(), format!("{size}LL")) };
+            let _ = writeln!(out, "{pad}for (int64_t {var} = {from}; {var} < {to}; ++{var}) {{");
+        } else {
+            let _ = writeln!(out, "{pad}for (int64_t {var} = 0; {var} < {size}LL; ++{var}) {{");
+        }
+        level += 1;
+    }
+    let pad = 4 + 2 * level;
+    let mut body = format!("const int64_t x0 = x0t + x0j;\n{}", bind_lanes(&targets));
+    body.push_str(&inner);
+    let _ = writeln!(out, "{}#pragma omp simd\n{}for (int64_t x0j = 0; x0j < x0n; ++x0j) {{", " ".repeat(pad), " ".repeat(pad));
+    out.push_str(&indent(&body, pad + 2));
+    let _ = writeln!(out, "{}}}", " ".repeat(pad));
+    for d in (0..depth).rev() {
+        level -= 1;
+        let _ = writeln!(out, "{}}}", " ".repeat(4 + 2 * level));
+        if d + 1 == depth && chunk.is_some() {
+            let pad = " ".repeat(4 + 2 * level);
+            let chunked: Vec<_> = accs.iter().filter(|a| a.chunked).flat_map(|a| a.totals("")).collect();
+            let mut absorb = bind_lanes(&chunked) + &bind_lanes(&parts);
+            for a in accs.iter().filter(|a| a.chunked) {
+                absorb.push_str(&a.absorb_part(""));
+                absorb.push('\n');
+            }
+            let _ = writeln!(out, "{pad}for (int64_t x0j = 0; x0j < x0n; ++x0j) {{");
+            out.push_str(&indent(&absorb, 4 + 2 * level + 2));
+            let _ = writeln!(out, "{pad}}}");
+            level -= 1;
+            let _ = writeln!(out, "{}}}", " ".repeat(4 + 2 * level));
+        }
+    }
+    let mut after = format!("const int64_t x0 = x0t + x0j;\n{}", bind_lanes(&totals));
+    for line in accs.iter().filter_map(Acc::finish) {
+        after.push_str(&line);
+        after.push('\n');
+    }
+    after.push_str(&post);
+    out.push_str("    for (int64_t x0j = 0; x0j < x0n; ++x0j) {\n");
+    out.push_str(&indent(&after, 6));
+    out.push_str("    }\n");
 }
 
 /// Scatter-adds of plain C types use `omp atomic`; other combining stores (products, max/min,
