@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--minimize-per-class", type=int, default=3, help="failures minimized per class")
     p.add_argument("--max-checks", type=int, default=150, help="minimizer runs per failure")
     p.add_argument("--report", type=Path, help="write a markdown report here")
+    p.add_argument("--budget", type=float, help="seconds after which no new batch starts (a device's time limit)")
     p.add_argument("--show", metavar="SEED:INDEX", help="print one program's repro and exit")
     p.add_argument("--minimize", metavar="SEED:INDEX", help="check and minimize one program")
     return p.parse_args(argv)
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         return 0
     programs = (generate(args.seed, i, max_ops=args.max_ops) for i in range(args.start, args.start + args.count))
     totals = run_fuzz(programs, backend=args.backend, device=args.device, jobs=args.jobs, batch=args.batch,
-                      threads=args.threads, timeout=args.timeout, progress=_progress)
+                      threads=args.threads, timeout=args.timeout, progress=_progress, budget=args.budget)
     print(file=sys.stderr)
     minimized = _minimize_all(worker, totals, args)
     worker.close()
@@ -160,7 +161,9 @@ def render_report(totals, minimized: dict, args) -> str:
     lines = [f"# Fuzz report: backend {args.backend}, device {args.device}",
              "",
              f"Seed {args.seed}, programs {args.start}..{args.start + args.count - 1}, batch {args.batch}, "
-             f"jobs {args.jobs}, {time.strftime('%Y-%m-%d %H:%M')}.",
+             f"jobs {args.jobs}, {time.strftime('%Y-%m-%d %H:%M')}." + (
+                 f" The time budget ({args.budget:.0f} s) ran out: {totals.skipped} programs were not run, "
+                 f"the last run is {totals.last}." if totals.skipped else ""),
              "",
              summary(totals),
              "",

@@ -10,8 +10,9 @@
 #
 # Environment: GPU_TESTS (pytest targets; empty: none), GPU_TEST_TIMEOUT (s, default 400),
 # ACCURACY_SIZES (default 1e5,1e6,1e7,1e8; empty: skipped), FUZZ_COUNT (default 1000; 0: skipped),
-# FUZZ_SEED, FUZZ_START, FUZZ_JOBS (default 8), FUZZ_TIMEOUT (s, default 480), OUT (default
-# /tmp/ferrocore-gpu).
+# FUZZ_SEED, FUZZ_START, FUZZ_JOBS (default 8), FUZZ_BUDGET (s after which no new batch starts;
+# default none), FUZZ_MAX_CHECKS (minimizer runs per failure, default 150), FUZZ_TIMEOUT (s,
+# default 480), OUT (default /tmp/ferrocore-gpu).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
@@ -35,6 +36,7 @@ if [ "${FUZZ_COUNT:-1000}" -gt 0 ]; then
     # each fuzz worker compiles its own kernels: two compile processes apiece on 16 CPUs
     FERROCORE_COMPILE_WORKERS="${FERROCORE_COMPILE_WORKERS:-2}" timeout "${FUZZ_TIMEOUT:-480}" "$PY" bench/fuzz.py --backend auto --device cuda --seed "${FUZZ_SEED:-0}" \
         --start "${FUZZ_START:-0}" --count "${FUZZ_COUNT:-1000}" --jobs "${FUZZ_JOBS:-8}" --minimize-per-class 1 \
+        --max-checks "${FUZZ_MAX_CHECKS:-150}" ${FUZZ_BUDGET:+--budget "$FUZZ_BUDGET"} \
         --report "$OUT/fuzz_cuda.md" > "$OUT/fuzz.log" 2>&1 || status=1
 fi
 

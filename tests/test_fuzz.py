@@ -221,6 +221,12 @@ def _short_run(backend: str, count: int):
     assert totals.classes["pass"] >= count * 0.9, totals.classes
 
 
+def test_a_spent_time_budget_starts_no_batch():
+    programs = [generate(0, i) for i in range(40)]
+    totals = run_fuzz(iter(programs), backend="cpp", device="cpu", jobs=2, batch=16, budget=0.0)
+    assert (totals.programs, totals.skipped, totals.last) == (0, 40, -1)
+
+
 def test_short_run_cpp_backend():
     _short_run("cpp", CPP_COUNT)
 

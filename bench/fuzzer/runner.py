@@ -141,12 +141,15 @@ class Totals:
         self.failures: list = []  # (program, result)
         self.excused: list = []  # (program, result) of the EXCUSED classes
         self.seconds = 0.0
+        self.skipped = 0  # programs not run: the time budget ran out first
+        self.last = -1  # the highest program index run
         self.lock = threading.Lock()
 
     def add(self, programs: list, results: list) -> None:
         with self.lock:
             for p, r in zip(programs, results):
                 self.programs += 1
+                self.last = max(self.last, int(p.ident.split(":")[1]))
                 self.ops += len(p.ops)
                 self.classes[r["class"]] += 1
                 self.fallback_ops.update(r.get("fallback_ops") or [])
@@ -162,13 +165,19 @@ class Totals:
 
 
 def run_fuzz(programs_iter, *, backend: str, device: str, jobs: int, batch: int, threads: int = 1,
-             timeout: float = 300.0, progress=None) -> Totals:
-    """Runs every program (an iterable of Program) in batches over `jobs` workers."""
+             timeout: float = 300.0, progress=None, budget: float | None = None) -> Totals:
+    """Runs every program (an iterable of Program) in batches over `jobs` workers. `budget`:
+    seconds after which no new batch starts (the batches running finish)."""
     totals = Totals()
     local = threading.local()
     workers: list = []
+    start = time.perf_counter()
 
     def work(group: list) -> None:
+        if budget is not None and time.perf_counter() - start > budget:
+            with totals.lock:
+                totals.skipped += len(group)
+            return
         if not hasattr(local, "worker"):
             local.worker = Worker(backend, device, threads, timeout)
             workers.append(local.worker)
@@ -176,7 +185,6 @@ def run_fuzz(programs_iter, *, backend: str, device: str, jobs: int, batch: int,
         if progress:
             progress(totals)
 
-    start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(work, g) for g in _chunks(programs_iter, batch)]
         for f in futures:
