@@ -26,7 +26,7 @@ def compile_kernel(message: tuple, modules: dict) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
 
-    from ferrocore.kernel_binaries import describe, jit_function
+    from ferrocore.kernel_binaries import describe, jit_function, triton_options
 
     fn = jit_function(_module(source, modules)[name])
     target = GPUTarget("cuda", arch, warp_size)
@@ -37,7 +37,7 @@ def compile_kernel(message: tuple, modules: dict) -> dict:
     aligned = backend.parse_attr("D")  # 16-byte aligned buffers, as the JIT specializes them
     attrs = {(i,): aligned for i, n in enumerate(names) if full_signature[n].startswith("*")}
     compiled = triton_compile(ASTSource(fn, full_signature, constants, attrs), target=target,
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+                              options={"num_warps": num_warps, "num_stages": num_stages, **triton_options()})
     return describe(compiled, len(signature))
 
 

@@ -34,7 +34,24 @@ import threading
 import time
 from concurrent.futures import Future
 
-FORMAT = 1
+FORMAT = 2
+
+
+@functools.cache
+def triton_options() -> dict:
+    """Triton's compile options beside the launch configuration. No FMA contraction: each
+    operation rounds as eager's kernels do (a contracted `x * y - mean` in a fused variance gave
+    the deviation of a one-element row a nonzero value: inf where eager gives NaN). libdevice
+    keeps denormals where this Triton lets it (its default flushes them: `lgamma` of a denormal
+    `erfc` was inf where eager gives 102.6)."""
+    options = {"enable_fp_fusion": False}
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return options
+    if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__:
+        options["enable_reflect_ftz"] = False
+    return options
 # a compile that takes longer is given up and redone in this process
 JOB_TIMEOUT_S = 600
 

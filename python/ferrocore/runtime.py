@@ -391,7 +391,10 @@ class TritonLaunch:
         self._jit(args)
 
     def _jit(self, args) -> None:
-        self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
+        from .kernel_binaries import triton_options
+
+        self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages,
+                              **triton_options())
 
     def bind_binary(self, binary: dict, device_index: int) -> bool:
         """Launches `binary` (`kernel_binaries`) from now on; False when it cannot be loaded, or
@@ -617,10 +620,12 @@ def _binary_key(entry, arch: int) -> str | None:
 
 def _warmup(fn, signature: dict, device, config):
     """Compiles `fn` for the launch configuration (grid, XBLOCK, num_warps, num_stages)."""
+    from .kernel_binaries import triton_options
+
     grid, xblock, warps, stages = config
     with torch.cuda.device(device):
         return fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
-                         num_warps=warps, num_stages=stages, XBLOCK=xblock)
+                         num_warps=warps, num_stages=stages, XBLOCK=xblock, **triton_options())
 
 
 class Autotuner:

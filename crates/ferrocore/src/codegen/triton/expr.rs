@@ -534,7 +534,7 @@ impl OpsHandler for BodyEmitter<'_> {
             BinaryOp::Mul => if boolean { format!("{a} & {b}") } else { format!("{a} * {b}") },
             BinaryOp::TrueDiv => if fl { format!("ferro_div({a}, {b})") } else { format!("{a} / {b}") },
             BinaryOp::FloorDiv => if fl { format!("ferro_floordiv_f({a}, {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
-            BinaryOp::TruncDiv => if fl { format!("ferro_trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
+            BinaryOp::TruncDiv => if fl { format!("ferro_trunc(ferro_div({a}, {b}))") } else { format!("ferro_truncdiv_i({a}, {b})") },
             BinaryOp::Remainder => if fl { format!("ferro_remainder_f({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
             BinaryOp::Fmod => if fl { format!("ferro_fmod_f({a}, {b})") } else { format!("ferro_fmod_i({a}, {b})") },
             BinaryOp::Pow => if fl { format!("ferro_pow({a}, {b})") } else { format!("ferro_ipow({a}, {b})") },
