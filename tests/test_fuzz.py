@@ -168,6 +168,15 @@ def test_the_float64_reference_starts_from_the_values_eager_holds():
     assert torch.equal(Prepared(widened, "cpu").make_inputs("cpu")[0], eager_in.double())
 
 
+def test_a_float64_result_of_float32_work_has_float32_tolerance():
+    # three float32 atomic adds in another order, then .to(float64): one float32 ulp apart
+    eager, compiled = torch.tensor([4.129880905151367], dtype=torch.float64), torch.tensor([4.129879951477051], dtype=torch.float64)
+    ref = torch.tensor([4.1298809051513], dtype=torch.float64)
+    assert compare.explained_by_rounding(eager, compiled, ref) is None
+    assert compare.explained_by_rounding(eager, compiled, ref, precision=torch.float32) == "deviation:rounding"
+    assert compare.explained_by_rounding(eager, compiled + 1e-3, ref, precision=torch.float32) is None
+
+
 def test_rounding_deviations_need_eager_to_be_as_far_from_float64():
     ref = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     eager = torch.tensor([1.0, 2.1, 3.0])

@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from . import compare
-from .program import FLOATS, Program, compile_functions
+from .program import DTYPES, FLOATS, Program, compile_functions
 from .runner import is_failure
 
 
@@ -78,6 +78,19 @@ class Prepared:
                 self._ref = False
         return self._ref or None
 
+
+    @property
+    def precision(self):
+        """The least precise float type the program computes in (its float inputs and casts),
+        or None: a float64 result of float32 work carries float32 rounding."""
+        names = [i.dtype for i in self.program.inputs if i.dtype in FLOATS]
+        for op in self.program.ops:
+            names += re.findall(r"torch\.(float16|bfloat16|float32)\b", op.code)
+            names += ["float16"] * op.code.count(".half()") + ["float32"] * op.code.count(".float()")
+        for name in ("bfloat16", "float16", "float32", "float64"):
+            if name in names:
+                return DTYPES[name]
+        return None
 
     @property
     def terms(self) -> int:
@@ -174,7 +187,7 @@ def _explain(prep: Prepared, where: str, e, a, cls: str) -> str:
     r = outs[k] if where.startswith("output") else ins[k]
     mag = prep.magnitude()
     m = None if mag is None else (mag[0][k] if where.startswith("output") else mag[1][k])
-    return compare.explained_by_rounding(e, a, r, m, prep.terms) or cls
+    return compare.explained_by_rounding(e, a, r, m, prep.terms, prep.precision) or cls
 
 
 def _batch_function(preps: list):

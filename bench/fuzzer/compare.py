@@ -104,15 +104,19 @@ def compare_tensor(e: torch.Tensor, a, *, aliased: bool, check_strides: bool = T
 
 
 def explained_by_rounding(e: torch.Tensor, a: torch.Tensor, ref: torch.Tensor, magnitude=None,
-                          terms: int = 1) -> str | None:
+                          terms: int = 1, precision=None) -> str | None:
     """The deviation class when eager's own error against the float64 run `ref` explains the
     difference, else None. `magnitude`: the float64 run on absolute values (see the module doc);
-    `terms`: how many terms a reduction in the program can add at most."""
+    `terms`: how many terms a reduction in the program can add at most; `precision`: the least
+    precise float type the program computes in (a float64 result of float32 work is within
+    float32's tolerance)."""
     e, a, ref = e.cpu(), a.cpu(), ref.cpu()
     if ref.shape != e.shape:
         return None
     if e.dtype.is_floating_point:
         rtol, atol = TOLERANCES.get(e.dtype, (1e-4, 1e-5))
+        if precision in TOLERANCES:
+            rtol, atol = max(rtol, TOLERANCES[precision][0]), max(atol, TOLERANCES[precision][1])
         err_e, err_a = _error(e, ref), _error(a, ref)
         tol = atol + rtol * ref.double().abs().nan_to_num(posinf=0.0, neginf=0.0)
         allowed = torch.where(err_e.isfinite(), torch.maximum(3 * err_e, tol), tol)

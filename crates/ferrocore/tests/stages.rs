@@ -96,7 +96,7 @@ fn relu_add_sum_is_one_kernel() {
 #[test]
 fn column_reductions_vectorize_across_a_tile_of_columns() {
     // sum and max over the outer dim of [2000, 40]: the lanes take consecutive columns (40 is
-    // not a multiple of the tile: the last tile is partial); 2000 rows add in chunks of 1024
+    // not a multiple of the tile: the last tile is partial); 2000 rows add in chunks of 256
     let doc = G::new()
         .input("x", &[2000, 40], "float32")
         .call("sum_1", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[40], "float32"))

@@ -233,13 +233,9 @@ impl Ctx<'_> {
         if !acc.is_float() {
             return unsupported("var of a non-float result");
         }
-        // CPU eager computes a variance in double (Welford over double accumulators): C++ kernels
-        // add the squared deviations in double, so that var/std are as exact at every size (CUDA
-        // eager: float). The mean's error moves the variance only by its square: float lanes
-        // with double chunk totals keep the first pass at float speed.
-        let cpp = x.device == Device::Cpu && !self.triton_cpu;
-        let squares = if acc == DType::F32 && cpp { DType::F64 } else { acc };
-        let (mean_kept, var) = self.variance(&x, &dims, acc, squares, correction);
+        // CPU eager computes a variance in double (Welford over double accumulators); the C++
+        // kernels' chunked float sums (`codegen::cpp::SUM_CHUNK_F32`) are as exact at every size
+        let (mean_kept, var) = self.variance(&x, &dims, acc, correction);
         let v = self.finish_reduction(var, &vmeta)?;
         if op == AtenOp::VarMeanCorrection {
             let mmeta = metas.get(1).cloned().unwrap_or_else(|| vmeta.clone());
@@ -249,9 +245,8 @@ impl Ctx<'_> {
         Ok(Lowered::Tensor(v))
     }
 
-    /// Returns (mean, variance) over `dims`, both with the kept dims: the mean in `acc`, the
-    /// variance's squared deviations (each in `acc`) added in `squares`.
-    fn variance(&mut self, x: &TensorValue, dims: &[usize], acc: DType, squares: DType, correction: f64) -> (TensorValue, TensorValue) {
+    /// Returns (mean, variance) over `dims`, both with the kept dims.
+    fn variance(&mut self, x: &TensorValue, dims: &[usize], acc: DType, correction: f64) -> (TensorValue, TensorValue) {
         let count: i64 = dims.iter().map(|&d| x.size[d]).product();
         let xs = x.clone();
         let mean = self.reduce_node(&x.size, dims, acc, x.device.clone(), move |bx, full, _| {
@@ -263,15 +258,14 @@ impl Ctx<'_> {
         });
         let (xs, m) = (x.clone(), mean.clone());
         let denom = (count as f64 - correction).max(0.0);
-        let var = self.reduce_node(&x.size, dims, squares, x.device.clone(), move |bx, full, kept| {
+        let var = self.reduce_node(&x.size, dims, acc, x.device.clone(), move |bx, full, kept| {
             let v = xs.load(bx, full);
             let v = bx.body.cast(v, acc);
             let mu = m.load(bx, kept);
             let d = bx.body.binary(BinaryOp::Sub, v, mu);
-            let d = if squares == acc { d } else { bx.body.cast(d, squares) };
             let d2 = bx.body.binary(BinaryOp::Mul, d, d);
             let s = bx.body.reduce(ReduceOp::Sum, d2);
-            let n = bx.body.constant(Scalar::Float(denom), squares);
+            let n = bx.body.constant(Scalar::Float(denom), acc);
             bx.body.binary(BinaryOp::TrueDiv, s, n)
         });
         (mean, var)
@@ -373,7 +367,7 @@ impl Ctx<'_> {
         let Some(Some(out)) = metas.first().cloned() else { return malformed("native_layer_norm without output metadata") };
         let acc = out.dtype.compute();
         let dims: Vec<usize> = (rank - k..rank).collect();
-        let (mean, var) = self.variance(&x, &dims, acc, acc, 0.0);
+        let (mean, var) = self.variance(&x, &dims, acc, 0.0);
         let axis = rank - k;
         let (mean2, var2) = (mean.clone(), var.clone());
         let rstd_of = move |bx: &mut Bx, kept: &[IndexExpr]| {
@@ -556,7 +550,7 @@ impl Ctx<'_> {
             return Ok(Lowered::Tuple(items));
         }
         let dims: Vec<usize> = (0..x.size.len()).filter(|&d| d != 1).collect();
-        let (mean, var) = self.variance(&x, &dims, acc, acc, 0.0);
+        let (mean, var) = self.variance(&x, &dims, acc, 0.0);
         let rstd = rstd_of(var.clone());
         let y = Self::normalize_channels(&x, mean.clone(), rstd.clone(), w, b, out, acc);
         let m = self.finish_reduction(mean.clone(), m1)?;
@@ -624,7 +618,7 @@ impl Ctx<'_> {
         }
         let acc = out.dtype.compute();
         let grouped = super::views::reshape(&x, vec![n, g, (c / g) * hw])?;
-        let (mean, var) = self.variance(&grouped, &[2], acc, acc, 0.0);
+        let (mean, var) = self.variance(&grouped, &[2], acc, 0.0);
         let (vm, mm) = (var.clone(), mean.clone());
         let rstd = TensorValue {
             size: vec![n, g],
