@@ -207,6 +207,7 @@ def test_bound_launcher_calls_the_binary_directly(monkeypatch):
     # XBLOCK last; Triton's JIT call for unaligned addresses or a launcher of another convention
     import torch
 
+    from ferrocore.kernel_binaries import triton_options
     from ferrocore.runtime import TritonLaunch
 
     calls = []
@@ -228,7 +229,8 @@ def test_bound_launcher_calls_the_binary_directly(monkeypatch):
     launch = TritonLaunch(Jit(), 7, {"XBLOCK": 64}, 4, 1)
     x, y = torch.zeros(8), torch.zeros(8)
     launch(x, y)
-    assert calls.pop() == ("jit", (7,), (x, y), {"XBLOCK": 64, "num_warps": 4, "num_stages": 1})
+    # Triton's compile options go with every JIT launch (no FMA contraction: triton_options)
+    assert calls.pop() == ("jit", (7,), (x, y), {"XBLOCK": 64, "num_warps": 4, "num_stages": 1, **triton_options()})
     launch.bind(Binary(), 2)
     assert calls.pop() == "init"
     launch(x, y)
