@@ -321,13 +321,7 @@ fn emit_group(out: &mut String, gi: usize, g: &crate::scheduler::LoopGroup, code
         let innermost = d + 1 == depth;
         if let (true, Some(ch)) = (innermost, chunk) {
             // the chunk loop takes the `omp for` when the group is one loop split across threads
-            let pad = " ".repeat(base + 2 * level);
-            if size > ch {
-                let _ = writeln!(out, "{pad}for (int64_t {var}b = 0; {var}b < {size}LL; {var}b += {ch}LL) {{");
-                let _ = writeln!(out, "{pad}  const int64_t {var}e = ferro::min<int64_t>({var}b + {ch}LL, {size}LL);");
-            } else {
-                let _ = writeln!(out, "{pad}{{");
-            }
+            open_chunk_loop(out, &" ".repeat(base + 2 * level), &var, size, ch);
             level += 1;
             let pad = " ".repeat(base + 2 * level);
             for a in accs.iter().filter(|a| a.chunked) {
@@ -452,12 +446,7 @@ fn emit_column_tiled_group(out: &mut String, g: &crate::scheduler::LoopGroup, co
         let var = format!("x{}", d + 1);
         let pad = " ".repeat(4 + 2 * level);
         if let (true, Some(ch)) = (d + 1 == depth, chunk) {
-            if size > ch {
-                let _ = writeln!(out, "{pad}for (int64_t {var}b = 0; {var}b < {size}LL; {var}b += {ch}LL) {{");
-                let _ = writeln!(out, "{pad}  const int64_t {var}e = ferro::min<int64_t>({var}b + {ch}LL, {size}LL);");
-            } else {
-                let _ = writeln!(out, "{pad}{{");
-            }
+            open_chunk_loop(out, &pad, &var, size, ch);
             level += 1;
             let pad = " ".repeat(4 + 2 * level);
             declare_lanes(out, &pad, &parts, t);
@@ -501,6 +490,17 @@ fn emit_column_tiled_group(out: &mut String, g: &crate::scheduler::LoopGroup, co
     out.push_str("    for (int64_t x0j = 0; x0j < x0n; ++x0j) {\n");
     out.push_str(&indent(&after, 6));
     out.push_str("    }\n");
+}
+
+/// Opens the loop over chunks of `ch` elements of loop `var` (bounds `<var>b`..`<var>e`), or a
+/// plain block when the loop is one chunk.
+fn open_chunk_loop(out: &mut String, pad: &str, var: &str, size: i64, ch: i64) {
+    if size > ch {
+        let _ = writeln!(out, "{pad}for (int64_t {var}b = 0; {var}b < {size}LL; {var}b += {ch}LL) {{");
+        let _ = writeln!(out, "{pad}  const int64_t {var}e = ferro::min<int64_t>({var}b + {ch}LL, {size}LL);");
+    } else {
+        let _ = writeln!(out, "{pad}{{");
+    }
 }
 
 /// Scatter-adds of plain C types use `omp atomic`; other combining stores (products, max/min,
