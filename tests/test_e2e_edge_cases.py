@@ -225,6 +225,33 @@ def test_gpu_fuzz_findings_on_rounding():
     check(lambda t: (torch.special.erfc(t), torch.lgamma(torch.special.erfc(t))), torch.tensor([-2.0, 0.5, 3.0, 9.3, 9.5, 9.6]))
 
 
+def test_kernels_of_one_text_and_other_dtypes_are_launched_apart():
+    # found by the Triton fuzz run on an H200: two index_adds of one shape and other dtypes have
+    # one kernel text (Triton's names no types); the second launched the first's binary, which
+    # copied 3 bytes where 12 were due (values of whatever the memory held)
+    idx = torch.tensor([2, 0, 2])
+    check(lambda a, b, c, s: (torch.index_add(a, 0, idx, s, alpha=2), torch.index_add(b, 0, idx, s.double()),
+                              torch.index_add(c, 0, idx, s.int())),
+          torch.randn(3), torch.randn(3, dtype=torch.float64), torch.arange(3, dtype=torch.int32), torch.randn(3))
+
+
+def test_wide_values_selected_by_index_bounds_in_large_blocks():
+    # found by the Triton fuzz run on an H200 (programs 0:6564 and 0:6565 as one graph): an
+    # int64 pad fused beside a stack and an asinh into one program block of 4096 elements
+    # stored 7 of its 2112 values wrong (Triton 3.6 miscompiles such 64-bit stores under a
+    # partial mask); blocks of 2048 are right
+    def f(e, r, c, a, b):
+        e.mul_(e)
+        stacked = torch.stack([a, b, a], 2)
+        return (r.flip([0]) + c, torch.asinh(c), F.pad(b, [1, -1, 1, 0, 2, 2], value=0),
+                torch.neg(stacked.view([7, 12, 2, 2, 2, 2, -1])))
+
+    a = torch.randint(-12, 13, (2, 2, 7, 32)).permute(3, 2, 1, 0)
+    b = torch.randint(-12, 13, (32, 7, 2, 2))
+    empty = torch.randn(2, 1).narrow(1, 0, 0)
+    check(f, empty, torch.tensor([5]).expand(65), torch.tensor([3]), a, b, allow_constant=True)
+
+
 def test_empty_inputs_are_never_read():
     # a load of an empty input hoisted before its loop of no iteration read a null pointer
     # (SIGSEGV), and a write into an empty input failed to compile

@@ -376,11 +376,14 @@ def _():
     ), (randn(4, 3, dtype=torch.float16), idx, randn(4, 3, dtype=torch.float16, seed=1))
 
 
-@case("int8_scatter_add_falls_back_to_eager", fallback=True)
+@case("narrow_scatter_adds_run_in_aten_and_the_rest_compiles")
 def _():
-    # no atomic add of 8-bit integers (nor a compare-and-swap form): the graph runs eagerly
+    # no atomic add of 8-bit integers or bools (nor a compare-and-swap form): those nodes run in
+    # ATen inside the wrapper, the graph's other work in kernels
     idx = torch.tensor([0, 2, 2, 5])
-    return (lambda a, i, b: a.scatter_add(0, i, b)), (torch.arange(6, dtype=torch.int8), idx, torch.ones(4, dtype=torch.int8))
+    return (
+        lambda a, i, b, m: (a.scatter_add(0, i, b) * 3, torch.index_put(m, (i,), m[:4], accumulate=True).sum())
+    ), (torch.arange(6, dtype=torch.int8), idx, torch.ones(4, dtype=torch.int8), torch.tensor([True, False] * 3))
 
 
 @case("divisions", atol=1e-6, rtol=1e-6)

@@ -184,16 +184,19 @@ pub fn next_power_of_two(n: i64) -> i64 {
 /// first one's definition, so the compiler (g++, Triton) builds each body once.
 #[derive(Default)]
 pub struct Definitions {
-    /// the text with its kernel's name taken out -> (that kernel's name, its span in the source)
-    by_body: HashMap<String, (String, std::ops::Range<usize>)>,
+    /// (the text with its kernel's name taken out, the launch's signature) -> (that kernel's
+    /// name, its span in the source)
+    by_body: HashMap<(String, Vec<(String, String)>), (String, std::ops::Range<usize>)>,
 }
 
 impl Definitions {
     /// Points `launch` at the definition of a kernel with the same body as `text` (the kernel
-    /// `launch.name`'s), or appends `text` after `separator` to `source` as a new one.
+    /// `launch.name`'s) and the same signature, or appends `text` after `separator` to `source`
+    /// as a new one. A Triton kernel's text names no types: one binary serves one signature, so
+    /// a copy of uint8 values and one of floats must not share a name (and its binary).
     pub fn define(&mut self, source: &mut String, separator: &str, text: &str, launch: &mut KernelLaunch) {
         // the name's first occurrence is the definition's own (`def name(`, `int name(`)
-        let body = text.replacen(&launch.name, "", 1);
+        let body = (text.replacen(&launch.name, "", 1), launch.signature.clone());
         if let Some((first, span)) = self.by_body.get(&body) {
             launch.name = first.clone();
             launch.text = span.clone();

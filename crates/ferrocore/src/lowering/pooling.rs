@@ -333,7 +333,7 @@ impl Ctx<'_> {
             (base, terms, v)
         });
         let zeros = constant_value(&x.size, dt, Scalar::Int(0), &x.device);
-        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+        self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }])
     }
 
     /// max_pool2d/3d_with_indices_backward as a gather, as ATen's CUDA kernel computes it: each

@@ -41,11 +41,20 @@ fn reduce_by_name(name: &str) -> LResult<Option<ReduceOp>> {
 }
 
 impl Ctx<'_> {
-    /// Copies `init` into a fresh contiguous buffer of `dtype`, then runs `passes` over it in order.
-    pub(super) fn scatter_into(&mut self, init: &TensorValue, dtype: DType, passes: Vec<ScatterPass>) -> TensorValue {
+    /// Copies `init` into a fresh contiguous buffer of `dtype`, then runs `passes` over it in
+    /// order. Unsupported where the graph's kernels are Triton's and a pass combines values no
+    /// atomic instruction or compare-and-swap loop of Triton's combines (an int8 sum): the node
+    /// then runs in ATen, not its whole graph.
+    pub(super) fn scatter_into(&mut self, init: &TensorValue, dtype: DType, passes: Vec<ScatterPass>) -> LResult<TensorValue> {
+        if self.kernel_device.is_some() || self.triton_cpu {
+            let on_gpu = self.kernel_device.is_some();
+            if let Some(p) = passes.iter().find(|p| !crate::codegen::triton::atomic_scatter(p.mode, dtype, on_gpu)) {
+                return unsupported(format!("a {:?} scatter of {} values has no atomic or compare-and-swap form in Triton", p.mode, dtype.torch_name()));
+            }
+        }
         let layout = Layout::contiguous(&init.size, dtype, init.device.clone());
         let dst = self.realize_into(init, layout.clone());
-        let Src::View { buf, .. } = dst.src else { return dst };
+        let Src::View { buf, .. } = dst.src else { return Ok(dst) };
         for pass in passes {
             let mut body = LoopBody::default();
             {
@@ -57,7 +66,7 @@ impl Ctx<'_> {
             }
             self.push_node(LoopNode { output: buf, ranges: pass.ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
         }
-        view_of_layout(buf, &layout)
+        Ok(view_of_layout(buf, &layout))
     }
 
     /// scatter.src/.value/.reduce/.value_reduce, scatter_add, scatter_reduce.two.
@@ -157,14 +166,14 @@ impl Ctx<'_> {
         };
         let xv = if rank == 0 { reshaped(&x, vec![1]) } else { x.clone() };
         let result = match reduce {
-            None => self.scatter_into(&xv, dt, vec![pass(StoreMode::Set, None)]),
+            None => self.scatter_into(&xv, dt, vec![pass(StoreMode::Set, None)])?,
             Some(Some(rop)) => {
                 let mut passes = Vec::new();
                 if !include_self {
                     passes.push(pass(StoreMode::Set, Some(identity(rop, dt))));
                 }
                 passes.push(pass(StoreMode::Combine(rop), None));
-                self.scatter_into(&xv, dt, passes)
+                self.scatter_into(&xv, dt, passes)?
             }
             Some(None) => {
                 // mean: a sum and a count, divided where anything landed
@@ -173,10 +182,10 @@ impl Ctx<'_> {
                     passes.push(pass(StoreMode::Set, Some(Scalar::Int(0))));
                 }
                 passes.push(pass(StoreMode::Combine(ReduceOp::Sum), None));
-                let sum = self.scatter_into(&xv, dt, passes);
+                let sum = self.scatter_into(&xv, dt, passes)?;
                 let start = Scalar::Int(include_self as i64);
                 let zeros = constant_value(&sizes, dt, start, &x.device);
-                let count = self.scatter_into(&zeros, dt, vec![pass(StoreMode::Combine(ReduceOp::Sum), Some(Scalar::Int(1)))]);
+                let count = self.scatter_into(&zeros, dt, vec![pass(StoreMode::Combine(ReduceOp::Sum), Some(Scalar::Int(1)))])?;
                 let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let s = sum.load(bx, idx);
                     let c = count.load(bx, idx);
@@ -218,7 +227,7 @@ impl Ctx<'_> {
             (base, terms, v)
         });
         let mode = if accumulate { StoreMode::Combine(ReduceOp::Sum) } else { StoreMode::Set };
-        Ok(self.scatter_into(&x, dt, vec![ScatterPass { ranges: shape, f, mode }]))
+        self.scatter_into(&x, dt, vec![ScatterPass { ranges: shape, f, mode }])
     }
 
     /// `self[mask] = values` with one boolean index tensor: the k-th selected element takes
@@ -395,7 +404,7 @@ impl Ctx<'_> {
             })
             .collect();
         let init = constant_value(&[size + 1, ndim], DType::I64, Scalar::Int(fill), &x.device);
-        let full = self.scatter_into(&init, DType::I64, passes);
+        let full = self.scatter_into(&init, DType::I64, passes)?;
         let Src::View { buf, .. } = full.src else { return malformed("scatter produced no buffer") };
         let layout = Layout::contiguous(&[size, ndim], DType::I64, x.device.clone());
         Ok(view_of_layout(buf, &layout))
@@ -431,7 +440,7 @@ impl Ctx<'_> {
             (base, vec![(i, 1)], g)
         });
         let zeros = constant_value(&x.size, dt, Scalar::Int(0), &x.device);
-        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges: granges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+        self.scatter_into(&zeros, dt, vec![ScatterPass { ranges: granges, f, mode: StoreMode::Combine(ReduceOp::Sum) }])
     }
 
     /// histc(self, bins, min, max): counts of the elements in `bins` equal-width bins over
@@ -482,7 +491,7 @@ impl Ctx<'_> {
             (IndexExpr::zero(), vec![(pos, 1)], count)
         });
         let zeros = constant_value(&[bins], dt, Scalar::Int(0), &out.device);
-        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+        self.scatter_into(&zeros, dt, vec![ScatterPass { ranges, f, mode: StoreMode::Combine(ReduceOp::Sum) }])
     }
 
     /// embedding_dense_backward: rows of the gradient added into the rows their indices name.
@@ -511,7 +520,7 @@ impl Ctx<'_> {
                 (IndexExpr::zero(), vec![(i, 1)], one)
             });
             let zeros = constant_value(&[num_weights], DType::I64, Scalar::Int(0), &device);
-            Some(self.scatter_into(&zeros, DType::I64, vec![ScatterPass { ranges: indices.size.clone(), f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+            Some(self.scatter_into(&zeros, DType::I64, vec![ScatterPass { ranges: indices.size.clone(), f, mode: StoreMode::Combine(ReduceOp::Sum) }])?)
         } else {
             None
         };
@@ -535,7 +544,7 @@ impl Ctx<'_> {
             (idx[k].clone(), vec![(i, width)], g)
         });
         let zeros = constant_value(&[num_weights, width], dt, Scalar::Int(0), &device);
-        Ok(self.scatter_into(&zeros, dt, vec![ScatterPass { ranges: granges, f, mode: StoreMode::Combine(ReduceOp::Sum) }]))
+        self.scatter_into(&zeros, dt, vec![ScatterPass { ranges: granges, f, mode: StoreMode::Combine(ReduceOp::Sum) }])
     }
 
     /// A list argument of optional tensors (index / index_put indices).

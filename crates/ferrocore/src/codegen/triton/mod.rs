@@ -36,6 +36,11 @@ const X_CONTIGUOUS_RBLOCK: i64 = 128;
 /// Elements of one program's `[XBLOCK, RBLOCK]` block, at most.
 const MAX_BLOCK_ELEMENTS: i64 = 4096;
 const MAX_XBLOCK: i64 = 1024;
+/// Elements of one program's block, at most, in a kernel that writes 64-bit values: Triton 3.6
+/// (H200) stores wrong values from blocks of 4096 elements or more when a 64-bit value selected
+/// by a comparison on index arithmetic (a pad's or a concatenation's bounds) is stored under a
+/// partial mask; blocks of 2048 are right (a standalone kernel showed it; fuzz program 0:6565).
+const WIDE_STORE_BLOCK_MAX: i64 = 2048;
 /// Programs an outer-dim reduction aims for (about two per multiprocessor of an H100/H200), and
 /// the narrowest column tile it takes for them.
 const TARGET_PROGRAMS: i64 = 256;
@@ -149,7 +154,7 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
 
 /// Scatter stores rendered: plain stores (duplicate indices: one of the writes wins, as with
 /// CUDA's eager kernels), and accumulating adds, maxima, minima and products of these types.
-fn atomic_scatter(mode: StoreMode, dt: DType, on_gpu: bool) -> bool {
+pub fn atomic_scatter(mode: StoreMode, dt: DType, on_gpu: bool) -> bool {
     match mode {
         StoreMode::Set => true,
         // bfloat16 atomic adds: a Hopper instruction, not in Triton's interpreter
@@ -181,9 +186,9 @@ struct GroupShape {
     looped: bool,
 }
 
-fn group_shape(inner: &[i64], x_contiguous: bool) -> GroupShape {
+fn group_shape(inner: &[i64], x_contiguous: bool, block_max: i64) -> GroupShape {
     let numel: i64 = inner.iter().product();
-    let (persistent_max, step) = if x_contiguous { (X_CONTIGUOUS_RBLOCK, X_CONTIGUOUS_RBLOCK) } else { (PERSISTENT_RBLOCK_MAX, LOOPED_RBLOCK) };
+    let (persistent_max, step) = if x_contiguous { (X_CONTIGUOUS_RBLOCK, X_CONTIGUOUS_RBLOCK) } else { (PERSISTENT_RBLOCK_MAX.min(block_max), LOOPED_RBLOCK) };
     if numel <= persistent_max {
         GroupShape { numel, rblock: next_power_of_two(numel), looped: false }
     } else {
@@ -316,8 +321,11 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
     let flat = plan.groups.len() == 1 && !plan.groups[0].reduction;
     let outer = plan.outer;
     let x_contiguous = !flat && x_contiguous(k);
-    let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner, x_contiguous)).collect();
-    let tiled = flat && transposed_access(k);
+    let wide_stores = written.iter().any(|b| element_type(p.buffer(*b).layout.dtype).itemsize() == 8);
+    let block_max = if wide_stores { WIDE_STORE_BLOCK_MAX } else { 2 * MAX_BLOCK_ELEMENTS };
+    let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner, x_contiguous, block_max)).collect();
+    // (a TILE x TILE tile is a block of 4096)
+    let tiled = flat && !wide_stores && transposed_access(k);
     let (xnumel, xblock, warps) = if tiled {
         // programs cover TILE x TILE tiles: grid = row tiles x column tiles
         let cols = shapes[0].numel;
@@ -328,7 +336,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
         (total, xblock, num_warps(xblock))
     } else {
         let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
-        let mut xblock = next_power_of_two(outer).min((MAX_BLOCK_ELEMENTS / rmax).max(1)).min(MAX_XBLOCK);
+        let mut xblock = next_power_of_two(outer).min((MAX_BLOCK_ELEMENTS.min(block_max) / rmax).max(1)).min(MAX_XBLOCK);
         if x_contiguous {
             // a reduction over an outer dim loops over its rows in every program: narrower
             // column tiles give more programs to fill the GPU (16 floats still fill a sector)
@@ -602,7 +610,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
     let numel = kernel_numel(k);
     let looped = shapes.iter().any(|g| g.looped);
     let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
-    let space = Space { tiled, flat, looped, xnumel, rmax, idx32_reach: if idx32 { Some(limit) } else { None } };
+    let space = Space { tiled, flat, looped, xnumel, rmax, block_max, idx32_reach: if idx32 { Some(limit) } else { None } };
     let base = TuneConfig { grid, xblock, num_warps: warps, num_stages: 1 };
     let args: Vec<BufferId> = read.into_iter().chain(written).collect();
     let mut arg_numel: Vec<i64> = args
@@ -638,6 +646,8 @@ struct Space {
     xnumel: i64,
     /// The widest group's inner block.
     rmax: i64,
+    /// Elements of a block, at most (`WIDE_STORE_BLOCK_MAX` for kernels writing 64-bit values).
+    block_max: i64,
     /// With int32 index math, the bound every lane's index must stay under.
     idx32_reach: Option<i64>,
 }
@@ -651,9 +661,9 @@ fn candidates(s: &Space, base: TuneConfig) -> Vec<TuneConfig> {
     if !s.tiled {
         for x in [base.xblock / 2, base.xblock * 2] {
             let fits = if s.flat {
-                (64..=4096).contains(&x) && x <= next_power_of_two(s.xnumel)
+                (64..=4096.min(s.block_max)).contains(&x) && x <= next_power_of_two(s.xnumel)
             } else {
-                x >= 1 && x * s.rmax <= 2 * MAX_BLOCK_ELEMENTS && x <= next_power_of_two(s.xnumel)
+                x >= 1 && x * s.rmax <= (2 * MAX_BLOCK_ELEMENTS).min(s.block_max) && x <= next_power_of_two(s.xnumel)
             };
             if fits && s.idx32_reach.map_or(true, |limit| s.xnumel + x < limit) {
                 xblocks.push(x);
