@@ -176,6 +176,12 @@ def render_report(totals, minimized: dict, args) -> str:
     if totals.graph_fallbacks:
         lines += ["", "Graphs ferrocore ran eagerly (not failures; the program is untested):"]
         lines += [f"- {v}: {k}" for k, v in totals.graph_fallbacks.most_common()]
+    if totals.torch_batches:
+        lines += ["", "Batches torch's own pipeline fails as a whole, alike without ferrocore (each of their "
+                  "programs was checked in a smaller graph):"]
+        for program, detail in sorted(totals.torch_batches, key=lambda f: _ident(f[0].ident)):
+            first = next((ln for ln in detail.splitlines()[1:] if ln.strip()), detail)
+            lines.append(f"- the batch of {program.ident}: {first[:200]}")
     if totals.excused:
         lines += ["", "## Documented deviations and torch's errors", "",
                   "Not failures: `deviation:*` are described in docs/fuzzing.md; `torch:*` "

@@ -124,19 +124,71 @@ def test_a_planted_bug_is_named_by_its_class(cls):
     assert run_programs([program], "cpp", "cpu", compiler="aot_eager")[0]["class"] == "pass"
 
 
+# a mask's data-dependent size (1 here) meets an empty tensor: eager broadcasts, torch's trace
+# asserts the size is 0
+TORCH_FAILS = Program(
+    inputs=[Input("x0", [1], "int32", seed=1), Input("x1", [0], "int32", seed=2),
+            Input("x2", [1], "bool", seed=3, values="mask")],
+    ops=[Op("{t} = {a}[{m}]", {"a": "x0", "m": "x2"}, target="v1"),
+         Op("{t} = torch.remainder({a}, {b})", {"a": "x1", "b": "v1"}, target="v2")],
+    outputs=["x0"])
+
+
 @pytest.mark.ferrocore_only
 def test_an_error_torch_raises_without_ferrocore_is_torchs():
-    # a mask's data-dependent size (1 here) meets an empty tensor: eager broadcasts, torch's
-    # trace asserts the size is 0
-    program = Program(
-        inputs=[Input("x0", [1], "int32", seed=1), Input("x1", [0], "int32", seed=2),
-                Input("x2", [1], "bool", seed=3, values="mask")],
-        ops=[Op("{t} = {a}[{m}]", {"a": "x0", "m": "x2"}, target="v1"),
-             Op("{t} = torch.remainder({a}, {b})", {"a": "x1", "b": "v1"}, target="v2")],
-        outputs=["x0"])
-    result = run_programs([program], "cpp", "cpu")[0]
+    result = run_programs([TORCH_FAILS], "cpp", "cpu")[0]
     assert result["class"] == "torch:runtime_error", result
     assert is_failure("compile_error") and not is_failure(result["class"])
+
+
+@pytest.mark.ferrocore_only
+def test_a_batch_torch_fails_as_a_whole_is_checked_in_halves():
+    # the whole graph raises as torch's pipeline does without ferrocore: torch's; the runner
+    # then checks each program in a smaller graph (on the GPU, torch 2.11 fails some batches
+    # only as a whole: a copy_ into a fresh tensor left in the functional graph)
+    from fuzzer.runner import Totals, run_group
+
+    fine = _program([SIN], ["v1"])
+    assert [r["class"] for r in run_programs([TORCH_FAILS, fine], "cpp", "cpu")] == ["torch:runtime_error"] * 2
+
+    class WholeBatchFails:  # a worker whose graph of all four programs torch fails
+        def run(self, programs):
+            cls = "torch:compile_error" if len(programs) == 4 else "pass"
+            return {"results": [{"class": cls, "detail": "first call: AssertionError"} for _ in programs], "seconds": 0.0}
+
+    programs = [Program.from_dict(dict(fine.to_dict(), ident=f"0:{i}")) for i in range(4)]
+    results = run_group(WholeBatchFails(), programs)
+    assert [r["class"] for r in results] == ["pass"] * 4
+    totals = Totals()
+    totals.add(programs, results)
+    assert totals.passed() == 4 and len(totals.torch_batches) == 1 and not totals.failures
+
+
+def test_a_crash_torch_makes_without_ferrocore_is_torchs():
+    # a process crash inside torch's runtime (torch 2.11 on CUDA replays a view out of its
+    # base's bounds and segfaults, as aot_eager does) is torch's when the same program under
+    # torch's pipeline alone, in a fresh process, crashes alike
+    from fuzzer.runner import Worker, WorkerDied, run_group
+
+    class Crashing:
+        def __init__(self, alike):
+            self.alike = alike
+
+        def run(self, programs):
+            raise WorkerDied("crash", "worker died (SIGSEGV)")
+
+        def crashes_alike(self, programs):
+            return self.alike
+
+    program = _program([SIN], ["v1"])
+    assert [r["class"] for r in run_group(Crashing(True), [program])] == ["torch:crash"]
+    assert [r["class"] for r in run_group(Crashing(False), [program])] == ["crash"]
+    reference = Worker("cpp", "cpu", 1, 120.0, reference=True)  # torch's pipeline runs it
+    try:
+        assert not reference.crashes_alike([program])
+        assert reference.run([program])["results"][0]["class"] == "pass"
+    finally:
+        reference.close()
 
 
 def test_a_dtype_from_torchs_meta_function_is_a_documented_deviation():

@@ -235,10 +235,12 @@ def run_programs(programs: list, backend: str, device: str, compiler=None) -> li
     with _FallbackLog() as log:
         outcome = _call_twice(compiled, [preps[k] for k in live], device)
     total = metrics.total
-    if len(live) == 1 and not compiler and is_failure(outcome[0][0]) \
-            and _torch_fails_alike(preps[live[0]], device, outcome[0]):
+    # one program's failure, or a whole batch's exception: torch's own if its pipeline fails alike
+    whole = len(live) == 1 or outcome[0][2] is not None
+    if whole and not compiler and is_failure(outcome[0][0]) \
+            and _torch_fails_alike([preps[k] for k in live], device, outcome[0]):
         cls, detail, kind = outcome[0]
-        outcome = [(f"torch:{cls}", detail, kind)]
+        outcome = [(f"torch:{cls}", detail, kind)] * len(live)
     for j, k in enumerate(live):
         cls, detail, _kind = outcome[j]
         if cls == "pass" and total.get("graph_fallbacks"):
@@ -287,12 +289,12 @@ def _torch_reference():
                         keep_inference_input_mutations=True, decompositions=decompositions())
 
 
-def _torch_fails_alike(prep: Prepared, device: str, outcome: tuple) -> bool:
-    """Whether the torch reference backend fails the program the same way: the same exception
-    in the same call, or the same wrong result (the same values at the same place)."""
+def _torch_fails_alike(preps: list, device: str, outcome: tuple) -> bool:
+    """Whether the torch reference backend fails the programs (one graph) the same way: the same
+    exception in the same call, or the same wrong result (the same values at the same place)."""
     torch._dynamo.reset()
-    compiled = torch.compile(_batch_function([prep]), backend=_torch_reference(), fullgraph=True, dynamic=False)
-    cls, detail, kind = _call_twice(compiled, [prep], device)[0]
+    compiled = torch.compile(_batch_function(preps), backend=_torch_reference(), fullgraph=True, dynamic=False)
+    cls, detail, kind = _call_twice(compiled, preps, device)[0]
     if kind is not None or outcome[2] is not None:
         return cls == outcome[0] and kind == outcome[2]
     return cls == outcome[0] and detail == outcome[1]

@@ -45,11 +45,15 @@ class WorkerDied(Exception):
 class Worker:
     """One worker process, restarted after a crash or a timeout."""
 
-    def __init__(self, backend: str, device: str, threads: int, timeout: float):
+    def __init__(self, backend: str, device: str, threads: int, timeout: float, reference: bool = False):
+        self.spec = (backend, device, threads)
         self.args = ["--backend", backend, "--device", device, "--threads", str(threads)]
+        if reference:
+            self.args.append("--reference")
         self.timeout = timeout
         self.proc = None
         self.log = None
+        self.reference = None  # a worker running torch's pipeline without ferrocore (`crashes_alike`)
 
     def _start(self) -> None:
         env = dict(os.environ)
@@ -89,7 +93,20 @@ class Worker:
         name = signal.Signals(-code).name if code < 0 else f"exit status {code}"
         raise WorkerDied("crash", f"worker died ({name})\n{tail}")
 
+    def crashes_alike(self, programs: list) -> bool:
+        """Whether torch's pipeline without ferrocore (check._torch_reference) crashes the process
+        on `programs` too: a crash inside torch's own code is torch's."""
+        if self.reference is None:
+            self.reference = Worker(*self.spec, self.timeout, reference=True)
+        try:
+            self.reference.run(programs)
+        except WorkerDied as died:
+            return died.cls == "crash"
+        return False
+
     def close(self) -> None:
+        if self.reference is not None:
+            self.reference.close()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.stdin.close()
             try:
@@ -109,13 +126,20 @@ def run_group(worker: Worker, programs: list) -> list:
         r.setdefault("fallback_ops", [])
         r["seconds"] = seconds / len(programs)
     if len(programs) == 1:
+        if results[0]["class"] == "crash" and worker.crashes_alike(programs):
+            results = [dict(results[0], **{"class": "torch:crash"})]
         return results
-    if any(r["class"] in BATCH_WIDE for r in results):
+    wide = [r for r in results if r["class"] in BATCH_WIDE or r["class"].startswith("torch:")]
+    if wide:
         half = len(programs) // 2
         parts = run_group(worker, programs[:half]) + run_group(worker, programs[half:])
         if all(r["class"] in OK for r in parts):  # only the whole batch fails
-            cls = next(r for r in results if r["class"] in BATCH_WIDE)
-            return [dict(cls, **{"class": f"batch_only:{cls['class']}"}) for _ in programs]
+            if wide[0]["class"].startswith("torch:"):
+                # torch's own pipeline fails this graph alike: its programs, each checked in
+                # a smaller graph, keep those results, and the batch is counted
+                parts[0] = dict(parts[0], torch_batch=wide[0]["detail"])
+                return parts
+            return [dict(wide[0], **{"class": f"batch_only:{wide[0]['class']}"}) for _ in programs]
         return parts
     alone = {k: run_group(worker, [programs[k]])[0] for k, r in enumerate(results) if r["class"] not in OK}
     return _mark(results, [alone.get(k, r) for k, r in enumerate(results)])
@@ -142,6 +166,7 @@ class Totals:
         self.excused: list = []  # (program, result) of the EXCUSED classes
         self.seconds = 0.0
         self.skipped = 0  # programs not run: the time budget ran out first
+        self.torch_batches: list = []  # (program, detail) of batches torch's pipeline fails as a whole
         self.last = -1  # the highest program index run
         self.lock = threading.Lock()
 
@@ -153,6 +178,8 @@ class Totals:
                 self.ops += len(p.ops)
                 self.classes[r["class"]] += 1
                 self.fallback_ops.update(r.get("fallback_ops") or [])
+                if r.get("torch_batch"):
+                    self.torch_batches.append((p, r["torch_batch"]))
                 if r["class"] == "graph_fallback":  # coverage lost, not a wrong result
                     self.graph_fallbacks[r["detail"][:200]] += 1
                 elif is_failure(r["class"]):

@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("--backend", default="cpp")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    # torch's pipeline alone (AOT autograd, ferrocore's decompositions, no ferrocore code): does
+    # a program that crashed the process crash it without ferrocore?
+    parser.add_argument("--reference", action="store_true")
     args = parser.parse_args()
     _setup(args.backend, args.device, args.threads)
     protocol = os.fdopen(os.dup(1), "w")
@@ -40,7 +43,7 @@ def main() -> None:
 
     import torch
 
-    from .check import run_programs
+    from .check import _torch_reference, run_programs
     from .program import Program
 
     if args.threads:
@@ -53,7 +56,8 @@ def main() -> None:
         programs = [Program.from_dict(p) for p in request["programs"]]
         start = time.perf_counter()
         try:
-            results = run_programs(programs, args.backend, args.device)
+            results = run_programs(programs, args.backend, args.device,
+                                   compiler=_torch_reference() if args.reference else None)
         except Exception as e:  # noqa: BLE001 - a bug of the fuzzer itself, reported as such
             import traceback
 
