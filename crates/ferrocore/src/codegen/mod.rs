@@ -186,8 +186,10 @@ pub fn next_power_of_two(n: i64) -> i64 {
 pub struct Definitions {
     /// (the text with its kernel's name taken out, the launch's signature) -> (that kernel's
     /// name, its span in the source)
-    by_body: HashMap<(String, Vec<(String, String)>), (String, std::ops::Range<usize>)>,
+    by_body: HashMap<DefinitionKey, (String, std::ops::Range<usize>)>,
 }
+
+type DefinitionKey = (String, Vec<(String, String)>);
 
 impl Definitions {
     /// Points `launch` at the definition of a kernel with the same body as `text` (the kernel
