@@ -358,6 +358,12 @@ pub fn view_of_layout(buf: BufferId, l: &Layout) -> TensorValue {
 }
 
 impl<'g> Ctx<'g> {
+    /// Whether work on `device` runs in Triton kernels (a GPU, or CPU tensors under Triton's
+    /// interpreter) rather than C++ loops.
+    pub fn triton_kernels(&self, device: &Device) -> bool {
+        *device != Device::Cpu || self.triton_cpu
+    }
+
     pub fn node_name(&self) -> String {
         self.graph.node(self.current).name.clone()
     }

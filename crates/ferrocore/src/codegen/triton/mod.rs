@@ -322,7 +322,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
     let outer = plan.outer;
     let x_contiguous = !flat && x_contiguous(k);
     let wide_stores = written.iter().any(|b| element_type(p.buffer(*b).layout.dtype).itemsize() == 8);
-    let block_max = if wide_stores { WIDE_STORE_BLOCK_MAX } else { 2 * MAX_BLOCK_ELEMENTS };
+    let block_max = if wide_stores { WIDE_STORE_BLOCK_MAX } else { i64::MAX };
     let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner, x_contiguous, block_max)).collect();
     // (a TILE x TILE tile is a block of 4096)
     let tiled = flat && !wide_stores && transposed_access(k);
@@ -646,7 +646,8 @@ struct Space {
     xnumel: i64,
     /// The widest group's inner block.
     rmax: i64,
-    /// Elements of a block, at most (`WIDE_STORE_BLOCK_MAX` for kernels writing 64-bit values).
+    /// Elements of a block, at most, beyond the usual bounds (`WIDE_STORE_BLOCK_MAX` for kernels
+    /// writing 64-bit values; otherwise no further bound).
     block_max: i64,
     /// With int32 index math, the bound every lane's index must stay under.
     idx32_reach: Option<i64>,
