@@ -3,7 +3,7 @@
 
 use ferrocore::codegen::cpp::CppBackend;
 use ferrocore::codegen::triton::TritonBackend;
-use ferrocore::codegen::{CodegenErrorKind, KernelBackend};
+use ferrocore::codegen::{CodegenErrorKind, KernelBackend, LaunchShape};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::parse_graph;
 use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
@@ -638,9 +638,39 @@ fn split_column_sums_read_along_the_columns() {
     assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("outer dim")), "{:?}", s.decisions);
     let src = triton_source(&s);
     let first = src.split("@ferro_jit").find(|k| k.contains("range(0, ")).unwrap_or_else(|| panic!("no looped first stage:\n{src}"));
-    // column tiles of XBLOCK outputs by 128 rows, the rows looped: lanes read along the columns
-    assert!(first.contains("reduction over [1024] (looped)"), "{first}");
-    assert!(first.contains("tl.full([XBLOCK, 128]"), "{first}");
+    // 1024 chunks of 256 rows, each read by column tiles of XBLOCK outputs by 64 rows (128 bytes
+    // of bfloat16 a row), the rows looped: lanes read along the columns
+    assert!(first.contains("reduction over [256] (looped)"), "{first}");
+    assert!(first.contains("tl.full([XBLOCK, 64]"), "{first}");
+    let launches = TritonBackend { cpu_tensors: true }.render(&s).unwrap().launches;
+    let shapes: Vec<_> = launches.iter().map(|l| &l.shape).collect();
+    assert!(shapes.iter().any(|s| matches!(s, LaunchShape::Grid { grid: 1024, xblock: 64, .. })), "{shapes:?}");
+}
+
+#[test]
+fn column_sums_of_a_few_thousand_outputs_are_split_to_fill_the_gpu() {
+    // 4096 float32 outputs are 128 programs of 32 columns: too few to keep an H200's memory busy
+    // (0.65 of copy bandwidth unsplit); four chunks of 4096 rows give 512 programs
+    let doc = G::new()
+        .input("x", &[16384, 4096], "float32")
+        .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[4096], "float32"))
+        .output(&["s"]);
+    let s = gpu_schedule(&doc);
+    let split = s.decisions.iter().find(|d| d.starts_with("split:")).unwrap_or_else(|| panic!("not split: {:?}", s.decisions));
+    assert!(split.contains("outer dim") && split.contains(": 4 partial reductions each"), "{split}");
+    // 16384 outputs are 512 tiles of 32 already
+    let doc = G::new()
+        .input("x", &[16384, 16384], "float32")
+        .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[16384], "float32"))
+        .output(&["s"]);
+    assert!(!gpu_schedule(&doc).decisions.iter().any(|d| d.starts_with("split:")));
+    // bfloat16 tiles hold as many bytes in twice the outputs, and twice as many are wanted
+    let doc = G::new()
+        .input("x", &[16384, 16384], "bfloat16")
+        .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[16384], "bfloat16"))
+        .output(&["s"]);
+    let s = gpu_schedule(&doc);
+    assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains(": 4 partial reductions each")), "{:?}", s.decisions);
 }
 
 #[test]

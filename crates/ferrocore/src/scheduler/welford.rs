@@ -6,7 +6,7 @@
 //! element (M2 does not move when every term is shifted): in float32, a running mean near 1000
 //! kept only 7 digits of a variance near 1 (32x eager's error over 10^7 elements).
 
-use super::split::{is_outer_reduction, SplitConfig};
+use super::split::{outer_reduction_itemsize, SplitConfig};
 use crate::loop_ir::*;
 use crate::symbolic::IndexExpr;
 
@@ -18,7 +18,7 @@ pub fn welford_variances(p: &mut LoopProgram, min_len: i64, split: Option<&Split
         let node = &p.nodes[n];
         let len: i64 = node.reduction_ranges.iter().product();
         let rows: i64 = node.ranges.iter().product();
-        if len <= min_len || split.is_some_and(|c| c.splits(rows, len, is_outer_reduction(node)).is_some()) {
+        if len <= min_len || split.is_some_and(|c| c.splits(rows, len, outer_reduction_itemsize(node)).is_some()) {
             continue;
         }
         let Some((mean_buf, _, body, _)) = one_pass_form(p, n) else { continue };
