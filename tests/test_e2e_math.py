@@ -1,7 +1,13 @@
 """Math functions over their whole float range, edges included (ferrocore has its own exp)."""
 
+import os
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from helpers import check
 
@@ -82,3 +88,30 @@ def test_variance_of_mixed_precision_products_matches_eager_exactly():
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and g.shape == w.shape
                 assert torch.equal(g, w) or (g.isnan().all() and w.isnan().all()), (i, x.numel(), g, w)
+
+
+@pytest.mark.skipif(os.environ.get("FERROCORE_TEST_DEVICE", "cpu") != "cpu" or shutil.which("nm") is None,
+                    reason="the C++ kernels' library, read with binutils' nm")
+def test_sin_and_cos_of_one_value_stay_vector_calls(tmp_path):
+    # g++ merges the builtins' sin(x) and cos(x) of one argument into a scalar sincosf call (no
+    # vector variant), and the fused loop stops vectorizing: 7x slower than Inductor
+    import ferrocore
+
+    from helpers import is_ferrocore
+
+    if not is_ferrocore():
+        pytest.skip("ferrocore's own kernels")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    x = torch.randn(1000)
+    for dtype in (torch.float32, torch.float64):
+        gm = make_fx(lambda t: torch.sin(t) * torch.cos(t))(x.to(dtype))
+        out = ferrocore.compile_graph(gm, [x.to(dtype)], {"backend": "cpp", "cache_dir": str(cache)})
+        torch.testing.assert_close(out(x.to(dtype))[0], torch.sin(x.to(dtype)) * torch.cos(x.to(dtype)))
+    libs = [p for p in cache.rglob("*.so") if not p.name.startswith(".")]
+    assert libs
+    calls = "\n".join(subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True,
+                                     check=True).stdout for lib in libs)
+    assert "sincos" not in calls, calls
+    for fn in ("sinf", "cosf", "sin", "cos"):
+        assert re.search(rf"_ZGV\w+_{fn}\b", calls), (fn, calls)
