@@ -118,6 +118,7 @@ aten_ops! {
     BitwiseRightShift => "aten.bitwise_right_shift.Tensor", 2..=2;
     // ternary and friends
     WhereSelf => "aten.where.self", 3..=3;
+    Fma => "prims.fma.default", 3..=3;
     Clamp => "aten.clamp.default", 1..=3;
     ClampTensor => "aten.clamp.Tensor", 1..=3;
     ClampMin => "aten.clamp_min.default", 2..=2;

@@ -99,6 +99,7 @@ pub fn arg_names(op: AtenOp) -> &'static [&'static str] {
         AtenOp::BitwiseLeftShift => &["self", "other"],
         AtenOp::BitwiseRightShift => &["self", "other"],
         AtenOp::WhereSelf => &["condition", "self", "other"],
+        AtenOp::Fma => &["a", "b", "c"],
         AtenOp::Clamp => &["self", "min", "max"],
         AtenOp::ClampTensor => &["self", "min", "max"],
         AtenOp::ClampMin => &["self", "min"],

@@ -446,6 +446,7 @@ impl<'g> Ctx<'g> {
             | BitwiseOrScalar | BitwiseXorTensor | BitwiseXorScalar | LshiftTensor | LshiftScalar | RshiftTensor
             | RshiftScalar | BitwiseLeftShift | BitwiseRightShift => t(self.lower_binary(op)?),
             WhereSelf => t(self.lower_where()?),
+            Fma => t(self.lower_fma()?),
             Conj | ConjPhysical => t(self.lower_conj()?),
             ViewAsReal => t(self.lower_view_as_real()?),
             Clamp | ClampTensor | ClampMin | ClampMax | Hardtanh => t(self.lower_clamp(op)?),

@@ -425,6 +425,24 @@ impl Ctx<'_> {
         }))
     }
 
+    /// prims.fma (what dynamo makes of `addcmul_`/`addcdiv_` with a value, and of `add_` with a
+    /// tensor alpha: the optimizers' updates) as its definition `(a * b) + c` in the compute
+    /// type: C++ rounds the product first, as CPU eager's addcmul does; Triton contracts it into
+    /// one FMA, as nvcc does for CUDA eager's.
+    pub(super) fn lower_fma(&mut self) -> LResult<TensorValue> {
+        let a = self.pw_arg(0, "a")?;
+        let b = self.pw_arg(1, "b")?;
+        let c = self.pw_arg(2, "c")?;
+        let out = self.out_meta()?.clone();
+        let size = self.out_shape_of(&[a.clone(), b.clone(), c.clone()])?;
+        let cd = out.dtype.compute();
+        Ok(pointwise(vec![a, b, c], size, out.dtype, out.device, cd, move |bx, v| {
+            let [a, b, c] = [v[0], v[1], v[2]].map(|x| bx.body.cast(x, cd));
+            let ab = bx.body.binary(BinaryOp::Mul, a, b);
+            bx.body.binary(BinaryOp::Add, ab, c)
+        }))
+    }
+
     pub(super) fn lower_clamp(&mut self, op: AtenOp) -> LResult<TensorValue> {
         let x = self.pw_arg(0, "self")?;
         let (lo, hi) = match op {
