@@ -11,6 +11,7 @@ ferrocore/inductor ratios. Ends with one markdown table.
     python bench/benchmark.py              # full sizes
     python bench/benchmark.py --quick      # small sizes, for smoke testing
     python bench/benchmark.py --reps 50 --backends eager,inductor
+    python bench/benchmark.py --only math --threads 1,2   # every transcendental, 1 and 2 threads
 
 Before the workloads, each compiler compiles one unrelated trivial function so that one-time
 process start-up (imports, inductor's compile workers) is not charged to the first workload;
@@ -57,6 +58,12 @@ def parse_args(argv=None):
         help="calls are batched so one timed sample lasts at least this long",
     )
     ap.add_argument("--keep-caches", action="store_true", help="keep the temporary cache dirs")
+    ap.add_argument(
+        "--threads",
+        default="",
+        help="comma-separated thread counts: every workload compiled and timed under each "
+        "(default: torch's)",
+    )
     return ap.parse_args(argv)
 
 
@@ -126,6 +133,51 @@ def cumsum_rows(x):
     return x.cumsum(-1)
 
 
+# One fused loop per transcendental, and pairs of them over one value (g++ once merged sin(x) and
+# cos(x) into a scalar sincos call: the loop stopped vectorizing, 7x Inductor's time). Inputs
+# are in each function's domain.
+MATH = {
+    "sin": lambda x, y: torch.sin(x),
+    "cos": lambda x, y: torch.cos(x),
+    "tan": lambda x, y: torch.tan(x),
+    "exp": lambda x, y: torch.exp(x),
+    "log": lambda x, y: torch.log(y),
+    "tanh": lambda x, y: torch.tanh(x),
+    "erf": lambda x, y: torch.erf(x),
+    "sigmoid": lambda x, y: torch.sigmoid(x),
+    "pow": lambda x, y: torch.pow(y, x),
+    "atan2": lambda x, y: torch.atan2(x, y - 1),
+    "sin*cos": lambda x, y: torch.sin(x) * torch.cos(x),
+    "sin*cos(2x)": lambda x, y: torch.sin(x) * torch.cos(2 * x),
+    "exp*log": lambda x, y: torch.exp(x) * torch.log(y),
+    "tanh*sigmoid": lambda x, y: torch.tanh(x) * torch.sigmoid(x),
+    "erf*exp": lambda x, y: torch.erf(x) * torch.exp(-x * x),
+}
+
+
+def optimizer_step(opt):
+    """`torch.compile(opt.step)`, the standard recipe (its state is updated in place)."""
+    opt.step()
+
+
+def make_optimizer(kind: str, width: int):
+    """An MLP's parameters (4 layers of width x width, with LayerNorms) with gradients set, and
+    optimizer `kind` over them."""
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width)]
+    model = torch.nn.Sequential(*layers)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+    make = {
+        "SGD": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+        "Adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    }[kind]
+    return (make(model.parameters()),)
+
+
 def embedding_layer_norm(ids, table, pos, w, b):
     """GPT-2's first kernel at its tiny size: token + position embedding rows, LayerNorm."""
     return F.layer_norm(table[ids] + pos, (table.shape[1],), w, b)
@@ -138,6 +190,8 @@ class Workload:
     make_args: Callable[[], tuple]
     rtol: float = 1e-4
     atol: float = 1e-4
+    # an optimizer's step breaks its graph once (torch calls graph_break() before the update)
+    fullgraph: bool = True
 
 
 def workloads(quick: bool) -> list[Workload]:
@@ -146,6 +200,7 @@ def workloads(quick: bool) -> list[Workload]:
     sm = (512, 512) if quick else (4096, 4096)
     ln = (1024, 256) if quick else (8192, 1024)
     er = (256, 256) if quick else (1024, 1024)
+    opt_width = 256 if quick else 1024
     gen = torch.Generator().manual_seed(0)
     return [
         Workload(
@@ -195,6 +250,21 @@ def workloads(quick: bool) -> list[Workload]:
                 torch.randn(24, generator=gen),
                 torch.randn(72, 24, 1, 1, generator=gen),
             ),
+        ),
+        *(
+            Workload(f"{kind} step 4x{opt_width}x{opt_width}", optimizer_step,
+                     lambda kind=kind: make_optimizer(kind, opt_width), fullgraph=False)
+            for kind in ("SGD", "Adam", "AdamW")
+        ),
+        *(
+            Workload(
+                f"math {name} {n / 2**22:g}M f32",
+                fn,
+                lambda: (torch.randn(n // 4, generator=gen) * 2, torch.rand(n // 4, generator=gen) * 4 + 0.01),
+                rtol=1e-4,
+                atol=1e-5,
+            )
+            for name, fn in MATH.items()
         ),
         Workload(
             "embedding + layer_norm 2x64 rows of 64",
@@ -268,9 +338,9 @@ def time_interleaved(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def compile_cold(fn: Callable, args: tuple, backend: str):
+def compile_cold(fn: Callable, args: tuple, backend: str, fullgraph: bool = True):
     """Compiles `fn` with `backend`; returns (compiled fn, output of the first call, seconds)."""
-    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph, dynamic=False)
     start = time.perf_counter()
     out = compiled(*args)
     return compiled, out, time.perf_counter() - start
@@ -301,7 +371,7 @@ def run_workload(w: Workload, backends: list[str], opts) -> Result:
         fns["eager"] = w.fn
     for backend in (b for b in COMPILERS if b in backends):
         try:
-            compiled, out, secs = compile_cold(w.fn, args, backend)
+            compiled, out, secs = compile_cold(w.fn, args, backend, w.fullgraph)
         except Exception as e:  # a compiler failure is a result, not the end of the run
             res.notes.append(
                 f"{backend} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
@@ -444,11 +514,17 @@ def main(opts) -> int:
                     + ", ".join(f"{k} {v:.2f} s" for k, v in init.items())
                 )
             only = {s.strip() for s in opts.only.split(",") if s.strip()}
-            results = [
-                run_workload(w, backends, opts)
-                for w in workloads(opts.quick)
-                if not only or any(o in w.name for o in only)
-            ]
+            chosen = [w for w in workloads(opts.quick) if not only or any(o in w.name for o in only)]
+            threads = [int(t) for t in opts.threads.split(",") if t.strip()]
+            results = []
+            for t in threads or [None]:
+                if t is not None:
+                    # each workload compiles cold under it (Inductor bakes the count into its code)
+                    torch.set_num_threads(t)
+                for w in chosen:
+                    results.append(run_workload(w, backends, opts))
+                    if t is not None:
+                        results[-1].name += f" @{t}t"
     finally:
         if _TMP is not None and not opts.keep_caches:
             shutil.rmtree(_TMP, ignore_errors=True)
