@@ -71,7 +71,10 @@ def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Cal
     "max-autotune-no-cudagraphs" times each Triton kernel's candidate configurations,
     "max-autotune" does both; another mode, or an unknown option, raises OptionError."""
     with _collector_spared():
-        return _compile_dynamo_graph(gm, example_inputs, kwargs)
+        try:
+            return _compile_dynamo_graph(gm, example_inputs, kwargs)
+        except _options.OptionError as e:
+            raise _options.through_dynamo(e) from None
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ value of the wrong type, raises `OptionError` naming the key (as Inductor's opti
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -41,6 +42,31 @@ _TYPES = {"cache_dir": _PATH, "logs": (str, list, tuple), "debug_dir": (*_PATH, 
 class OptionError(ValueError):
     """An option set wrongly (an unknown key, a value of the wrong type or out of range); the
     message names the key."""
+
+
+def through_dynamo(error: OptionError) -> OptionError:
+    """`error` as Dynamo lets it out of a backend: Dynamo wraps what a backend raises in its
+    BackendCompilerFailed, except errors of its own ShortenTraceback family, which it re-raises
+    as they are; so `except OptionError` catches a wrong option at the compiled function's first
+    call (torch.compile() hands a backend its options only then)."""
+    cls = _option_error_through_dynamo()
+    if cls is None or isinstance(error, cls):
+        return error
+    return cls(*error.args)
+
+
+@functools.cache
+def _option_error_through_dynamo():
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return None
+
+    class OptionErrorThroughDynamo(OptionError, ShortenTraceback):
+        def __init__(self, *args):
+            ShortenTraceback.__init__(self, *args, first_useful_frame=None)
+
+    return OptionErrorThroughDynamo
 
 
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
