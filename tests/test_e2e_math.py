@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from helpers import check
+from helpers import check, is_ferrocore
 
 
 def test_exp_over_the_float_range():
@@ -90,17 +90,13 @@ def test_variance_of_mixed_precision_products_matches_eager_exactly():
                 assert torch.equal(g, w) or (g.isnan().all() and w.isnan().all()), (i, x.numel(), g, w)
 
 
-@pytest.mark.skipif(os.environ.get("FERROCORE_TEST_DEVICE", "cpu") != "cpu" or shutil.which("nm") is None,
-                    reason="the C++ kernels' library, read with binutils' nm")
+@pytest.mark.skipif(not is_ferrocore() or os.environ.get("FERROCORE_TEST_DEVICE", "cpu") != "cpu"
+                    or shutil.which("nm") is None, reason="ferrocore's C++ kernels' library, read with binutils' nm")
 def test_sin_and_cos_of_one_value_stay_vector_calls(tmp_path):
     # g++ merges the builtins' sin(x) and cos(x) of one argument into a scalar sincosf call (no
     # vector variant), and the fused loop stops vectorizing: 7x slower than Inductor
     import ferrocore
 
-    from helpers import is_ferrocore
-
-    if not is_ferrocore():
-        pytest.skip("ferrocore's own kernels")
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)
     x = torch.randn(1000)

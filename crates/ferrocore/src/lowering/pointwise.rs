@@ -411,18 +411,22 @@ impl Ctx<'_> {
         Ok(pointwise(vec![a, b], size, out.dtype, out.device.clone(), compute.compute(), f))
     }
 
-    pub(super) fn lower_where(&mut self) -> LResult<TensorValue> {
-        let c = self.pw_arg(0, "condition")?;
-        let a = self.pw_arg(1, "self")?;
-        let b = self.pw_arg(2, "other")?;
+    /// A pointwise op of the node's first arguments `keys` (tensors or numbers), `f` of their
+    /// values and the output's compute type.
+    fn lower_args_pointwise(&mut self, keys: &[&str], f: impl Fn(&mut Bx, &[ValueId], DType) -> ValueId + 'static) -> LResult<TensorValue> {
+        let inputs = keys.iter().enumerate().map(|(i, key)| self.pw_arg(i, key)).collect::<LResult<Vec<_>>>()?;
         let out = self.out_meta()?.clone();
-        let size = self.out_shape_of(&[c.clone(), a.clone(), b.clone()])?;
+        let size = self.out_shape_of(&inputs)?;
         let cd = out.dtype.compute();
-        Ok(pointwise(vec![c, a, b], size, out.dtype, out.device.clone(), cd, move |bx, v| {
+        Ok(pointwise(inputs, size, out.dtype, out.device, cd, move |bx, v| f(bx, v, cd)))
+    }
+
+    pub(super) fn lower_where(&mut self) -> LResult<TensorValue> {
+        self.lower_args_pointwise(&["condition", "self", "other"], |bx, v, cd| {
             let x = bx.body.cast(v[1], cd);
             let y = bx.body.cast(v[2], cd);
             bx.body.where_(v[0], x, y)
-        }))
+        })
     }
 
     /// prims.fma (what dynamo makes of `addcmul_`/`addcdiv_` with a value, and of `add_` with a
@@ -430,17 +434,11 @@ impl Ctx<'_> {
     /// type: C++ rounds the product first, as CPU eager's addcmul does; Triton contracts it into
     /// one FMA, as nvcc does for CUDA eager's.
     pub(super) fn lower_fma(&mut self) -> LResult<TensorValue> {
-        let a = self.pw_arg(0, "a")?;
-        let b = self.pw_arg(1, "b")?;
-        let c = self.pw_arg(2, "c")?;
-        let out = self.out_meta()?.clone();
-        let size = self.out_shape_of(&[a.clone(), b.clone(), c.clone()])?;
-        let cd = out.dtype.compute();
-        Ok(pointwise(vec![a, b, c], size, out.dtype, out.device, cd, move |bx, v| {
+        self.lower_args_pointwise(&["a", "b", "c"], |bx, v, cd| {
             let [a, b, c] = [v[0], v[1], v[2]].map(|x| bx.body.cast(x, cd));
             let ab = bx.body.binary(BinaryOp::Mul, a, b);
             bx.body.binary(BinaryOp::Add, ab, c)
-        }))
+        })
     }
 
     pub(super) fn lower_clamp(&mut self, op: AtenOp) -> LResult<TensorValue> {

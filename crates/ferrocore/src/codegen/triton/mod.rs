@@ -31,10 +31,11 @@ const LOOPED_RBLOCK: i64 = 1024;
 /// Kernels whose memory is contiguous along `x0` rather than the inner loops (a reduction over an
 /// outer dim) take narrow steps, so that a program covers more `x0` rows and its loads are
 /// coalesced along them: a block row of 128 bytes of the narrowest such load (32 float32 or 64
-/// bfloat16 columns), the step what is left of `MAX_BLOCK_ELEMENTS`, within these bounds. (H200,
-/// split column sums: bfloat16 8192x3072 took 14.5 µs in 64x64 blocks, 18.6 in 32x128; float32
-/// 16384x4096 65 µs in 32x128 blocks, 76 in 64x64.)
-const X_CONTIGUOUS_ROW_BYTES: i64 = 128;
+/// bfloat16 columns; the tile the split pass counts programs in), the step what is left of
+/// `MAX_BLOCK_ELEMENTS`, within these bounds. (H200, split column sums: bfloat16 8192x3072 took
+/// 14.5 µs in 64x64 blocks, 18.6 in 32x128; float32 16384x4096 65 µs in 32x128 blocks, 76 in
+/// 64x64.)
+const X_CONTIGUOUS_ROW_BYTES: i64 = crate::scheduler::GPU_SPLIT.outer_tile_bytes;
 const X_CONTIGUOUS_RBLOCK_MIN: i64 = 32;
 const X_CONTIGUOUS_RBLOCK_MAX: i64 = 128;
 /// Elements of one program's `[XBLOCK, RBLOCK]` block, at most.
