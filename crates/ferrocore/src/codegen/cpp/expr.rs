@@ -6,10 +6,13 @@ use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Printer, Var};
 use std::collections::HashMap;
 
-/// Where a value is computed: before the group's loops (it depends on `x0` at most), inside
-/// them, or after them (it depends on a reduction result).
+/// Where a value is computed: once per kernel call, before every loop (it reads no loop
+/// variable and only buffers the kernel does not write: Adam's bias corrections, two `pow`s of
+/// the step count, ran per element before), before the group's loops (it depends on `x0` at
+/// most), inside them, or after them (it depends on a reduction result).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
 pub enum Section {
+    Kernel,
     Pre,
     Inner,
     Post,
@@ -300,7 +303,10 @@ pub struct BodyEmitter<'a> {
     pub chunk_sums_above: Option<(i64, fn(DType) -> i64)>,
     /// Buffers in the kernel's scratch rows, and the current element's position in a row.
     pub rows: Option<(&'a std::collections::HashSet<BufferId>, String)>,
+    /// Buffers the kernel only reads: a load of one at a fixed index is loop-invariant.
+    pub read_only: Option<&'a std::collections::HashSet<BufferId>>,
     sections: HashMap<String, Section>,
+    pub kernel: String,
     pub pre: String,
     pub inner: String,
     pub post: String,
@@ -326,7 +332,9 @@ impl<'a> BodyEmitter<'a> {
             split,
             chunk_sums_above: None,
             rows: None,
+            read_only: None,
             sections: HashMap::new(),
+            kernel: String::new(),
             pre: String::new(),
             inner: String::new(),
             post: String::new(),
@@ -340,11 +348,18 @@ impl<'a> BodyEmitter<'a> {
         self.sections.get(name).copied().unwrap_or(Section::Pre)
     }
 
-    /// Inner when the index uses an inner loop variable, else computable before the loops.
+    /// Inner when the index uses an inner loop variable, Kernel when it uses none, else
+    /// computable before the group's loops.
     fn index_section(e: &IndexExpr) -> Section {
         let mut vs = Vec::new();
         e.vars(&mut vs);
-        if vs.iter().any(|v| v.0 != 0) { Section::Inner } else { Section::Pre }
+        if vs.iter().any(|v| v.0 != 0) {
+            Section::Inner
+        } else if vs.is_empty() {
+            Section::Kernel
+        } else {
+            Section::Pre
+        }
     }
 
     pub fn index(&self, e: &IndexExpr) -> String {
@@ -364,6 +379,7 @@ impl<'a> BodyEmitter<'a> {
         let name = self.fresh();
         let line = format!("{} {name} = {expr};\n", c_type(dt));
         match section {
+            Section::Kernel => self.kernel.push_str(&line),
             Section::Pre => self.pre.push_str(&line),
             Section::Inner => self.inner.push_str(&line),
             Section::Post => self.post.push_str(&line),
@@ -381,7 +397,7 @@ impl<'a> BodyEmitter<'a> {
     }
 
     fn emit(&mut self, dt: DType, expr: String, operands: &[&String]) -> String {
-        self.emit_in(Section::Pre, dt, expr, operands)
+        self.emit_in(Section::Kernel, dt, expr, operands)
     }
 }
 
@@ -397,7 +413,7 @@ impl OpsHandler for BodyEmitter<'_> {
         if self.program.buffer(buf).layout.numel() == 0 {
             // an empty buffer is never read (its loop runs no iteration), but a load hoisted
             // before that loop would still run: it reads nothing
-            return self.emit_in(Section::Pre, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
+            return self.emit_in(Section::Kernel, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
         }
         let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
         let at = match &self.rows {
@@ -405,7 +421,10 @@ impl OpsHandler for BodyEmitter<'_> {
             _ => self.index(index),
         };
         let e = load_conv(&format!("{p}[{at}]"), dtype);
-        self.emit_in(Self::index_section(index), dtype, e, &[])
+        let read_only = self.read_only.is_some_and(|r| r.contains(&buf));
+        // a buffer the kernel writes may change between iterations: read it in the loops
+        let section = Self::index_section(index).max(if read_only { Section::Kernel } else { Section::Pre });
+        self.emit_in(section, dtype, e, &[])
     }
 
     fn constant(&mut self, value: Scalar, dtype: DType) -> String {
@@ -561,7 +580,7 @@ impl OpsHandler for BodyEmitter<'_> {
 
     fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
         if self.program.buffer(buf).layout.numel() == 0 {
-            return self.emit_in(Section::Pre, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
+            return self.emit_in(Section::Kernel, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
         }
         let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
         let mut addr = self.index(index);
@@ -569,7 +588,8 @@ impl OpsHandler for BodyEmitter<'_> {
             addr.push_str(&format!(" + {c}LL*{v}"));
         }
         let raw = format!("{p}[{addr}]");
-        let at = Self::index_section(index);
+        let read_only = self.read_only.is_some_and(|r| r.contains(&buf));
+        let at = Self::index_section(index).max(if read_only { Section::Kernel } else { Section::Pre });
         let e = match dtype {
             DType::F16 => format!("ferro_h2f({raw})"),
         DType::C32 => format!("ferro_chalf2c({raw})"),
@@ -589,7 +609,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let line = format!("{target} = {target} || ({wrapped} < 0) || ({wrapped} >= {size}LL);\n");
         // an index fixed across the inner loop (an embedding row) is checked once, before it:
         // an `||` accumulated in the loop kept GCC from vectorizing GPT-2's embedding + LayerNorm
-        if self.section_of(&wrapped) == Section::Pre && !self.split {
+        if self.section_of(&wrapped) <= Section::Pre && !self.split {
             self.pre.push_str(&line);
         } else {
             self.inner.push_str(&line);

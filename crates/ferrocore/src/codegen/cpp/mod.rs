@@ -141,6 +141,9 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
         }
     }
 
+    // loop-invariant values are computed once, before every loop, from buffers only read here
+    let read_only: std::collections::HashSet<BufferId> = read.iter().filter(|b| !written.contains(b) && !rows.contains(b)).copied().collect();
+    let mut hoisted = String::new();
     // names of in-kernel values: buffer -> C++ variable
     let mut locals: HashMap<BufferId, String> = HashMap::new();
     let mut tmp = 0usize;
@@ -178,6 +181,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let mut em = BodyEmitter::new(p, &kn.body, &ptr, &replace, &kn.ranges, &mut tmp, split);
             em.rows = Some((&rows, row_position(&g.inner)));
             em.chunk_sums_above = reduction_len.map(|r| (r, sum_chunk as fn(DType) -> i64));
+            em.read_only = Some(&read_only);
             let vals = kn.body.visit(&mut em);
             let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
             let value = vals[store.value.0 as usize].clone();
@@ -217,6 +221,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             } else {
                 String::new()
             };
+            hoisted.push_str(&em.kernel);
             pre.push_str(&em.pre);
             inner.push_str(&em.inner);
             post.push_str(&em.post);
@@ -226,7 +231,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
                     post.push_str(&line);
                     post.push_str(&store_line);
                 }
-                (false, Section::Pre | Section::Inner) => {
+                (false, Section::Kernel | Section::Pre | Section::Inner) => {
                     inner.push_str(&line);
                     inner.push_str(&store_line);
                 }
@@ -237,12 +242,28 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     }
     let tile = if rows.is_empty() && vectorize { column_tile(plan, &codes) } else { None };
     let single_flat = plan.groups.len() == 1 && plan.groups[0].inner.is_empty() && !plan.groups[0].reduction;
-    if single_flat {
-        if parallel {
-            out.push_str(if vectorize { "  #pragma omp parallel for simd\n" } else { "  #pragma omp parallel for\n" });
+    let worksharing = if single_flat && parallel {
+        Some(if vectorize { "for simd" } else { "for" })
+    } else if !single_flat && outer_parallel {
+        Some("for")
+    } else {
+        None
+    };
+    // loop-invariant values are computed by each thread inside the parallel region: values
+    // shared into it are opaque to the compiler (constants no longer fold)
+    let region = worksharing.is_some() && !hoisted.is_empty();
+    match worksharing {
+        Some(w) if region => {
+            out.push_str("  #pragma omp parallel
+  {
+");
+            out.push_str(&indent(&hoisted, 2));
+            let _ = writeln!(out, "  #pragma omp {w}");
         }
-    } else if outer_parallel {
-        out.push_str("  #pragma omp parallel for\n");
+        Some(w) => {
+            let _ = writeln!(out, "  #pragma omp parallel {w}");
+        }
+        None => out.push_str(&indent(&hoisted, 2)),
     }
     if let Some(t) = tile {
         let _ = writeln!(out, "  for (int64_t x0t = 0; x0t < {n}LL; x0t += {t}LL) {{");
@@ -263,7 +284,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             emit_group(&mut out, gi, &plan.groups[gi], code, split, vectorize);
         }
     }
-    out.push_str("  }\n  return ferro_err;\n}\n");
+    out.push_str(if region { "  }\n  }\n" } else { "  }\n" });
+    out.push_str("  return ferro_err;\n}\n");
     let mut args = read;
     args.extend(written);
     Ok((out, args))
