@@ -40,32 +40,88 @@ impl<'g> Ctx<'g> {
         Ok(Mutation { node: id, input, value })
     }
 
-    /// Emits the deferred input writes. A value that reads a mutated input anywhere but at the
-    /// element its own write replaces is first put in a buffer of its own, before any input is
-    /// written, so that no write is seen by a read meant for the old contents.
+    /// Emits the deferred input writes. A write that reads another written input comes before
+    /// that input's write (the scheduler keeps each write after the kernels reading its input,
+    /// and lets it join the last of them only where those reads are of the element it
+    /// overwrites, `PlanBuilder::place`): Adam's parameter update reads the old moments and runs
+    /// in one loop with their writes. A value read from inputs that are written in a cycle
+    /// (`a, b = b, a`), or from its own input anywhere but at the element it replaces, is first
+    /// put in a buffer of its own, before any input is written.
     pub(super) fn lower_mutations(&mut self, mutations: Vec<Mutation>) {
         let written: Vec<BufferId> = mutations.iter().map(|m| self.prog.inputs[m.input]).collect();
         let mut writes = Vec::with_capacity(mutations.len());
-        for m in &mutations {
-            let dst = self.prog.inputs[m.input];
+        // per write, the other writes whose inputs it reads (they must come after it)
+        let mut reads_written: Vec<Vec<usize>> = Vec::with_capacity(mutations.len());
+        for (i, m) in mutations.iter().enumerate() {
+            let dst = written[i];
             let layout = self.prog.buffer(dst).layout.clone();
-            let (body, ranges) = write_body(&m.value, &layout);
-            let store = &body.store.as_ref().expect("a write stores").index;
-            let safe = body.exprs.iter().all(|e| match e {
-                Expr::Load { buf, index } => !written.contains(buf) || (*buf == dst && index == store),
-                Expr::LoadIndirect { buf, .. } => !written.contains(buf),
-                _ => true,
-            });
-            let (body, ranges) = if safe {
-                (body, ranges)
-            } else {
-                let copy = self.as_node(m.node, |cx| cx.realize(&m.value));
-                write_body(&copy, &layout)
+            let (mut body, mut ranges) = write_body(&m.value, &layout);
+            let store = body.store.as_ref().expect("a write stores").index.clone();
+            let mut others = Vec::new();
+            let mut own_safe = true;
+            for e in &body.exprs {
+                let (buf, at_store) = match e {
+                    Expr::Load { buf, index } => (buf, *index == store),
+                    Expr::LoadIndirect { buf, .. } => (buf, false),
+                    _ => continue,
+                };
+                match written.iter().position(|w| w == buf) {
+                    Some(j) if j == i => own_safe &= at_store,
+                    Some(j) if !others.contains(&j) => others.push(j),
+                    _ => {}
+                }
+            }
+            if !own_safe {
+                (body, ranges) = self.copied_write_body(m, &layout);
+                others.clear();
+            }
+            writes.push(Some(LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins: vec![self.graph.node(m.node).name.clone()] }));
+            reads_written.push(others);
+        }
+        // Kahn's order over "i reads j's input": a write goes once no pending write reads its input
+        let mut pending_readers = vec![0usize; writes.len()];
+        for others in &reads_written {
+            others.iter().for_each(|&j| pending_readers[j] += 1);
+        }
+        let mut ready: std::collections::BTreeSet<usize> = (0..writes.len()).filter(|&i| pending_readers[i] == 0).collect();
+        let mut left = writes.len();
+        while left > 0 {
+            let i = match ready.pop_first() {
+                Some(i) => i,
+                None => {
+                    // a cycle: the first write on it reads a copy of its value instead
+                    let i = (0..writes.len()).find(|&i| writes[i].is_some() && !reads_written[i].is_empty()).expect("a cycle has a reader");
+                    let layout = self.prog.buffer(written[i]).layout.clone();
+                    let (body, ranges) = self.copied_write_body(&mutations[i], &layout);
+                    let w = writes[i].as_mut().expect("pending");
+                    (w.body, w.ranges) = (body, ranges);
+                    for j in std::mem::take(&mut reads_written[i]) {
+                        pending_readers[j] -= 1;
+                        if pending_readers[j] == 0 {
+                            ready.insert(j);
+                        }
+                    }
+                    continue;
+                }
             };
-            writes.push(LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins: vec![self.graph.node(m.node).name.clone()] });
-        }
-        for w in writes {
+            for &j in &reads_written[i] {
+                pending_readers[j] -= 1;
+                if pending_readers[j] == 0 {
+                    ready.insert(j);
+                }
+            }
+            let w = writes[i].take().expect("each write goes once");
             self.push_node(w);
+            left -= 1;
         }
+    }
+
+    /// The write of `m`'s value from a copy of it made now, before any input is written.
+    fn copied_write_body(&mut self, m: &Mutation, layout: &Layout) -> (LoopBody, Vec<i64>) {
+        let copy = self.as_node(m.node, |cx| {
+            let fresh = cx.fresh_layout(&m.value.size, m.value.dtype, m.value.device);
+            cx.realize_into(&m.value, fresh)
+        });
+        write_body(&copy, layout)
     }
 }

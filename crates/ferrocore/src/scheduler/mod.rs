@@ -405,9 +405,14 @@ fn choose_kernel(
     let producer = near.producer;
     let mut earliest = reads.iter().filter_map(|b| producer[b.0 as usize].latest).max().unwrap_or(0);
     // a write into a graph input runs after every other kernel that reads the input, and after
-    // earlier writes of it
+    // earlier writes of it; it may join the last kernel reading the input where those reads are
+    // of the elements it overwrites (`PlanBuilder::place` checks)
     let out = node.output.0 as usize;
+    let mut with_readers = None;
     if let Some(last) = near.input_readers[out].latest.max(producer[out].latest) {
+        if near.input_readers[out].latest == Some(last) && producer[out].latest.is_none_or(|w| w < last) && earliest <= last {
+            with_readers = Some(last);
+        }
         earliest = earliest.max(last + 1);
     }
     let small = output_bytes(p, n) <= SMALL_OUTPUT_BYTES;
@@ -417,6 +422,9 @@ fn choose_kernel(
     // graph outputs are lowered last: a saved activation computed at the end of a forward from
     // a temporary kept that temporary alive through the whole forward (MobileNetV3's float32
     // batch-norm outputs, 67 MB of peak); in the kernel that writes the temporary it need not
+    if let Some(si) = with_readers.filter(|&si| si < lo) {
+        candidates.insert(0, si);
+    }
     if small || is_returned {
         let far = reads.iter().flat_map(|b| producer[b.0 as usize].slots.iter().chain(&near.readers[b.0 as usize].slots).copied());
         candidates.extend(far.filter(|&si| si < lo));
@@ -471,7 +479,7 @@ fn choose_kernel(
     };
     for si in candidates {
         let Slot::Kernel(k) = &slots[si] else { continue };
-        if si < earliest || k.scatter {
+        if (si < earliest && Some(si) != with_readers) || k.scatter {
             continue;
         }
         let score = shared_bytes(p, &k.touched, &reads);

@@ -126,6 +126,8 @@ pub(super) struct PlanBuilder {
     plan: KernelPlan,
     /// Per buffer, the positions (in `plan.nodes`) of the nodes that write it.
     writers: HashMap<BufferId, Vec<usize>>,
+    /// Per buffer, the positions of the nodes that load it.
+    readers: HashMap<BufferId, Vec<usize>>,
     /// Whether some node reduces (the outer size is then the reductions' output count).
     reduces: bool,
 }
@@ -164,7 +166,7 @@ impl PlanBuilder {
             }
         };
         let plan = KernelPlan { outer, groups: Vec::new(), nodes: Vec::new(), local_reads: Vec::new() };
-        let mut b = PlanBuilder { plan, writers: HashMap::new(), reduces: reduction_n.is_some() };
+        let mut b = PlanBuilder { plan, writers: HashMap::new(), readers: HashMap::new(), reduces: reduction_n.is_some() };
         for &i in nodes {
             let node = b.place(p, i, first.output, placed)?;
             b.push(p, node);
@@ -279,8 +281,40 @@ impl PlanBuilder {
             };
             reads_here.push((*buf, kind));
         }
+        let joins_last = groups.last().is_some_and(|g| g.inner == inner && !needs_new_group);
+        self.check_overwrite(p, i, &body, is_red, joins_last)?;
         let node = KernelNode { node: i, group: 0, body, ranges: kranges };
         Ok(Placement { node, inner, is_red, needs_new_group, reads_here })
+    }
+
+    /// A node writing a buffer that earlier nodes of the kernel read (a write into a graph input
+    /// after its readers) may join only where each of those reads is of the element it
+    /// overwrites, in the same pointwise loop it joins: there every read of an element comes
+    /// before its store, whatever the order of iterations, threads or vector lanes.
+    fn check_overwrite(&self, p: &LoopProgram, i: usize, body: &LoopBody, is_red: bool, joins_last: bool) -> Result<(), String> {
+        let out = p.nodes[i].output;
+        let Some(readers) = self.readers.get(&out) else { return Ok(()) };
+        let name = &p.buffer(out).name;
+        let store = body.store.as_ref().ok_or("a node without a store")?;
+        if is_red || !joins_last || !store.terms.is_empty() || store.mode != StoreMode::Set {
+            return Err(format!("{name} overwrites a buffer that the kernel reads in another loop"));
+        }
+        let last = self.plan.groups.len() - 1;
+        for &r in readers {
+            let kn = &self.plan.nodes[r];
+            let reader = &p.nodes[kn.node];
+            let same_loop = kn.group == last && !self.plan.groups[last].reduction && reader.reduction_ranges.is_empty() && reader.kind() != NodeKind::Scan;
+            let at_store = kn.body.exprs.iter().all(|e| match e {
+                Expr::Load { buf, index } if *buf == out => *index == store.index,
+                Expr::LoadIndirect { buf, .. } => *buf != out,
+                _ => true,
+            });
+            if !same_loop || !at_store {
+                let rname = &p.buffer(reader.output).name;
+                return Err(format!("{name} overwrites elements that {rname} reads elsewhere in the kernel"));
+            }
+        }
+        Ok(())
     }
 
     fn push(&mut self, p: &LoopProgram, placed: Placement) {
@@ -307,6 +341,14 @@ impl PlanBuilder {
         }
         node.group = gi;
         self.writers.entry(p.nodes[node.node].output).or_default().push(pos);
+        for e in &node.body.exprs {
+            if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
+                let list = self.readers.entry(*buf).or_default();
+                if list.last() != Some(&pos) {
+                    list.push(pos);
+                }
+            }
+        }
         self.reduces |= is_red;
         plan.nodes.push(node);
     }
