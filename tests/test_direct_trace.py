@@ -542,3 +542,30 @@ def test_training_dropout_is_traced_directly(capfd):
     assert 0.3 < kept.float().mean().item() < 0.7
     torch.testing.assert_close(got[kept], (2 * x * w.detach())[kept])
     torch.testing.assert_close(w.grad, (2 * x * kept).sum(0))
+
+
+def test_a_backward_is_compiled_when_it_first_runs():
+    # a model called for inference without torch.no_grad() (the README's usage) compiled its
+    # backward at the first forward call: two graphs for a model never trained
+    import ferrocore
+
+    torch._dynamo.reset()
+    ferrocore.metrics.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    compiled = torch.compile(model, backend="ferrocore", options={"graph_cache": False})
+    out = compiled(x)
+    assert ferrocore.metrics.total["graphs"] == 1
+    _same(out, model(x))
+    out = compiled(x)
+    assert ferrocore.metrics.total["graphs"] == 1
+    out.square().sum().backward()
+    assert ferrocore.metrics.total["graphs"] == 2
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+    compiled(x).square().sum().backward()
+    assert ferrocore.metrics.total["graphs"] == 2

@@ -257,9 +257,10 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
 def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torch.fx.GraphModule, example_inputs,
                    opts: dict, overrides: dict, user_strides: list, cache_key: str | None, boxed: bool, label: str,
                    spent_ms: tuple, gemms: padding.Measurements) -> Callable:
-    """Compiles a directly traced joint graph's forward and backward, both now (AOT autograd
-    would compile the backward at its first call). `spent_ms`: (tracing, splitting); `gemms`:
-    the joint graph's GEMM timings, for both graphs' padding."""
+    """Compiles a directly traced joint graph's forward now and its backward at the backward's
+    first call (`LazyBackward`): a model called for inference without `torch.no_grad()` never
+    compiles one. `spent_ms`: (tracing, splitting); `gemms`: the joint graph's GEMM timings, for
+    both graphs' padding."""
     from . import cudagraphs  # (it imports this module)
 
     traced_ms, split_ms = spent_ms
@@ -269,9 +270,6 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
     recorded: dict = {"graphs": [], "bypass": None}
     family = cudagraphs.Family()
     saved = list(range(joint.num_outputs, joint.num_outputs + len(parts.saved_is_input)))
-    if _gpu_of(example_inputs) is None and not _options.build_options(overrides)["cpp_jobs"]:
-        # the forward's C++ compiles on a thread beside the backward's: half the CPUs each
-        overrides = {**overrides, "cpp_jobs": max(1, len(os.sched_getaffinity(0)) // 2)}
     strides = _visible_output_strides(parts.forward, user_strides, inference=False)
     reported: list = []
     later = KernelsLater()
@@ -279,17 +277,44 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
         fw_call = _compile(parts.forward, {"trace": traced_ms + split_ms}, overrides, strides, free_layout=saved,
                            saved=saved, family=family, record=recorded["graphs"].append, static_inputs=static,
                            reported_strides=reported, kernels_later=later, measured=gemms)
-        _restride_saved(parts.backward, reported[joint.num_outputs:])
-        with progress.compiling(label + " (backward)", opts["progress"]):
-            bw_call = _compile(parts.backward, {}, overrides, donated=parts.donated, backward=True, family=family,
-                               record=recorded["graphs"].append, measured=gemms)
     finally:
         later.wait()
+    _restride_saved(parts.backward, reported[joint.num_outputs:])
     runtime = aot_runtime.direct_training_runtime(joint, parts.saved_is_input, example_inputs, joint.unsafe_views)
     recorded["runtime"] = aot_runtime.add_backward(runtime, parts.backward, None, parts.donated)
-    if cache_key is not None:
-        _store_graph(cache_key, opts, recorded, "training")
-    return aot_runtime.training_call(fw_call, bw_call, recorded["runtime"], boxed)
+    base = graph_names.current_base()
+
+    def compile_backward() -> Callable:
+        with progress.compiling(label + " (backward)", opts["progress"]), _collector_spared(), \
+                graph_names.naming(base):
+            bw_call = _compile(parts.backward, {}, overrides, donated=parts.donated, backward=True, family=family,
+                               record=recorded["graphs"].append, measured=gemms)
+        if cache_key is not None:
+            # the entry holds both graphs: stored once the backward exists
+            _store_graph(cache_key, opts, recorded, "training")
+        return bw_call
+
+    return aot_runtime.training_call(fw_call, LazyBackward(compile_backward), recorded["runtime"], boxed)
+
+
+class LazyBackward:
+    """A training graph's compiled backward, compiled at its first call (as AOT autograd
+    compiles its backwards): forward-only use of a model whose parameters require gradients
+    compiles one graph. Called with the boxed argument list."""
+
+    def __init__(self, compile_backward: Callable[[], Callable]) -> None:
+        import threading
+
+        self._compile = compile_backward
+        self._call: Callable | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, args):
+        if self._call is None:
+            with self._lock:
+                if self._call is None:
+                    self._call = self._compile()
+        return self._call(args)
 
 
 class KernelsLater:
