@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent setup: a .venv with torch, numpy, pytest, expecttest, maturin, tlparse and playwright
-# (with Debian's Chromium, when run as root), the model
+# (with Debian's Chromium, when run as root, announced; FERROCORE_SKIP_APT=1 skips it), the model
 # benchmark's development dependencies (transformers, torchvision: bench/model_zoo.py builds its
 # models from their configs), and ferrocore built in release mode and installed into it
 # (editable: python/ changes apply without rebuilding).
@@ -15,7 +15,14 @@ fi
 export VIRTUAL_ENV="$REPO/.venv"
 export PATH="$VIRTUAL_ENV/bin:$PATH"
 
-# pip honours PIP_INDEX_URL / PIP_EXTRA_INDEX_URL, e.g. for CPU-only torch wheels.
+# torch comes from PyPI unless FERROCORE_TORCH_INDEX names another index: PyPI's Linux torch
+# is the CUDA build (about 3 GB of nvidia-* wheels beside it, needed for the GPU tests and
+# benchmarks); on a machine without a GPU, FERROCORE_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# installs PyTorch's CPU-only wheels of torch and torchvision (about 0.2 GB). The rest comes from PyPI.
+if ! python -c "import torch, torchvision" 2>/dev/null && [ -n "${FERROCORE_TORCH_INDEX:-}" ]; then
+    echo "setup: torch and torchvision from $FERROCORE_TORCH_INDEX"
+    python -m pip install --index-url "$FERROCORE_TORCH_INDEX" torch torchvision
+fi
 if ! python -c "import torch, numpy, pytest, expecttest, transformers, torchvision, playwright" 2>/dev/null \
         || [ ! -x .venv/bin/maturin ] || [ ! -x .venv/bin/tlparse ]; then
     # expecttest: torch's OpInfo db; torchvision is resolved together with torch (matching builds);
@@ -24,12 +31,19 @@ if ! python -c "import torch, numpy, pytest, expecttest, transformers, torchvisi
     python -m pip install torch torchvision numpy pytest maturin expecttest transformers tlparse playwright
 fi
 
-# Debian's Chromium, for the compile report's browser test (tests/test_report.py); installed
-# where this runs as root with apt-get, otherwise that test says it is skipped and why.
+# Debian's Chromium, for the compile report's browser test (tests/test_report.py): installed
+# with apt-get where this runs as root, announced first; FERROCORE_SKIP_APT=1 skips it, and
+# without it that test says it is skipped and why.
 if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
-        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }
+    if [ "${FERROCORE_SKIP_APT:-0}" = 1 ]; then
+        echo "setup: FERROCORE_SKIP_APT=1: not installing Debian's chromium (the compile report's browser test will skip)"
+    else
+        echo "setup: installing Debian's chromium with apt-get for the compile report's browser test" \
+             "(FERROCORE_SKIP_APT=1 skips it)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; }
+    fi
 fi
 
 # cargo's incremental build makes a rerun cheap.

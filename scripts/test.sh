@@ -1,7 +1,19 @@
 #!/usr/bin/env bash
-# Builds ferrocore (see setup.sh), then runs the Rust tests and the Python tests.
-# Extra arguments go to pytest.
+# Builds ferrocore (see setup.sh), then runs the Rust tests and the Python tests, one line of
+# progress per test file. Extra arguments go to pytest.
+#   bash scripts/test.sh --quick   the quick subset (QUICK_TESTS below, a few minutes): one file
+#                                  per stage and the end-to-end basics, for a change to one thing
 set -euo pipefail
+# Chosen to touch every stage (front, graph import, lowering, fusion, both code generators,
+# the runtime and its caches) in a few minutes on 2 cores.
+QUICK_TESTS=(tests/test_front.py tests/test_errors.py tests/test_input_checks.py tests/test_serialize.py
+             tests/test_e2e_pointwise.py tests/test_e2e_views.py tests/test_input_writes.py
+             tests/test_graph_cache.py tests/test_triton_backend.py tests/test_direct_trace.py)
+TESTS=(tests)
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    TESTS=("${QUICK_TESTS[@]}")
+fi
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$REPO/scripts/setup.sh"
 cd "$REPO"
@@ -19,4 +31,4 @@ PY_LIBDIR="$("$PYO3_PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var
 export LD_LIBRARY_PATH="$PY_LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo test --workspace --release
 
-.venv/bin/python -m pytest -q tests "$@"
+.venv/bin/python -m pytest "${TESTS[@]}" "$@"
