@@ -14,14 +14,15 @@ def run(fn, *shapes, kernels=None):
     """`fn` compiled and eager on equal random inputs: same inputs afterwards, same result."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(len(shapes))
-    base = [torch.randn(s, generator=gen).to(torch.get_default_device()) for s in shapes]
+    base = [torch.randn(s, generator=gen, device="cpu").to(torch.get_default_device()) for s in shapes]
     eager = [t.clone() for t in base]
     compiled = [t.clone() for t in base]
     expected = fn(*eager)
     out = torch.compile(fn, backend="ferrocore")(*compiled)
     for e, c in zip(eager, compiled):
         torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6, equal_nan=True)
-    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
+    if expected is not None:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert ferrocore.metrics.last["fallbacks"] == 0
     if kernels is not None:
         assert ferrocore.metrics.last["kernels"] == kernels, ferrocore.metrics.last
@@ -31,16 +32,14 @@ def adam_like(p, m, v, g):
     m.lerp_(g, 0.1)
     v.abs_().mul_(0.999).addcmul_(g, g, value=0.001)
     p.addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
-    return p.sum()
 
 
 def test_an_update_reading_the_moments_it_overwrites_is_one_loop():
-    # p's write reads m and v where their writes store: one kernel writes p, m and v (the sum
-    # is read from the new p in a second); before, p's new value went through a buffer of its
-    # own and each write was a kernel
-    run(adam_like, (64, 33), (64, 33), (64, 33), (64, 33), kernels=2)
+    # p's write reads m and v where their writes store: one kernel writes p, m and v; before,
+    # p's new value went through a buffer of its own and each write was a kernel
+    run(adam_like, (64, 33), (64, 33), (64, 33), (64, 33), kernels=1)
     # large enough for parallel vector loops
-    run(adam_like, (1 << 16,), (1 << 16,), (1 << 16,), (1 << 16,), kernels=2)
+    run(adam_like, (1 << 16,), (1 << 16,), (1 << 16,), (1 << 16,), kernels=1)
 
 
 def swap(a, b):

@@ -32,8 +32,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import (aliasing, aot_runtime, conv_layout, direct_trace, graph_cache, graph_names, joint_split, kernel_binaries,
-               padding, partition, progress, runtime, torch_logs)
+from . import (aliasing, aot_runtime, conv_layout, direct_trace, foreach, graph_cache, graph_names, joint_split,
+               kernel_binaries, padding, partition, progress, runtime, torch_logs)
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lend_forward_lines, lifted_constants, serialize_graph
 
@@ -673,6 +673,9 @@ def decompositions(training: bool = False) -> dict:
     for op in (torch.ops.aten.linspace, torch.ops.aten.logspace):
         for overload in ("default", "Tensor_Tensor", "Tensor_Scalar", "Scalar_Tensor"):
             table.pop(getattr(op, overload), None)
+    table.update(foreach.decompositions())
+    # (not in torch 2.11's core table: gradient clipping's norms ran as ATen calls on its GPUs)
+    table.update(get_decompositions([torch.ops.aten.linalg_vector_norm]))
     if training:
         aten = torch.ops.aten
         table.update(get_decompositions([
