@@ -1,6 +1,7 @@
 """The runtime section of a compile report (`crates/ferrocore/src/report`): where a compiled
-module's time goes when its benchmark runs, by kernel and library call, measured with
-torch.profiler and written into the report between its runtime marks.
+module's time goes when its benchmark runs, by kernel and library call (torch.profiler's device
+times on the GPU; a clock around each kernel on the CPU), written into the report between its
+runtime marks.
 
 `python MODULE.py --report REPORT.html` (the module's `__main__`) does it.
 """
@@ -39,54 +40,126 @@ def kernel_names(module: dict) -> list:
     return cpp + triton
 
 
-def _ranged(fn, name: str):
-    def call(*args):
-        with torch.profiler.record_function(name):
-            return fn(*args)
-
-    return call
-
-
 def measure(call, args, module: dict, reps: int) -> list:
-    """Runs `call` `reps` times under torch.profiler; the time per run by kernel (GPU: device
-    time; CPU: the kernel's host call) and by library call (top-level ATen ops)."""
+    """Runs `call` `reps` times; the time per run by kernel and by library call. On the GPU, the
+    device time of each under torch.profiler; on the CPU, `_measure_host`."""
     cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    if not cuda:
+        return _measure_host(call, args, module, reps)
     names = set(kernel_names(module))
-    host = [k for k in names if isinstance(module.get(k), ctypes._CFuncPtr)]
-    saved = {k: module[k] for k in host}
-    module.update({k: _ranged(module[k], k) for k in host})  # `call` reads its globals at each call
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    call(list(args))
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(reps):
+            call(list(args))
+        torch.cuda.synchronize()
+    totals: dict = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kind = "kernel" if e.name in names else "copy" if e.name.startswith(("Memcpy", "Memset")) else "library"
+        _add(totals, e.name, kind, e.time_range.elapsed_us() / 1e3, reps)
+    return sorted(totals.values(), key=lambda r: -r.ms)
+
+
+def _add(totals: dict, name: str, kind: str, ms: float, reps: int) -> None:
+    row = totals.setdefault(name, Row(name, kind, 0.0, 0.0))
+    row.calls += 1 / reps
+    row.ms += ms / reps
+
+
+def _measure_host(call, args, module: dict, reps: int) -> list:
+    """The CPU's time per run: each kernel's by a clock around its call (a profiler range
+    costs more than many kernels take, and summed its overhead into the total), each top-level
+    library call's and allocation's host time under torch.profiler in separate runs, and what
+    neither covers (the wrapper's own Python) as one row, so that the rows add up to the
+    median wall time."""
+    import time
+
+    kernels = [k for k in kernel_names(module) if isinstance(module.get(k), ctypes._CFuncPtr)]
+    spent = {k: [0, 0] for k in kernels}  # ns, calls
+
+    def clocked(fn, entry):
+        def run(*a):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*a)
+            finally:
+                entry[0] += time.perf_counter_ns() - t
+                entry[1] += 1
+
+        return run
+
+    saved = {k: module[k] for k in kernels}
+    module.update({k: clocked(module[k], spent[k]) for k in kernels})  # `call` reads its globals at each call
+    walls = []
     try:
         call(list(args))
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(reps):
-                call(list(args))
-            if cuda:
-                torch.cuda.synchronize()
+        for entry in spent.values():
+            entry[:] = [0, 0]
+        for _ in range(reps):
+            t = time.perf_counter_ns()
+            call(list(args))
+            walls.append((time.perf_counter_ns() - t) / 1e6)
     finally:
         module.update(saved)
     totals: dict = {}
+    for k, (ns, count) in spent.items():
+        if count:
+            totals[k] = Row(k, "kernel", count / reps, ns / 1e6 / reps)
+    with _without_profiler_noise():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(reps):
+                call(list(args))
     for e in prof.events():
-        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
-            kind = "kernel" if e.name in names else "copy" if e.name.startswith(("Memcpy", "Memset")) else "library"
-        elif not cuda and e.name in names:
-            kind = "kernel"
-        elif not cuda and e.cpu_parent is None:
-            # what `call` runs itself: library calls, its allocations, the rest
-            kind = "allocation" if e.name in _ALLOCATIONS else "library" if e.name.startswith("aten::") else "other"
-        else:
-            continue
-        row = totals.setdefault(e.name, Row(e.name, kind, 0.0, 0.0))
-        row.calls += 1 / reps
-        row.ms += e.time_range.elapsed_us() / 1e3 / reps
+        if e.cpu_parent is None and e.name.startswith("aten::"):
+            kind = "allocation" if e.name in _ALLOCATIONS else "library"
+            _add(totals, e.name, kind, e.time_range.elapsed_us() / 1e3, reps)
+    walls.sort()
+    rest = walls[len(walls) // 2] - sum(r.ms for r in totals.values())
+    if rest > 0:
+        totals["rest"] = Row("the rest: the wrapper's Python", "other", 1.0, rest)
     return sorted(totals.values(), key=lambda r: -r.ms)
+
+
+class _without_profiler_noise:
+    """Drops what the profiler's C++ side prints to stderr as it starts on a machine without a
+    GPU (`gpuGetDeviceCount failed`, its start and stop lines); other lines pass through."""
+
+    NOISE = ("gpuGetDeviceCount", "profiler_start", "profiler_stop")
+
+    def __enter__(self):
+        import sys
+
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._file.seek(0)
+        kept = [line for line in self._file.read().decode(errors="replace").splitlines(True)
+                if not any(n in line for n in self.NOISE)]
+        self._file.close()
+        sys.stderr.write("".join(kept))
+        return False
 
 
 def runtime_html(rows: list, wall_ms: float, device: str) -> str:
     total = sum(r.ms for r in rows) or 1e-9
-    what = "device time of each kernel" if device == "cuda" else "host time of each call"
-    out = [f"<p>Median wall time per run: {wall_ms:.4f} ms. Measured: {html.escape(what)} "
-           f"(torch.profiler), {total:.4f} ms per run in all.</p>",
+    if device == "cuda":
+        what = (f"the device time of each kernel and library call (torch.profiler), {total:.4f} ms per run in "
+                "all; the wall time also counts launches and host work")
+    else:
+        what = (f"each kernel's call by a clock, each library call's host time (torch.profiler, in other runs), "
+                f"and the rest of the wall time as one row: {total:.4f} ms per run in all")
+    out = [f"<p>Median wall time per run: {wall_ms:.4f} ms. Measured: {html.escape(what)}.</p>",
            "<table><tr><th>name</th><th>kind</th><th>calls per run</th><th>ms per run</th><th>share</th></tr>"]
     for r in rows:
         name = html.escape(r.name)
