@@ -204,3 +204,51 @@ def test_metadata_overstating_a_result_never_reads_outside_a_buffer(name):
             n.meta["val"] = torch.empty((val.shape[0] * 1000, *val.shape[1:]), dtype=val.dtype)
     with pytest.raises((ferrocore.FerrocoreError, RuntimeError), match="metadata"):
         ferrocore.compile_graph(gm)(*args)
+
+
+def _compile_sin(**options):
+    torch._dynamo.reset()
+    return torch.compile(lambda x: x.sin() + 1, backend="ferrocore", options={"graph_cache": False, **options})(
+        torch.randn(8))
+
+
+@pytest.mark.cpu_only("C++ kernels and their cache")
+def test_a_cache_directory_that_is_a_file_says_so(tmp_path):
+    # it got the message about other users planting code
+    path = tmp_path / "cache"
+    path.write_text("not a directory")
+    with pytest.raises(Exception, match="exists and is not a directory") as raised:
+        _compile_sin(cache_dir=str(path))
+    assert "plant" not in str(raised.value)
+
+
+@pytest.mark.cpu_only("the C++ compiler")
+def test_a_missing_cxx_says_how_to_get_one(tmp_path):
+    with pytest.raises(Exception, match="install g\\+\\+, or set CXX"):
+        _compile_sin(cxx=str(tmp_path / "no-such-g++"), cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_misspelt_log_channel_warns_once_per_process():
+    import subprocess
+    import sys
+
+    program = ("import torch, ferrocore\n"
+               "for f in (lambda x: x.sin() + 1, lambda x: x.cos() * 2):\n"
+               "    torch.compile(f, backend='ferrocore')(torch.randn(8))\n")
+    env = {**__import__("os").environ, "FERROCORE_LOGS": "fusoin"}
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("unknown channel 'fusoin'") == 1, done.stderr
+
+
+def test_a_dynamic_graph_names_each_signature_after_its_compile():
+    # the third signature's graph was `graph_2`, outside the naming scheme
+    torch._dynamo.reset()
+    ferrocore.metrics.reset()
+    f = torch.compile(lambda x: x.exp() * 2, backend="ferrocore", dynamic=True, options={"graph_cache": False})
+    names = []
+    for n in (3, 17, 100):
+        f(torch.randn(n))
+        names.append(ferrocore.metrics.last["name"])
+    # (names are numbered per process: earlier tests may have used this one)
+    assert len(set(names)) == 3 and all(n.startswith("lambda_0_0_inference") for n in names), names

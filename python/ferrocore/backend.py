@@ -1165,8 +1165,10 @@ def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict,
     """A graph with dynamic shapes runs as one static compilation per distinct input signature
     (sizes, strides, dtypes and the values of integer inputs): at the first call with a new
     signature the graph is re-traced with those inputs, so every sym_size / sym_stride /
-    sym_numel / sym_storage_offset becomes a constant, and compiled like any static graph."""
+    sym_numel / sym_storage_offset becomes a constant, and compiled like any static graph,
+    named after the symbolic graph's compile (`<base>_inference_1`, ...), not `graph_<n>`."""
     compiled: dict = {}
+    base = graph_names.current_base()
 
     def call(args):
         key = tuple(
@@ -1177,7 +1179,8 @@ def _specializing(gm: torch.fx.GraphModule, timings: dict, overrides: dict,
         )
         fn = compiled.get(key)
         if fn is None:
-            fn = _specialization(compiled, key, gm, args, timings, overrides, output_strides)
+            with graph_names.naming(base):
+                fn = _specialization(compiled, key, gm, args, timings, overrides, output_strides)
         return fn(args)
 
     call._boxed_call = True

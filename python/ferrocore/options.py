@@ -229,6 +229,9 @@ def options_json(overrides: dict | None = None) -> str:
     return json.dumps(build_options(overrides))
 
 
+_WARNED_CHANNELS: set = set()
+
+
 def parse_logs(spec: str, option: bool = False) -> list:
     """`"graph, output_code"` -> `["graph", "output_code"]`; `all` names every channel. An
     unknown channel is a warning in FERROCORE_LOGS, an OptionError in `options=` (`option`)."""
@@ -243,7 +246,10 @@ def parse_logs(spec: str, option: bool = False) -> list:
             raise OptionError(f"ferrocore option 'logs': unknown channel {name!r}; the channels are "
                               f"{', '.join(LOG_CHANNELS)}")
         if name not in LOG_CHANNELS:
-            warnings.warn(f"FERROCORE_LOGS: unknown channel {name!r}; known: {LOG_CHANNELS}")
+            # once per process: the variable is read again at every compile
+            if name not in _WARNED_CHANNELS:
+                _WARNED_CHANNELS.add(name)
+                warnings.warn(f"FERROCORE_LOGS: unknown channel {name!r}; known: {LOG_CHANNELS}")
             continue
         if name not in logs:
             logs.append(name)

@@ -50,12 +50,14 @@ pub fn current_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+const NOT_A_DIRECTORY: &str = "is not a directory";
+
 /// Why a directory may not hold cache entries, or None when it may: owned by `uid`, a real
 /// directory, not writable by group or others. Kept apart from `stat` so tests can hand it a
 /// foreign owner, which a non-root test cannot create.
 pub fn directory_refusal(uid: u32, owner: u32, mode: u32, is_dir: bool) -> Option<String> {
     if !is_dir {
-        return Some("is not a directory".into());
+        return Some(NOT_A_DIRECTORY.into());
     }
     if owner != uid {
         return Some(format!("is owned by uid {owner}, not by the current user (uid {uid})"));
@@ -244,6 +246,13 @@ pub fn manifest_of(path: &Path) -> PathBuf {
 }
 
 fn refused(dir: &Path, why: &str) -> RuntimeError {
+    if why == NOT_A_DIRECTORY {
+        // nothing to do with other users: a file (or device) where the directory should be
+        return rerr(format!(
+            "cannot use cache directory {}: it exists and {why}. Move it away, or set FERROCORE_CACHE_DIR to a directory",
+            dir.display()
+        ));
+    }
     rerr(format!(
         "refusing to use cache directory {}: it {why}; another user could plant code that ferrocore would load. \
          Make it yours and private (chmod 700), or set FERROCORE_CACHE_DIR to a directory of your own",

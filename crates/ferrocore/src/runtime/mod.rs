@@ -291,7 +291,14 @@ impl Build<'_> {
     fn run(&self, shown: &Path, args: impl FnOnce(&mut Command) -> &mut Command) -> Result<(), RuntimeError> {
         let (cxx, source_path) = (self.cxx, self.source_path);
         let mut cmd = Command::new(cxx);
-        let out = args(&mut cmd).output().map_err(|e| rerr(format!("cannot run C++ compiler '{cxx}' on {}: {e}", source_path.display())))?;
+        let out = args(&mut cmd).output().map_err(|e| {
+            let hint = if e.kind() == std::io::ErrorKind::NotFound {
+                " (no such program: install g++, or set CXX or the `cxx` option to a C++ compiler)"
+            } else {
+                ""
+            };
+            rerr(format!("cannot run C++ compiler '{cxx}' on {}: {e}{hint}", source_path.display()))
+        })?;
         if out.status.success() {
             return Ok(());
         }
