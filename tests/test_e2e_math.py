@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,35 @@ def test_sin_and_cos_of_one_value_stay_vector_calls(tmp_path):
     assert "sincos" not in calls, calls
     for fn in ("sinf", "cosf", "sin", "cos"):
         assert re.search(rf"_ZGV\w+_{fn}\b", calls), (fn, calls)
+
+
+@pytest.mark.cpu_only("the C++ prelude")
+def test_half_conversions_without_float16_type_match_the_compilers(tmp_path):
+    # clang < 15 has no _Float16 on x86 (every kernel failed to compile under CXX=clang++): the
+    # prelude's integer conversions must round as _Float16's do, checked here under g++
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no g++")
+    prelude = (Path(__file__).resolve().parent.parent / "crates/ferrocore/src/codegen/cpp/prelude.h").read_text()
+    fallback = re.search(r"#ifdef __FLT16_MAX__\n.*?#else\n(.*?)#endif\n", prelude, re.S).group(1)
+    harness = tmp_path / "half.cpp"
+    harness.write_text("#include <cstdint>\n#include <cstdio>\n#include <cstring>\n" + fallback + r"""
+int main() {
+  long bad = 0;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    _Float16 ref; uint16_t hh = (uint16_t)h; memcpy(&ref, &hh, 2);
+    float mine = ferro_h2f(hh), want = (float)ref;
+    bad += memcmp(&mine, &want, 4) != 0 && !(mine != mine && want != want);
+  }
+  for (uint64_t u = 0; u < (1ull << 32); u += 4099) {
+    uint32_t bits = (uint32_t)u; float f; memcpy(&f, &bits, 4);
+    _Float16 r = (_Float16)f; uint16_t want; memcpy(&want, &r, 2);
+    uint16_t mine = ferro_f2h(f);
+    bad += f != f ? ((mine & 0x7c00) != 0x7c00 || (mine & 0x3ff) == 0) : mine != want;
+  }
+  printf("%ld\n", bad);
+}
+""")
+    exe = tmp_path / "half"
+    subprocess.run([cxx, "-O2", "-march=native", str(harness), "-o", str(exe)], check=True, timeout=120)
+    assert subprocess.run([str(exe)], capture_output=True, text=True, timeout=120, check=True).stdout.strip() == "0"

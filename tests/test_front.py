@@ -443,7 +443,7 @@ def test_each_specialization_of_a_dynamic_graph_is_announced_with_what_changed(m
         cf(torch.randn(rows, 4))
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[ferrocore:recompiles]")]
     assert len(lines) == 3
-    assert "signature 1, compiled as graph_" in lines[0] and lines[0].endswith(": its first call")
+    assert "signature 1, compiled as lambda_0_0_inference" in lines[0] and lines[0].endswith(": its first call")
     # (Dynamo passes the symbolic sizes as int inputs too)
     assert "signature 2" in lines[1] and "sizes (3, 4) -> (6, 4)" in lines[1] and "(int) 3 -> 6" in lines[1]
     assert "signature 3" in lines[2] and "sizes (6, 4) -> (2, 4)" in lines[2]

@@ -94,8 +94,47 @@ template <typename T> static inline T max(T a, T b) { return (a < b) ? b : a; }
 template <typename T> static inline T min(T a, T b) { return (b < a) ? b : a; }
 }  // namespace ferro
 
+#ifdef __FLT16_MAX__
 static inline float ferro_h2f(uint16_t h) { _Float16 v; __builtin_memcpy(&v, &h, 2); return (float)v; }
 static inline uint16_t ferro_f2h(float f) { _Float16 v = (_Float16)f; uint16_t h; __builtin_memcpy(&h, &v, 2); return h; }
+#else
+// compilers without _Float16 on x86 (clang < 15): the same conversions in integer arithmetic,
+// rounding to nearest even; NaN becomes the quiet NaN 0x7e00 with its sign
+static inline float ferro_h2f(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {
+    float v = (float)man * 5.9604644775390625e-8f;  // a subnormal: man * 2^-24, exact
+    __builtin_memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+static inline uint16_t ferro_f2h(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  uint32_t sign = u & 0x80000000u, h;
+  u ^= sign;
+  if (u >= (143u << 23)) {  // 2^16 and beyond: inf (NaN stays NaN)
+    h = u > (255u << 23) ? 0x7e00u : 0x7c00u;
+  } else if (u < (113u << 23)) {  // a half subnormal or zero: let a float add round it
+    float a;
+    __builtin_memcpy(&a, &u, 4);
+    a += 0.5f;
+    __builtin_memcpy(&h, &a, 4);
+    h -= 126u << 23;
+  } else {
+    u += (uint32_t)(-112 * (1 << 23)) + 0xfffu + ((u >> 13) & 1u);  // rebias, round to nearest even
+    h = u >> 13;
+  }
+  return (uint16_t)(h | (sign >> 16));
+}
+#endif
 static inline float ferro_bf2f(uint16_t b) { uint32_t u = ((uint32_t)b) << 16; float f; __builtin_memcpy(&f, &u, 4); return f; }
 static inline uint16_t ferro_f2bf(float f) {
   uint32_t u; __builtin_memcpy(&u, &f, 4);
