@@ -53,29 +53,8 @@ impl<'g> Ctx<'g> {
         // per write, the other writes whose inputs it reads (they must come after it)
         let mut reads_written: Vec<Vec<usize>> = Vec::with_capacity(mutations.len());
         for (i, m) in mutations.iter().enumerate() {
-            let dst = written[i];
-            let layout = self.prog.buffer(dst).layout.clone();
-            let (mut body, mut ranges) = write_body(&m.value, &layout);
-            let store = body.store.as_ref().expect("a write stores").index.clone();
-            let mut others = Vec::new();
-            let mut own_safe = true;
-            for e in &body.exprs {
-                let (buf, at_store) = match e {
-                    Expr::Load { buf, index } => (buf, *index == store),
-                    Expr::LoadIndirect { buf, .. } => (buf, false),
-                    _ => continue,
-                };
-                match written.iter().position(|w| w == buf) {
-                    Some(j) if j == i => own_safe &= at_store,
-                    Some(j) if !others.contains(&j) => others.push(j),
-                    _ => {}
-                }
-            }
-            if !own_safe {
-                (body, ranges) = self.copied_write_body(m, &layout);
-                others.clear();
-            }
-            writes.push(Some(LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins: vec![self.graph.node(m.node).name.clone()] }));
+            let (write, others) = self.write_of(m, i, &written);
+            writes.push(Some(write));
             reads_written.push(others);
         }
         // Kahn's order over "i reads j's input": a write goes once no pending write reads its input
@@ -84,36 +63,58 @@ impl<'g> Ctx<'g> {
             others.iter().for_each(|&j| pending_readers[j] += 1);
         }
         let mut ready: std::collections::BTreeSet<usize> = (0..writes.len()).filter(|&i| pending_readers[i] == 0).collect();
-        let mut left = writes.len();
-        while left > 0 {
-            let i = match ready.pop_first() {
-                Some(i) => i,
-                None => {
-                    // a cycle: the first write on it reads a copy of its value instead
-                    let i = (0..writes.len()).find(|&i| writes[i].is_some() && !reads_written[i].is_empty()).expect("a cycle has a reader");
-                    let layout = self.prog.buffer(written[i]).layout.clone();
-                    let (body, ranges) = self.copied_write_body(&mutations[i], &layout);
-                    let w = writes[i].as_mut().expect("pending");
-                    (w.body, w.ranges) = (body, ranges);
-                    for j in std::mem::take(&mut reads_written[i]) {
-                        pending_readers[j] -= 1;
-                        if pending_readers[j] == 0 {
-                            ready.insert(j);
-                        }
-                    }
-                    continue;
-                }
-            };
-            for &j in &reads_written[i] {
+        let mut release = |reads: Vec<usize>, ready: &mut std::collections::BTreeSet<usize>| {
+            for j in reads {
                 pending_readers[j] -= 1;
                 if pending_readers[j] == 0 {
                     ready.insert(j);
                 }
             }
-            let w = writes[i].take().expect("each write goes once");
-            self.push_node(w);
+        };
+        let mut left = writes.len();
+        while left > 0 {
+            let Some(i) = ready.pop_first() else {
+                // a cycle: the first write on it reads a copy of its value instead
+                let i = (0..writes.len()).find(|&i| writes[i].is_some() && !reads_written[i].is_empty()).expect("a cycle has a reader");
+                let layout = self.prog.buffer(written[i]).layout.clone();
+                let w = writes[i].as_mut().expect("pending");
+                (w.body, w.ranges) = self.copied_write_body(&mutations[i], &layout);
+                release(std::mem::take(&mut reads_written[i]), &mut ready);
+                continue;
+            };
+            release(std::mem::take(&mut reads_written[i]), &mut ready);
+            self.push_node(writes[i].take().expect("each write goes once"));
             left -= 1;
         }
+    }
+
+    /// The loop node of write `i` (of `m`'s value into `written[i]`), and the other writes whose
+    /// inputs it reads; a value reading its own input elsewhere than where it stores is copied.
+    fn write_of(&mut self, m: &Mutation, i: usize, written: &[BufferId]) -> (LoopNode, Vec<usize>) {
+        let dst = written[i];
+        let layout = self.prog.buffer(dst).layout.clone();
+        let (mut body, mut ranges) = write_body(&m.value, &layout);
+        let store = body.store.as_ref().expect("a write stores").index.clone();
+        let mut others = Vec::new();
+        let mut own_safe = true;
+        for e in &body.exprs {
+            let (buf, at_store) = match e {
+                Expr::Load { buf, index } => (buf, *index == store),
+                Expr::LoadIndirect { buf, .. } => (buf, false),
+                _ => continue,
+            };
+            match written.iter().position(|w| w == buf) {
+                Some(j) if j == i => own_safe &= at_store,
+                Some(j) if !others.contains(&j) => others.push(j),
+                _ => {}
+            }
+        }
+        if !own_safe {
+            (body, ranges) = self.copied_write_body(m, &layout);
+            others.clear();
+        }
+        let origins = vec![self.graph.node(m.node).name.clone()];
+        (LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins }, others)
     }
 
     /// The write of `m`'s value from a copy of it made now, before any input is written.

@@ -126,7 +126,8 @@ pub(super) struct PlanBuilder {
     plan: KernelPlan,
     /// Per buffer, the positions (in `plan.nodes`) of the nodes that write it.
     writers: HashMap<BufferId, Vec<usize>>,
-    /// Per buffer, the positions of the nodes that load it.
+    /// Per graph input, the positions of the nodes that load it (a later node may write it:
+    /// `check_overwrite`).
     readers: HashMap<BufferId, Vec<usize>>,
     /// Whether some node reduces (the outer size is then the reductions' output count).
     reduces: bool,
@@ -343,6 +344,9 @@ impl PlanBuilder {
         self.writers.entry(p.nodes[node.node].output).or_default().push(pos);
         for e in &node.body.exprs {
             if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
+                if !matches!(p.buffer(*buf).source, BufferSource::Input(_)) {
+                    continue; // only inputs are written after their readers
+                }
                 let list = self.readers.entry(*buf).or_default();
                 if list.last() != Some(&pos) {
                     list.push(pos);
