@@ -13,7 +13,9 @@ use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
 use crate::runtime::{self, Progress};
 use crate::report::{self, ReportInput};
 use crate::scheduler::schedule_for;
-use crate::wrapper::{plan_host, render_module_with};
+use crate::codegen::RenderedKernels;
+use crate::scheduler::Schedule;
+use crate::wrapper::{plan_host, render_module_with, HostPlan};
 use serde::{Deserialize, Serialize};
 use std::os::unix::fs::DirBuilderExt;
 use std::fmt;
@@ -204,14 +206,41 @@ impl Stages<'_> {
     }
 }
 
+/// Everything generated for one graph, in memory: the imported graph, its schedule, the rendered
+/// kernels, the host plan and the wrapper module that prints it.
+pub struct Generated {
+    pub graph: crate::graph::Graph,
+    pub schedule: Schedule,
+    pub kernels: RenderedKernels,
+    pub plan: HostPlan,
+    pub module: String,
+    pub language: KernelLanguage,
+}
+
+/// What generation made of a graph: code, or the reason it runs eagerly (a backend that cannot
+/// render it, an index the bounds check cannot bound).
+pub enum Generation {
+    Code(Box<Generated>),
+    Eager { graph: String, language: KernelLanguage, reason: String },
+}
+
 /// Compiles one exchange-format graph into a wrapper module on disk.
 pub fn compile_graph(graph_json: &str, options: &Options) -> Result<CompileResult, CompileError> {
     compile_graph_observed(graph_json, options, &Progress::default())
 }
 
-/// `compile_graph`, telling `progress` which stage it is in (for a progress line).
-pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Progress) -> Result<CompileResult, CompileError> {
-    let mut st = Stages { options, progress, timings: Vec::new(), logs: Vec::new(), dump_dir: None };
+/// Generates the code of one graph in memory (no native compile, nothing written): what the
+/// replay corpus compares and `compile_graph` builds on.
+pub fn generate(graph_json: &str, options: &Options) -> Result<Generation, CompileError> {
+    let progress = Progress::default();
+    let mut st = Stages { options, progress: &progress, timings: Vec::new(), logs: Vec::new(), dump_dir: None };
+    generate_in(&mut st, graph_json).map(|(generation, _)| generation)
+}
+
+/// The stages from import to the wrapper module, timed and dumped through `st`; with the
+/// lowering's per-node ATen fallbacks.
+fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<FallbackRecord>), CompileError> {
+    let options = st.options;
     let graph = st.time("import", || parse_graph(graph_json)).map_err(|e| CompileError { stage: "import", message: e.to_string() })?;
     if let Some(d) = &options.debug_dir {
         let key = runtime::sha256_hex(graph_json.as_bytes());
@@ -221,6 +250,8 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         let refused = |message: String| CompileError { stage: "debug_dir", message };
         std::fs::DirBuilder::new().recursive(true).mode(0o700).create(d).map_err(|e| refused(format!("cannot create {}: {e}", d.display())))?;
         runtime::cache::private_dir(&dir).map_err(|e| refused(e.to_string()))?;
+        // the graph as it arrived: the input of a stage test or of the replay corpus
+        let _ = runtime::write_atomic(&dir.join("graph.json"), graph_json.as_bytes());
         st.dump_dir = Some(dir);
     }
     st.emit("graph", || graph.to_string());
@@ -251,6 +282,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         KernelLanguage::Cpp => &CppBackend,
         KernelLanguage::Triton => &triton,
     };
+    let eager = |reason: String| Ok((Generation::Eager { graph: graph.name.clone(), language, reason }, fallbacks.clone()));
     // whatever the metadata says, no kernel addresses memory outside a buffer: a proven escape
     // is malformed metadata (an error naming the node); an index the check cannot bound runs
     // the graph eagerly rather than risk it
@@ -258,8 +290,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         if e.proven {
             return Err(CompileError { stage: "bounds", message: format!("node '{}': {}", e.node, e.why) });
         }
-        let reason = format!("node '{}' {}", e.node, e.why);
-        return Ok(st.eager(&graph.name, backend.name(), fallbacks, reason));
+        return eager(format!("node '{}' {}", e.node, e.why));
     }
     let sched = st
         .time("scheduling", || schedule_for(lowered.program, &backend.schedule_options()))
@@ -268,7 +299,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
     st.emit("ir_post_fusion", || sched.text());
     let kernels = match st.time("codegen", || backend.render(&sched)) {
         Ok(k) => k,
-        Err(e) if e.kind == CodegenErrorKind::Unsupported => return Ok(st.eager(&graph.name, backend.name(), fallbacks, e.to_string())),
+        Err(e) if e.kind == CodegenErrorKind::Unsupported => return eager(e.to_string()),
         Err(e) => return Err(CompileError { stage: "codegen", message: e.to_string() }),
     };
     let (plan, module) = st.time("wrapper", || {
@@ -277,6 +308,18 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         (plan, module)
     });
     st.emit("output_code", || module.clone());
+    Ok((Generation::Code(Box::new(Generated { graph, schedule: sched, kernels, plan, module, language })), fallbacks))
+}
+
+/// `compile_graph`, telling `progress` which stage it is in (for a progress line).
+pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Progress) -> Result<CompileResult, CompileError> {
+    let mut st = Stages { options, progress, timings: Vec::new(), logs: Vec::new(), dump_dir: None };
+    let (generation, fallbacks) = generate_in(&mut st, graph_json)?;
+    let g = match generation {
+        Generation::Code(g) => g,
+        Generation::Eager { graph, language, reason } => return Ok(st.eager(&graph, language.name(), fallbacks, reason)),
+    };
+    let Generated { graph, schedule: sched, kernels, plan, module, language } = *g;
     let mut cache_hit = false;
     let native = !kernels.launches.is_empty() && language == KernelLanguage::Cpp;
     let cpp_source = (native && options.skip_native_compile).then(|| kernels.source.clone());
@@ -297,10 +340,11 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         };
         let _ = runtime::write_atomic(&d.join(file), kernels.source.as_bytes());
     }
+    let backend_name = language.name();
     let report_path = st.dump_dir.as_ref().and_then(|d| {
         let timings: Vec<(String, f64)> = options.front_timings_ms.iter().chain(&st.timings).cloned().collect();
         let module_path = module_path.to_string_lossy();
-        let input = ReportInput { graph: &graph, schedule: &sched, kernels: &kernels, plan: &plan, timings: &timings, module_path: &module_path, backend: backend.name() };
+        let input = ReportInput { graph: &graph, schedule: &sched, kernels: &kernels, plan: &plan, timings: &timings, module_path: &module_path, backend: backend_name };
         let path = d.join("report.html");
         runtime::write_atomic(&path, report::render(&input).as_bytes()).ok().map(|_| path.to_string_lossy().into_owned())
     });
@@ -325,7 +369,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         timings_ms: st.timings,
         cpp_cache_hit: cache_hit,
         logs: st.logs,
-        backend: backend.name().to_string(),
+        backend: backend_name.to_string(),
         graph_fallback: None,
         output_strides,
         extern_ops,
