@@ -51,7 +51,10 @@ def main() -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev_type == "cuda" else torch.float32)
     names = [m for m in args.models.split(",") if m] or list(model_zoo.MODELS)
-    captured: dict[str, bytes] = {}
+    if out.exists() and not args.models:
+        shutil.rmtree(out)  # a full capture replaces the folder; a partial one adds to it
+    out.mkdir(parents=True, exist_ok=True)
+    captured = 0
     failed = []
     for name in names:
         for task in args.tasks.split(","):
@@ -76,15 +79,11 @@ def main() -> int:
                 part = _part(json.loads(data)["name"])
                 parts[part] = parts.get(part, 0) + 1
                 suffix = "" if parts[part] == 1 else f"{parts[part]}"
-                captured[f"{name}-{task}-{part}{suffix}.json.gz"] = gzip.compress(data, compresslevel=9, mtime=0)
+                (out / f"{name}-{task}-{part}{suffix}.json.gz").write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
+                captured += 1
             print(f"{name} {task}: {len(graphs)} graphs", file=sys.stderr)
     shutil.rmtree(dumps, ignore_errors=True)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    for file, data in captured.items():
-        (out / file).write_bytes(data)
-    print(f"{len(captured)} graphs in {out}")
+    print(f"{captured} graphs in {out}")
     return 1 if failed else 0
 
 
