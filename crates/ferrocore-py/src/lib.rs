@@ -7,8 +7,8 @@ use ferrocore::runtime;
 use ferrocore::runtime::cuda;
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
-use pyo3::prelude::*;
 use pyo3::intern;
+use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyTuple};
 use serde_json::{json, Map, Value};
 use std::os::unix::io::IntoRawFd;
@@ -153,13 +153,14 @@ fn cache_write(py: Python<'_>, cache_dir: &str, rel: &str, data: &[u8]) -> PyRes
 /// Evicts least recently used entries until `cache_dir` holds at most `max_bytes`; JSON stats.
 #[pyfunction]
 fn evict_cache(py: Python<'_>, cache_dir: &str, max_bytes: u64, stale_after_s: f64) -> PyResult<String> {
-    py.detach(|| guarded("evict_cache", || {
-        let cache = runtime::Cache::open(Path::new(cache_dir)).map_err(|e| e.to_string())?;
-        let stale = Duration::try_from_secs_f64(stale_after_s).map_err(|e| format!("stale_after_s: {e}"))?;
-        let r = runtime::evict::evict(&cache, max_bytes, stale).map_err(|e| e.to_string())?;
-        Ok(json!({"total_bytes": r.total_bytes, "removed_entries": r.removed_entries, "removed_bytes": r.removed_bytes})
-            .to_string())
-    }))
+    py.detach(|| {
+        guarded("evict_cache", || {
+            let cache = runtime::Cache::open(Path::new(cache_dir)).map_err(|e| e.to_string())?;
+            let stale = Duration::try_from_secs_f64(stale_after_s).map_err(|e| format!("stale_after_s: {e}"))?;
+            let r = runtime::evict::evict(&cache, max_bytes, stale).map_err(|e| e.to_string())?;
+            Ok(json!({"total_bytes": r.total_bytes, "removed_entries": r.removed_entries, "removed_bytes": r.removed_bytes}).to_string())
+        })
+    })
 }
 
 /// The default cache directory (what `Options::default` uses).
@@ -183,7 +184,16 @@ impl CudaDriver {
 
     /// Loads kernel `name` of `cubin` on `device`; `trailing_nulls` null pointers follow the
     /// buffers at each launch (a Triton kernel's scratch parameters).
-    fn load(&self, py: Python<'_>, cubin: &[u8], name: &str, device: i32, num_warps: u32, shared: u32, trailing_nulls: u32) -> PyResult<CudaKernel> {
+    fn load(
+        &self,
+        py: Python<'_>,
+        cubin: &[u8],
+        name: &str,
+        device: i32,
+        num_warps: u32,
+        shared: u32,
+        trailing_nulls: u32,
+    ) -> PyResult<CudaKernel> {
         py.detach(|| {
             guarded("CudaDriver.load", || {
                 let config = cuda::LaunchConfig { num_warps, shared, trailing_nulls };

@@ -69,10 +69,7 @@ impl Network {
                 while cursor[v] != NONE {
                     let e = cursor[v];
                     let w = self.to[e];
-                    if self.residual[e] > 0
-                        && level[w].is_some()
-                        && level[w] == level[v].map(|l| l + 1)
-                    {
+                    if self.residual[e] > 0 && level[w].is_some() && level[w] == level[v].map(|l| l + 1) {
                         path.push(e);
                         v = w;
                         advanced = true;
@@ -105,26 +102,14 @@ impl Network {
 
 /// The source side of a minimum cut: `true` for each vertex still reachable from `source` once
 /// the maximum flow is pushed. Edges are (from, to, capacity) with capacities in 0..=INFINITE.
-pub fn source_side(
-    vertices: usize,
-    edges: &[(u32, u32, i64)],
-    source: usize,
-    sink: usize,
-) -> Result<Vec<bool>, String> {
+pub fn source_side(vertices: usize, edges: &[(u32, u32, i64)], source: usize, sink: usize) -> Result<Vec<bool>, String> {
     if source >= vertices || sink >= vertices || source == sink {
-        return Err(format!(
-            "min cut: source {source} and sink {sink} must be distinct vertices of {vertices}"
-        ));
+        return Err(format!("min cut: source {source} and sink {sink} must be distinct vertices of {vertices}"));
     }
     let mut network = Network::new(vertices, edges.len());
     for (i, &(from, to, capacity)) in edges.iter().enumerate() {
-        if from as usize >= vertices
-            || to as usize >= vertices
-            || !(0..=INFINITE).contains(&capacity)
-        {
-            return Err(format!(
-                "min cut: edge {i} ({from} -> {to}, capacity {capacity}) is out of range"
-            ));
+        if from as usize >= vertices || to as usize >= vertices || !(0..=INFINITE).contains(&capacity) {
+            return Err(format!("min cut: edge {i} ({from} -> {to}, capacity {capacity}) is out of range"));
         }
         network.add(from as usize, to as usize, capacity);
     }
@@ -154,20 +139,9 @@ mod tests {
     #[test]
     fn flow_through_a_chain_of_split_vertices() {
         // a value saved where it is smallest: in 1 -> out 1 (8), in 2 -> out 2 (3), in 3 -> out 3 (5)
-        let edges = [
-            (0, 1, INFINITE),
-            (1, 2, 8),
-            (2, 3, INFINITE),
-            (3, 4, 3),
-            (4, 5, INFINITE),
-            (5, 6, 5),
-            (6, 7, INFINITE),
-        ];
+        let edges = [(0, 1, INFINITE), (1, 2, 8), (2, 3, INFINITE), (3, 4, 3), (4, 5, INFINITE), (5, 6, 5), (6, 7, INFINITE)];
         let side = source_side(8, &edges, 0, 7).unwrap();
-        assert_eq!(
-            side,
-            vec![true, true, true, true, false, false, false, false]
-        );
+        assert_eq!(side, vec![true, true, true, true, false, false, false, false]);
     }
 
     #[test]

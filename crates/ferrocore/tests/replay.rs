@@ -41,9 +41,18 @@ fn replay_text(g: &Generated) -> String {
         let args: Vec<String> = l.args.iter().map(|b| format!("buf{}", b.0)).collect();
         let shape = match &l.shape {
             LaunchShape::Host => "host".to_string(),
-            LaunchShape::Grid { grid, xblock, num_warps, num_stages } => format!("grid {grid} xblock {xblock} warps {num_warps} stages {num_stages}"),
+            LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {
+                format!("grid {grid} xblock {xblock} warps {num_warps} stages {num_stages}")
+            }
         };
-        let _ = writeln!(out, "==== kernel {} ({}) numel {} {shape}{}", l.name, args.join(", "), l.numel, if l.checks_indices { " checks indices" } else { "" });
+        let _ = writeln!(
+            out,
+            "==== kernel {} ({}) numel {} {shape}{}",
+            l.name,
+            args.join(", "),
+            l.numel,
+            if l.checks_indices { " checks indices" } else { "" }
+        );
         match defined.get(&(l.text.start, l.text.end)) {
             Some(first) => {
                 let _ = writeln!(out, "(defined by {first})");

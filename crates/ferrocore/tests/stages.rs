@@ -36,7 +36,9 @@ impl G {
         self
     }
     fn call(mut self, name: &str, target: &str, args: &str, out_meta: &str) -> G {
-        self.nodes.push(format!(r#"{{"name":"{name}","kind":"call_function","target":"{target}","args":[{args}],"kwargs":{{}},"meta":{out_meta}}}"#));
+        self.nodes.push(format!(
+            r#"{{"name":"{name}","kind":"call_function","target":"{target}","args":[{args}],"kwargs":{{}},"meta":{out_meta}}}"#
+        ));
         self
     }
     fn output(mut self, names: &[&str]) -> String {
@@ -62,7 +64,8 @@ fn check(golden: &str, actual: &str) {
         std::fs::write(&path, actual).unwrap();
         return;
     }
-    let expected = std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("missing golden file {}; run with UPDATE_EXPECT=1", path.display()));
+    let expected =
+        std::fs::read_to_string(&path).unwrap_or_else(|_| panic!("missing golden file {}; run with UPDATE_EXPECT=1", path.display()));
     assert_eq!(expected, actual, "stage output differs from {golden}; re-approve with UPDATE_EXPECT=1 if intended");
 }
 
@@ -146,9 +149,19 @@ fn views_of_views_fold_to_affine_indices() {
     // x[4, 6] -> t() -> reshape [24] -> view [6, 4] -> exp: reads x at 6*(j) + i without div/mod
     let doc = G::new()
         .input("x", &[4, 6], "float32")
-        .call("t", "aten.t.default", &n("x"), &format!(r#"{{"tensor":{{"shape":[6,4],"stride":[1,6],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#))
+        .call(
+            "t",
+            "aten.t.default",
+            &n("x"),
+            &format!(r#"{{"tensor":{{"shape":[6,4],"stride":[1,6],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#),
+        )
         .call("perm", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("t")), &meta(&[4, 6], "float32"))
-        .call("v", "aten.view.default", &format!(r#"{},{{"list":[{{"int":2}},{{"int":2}},{{"int":6}}]}}"#, n("perm")), &meta(&[2, 2, 6], "float32"))
+        .call(
+            "v",
+            "aten.view.default",
+            &format!(r#"{},{{"list":[{{"int":2}},{{"int":2}},{{"int":6}}]}}"#, n("perm")),
+            &meta(&[2, 2, 6], "float32"),
+        )
         .call("e", "aten.exp.default", &n("v"), &meta(&[2, 2, 6], "float32"))
         .output(&["e"]);
     let (pre, _, _, k) = stages(&doc);
@@ -172,7 +185,12 @@ fn int64_index_math_does_not_overflow() {
 fn unknown_op_falls_back_to_aten_in_the_wrapper() {
     let doc = G::new()
         .input("x", &[4, 4], "float32")
-        .call("c", "aten.cummax.default", &format!(r#"{},{{"int":0}}"#, n("x")), &format!(r#"{{"tuple":[{},{}]}}"#, meta(&[4, 4], "float32"), meta(&[4, 4], "int64")))
+        .call(
+            "c",
+            "aten.cummax.default",
+            &format!(r#"{},{{"int":0}}"#, n("x")),
+            &format!(r#"{{"tuple":[{},{}]}}"#, meta(&[4, 4], "float32"), meta(&[4, 4], "int64")),
+        )
         .call("v", "getitem", &format!(r#"{},{{"int":0}}"#, n("c")), &meta(&[4, 4], "float32"))
         .call("r", "aten.relu.default", &n("v"), &meta(&[4, 4], "float32"))
         .output(&["r"]);
@@ -289,7 +307,8 @@ fn compile_report_links_graph_nodes_and_kernels_both_ways() {
         .output(&["y"])
         .replacen(r#""nodes":["#, r#""sources":{"t":"File \"m.py\", line 3, in f: x - m </pre><script>alert(1)</script>"},"nodes":["#, 1);
     let dir = std::env::temp_dir().join(format!("ferrocore-report-{}", std::process::id()));
-    let opts = Options { cache_dir: dir.join("cache"), debug_dir: Some(dir.join("debug")), skip_native_compile: true, ..Options::default() };
+    let opts =
+        Options { cache_dir: dir.join("cache"), debug_dir: Some(dir.join("debug")), skip_native_compile: true, ..Options::default() };
     let r = compile_graph(&doc, &opts).unwrap();
     let html = std::fs::read_to_string(r.report_path.as_deref().expect("a report beside the dumps")).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -298,7 +317,15 @@ fn compile_report_links_graph_nodes_and_kernels_both_ways() {
     assert_eq!(dangling_links(&html), Vec::<String>::new());
     let kernels: Vec<&str> = html.split("<h3>kernel ").skip(1).filter_map(|s| s.split('<').next()).collect();
     assert_eq!(kernels.len(), r.kernels, "{kernels:?}");
-    let row = |node: &str| html.split("<tr id=\"node-").find(|r| r.contains(&format!("<code>{node}</code>"))).unwrap().split("</tr>").next().unwrap().to_string();
+    let row = |node: &str| {
+        html.split("<tr id=\"node-")
+            .find(|r| r.contains(&format!("<code>{node}</code>")))
+            .unwrap()
+            .split("</tr>")
+            .next()
+            .unwrap()
+            .to_string()
+    };
     // graph -> kernel: the row of `t` links to the kernel that computes it; kernel -> graph back
     let t_kernel = kernels.iter().find(|k| row("t").contains(&format!("href=\"#kernel-{k}\""))).expect("t's kernel");
     let section = html.split(&format!("id=\"kernel-{t_kernel}\"")).nth(1).unwrap().split("</div>").next().unwrap();
@@ -328,10 +355,7 @@ fn small_kernels_that_share_nothing_share_a_launch() {
 #[test]
 fn wrapper_embeds_the_exact_kernel_source() {
     // the embedded string is the runtime cache key: one byte of difference recompiles
-    let doc = G::new()
-        .input("x", &[8, 8], "float32")
-        .call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32"))
-        .output(&["e"]);
+    let doc = G::new().input("x", &[8, 8], "float32").call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32")).output(&["e"]);
     let g = parse_graph(&doc).unwrap();
     let k = CppBackend.render(&schedule(lower_graph(&g).unwrap().program).unwrap()).unwrap();
     let (_, module) = wrapper_module(&doc);
@@ -432,8 +456,7 @@ fn triton_kernels_of_one_text_share_a_definition_only_with_one_signature() {
         .input("src64", &[6, 4], "float64");
     let g = scatter(scatter(scatter(g, "a", "x", "src", "float32"), "b", "y", "src", "float32"), "c", "z", "src64", "float64");
     let (src, launches) = triton_kernels(&g.output(&["a", "b", "c"]));
-    let copies: Vec<&ferrocore::codegen::KernelLaunch> =
-        launches.iter().filter(|l| l.signature.len() == 2).collect();
+    let copies: Vec<&ferrocore::codegen::KernelLaunch> = launches.iter().filter(|l| l.signature.len() == 2).collect();
     assert_eq!(copies.len(), 3, "{src}");
     assert_eq!(copies[0].name, copies[1].name, "the float32 copies share one definition:\n{src}");
     assert_ne!(copies[0].name, copies[2].name, "the float64 copy has its own:\n{src}");
@@ -469,10 +492,7 @@ fn a_scatter_triton_cannot_combine_runs_in_aten_and_the_rest_compiles() {
 
 #[test]
 fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
-    let doc = G::new()
-        .input("x", &[8, 8], "float32")
-        .call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32"))
-        .output(&["e"]);
+    let doc = G::new().input("x", &[8, 8], "float32").call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32")).output(&["e"]);
     let dir = std::env::temp_dir().join(format!("ferrocore-stage-backend-{}", std::process::id()));
     let opts = Options { cache_dir: dir.clone(), skip_native_compile: true, ..Options::default() };
     let cpu = compile_graph(&doc, &opts).unwrap();
@@ -483,7 +503,11 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
     assert_eq!(cuda.backend, "triton");
     assert!(cuda.module_source.contains("buf1 = empty_strided_cuda((8, 8), (8, 1), torch.float32)"), "{}", cuda.module_source);
     assert!(cuda.module_source.contains("with torch.cuda.device(0):"), "{}", cuda.module_source);
-    assert!(cuda.module_source.contains("launch_triton_poi_fused_e_0 = TritonLaunch(triton_poi_fused_e_0, 1, {'XBLOCK': 64}, 1, 1)"), "{}", cuda.module_source);
+    assert!(
+        cuda.module_source.contains("launch_triton_poi_fused_e_0 = TritonLaunch(triton_poi_fused_e_0, 1, {'XBLOCK': 64}, 1, 1)"),
+        "{}",
+        cuda.module_source
+    );
     assert!(cuda.module_source.contains("\n    launch_triton_poi_fused_e_0(x, buf1)"), "{}", cuda.module_source);
     // forced: Triton kernels for CPU tensors (run under TRITON_INTERPRET=1)
     let forced = compile_graph(&doc, &Options { backend: BackendChoice::Triton, ..opts.clone() }).unwrap();
@@ -535,7 +559,12 @@ fn triton_moves_complex_values_as_pairs_of_reals() {
     let doc = G::new()
         .input("x", &[4, 8], "complex64")
         .input("r", &[4, 8], "float32")
-        .call("t", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("x")), &meta(&[8, 4], "complex64").replace("[4,1]", "[1,8]"))
+        .call(
+            "t",
+            "aten.permute.default",
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("x")),
+            &meta(&[8, 4], "complex64").replace("[4,1]", "[1,8]"),
+        )
         .call("c", "aten.clone.default", &format!(r#"{}"#, n("t")), &meta(&[8, 4], "complex64"))
         .call("z", "aten._to_copy.default", &n("r"), &meta(&[4, 8], "complex128"))
         .output(&["c", "z"]);
@@ -606,13 +635,19 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
     // no split without a GPU's split config (the C++ backend's rows are whole)
     let whole = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
     assert_eq!(whole.kernel_count(), 2);
-    check("triton_split_reductions.txt", &format!("{}\n{}\n{src}", decisions.iter().map(|d| d.as_str()).collect::<Vec<_>>().join("\n"), s.text()));
+    check(
+        "triton_split_reductions.txt",
+        &format!("{}\n{}\n{src}", decisions.iter().map(|d| d.as_str()).collect::<Vec<_>>().join("\n"), s.text()),
+    );
 }
 
 #[test]
 fn small_pooling_windows_are_unrolled_pointwise() {
     // 3x3 max pool with indices: one pointwise kernel, nine loads per output, no window loop
-    let args = format!(r#"{},{{"list":[{{"int":3}},{{"int":3}}]}},{{"list":[{{"int":2}},{{"int":2}}]}},{{"list":[{{"int":1}},{{"int":1}}]}}"#, n("x"));
+    let args = format!(
+        r#"{},{{"list":[{{"int":3}},{{"int":3}}]}},{{"list":[{{"int":2}},{{"int":2}}]}},{{"list":[{{"int":1}},{{"int":1}}]}}"#,
+        n("x")
+    );
     let out = format!(r#"{{"tuple":[{},{}]}}"#, meta(&[2, 4, 8, 8], "float32"), meta(&[2, 4, 8, 8], "int64"));
     let doc = G::new()
         .input("x", &[2, 4, 16, 16], "float32")
@@ -707,7 +742,11 @@ fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
         .output(&["s", "r"]);
     let s = schedule(lower_graph(&parse_graph(&doc).unwrap()).unwrap().program).unwrap();
     assert_eq!(s.kernel_count(), 2, "{}", s.text());
-    assert!(s.decisions.iter().any(|d| d.contains("would loop over 65536 elements in each of the kernel's 1 programs")), "{:?}", s.decisions);
+    assert!(
+        s.decisions.iter().any(|d| d.contains("would loop over 65536 elements in each of the kernel's 1 programs")),
+        "{:?}",
+        s.decisions
+    );
     let rows = G::new()
         .input("y", &[256, 256], "float32")
         .call("s", "aten.sum.dim_IntList", &over("y", 1, false), &meta(&[256], "float32"))
@@ -747,7 +786,12 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
         .input("g", &[64, 100], "float32")
         .input("h", &[64, 32], "float32")
         .input("w", &[100, 32], "float32")
-        .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")), &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"))
+        .call(
+            "gt",
+            "aten.permute.default",
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")),
+            &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
+        )
         .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
         .call("k", "aten.relu.default", &n("g"), &meta(&[64, 100], "float32"))
         .call("dx", "aten.mm.default", &format!("{},{}", n("k"), n("w")), &meta(&[64, 32], "float32"))
@@ -766,7 +810,12 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
         .input("w", &[100, 32], "float32")
         .call("k", "aten.relu.default", &n("w"), &meta(&[100, 32], "float32"))
         .call("dx", "aten.mm.default", &format!("{},{}", n("g"), n("k")), &meta(&[64, 32], "float32"))
-        .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")), &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"))
+        .call(
+            "gt",
+            "aten.permute.default",
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")),
+            &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
+        )
         .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
         .call("dx2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dx")), &meta(&[64, 32], "float32"))
         .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dw")), &meta(&[100, 32], "float32"))
@@ -807,19 +856,28 @@ fn a_pointwise_result_takes_the_storage_of_the_buffer_it_consumes() {
 #[test]
 fn no_in_place_result_over_a_transposed_read_a_returned_buffer_or_an_input() {
     fn cumsum(g: G) -> G {
-        g.input("x", &[16, 16], "float32").call("c", "aten.cumsum.default", &format!(r#"{},{{"int":0}}"#, n("x")), &meta(&[16, 16], "float32"))
+        g.input("x", &[16, 16], "float32").call(
+            "c",
+            "aten.cumsum.default",
+            &format!(r#"{},{{"int":0}}"#, n("x")),
+            &meta(&[16, 16], "float32"),
+        )
     }
     // read transposed: element (i, j) of the result needs element (j, i) of c
     let transposed = cumsum(G::new())
-        .call("t", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("c")), &format!(
-            r#"{{"tensor":{{"shape":[16,16],"stride":[1,16],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#
-        ))
+        .call(
+            "t",
+            "aten.permute.default",
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("c")),
+            &format!(r#"{{"tensor":{{"shape":[16,16],"stride":[1,16],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#),
+        )
         .call("r", "aten.add.Tensor", &format!(r#"{},{}"#, n("t"), n("x")), &meta(&[16, 16], "float32"))
         .output(&["r"]);
     // c is returned as well
     let returned = cumsum(G::new()).call("r", "aten.relu.default", &n("c"), &meta(&[16, 16], "float32")).output(&["c", "r"]);
     // an input's storage belongs to the caller
-    let input = G::new().input("x", &[16, 16], "float32").call("r", "aten.relu.default", &n("x"), &meta(&[16, 16], "float32")).output(&["r"]);
+    let input =
+        G::new().input("x", &[16, 16], "float32").call("r", "aten.relu.default", &n("x"), &meta(&[16, 16], "float32")).output(&["r"]);
     for doc in [transposed, returned, input] {
         let (s, _) = wrapper_module(&doc);
         assert!(s.decisions.iter().all(|d| !d.starts_with("in place:")), "{:?}", s.decisions);
@@ -886,11 +944,17 @@ fn a_value_read_through_a_view_by_a_library_call_and_returned_is_computed_once()
         .call("e", "aten.exp.default", &n("d"), &meta(&[2, 4, 8, 8], "float32"))
         .call("z", "aten.sum.dim_IntList", &over("e", -1, true), &meta(&[2, 4, 8, 1], "float32"))
         .call("p", "aten.div.Tensor", &format!("{},{}", n("e"), n("z")), &meta(&[2, 4, 8, 8], "float32"))
-        .call("pv", "aten.view.default", &format!(r#"{},{{"list":[{{"int":8}},{{"int":8}},{{"int":8}}]}}"#, n("p")), &meta(&[8, 8, 8], "float32"))
+        .call(
+            "pv",
+            "aten.view.default",
+            &format!(r#"{},{{"list":[{{"int":8}},{{"int":8}},{{"int":8}}]}}"#, n("p")),
+            &meta(&[8, 8, 8], "float32"),
+        )
         .call("o", "aten.bmm.default", &format!("{},{}", n("pv"), n("v")), &meta(&[8, 8, 16], "float32"))
         .output(&["o", "p"]);
     let (_, module) = wrapper_module(&doc);
-    let probabilities = module.lines().filter(|l| l.contains("empty_strided((2, 4, 8, 8)") || l.contains("empty_strided((8, 8, 8)")).count();
+    let probabilities =
+        module.lines().filter(|l| l.contains("empty_strided((2, 4, 8, 8)") || l.contains("empty_strided((8, 8, 8)")).count();
     assert_eq!(probabilities, 1, "{module}");
 }
 
@@ -903,7 +967,9 @@ fn padded_module(doc: &str) -> String {
 #[test]
 fn a_gradient_read_by_two_padded_gemms_is_padded_once() {
     // g @ w and g.T @ h (a linear layer's input and weight gradients) with 100 columns
-    let t = |shape: &[i64], stride: &[i64]| format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"bfloat16","device":"cpu"}}}}"#);
+    let t = |shape: &[i64], stride: &[i64]| {
+        format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"bfloat16","device":"cpu"}}}}"#)
+    };
     for computed in [false, true] {
         let mut g = G::new().input("x", &[64, 100], "bfloat16").input("w", &[100, 64], "bfloat16").input("h", &[64, 32], "bfloat16");
         let grad = if computed {
@@ -919,7 +985,10 @@ fn a_gradient_read_by_two_padded_gemms_is_padded_once() {
             .output(&["dx", "dw"]);
         let module = padded_module(&doc);
         // the gradient's padded copies, row-major or column-major (w's is (104, 64), (64, 1))
-        let copies = module.lines().filter(|l| l.contains("empty_strided((64, 104), (104, 1)") || l.contains("empty_strided((104, 64), (1, 104)")).count();
+        let copies = module
+            .lines()
+            .filter(|l| l.contains("empty_strided((64, 104), (104, 1)") || l.contains("empty_strided((104, 64), (1, 104)"))
+            .count();
         assert_eq!(copies, 1, "computed: {computed}\n{module}");
         assert!(!module.contains("empty_strided((64, 100)"), "no unpadded copy of the gradient:\n{module}");
     }
@@ -951,7 +1020,12 @@ fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() 
         .input("g", &[64, 100], "float32")
         .input("h", &[64, 32], "float32")
         .call("db", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("g")), &meta(&[100], "float32"))
-        .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")), &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"))
+        .call(
+            "gt",
+            "aten.permute.default",
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")),
+            &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
+        )
         .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
         .output(&["db", "dw"]);
     let (s, module) = wrapper_module(&doc);
@@ -986,26 +1060,48 @@ fn wide_graphs_schedule_with_work_linear_in_their_width() {
     // 10,000 small results side by side, each node placed about once, in kernels of at most 512
     // buffers (256 nodes reading one and writing one)
     let outs: Vec<String> = (0..N).map(|i| format!("y{i}")).collect();
-    let doc = wide_graph(N, 4, |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[4], "float32")), &outs);
+    let doc = wide_graph(
+        N,
+        4,
+        |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[4], "float32")),
+        &outs,
+    );
     let s = schedule_of(&doc);
     assert_eq!(s.kernel_count(), N.div_ceil(256));
     assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
     // 10,000 large results (a kernel each, each may sink past the others: pass `order`)
-    let doc = wide_graph(N, 70_000, |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[70_000], "float32")), &outs);
+    let doc = wide_graph(
+        N,
+        70_000,
+        |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[70_000], "float32")),
+        &outs,
+    );
     let s = schedule_of(&doc);
     assert_eq!(s.kernel_count(), N);
     assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
     // a 10,000-way cat (a copy kernel per piece, each a writer of one buffer: pass `in place`)
     // and its relu, computed by the pieces' kernels (pass `concat`)
     let args: Vec<String> = (0..N).map(|i| n(&format!("x{i}"))).collect();
-    let cat = |g: G, i: usize| if i + 1 < N { g } else {
-        g.call("cat", "aten.cat.default", &format!(r#"{{"list":[{}]}}"#, args.join(",")), &meta(&[4 * N as i64], "float32"))
-            .call("relu", "aten.relu.default", &n("cat"), &meta(&[4 * N as i64], "float32"))
+    let cat = |g: G, i: usize| {
+        if i + 1 < N {
+            g
+        } else {
+            g.call("cat", "aten.cat.default", &format!(r#"{{"list":[{}]}}"#, args.join(",")), &meta(&[4 * N as i64], "float32")).call(
+                "relu",
+                "aten.relu.default",
+                &n("cat"),
+                &meta(&[4 * N as i64], "float32"),
+            )
+        }
     };
     let s = schedule_of(&wide_graph(N, 4, cat, &["cat".to_string(), "relu".to_string()]));
     assert_eq!(s.kernel_count(), N + 1);
     let s = schedule_of(&wide_graph(N, 4, cat, &["relu".to_string()]));
     assert_eq!(s.kernel_count(), N);
-    assert!(s.decisions.iter().any(|d| d.starts_with("cat read in place:") && d.contains("computed by the 10000 writers")), "{:?}", &s.decisions[..4]);
+    assert!(
+        s.decisions.iter().any(|d| d.starts_with("cat read in place:") && d.contains("computed by the 10000 writers")),
+        "{:?}",
+        &s.decisions[..4]
+    );
     assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
 }

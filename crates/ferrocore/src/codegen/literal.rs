@@ -42,7 +42,11 @@ pub fn py_source_str(s: &str) -> String {
         && !s.contains("\\'")
         && !s.ends_with('\\')
         && !s.ends_with('\'');
-    if raw_ok { format!("r'''{s}'''") } else { py_str(s) }
+    if raw_ok {
+        format!("r'''{s}'''")
+    } else {
+        py_str(s)
+    }
 }
 
 /// A Python float literal (an expression for the non-finite values).
@@ -50,7 +54,11 @@ pub fn py_float(f: f64) -> String {
     if f.is_nan() {
         "float('nan')".into()
     } else if f.is_infinite() {
-        if f > 0.0 { "float('inf')".into() } else { "float('-inf')".into() }
+        if f > 0.0 {
+            "float('inf')".into()
+        } else {
+            "float('-inf')".into()
+        }
     } else {
         // Rust's shortest round-trip form (`0.1`, `-0.0`, `5e-324`, `1e300`) is valid Python
         format!("{f:?}")
@@ -62,7 +70,11 @@ pub fn py_int(i: i64) -> String {
 }
 
 pub fn py_bool(b: bool) -> String {
-    if b { "True".into() } else { "False".into() }
+    if b {
+        "True".into()
+    } else {
+        "False".into()
+    }
 }
 
 /// Text for a Python comment (after `# `): one line, escaped like a string's content.
@@ -83,7 +95,11 @@ pub fn cpp_float(f: f64, ty: &str) -> String {
     }
     // the shortest form that reads back as `f` (`1e-1`, `-0e0`, `5e-324`): a double literal
     let s = format!("{f:e}");
-    if ty == "float" { format!("static_cast<float>({s})") } else { s }
+    if ty == "float" {
+        format!("static_cast<float>({s})")
+    } else {
+        s
+    }
 }
 
 /// A C++ constant of integer type `ty` equal to `i`. `-9223372036854775808LL` is the negation
@@ -104,9 +120,31 @@ mod tests {
     /// Text no literal writer may let through unescaped.
     fn awkward_strings() -> Vec<String> {
         let mut v: Vec<String> = [
-            "", "plain", "'", "\"", "'''", "\"\"\"", "\\", "ends in a backslash\\", "\\'", "a\nb", "a\rb", "a\r\nb", "\t", "\0",
-            "nul\0inside", "ctrl\x01\x1b\x7f", "\u{2028}\u{2029}", "\u{202e}evil\u{202c}", "\u{feff}bom", "\u{85}next line",
-            "\u{1f600} astral \u{10ffff}", "é ü 中文", "*/ // # /*", "__import__('os').system('true')", "{}{{}}%s%d",
+            "",
+            "plain",
+            "'",
+            "\"",
+            "'''",
+            "\"\"\"",
+            "\\",
+            "ends in a backslash\\",
+            "\\'",
+            "a\nb",
+            "a\rb",
+            "a\r\nb",
+            "\t",
+            "\0",
+            "nul\0inside",
+            "ctrl\x01\x1b\x7f",
+            "\u{2028}\u{2029}",
+            "\u{202e}evil\u{202c}",
+            "\u{feff}bom",
+            "\u{85}next line",
+            "\u{1f600} astral \u{10ffff}",
+            "é ü 中文",
+            "*/ // # /*",
+            "__import__('os').system('true')",
+            "{}{{}}%s%d",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -141,7 +179,10 @@ mod tests {
         for s in &strings {
             let lit = py_str(s);
             assert!(lit.chars().all(|c| (' '..='~').contains(&c)), "{lit}");
-            let out = run(Command::new("python3").arg("-c").arg("import ast, sys; print(ast.literal_eval(sys.argv[1]).encode().hex())").arg(&lit));
+            let out = run(Command::new("python3")
+                .arg("-c")
+                .arg("import ast, sys; print(ast.literal_eval(sys.argv[1]).encode().hex())")
+                .arg(&lit));
             assert_eq!(out.trim(), hex(s.as_bytes()), "{lit}");
         }
     }
@@ -153,14 +194,33 @@ mod tests {
             let _ = writeln!(program, "x = 1  # {}", py_comment(&s));
         }
         program.push_str("print(x)\n");
-        let tree = run(Command::new("python3").arg("-c").arg("import ast, sys; t = ast.parse(sys.argv[1]); print(len(t.body))").arg(&program));
+        let tree =
+            run(Command::new("python3").arg("-c").arg("import ast, sys; t = ast.parse(sys.argv[1]); print(len(t.body))").arg(&program));
         assert_eq!(tree.trim(), (awkward_strings().len() + 1).to_string());
     }
 
     fn awkward_floats() -> Vec<f64> {
         vec![
-            0.0, -0.0, 1.0, -1.5, 0.1, 1.0 / 3.0, 1e16, 1e-7, 123456789.0, f64::MAX, f64::MIN, f64::MIN_POSITIVE, 5e-324,
-            -5e-324, 2.2250738585072009e-308, f32::MAX as f64, f32::MIN_POSITIVE as f64, 1e-45, f64::EPSILON, 9007199254740993.0,
+            0.0,
+            -0.0,
+            1.0,
+            -1.5,
+            0.1,
+            1.0 / 3.0,
+            1e16,
+            1e-7,
+            123456789.0,
+            f64::MAX,
+            f64::MIN,
+            f64::MIN_POSITIVE,
+            5e-324,
+            -5e-324,
+            2.2250738585072009e-308,
+            f32::MAX as f64,
+            f32::MIN_POSITIVE as f64,
+            1e-45,
+            f64::EPSILON,
+            9007199254740993.0,
         ]
     }
 

@@ -111,7 +111,9 @@ impl CodegenError {
 impl fmt::Display for CodegenError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.kind {
-            CodegenErrorKind::Unsupported => write!(f, "codegen: kernel '{}' is not supported by this backend: {}", self.kernel, self.message),
+            CodegenErrorKind::Unsupported => {
+                write!(f, "codegen: kernel '{}' is not supported by this backend: {}", self.kernel, self.message)
+            }
             CodegenErrorKind::Internal => write!(f, "codegen: kernel '{}': {}", self.kernel, self.message),
         }
     }

@@ -5,20 +5,20 @@
 
 use crate::codegen::cpp::CppBackend;
 use crate::codegen::triton::TritonBackend;
+use crate::codegen::RenderedKernels;
 use crate::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage};
-use crate::graph::Device;
 use crate::graph::parse_graph;
+use crate::graph::Device;
 use crate::loop_ir::OutputValue;
 use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
-use crate::runtime::{self, Progress};
 use crate::report::{self, ReportInput};
+use crate::runtime::{self, Progress};
 use crate::scheduler::schedule_for;
-use crate::codegen::RenderedKernels;
 use crate::scheduler::Schedule;
 use crate::wrapper::{plan_host, render_module_with, HostPlan};
 use serde::{Deserialize, Serialize};
-use std::os::unix::fs::DirBuilderExt;
 use std::fmt;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -248,7 +248,11 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         // the name is the same in every process: a symlink or foreign directory planted there
         // is refused, never written through (the front checks the folder itself, as the cache)
         let refused = |message: String| CompileError { stage: "debug_dir", message };
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(d).map_err(|e| refused(format!("cannot create {}: {e}", d.display())))?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(d)
+            .map_err(|e| refused(format!("cannot create {}: {e}", d.display())))?;
         runtime::cache::private_dir(&dir).map_err(|e| refused(e.to_string()))?;
         // the graph as it arrived: the input of a stage test or of the replay corpus
         let _ = runtime::write_atomic(&dir.join("graph.json"), graph_json.as_bytes());
@@ -257,8 +261,9 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     st.emit("graph", || graph.to_string());
     let lower_options =
         LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm, triton_cpu: options.backend == BackendChoice::Triton };
-    let lowered =
-        st.time("lowering", || lower_graph_with(&graph, &lower_options)).map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
+    let lowered = st
+        .time("lowering", || lower_graph_with(&graph, &lower_options))
+        .map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
     for channel in ["layout", "padding"] {
         let text: Vec<&str> = lowered.decisions.iter().filter(|(c, _)| *c == channel).map(|(_, d)| d.as_str()).collect();
         if !text.is_empty() {
@@ -269,12 +274,13 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         lowered.program.verify().map_err(|m| CompileError { stage: "lowering", message: format!("loop IR verifier: {m}") })?;
     }
     st.emit("ir_pre_fusion", || lowered.program.to_string());
-    let fallbacks: Vec<FallbackRecord> =
-        lowered.fallbacks.iter().map(|f| FallbackRecord { node: f.node.clone(), target: f.target.clone(), reason: f.reason.clone() }).collect();
+    let fallbacks: Vec<FallbackRecord> = lowered
+        .fallbacks
+        .iter()
+        .map(|f| FallbackRecord { node: f.node.clone(), target: f.target.clone(), reason: f.reason.clone() })
+        .collect();
     if !fallbacks.is_empty() {
-        st.emit("fallback", || {
-            fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect()
-        });
+        st.emit("fallback", || fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect());
     }
     let language = options.backend.resolve(lowered.program.buffers.iter().map(|b| &b.layout.device));
     let triton = TritonBackend { cpu_tensors: options.backend == BackendChoice::Triton };
@@ -326,12 +332,19 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
     if native && !options.skip_native_compile {
         let lib = st
             .time("cpp_compile", || {
-                runtime::compile_cpp_with(&kernels.source, &options.cache_dir, &options.cxx, &runtime::CppJobs::at_most(options.cpp_jobs), progress)
+                runtime::compile_cpp_with(
+                    &kernels.source,
+                    &options.cache_dir,
+                    &options.cxx,
+                    &runtime::CppJobs::at_most(options.cpp_jobs),
+                    progress,
+                )
             })
             .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
         cache_hit = lib.cache_hit;
     }
-    let module_path = store_module(&options.cache_dir, &graph.name, &module).map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
+    let module_path =
+        store_module(&options.cache_dir, &graph.name, &module).map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
     if let Some(d) = &st.dump_dir {
         let _ = runtime::write_atomic(&d.join("output_code.py"), module.as_bytes());
         let file = match language {
@@ -344,7 +357,15 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
     let report_path = st.dump_dir.as_ref().and_then(|d| {
         let timings: Vec<(String, f64)> = options.front_timings_ms.iter().chain(&st.timings).cloned().collect();
         let module_path = module_path.to_string_lossy();
-        let input = ReportInput { graph: &graph, schedule: &sched, kernels: &kernels, plan: &plan, timings: &timings, module_path: &module_path, backend: backend_name };
+        let input = ReportInput {
+            graph: &graph,
+            schedule: &sched,
+            kernels: &kernels,
+            plan: &plan,
+            timings: &timings,
+            module_path: &module_path,
+            backend: backend_name,
+        };
         let path = d.join("report.html");
         runtime::write_atomic(&path, report::render(&input).as_bytes()).ok().map(|_| path.to_string_lossy().into_owned())
     });
@@ -383,7 +404,11 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
 /// 64 characters, never empty.
 fn file_component(name: &str) -> String {
     let s: String = name.chars().take(64).map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();
-    if s.is_empty() { "graph".into() } else { s }
+    if s.is_empty() {
+        "graph".into()
+    } else {
+        s
+    }
 }
 
 /// Writes the wrapper module into the cache unless a verified copy is there already (a copy

@@ -189,7 +189,11 @@ pub fn promote_types(a: DType, b: DType) -> DType {
                 let other = if a == U8 { b } else { a };
                 return if other == I8 { I16 } else { other };
             }
-            if rank(a) >= rank(b) { a } else { b }
+            if rank(a) >= rank(b) {
+                a
+            } else {
+                b
+            }
         }
         Category::Float => {
             if (a == F16 && b == BF16) || (a == BF16 && b == F16) {
@@ -201,7 +205,11 @@ pub fn promote_types(a: DType, b: DType) -> DType {
                 F32 => 2,
                 _ => 3,
             };
-            if rank(a) >= rank(b) { a } else { b }
+            if rank(a) >= rank(b) {
+                a
+            } else {
+                b
+            }
         }
         Category::Complex => {
             if a == C128 || b == C128 {

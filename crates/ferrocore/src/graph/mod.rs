@@ -210,7 +210,13 @@ pub fn fmt_arg(g: &Graph, a: &Arg) -> String {
         Arg::Node(n) => g.node(*n).name.clone(),
         Arg::Int(i) => i.to_string(),
         Arg::Float(x) => format!("{x:?}"),
-        Arg::Bool(b) => if *b { "True".into() } else { "False".into() },
+        Arg::Bool(b) => {
+            if *b {
+                "True".into()
+            } else {
+                "False".into()
+            }
+        }
         Arg::Str(s) => format!("{s:?}"),
         Arg::List(items) => format!("[{}]", items.iter().map(|i| fmt_arg(g, i)).collect::<Vec<_>>().join(", ")),
         Arg::DType(d) => format!("torch.{d}"),
@@ -224,10 +230,9 @@ pub fn fmt_arg(g: &Graph, a: &Arg) -> String {
 pub fn fmt_meta(m: &Meta) -> String {
     match m {
         Meta::Tensor(t) => format!("{}{:?}/{:?}", t.dtype, t.shape, t.stride),
-        Meta::Tuple(items) => format!(
-            "({})",
-            items.iter().map(|i| i.as_ref().map_or("None".into(), fmt_meta)).collect::<Vec<_>>().join(", ")
-        ),
+        Meta::Tuple(items) => {
+            format!("({})", items.iter().map(|i| i.as_ref().map_or("None".into(), fmt_meta)).collect::<Vec<_>>().join(", "))
+        }
         Meta::Scalar(k) => format!("{k:?}"),
         Meta::None => "None".into(),
     }

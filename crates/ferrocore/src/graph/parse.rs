@@ -20,7 +20,16 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     let name = doc.get("name").and_then(Value::as_str).unwrap_or("graph").to_string();
     let raw_nodes = doc.get("nodes").and_then(Value::as_array).ok_or_else(|| err(None, "missing 'nodes' list"))?;
 
-    let mut g = Graph { name, nodes: Vec::new(), inputs: Vec::new(), outputs: Vec::new(), free_layout_outputs: Vec::new(), padded_matmuls: HashMap::new(), donated_inputs: Vec::new(), sources: HashMap::new() };
+    let mut g = Graph {
+        name,
+        nodes: Vec::new(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        free_layout_outputs: Vec::new(),
+        padded_matmuls: HashMap::new(),
+        donated_inputs: Vec::new(),
+        sources: HashMap::new(),
+    };
     let mut by_name: HashMap<String, NodeId> = HashMap::new();
     let mut saw_output = false;
     for raw in raw_nodes {
@@ -171,10 +180,7 @@ fn parse_meta(v: &Value, node: &str) -> Result<Meta, ImportError> {
         return Ok(Meta::Tensor(TensorMeta { shape, stride, storage_offset, dtype, device }));
     }
     if let Some(items) = v.get("tuple").and_then(Value::as_array) {
-        let metas = items
-            .iter()
-            .map(|m| if m.is_null() { Ok(None) } else { parse_meta(m, node).map(Some) })
-            .collect::<Result<_, _>>()?;
+        let metas = items.iter().map(|m| if m.is_null() { Ok(None) } else { parse_meta(m, node).map(Some) }).collect::<Result<_, _>>()?;
         return Ok(Meta::Tuple(metas));
     }
     if let Some(s) = v.get("scalar").and_then(Value::as_str) {

@@ -32,7 +32,9 @@ fn malformed_input_names_the_node() {
         "graph import: node 'y': reference to unknown node 'zz'"
     );
     assert_eq!(
-        import_err(&format!(r#"{X},{{"name":"y","kind":"call_function","target":"aten.relu.default","args":[{{"node":"x"}},{{"int":1}}]}}"#)),
+        import_err(&format!(
+            r#"{X},{{"name":"y","kind":"call_function","target":"aten.relu.default","args":[{{"node":"x"}},{{"int":1}}]}}"#
+        )),
         "graph import: node 'y': aten.relu.default takes 1..=1 positional arguments, got 2"
     );
     assert_eq!(import_err(X), "graph import: graph has no output node");
@@ -48,7 +50,10 @@ fn source_lines_are_read_and_checked() {
     };
     let g = parse_graph(&with_sources(r#"{"x":"File \"m.py\", line 3, in f: y = x"}"#)).unwrap();
     assert_eq!(g.sources["x"], "File \"m.py\", line 3, in f: y = x");
-    assert_eq!(parse_graph(&with_sources(r#"{"zz":"line"}"#)).unwrap_err().to_string(), "graph import: node 'zz': sources names no node of the graph");
+    assert_eq!(
+        parse_graph(&with_sources(r#"{"zz":"line"}"#)).unwrap_err().to_string(),
+        "graph import: node 'zz': sources names no node of the graph"
+    );
     assert_eq!(parse_graph(&with_sources(r#"{"x":1}"#)).unwrap_err().to_string(), "graph import: node 'x': a source line must be a string");
     assert_eq!(parse_graph(&with_sources("[]")).unwrap_err().to_string(), "graph import: sources must map node names to source lines");
 }

@@ -137,7 +137,10 @@ pub enum ReduceOp {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Expr {
-    Load { buf: BufferId, index: IndexExpr },
+    Load {
+        buf: BufferId,
+        index: IndexExpr,
+    },
     Constant(Scalar),
     Index(IndexExpr),
     Unary(UnaryOp, ValueId),
@@ -154,13 +157,25 @@ pub enum Expr {
     Scan(ReduceOp, ValueId),
     /// A load at `index + Σ coeff·value`, the values being int64 indices computed in the body
     /// (gather, embedding, padding). Each value must come from `CheckIndex` or be in range.
-    LoadIndirect { buf: BufferId, index: IndexExpr, terms: Vec<(ValueId, i64)> },
+    LoadIndirect {
+        buf: BufferId,
+        index: IndexExpr,
+        terms: Vec<(ValueId, i64)>,
+    },
     /// A counter-based random number (Philox 4x32-10) for element `offset` of the stream `seed`:
     /// uniform in [0, 1) or standard normal, as float32.
-    Random { normal: bool, seed: ValueId, offset: ValueId },
+    Random {
+        normal: bool,
+        seed: ValueId,
+        offset: ValueId,
+    },
     /// An int64 index into a dim of `size`: negatives wrap when `wrap`; the result is clamped
     /// into range, and an out-of-range input makes the kernel report an error to the wrapper.
-    CheckIndex { value: ValueId, size: i64, wrap: bool },
+    CheckIndex {
+        value: ValueId,
+        size: i64,
+        wrap: bool,
+    },
 }
 
 impl Expr {

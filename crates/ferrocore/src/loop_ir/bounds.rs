@@ -107,7 +107,11 @@ fn value_ranges(body: &LoopBody, ranges: &[i64]) -> Vec<Range> {
             Expr::Cast(x) => {
                 let (lo, hi) = r(x);
                 let (min, max) = type_range(dt);
-                if lo >= min && hi <= max { (lo, hi) } else { (min, max) }
+                if lo >= min && hi <= max {
+                    (lo, hi)
+                } else {
+                    (min, max)
+                }
             }
             Expr::Where(_, a, b) => union(r(a), r(b)),
             Expr::Binary(op, a, b) if op.is_comparison() => (0, 1),
@@ -115,7 +119,16 @@ fn value_ranges(body: &LoopBody, ranges: &[i64]) -> Vec<Range> {
             Expr::Unary(UnaryOp::Neg, x) => clamp((-r(x).1, -r(x).0), dt),
             Expr::Unary(UnaryOp::Abs, x) => {
                 let (lo, hi) = r(x);
-                clamp(if lo >= 0 { (lo, hi) } else if hi <= 0 { (-hi, -lo) } else { (0, hi.max(-lo)) }, dt)
+                clamp(
+                    if lo >= 0 {
+                        (lo, hi)
+                    } else if hi <= 0 {
+                        (-hi, -lo)
+                    } else {
+                        (0, hi.max(-lo))
+                    },
+                    dt,
+                )
             }
             _ => type_range(dt),
         };

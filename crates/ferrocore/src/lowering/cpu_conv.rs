@@ -60,11 +60,15 @@ impl Ctx<'_> {
         let name = self.node_name();
         if g.is_pointwise() && g.macs() <= MAX_GEMM_MACS {
             let how = if g.out[2] * g.out[3] == 1 || self.channels_last { "mm" } else { "bmm per image" };
-            self.decisions.push(("layout", format!("convolution: {name} 1x1 {:?} -> {} channels runs as a GEMM ({how})", g.input, g.out[1])));
+            self.decisions
+                .push(("layout", format!("convolution: {name} 1x1 {:?} -> {} channels runs as a GEMM ({how})", g.input, g.out[1])));
             return self.conv_as_gemm(&g).map(Some);
         }
         if g.is_depthwise() && g.kernel[0] * g.kernel[1] <= MAX_DEPTHWISE_TAPS && g.macs() <= MAX_DEPTHWISE_MACS {
-            self.decisions.push(("layout", format!("convolution: {name} depthwise {:?} {}x{} runs as a generated kernel", g.input, g.kernel[0], g.kernel[1])));
+            self.decisions.push((
+                "layout",
+                format!("convolution: {name} depthwise {:?} {}x{} runs as a generated kernel", g.input, g.kernel[0], g.kernel[1]),
+            ));
             return self.depthwise_kernel(&g).map(Some);
         }
         Ok(None)
@@ -87,11 +91,9 @@ impl Ctx<'_> {
                 _ => None,
             }
         };
-        let (Some(stride), Some(pad), Some(dilation)) = (
-            pair(self.ints_arg(3, "stride")?),
-            pair(self.ints_arg(4, "padding")?),
-            pair(self.ints_arg(5, "dilation")?),
-        ) else {
+        let (Some(stride), Some(pad), Some(dilation)) =
+            (pair(self.ints_arg(3, "stride")?), pair(self.ints_arg(4, "padding")?), pair(self.ints_arg(5, "dilation")?))
+        else {
             return Ok(None);
         };
         let groups = self.int_arg(8, "groups")?.unwrap_or(1);
@@ -99,7 +101,15 @@ impl Ctx<'_> {
         if out.shape.contains(&0) || xm.shape.contains(&0) || groups < 1 {
             return Ok(None);
         }
-        Ok(Some(Conv2d { input: dims(&xm.shape), out: dims(&out.shape), kernel: [wm.shape[2], wm.shape[3]], stride, pad, dilation, groups }))
+        Ok(Some(Conv2d {
+            input: dims(&xm.shape),
+            out: dims(&out.shape),
+            kernel: [wm.shape[2], wm.shape[3]],
+            stride,
+            pad,
+            dilation,
+            groups,
+        }))
     }
 
     /// A 1x1 convolution as `mm` (pixels x channels against the weight's transpose) or, for an
@@ -113,7 +123,15 @@ impl Ctx<'_> {
         let weight = self.tensor_arg(1, "weight")?;
         let (wb, ws, woff) = self.strided_arg(1, "weight", &weight)?;
         let out = self.out_meta()?.clone();
-        let meta = |shape: Vec<i64>| Meta::Tensor(TensorMeta { stride: contiguous_strides(&shape), shape, storage_offset: 0, dtype: out.dtype, device: out.device.clone() });
+        let meta = |shape: Vec<i64>| {
+            Meta::Tensor(TensorMeta {
+                stride: contiguous_strides(&shape),
+                shape,
+                storage_offset: 0,
+                dtype: out.dtype,
+                device: out.device.clone(),
+            })
+        };
         let (args, product, stride) = if h * w == 1 || self.channels_last {
             let (xb, xoff) = self.pixel_rows(x, h * w == 1)?;
             let rows = ExternArg::View { buf: xb, size: vec![n * h * w, c], stride: vec![c, 1], offset: xoff };
@@ -183,7 +201,13 @@ impl Ctx<'_> {
         let ch = g.out[1];
         if self.channels_last {
             // channels innermost, so a tap's weights load as one vector along the lanes
-            let l = Layout { size: weight.size.clone(), stride: vec![1, ch * kh * kw, kw * ch, ch], offset: 0, dtype: weight.dtype, device: weight.device.clone() };
+            let l = Layout {
+                size: weight.size.clone(),
+                stride: vec![1, ch * kh * kw, kw * ch, ch],
+                offset: 0,
+                dtype: weight.dtype,
+                device: weight.device.clone(),
+            };
             weight = self.realize_into(&weight, l);
         }
         let bias = self.bias()?;

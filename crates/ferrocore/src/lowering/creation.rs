@@ -72,7 +72,12 @@ impl Ctx<'_> {
             return malformed("arange step must be nonzero");
         }
         if [start, end, step].iter().any(|&s| !value(s).is_finite()) {
-            return malformed(format!("arange bounds must be finite, got start {}, end {}, step {}", value(start), value(end), value(step)));
+            return malformed(format!(
+                "arange bounds must be finite, got start {}, end {}, step {}",
+                value(start),
+                value(end),
+                value(step)
+            ));
         }
         let dt = out.dtype;
         // ATen computes start + i*step in double for floating results, in int64 for integers.

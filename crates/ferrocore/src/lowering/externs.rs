@@ -49,10 +49,7 @@ impl Ctx<'_> {
         let NodeKind::Call { args, kwargs, .. } = &node.kind else { return malformed("not a call") };
         let exact = kind.needs_eager_strides();
         let args = args.iter().map(|a| self.extern_arg(a, exact)).collect::<LResult<Vec<_>>>()?;
-        let kwargs = kwargs
-            .iter()
-            .map(|(k, a)| Ok((k.clone(), self.extern_arg(a, exact)?)))
-            .collect::<LResult<Vec<_>>>()?;
+        let kwargs = kwargs.iter().map(|(k, a)| Ok((k.clone(), self.extern_arg(a, exact)?))).collect::<LResult<Vec<_>>>()?;
         self.push_extern(callee, args, kwargs, &node.meta, kind)
     }
 
@@ -160,7 +157,13 @@ impl Ctx<'_> {
                 bx.body.set_store(layout.index_of(&oidx), v);
             }
             offset += tv.size[dim];
-            self.push_node(LoopNode { output: buf, ranges: tv.size.clone(), reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+            self.push_node(LoopNode {
+                output: buf,
+                ranges: tv.size.clone(),
+                reduction_ranges: vec![],
+                body,
+                origins: vec![self.node_name()],
+            });
         }
         if offset != out.shape[dim] {
             return malformed(format!("cat inputs sum to {offset} along dim {dim}, metadata says {}", out.shape[dim]));
@@ -201,12 +204,30 @@ pub(super) fn capture_hazard(op: AtenOp) -> Option<&'static str> {
         Nonzero => Some("nonzero reads its result size on the host"),
         LinalgCheckErrors => Some("_linalg_check_errors reads LAPACK's error codes on the host"),
         Randperm => Some("randperm may draw the permutation on the host"),
-        LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx
-        | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve
-        | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse
-        | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp => {
-            Some("a cuSOLVER/MAGMA factorization may synchronize with the host")
-        }
+        LinalgSvd
+        | LinalgQr
+        | LinalgSlogdet
+        | LinalgDet
+        | LinalgEigh
+        | LinalgEig
+        | LinalgEigvals
+        | LinalgCholeskyEx
+        | LinalgInvEx
+        | LinalgSolveEx
+        | LinalgLu
+        | LinalgLuFactorEx
+        | LinalgLuSolve
+        | TriangularSolve
+        | LinalgSolveTriangular
+        | LinalgHouseholderProduct
+        | Geqrf
+        | LinalgPinv
+        | CholeskySolve
+        | CholeskyInverse
+        | LinalgLdlFactorEx
+        | LinalgLdlSolve
+        | Ormqr
+        | LinalgMatrixExp => Some("a cuSOLVER/MAGMA factorization may synchronize with the host"),
         _ => None,
     }
 }

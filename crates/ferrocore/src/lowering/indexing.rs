@@ -186,7 +186,13 @@ impl Ctx<'_> {
     /// gather / index_select from a value nothing else reads, computed at the gathered
     /// positions instead of realized whole: a loss's log-softmax over a vocabulary is read at
     /// one position per row (GPT-2: 4096 of 206M elements, an 823 MB buffer otherwise).
-    fn gather_computed(&mut self, op: AtenOp, src: &TensorValue, idx_tensors: &[Option<TensorValue>], out: &TensorMeta) -> LResult<Option<TensorValue>> {
+    fn gather_computed(
+        &mut self,
+        op: AtenOp,
+        src: &TensorValue,
+        idx_tensors: &[Option<TensorValue>],
+        out: &TensorMeta,
+    ) -> LResult<Option<TensorValue>> {
         let rank = src.size.len();
         if !matches!(op, AtenOp::Gather | AtenOp::IndexSelect) || rank == 0 || src.strided().is_some() {
             return Ok(None);
@@ -235,7 +241,13 @@ impl Ctx<'_> {
 
 /// The strided value `x` (at `base`: buffer, strides, offset) padded to `out_size`: out[i] =
 /// x[i - lo] inside it, `value` outside (a negative `lo` crops).
-pub(super) fn constant_padded(base: (BufferId, Vec<i64>, i64), x: &TensorValue, lo: Vec<i64>, out_size: &[i64], value: Scalar) -> TensorValue {
+pub(super) fn constant_padded(
+    base: (BufferId, Vec<i64>, i64),
+    x: &TensorValue,
+    lo: Vec<i64>,
+    out_size: &[i64],
+    value: Scalar,
+) -> TensorValue {
     let (buf, stride, offset) = base;
     let rank = x.size.len();
     let sizes = x.size.clone();

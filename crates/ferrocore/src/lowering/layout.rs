@@ -67,7 +67,9 @@ pub fn choose_layout(graph: &Graph, asked: ConvLayout) -> (bool, Option<String>)
     }
     let nodes = graph.nodes.len();
     let why = match asked {
-        ConvLayout::Contiguous => return (false, Some("layout: eager's (conv_layout = contiguous: asked for, or measured faster by the front)".into())),
+        ConvLayout::Contiguous => {
+            return (false, Some("layout: eager's (conv_layout = contiguous: asked for, or measured faster by the front)".into()))
+        }
         ConvLayout::ChannelsLast => "conv_layout = channels_last (asked for, or measured faster by the front)".to_string(),
         ConvLayout::Auto if !cuda && grouped == 0 => {
             return (false, Some(format!("layout: eager's: {convs} dense convolutions run on the CPU")));
@@ -141,7 +143,8 @@ impl Ctx<'_> {
         let node = self.graph.node(self.current);
         let NodeKind::Call { args, kwargs, .. } = &node.kind else { return malformed("not a call") };
         let activations: &[usize] = if op == AtenOp::Convolution { &[0] } else { &[0, 1] };
-        let four_d = |a: Option<&Arg>| matches!(a, Some(Arg::Node(n)) if self.graph.node(*n).meta.tensor().is_some_and(|t| t.shape.len() == 4));
+        let four_d =
+            |a: Option<&Arg>| matches!(a, Some(Arg::Node(n)) if self.graph.node(*n).meta.tensor().is_some_and(|t| t.shape.len() == 4));
         let nhwc_call = self.channels_last && activations.iter().all(|&i| four_d(args.get(i)));
         let bias = self.peeled_bias(op)?;
         // on the CPU the weight too: ATen's own conversion (`contiguous(channels_last)` inside
@@ -162,7 +165,9 @@ impl Ctx<'_> {
         // the result activation (convolution's output, the backward's grad_input) channels-last
         let nhwc = |m: &Meta| -> Meta {
             match m {
-                Meta::Tensor(t) if nhwc_call && t.shape.len() == 4 => Meta::Tensor(TensorMeta { stride: channels_last_strides(&t.shape), ..t.clone() }),
+                Meta::Tensor(t) if nhwc_call && t.shape.len() == 4 => {
+                    Meta::Tensor(TensorMeta { stride: channels_last_strides(&t.shape), ..t.clone() })
+                }
                 other => other.clone(),
             }
         };

@@ -63,7 +63,9 @@ impl Ctx<'_> {
             Some(pad) => self.padded_gemm(gemm, a, b, None, &pad, &out)?,
             None if op == AtenOp::Addmm && plain_addmm && out.device != Device::Cpu && matches!(out.dtype, DType::F32 | DType::F64) => {
                 let args = vec![self.extern_tensor(a, false)?, self.extern_tensor(b, false)?];
-                let Lowered::Tensor(p) = self.push_extern(Self::callee(gemm), args, vec![], &Meta::Tensor(out.clone()), Self::gemm_kind())? else {
+                let Lowered::Tensor(p) =
+                    self.push_extern(Self::callee(gemm), args, vec![], &Meta::Tensor(out.clone()), Self::gemm_kind())?
+                else {
                     return malformed("mm produced no tensor");
                 };
                 p
@@ -75,11 +77,18 @@ impl Ctx<'_> {
         }
         let bias = self.tensor_arg(0, "self")?;
         let dt = out.dtype;
-        Ok(Lowered::Tensor(pointwise(vec![PwIn::Tensor(product), PwIn::Tensor(bias)], out.shape.clone(), dt, out.device.clone(), dt, move |bx, v| {
-            let p = bx.body.cast(v[0], dt);
-            let c = bx.body.cast(v[1], dt);
-            bx.body.binary(BinaryOp::Add, p, c)
-        })))
+        Ok(Lowered::Tensor(pointwise(
+            vec![PwIn::Tensor(product), PwIn::Tensor(bias)],
+            out.shape.clone(),
+            dt,
+            out.device.clone(),
+            dt,
+            move |bx, v| {
+                let p = bx.body.cast(v[0], dt);
+                let c = bx.body.cast(v[1], dt);
+                bx.body.binary(BinaryOp::Add, p, c)
+            },
+        )))
     }
 
     fn callee(op: AtenOp) -> String {
@@ -119,14 +128,29 @@ impl Ctx<'_> {
         sizes.extend([round_up(m), round_up(k), round_up(n)]);
         self.decisions.push((
             "padding",
-            format!("pad: {node} {:?} x {:?} {} runs as {:?} x {:?}: {why}", ma.shape, mb.shape, ma.dtype, [round_up(m), round_up(k)], [round_up(k), round_up(n)]),
+            format!(
+                "pad: {node} {:?} x {:?} {} runs as {:?} x {:?}: {why}",
+                ma.shape,
+                mb.shape,
+                ma.dtype,
+                [round_up(m), round_up(k)],
+                [round_up(k), round_up(n)]
+            ),
         ));
         Ok(Some(sizes))
     }
 
     /// The GEMM on zero-padded copies of its operands (`pad` = [.., M', K', N']; addmm's bias
     /// row padded to N'), into a padded result; returns the view of its unpadded corner.
-    fn padded_gemm(&mut self, op: AtenOp, a: NodeId, b: NodeId, bias: Option<NodeId>, pad: &[i64], out: &TensorMeta) -> LResult<TensorValue> {
+    fn padded_gemm(
+        &mut self,
+        op: AtenOp,
+        a: NodeId,
+        b: NodeId,
+        bias: Option<NodeId>,
+        pad: &[i64],
+        out: &TensorMeta,
+    ) -> LResult<TensorValue> {
         let r = pad.len();
         let lead = &pad[..r - 3];
         let (mp, kp, np) = (pad[r - 3], pad[r - 2], pad[r - 1]);
@@ -145,7 +169,8 @@ impl Ctx<'_> {
         };
         let Src::View { buf, .. } = full.src else { return malformed("a GEMM result is not a buffer") };
         self.padded_results.push(buf);
-        let layout = Layout { size: out.shape.clone(), stride: contiguous_strides(&size), offset: 0, dtype: out.dtype, device: out.device.clone() };
+        let layout =
+            Layout { size: out.shape.clone(), stride: contiguous_strides(&size), offset: 0, dtype: out.dtype, device: out.device.clone() };
         Ok(view_of_layout(buf, &layout))
     }
 
@@ -194,7 +219,8 @@ impl Ctx<'_> {
         storage[r - 1] = round_up(cols);
         self.realize_in_padded_storage(id, tv, &storage).ok()?;
         let node = &self.graph.node(id).name;
-        self.decisions.push(("padding", format!("pad: {node} {:?} is stored with rows of {} for the GEMMs that read it", tv.size, storage[r - 1])));
+        self.decisions
+            .push(("padding", format!("pad: {node} {:?} is stored with rows of {} for the GEMMs that read it", tv.size, storage[r - 1])));
         self.tensor_of(id).ok()
     }
 
@@ -212,7 +238,9 @@ impl Ctx<'_> {
                     PadMm::Always => true,
                     PadMm::Measured => self.graph.padded_matmuls.contains_key(&node.name),
                 },
-                AtenOp::View | AtenOp::UnsafeView | AtenOp::Permute | AtenOp::TransposeInt | AtenOp::T => self.feeds_padded_gemm(u, depth + 1),
+                AtenOp::View | AtenOp::UnsafeView | AtenOp::Permute | AtenOp::TransposeInt | AtenOp::T => {
+                    self.feeds_padded_gemm(u, depth + 1)
+                }
                 _ => false,
             }
         })
@@ -222,7 +250,8 @@ impl Ctx<'_> {
     fn view_of_realized(&self, n: NodeId) -> bool {
         let node = self.graph.node(n);
         let NodeKind::Call { target, args, .. } = &node.kind else { return false };
-        let is_view = matches!(target, Target::Aten(AtenOp::View | AtenOp::UnsafeView | AtenOp::Permute | AtenOp::TransposeInt | AtenOp::T));
+        let is_view =
+            matches!(target, Target::Aten(AtenOp::View | AtenOp::UnsafeView | AtenOp::Permute | AtenOp::TransposeInt | AtenOp::T));
         let source = match args.first() {
             Some(Arg::Node(s)) => *s,
             _ => return false,
@@ -261,7 +290,17 @@ impl Ctx<'_> {
             let (buf, _, _) = cx.realize_into(tv, corner.clone()).strided()?;
             // the padding: for each padded dim d, the elements whose first out-of-range dim is d
             for d in (0..storage.len()).filter(|&d| storage[d] > own[d]) {
-                let ranges: Vec<i64> = (0..storage.len()).map(|e| if e < d { own[e] } else if e == d { storage[d] - own[d] } else { storage[e] }).collect();
+                let ranges: Vec<i64> = (0..storage.len())
+                    .map(|e| {
+                        if e < d {
+                            own[e]
+                        } else if e == d {
+                            storage[d] - own[d]
+                        } else {
+                            storage[e]
+                        }
+                    })
+                    .collect();
                 let mut body = LoopBody::default();
                 let mut idx: Vec<IndexExpr> = (0..storage.len()).map(|e| IndexExpr::var(Var(e as u32))).collect();
                 idx[d] = idx[d].add(&IndexExpr::constant(own[d]));
@@ -363,7 +402,13 @@ impl ZeroPaddedStorage {
         }
         let lead: i64 = storage[..r - 2].iter().product();
         let rows = lead * storage[r - 2];
-        let real_rows = if lead == 1 { own[r - 2] } else if own[r - 2] == storage[r - 2] { rows } else { return None };
+        let real_rows = if lead == 1 {
+            own[r - 2]
+        } else if own[r - 2] == storage[r - 2] {
+            rows
+        } else {
+            return None;
+        };
         Some(ZeroPaddedStorage { buf, row_stride: storage[r - 1], cols: own[r - 1], rows, real_rows })
     }
 
@@ -374,7 +419,13 @@ impl ZeroPaddedStorage {
             return None;
         }
         // which dim walks the columns (unit stride) and which the rows
-        let (c, r) = if st[1] == 1 { (1, 0) } else if st[0] == 1 { (0, 1) } else { return None };
+        let (c, r) = if st[1] == 1 {
+            (1, 0)
+        } else if st[0] == 1 {
+            (0, 1)
+        } else {
+            return None;
+        };
         let cols_ok = own[c] == self.cols && size[c] <= self.row_stride;
         let rows_ok = st[r] == self.row_stride && size[r] <= self.rows && (size[r] == own[r] || own[r] == self.real_rows);
         (cols_ok && rows_ok).then(|| ExternArg::View { buf: self.buf, size: size.to_vec(), stride: st.to_vec(), offset: 0 })

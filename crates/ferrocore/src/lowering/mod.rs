@@ -11,20 +11,20 @@ mod indexing;
 mod layout;
 mod matmul;
 mod mutation;
+mod pointwise;
 mod pooling;
 mod random;
-mod pointwise;
 mod reduction;
 mod sampling;
 mod scatter;
 mod views;
 
-use externs::{is_custom_op, ExternKind};
-pub use layout::{channels_last_strides, ConvLayout};
-pub use matmul::PadMm;
 use crate::graph::{Arg, AtenOp, DType, Device, Graph, Meta, NodeId, NodeKind, Target, TensorMeta};
 use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Var};
+use externs::{is_custom_op, ExternKind};
+pub use layout::{channels_last_strides, ConvLayout};
+pub use matmul::PadMm;
 use std::fmt;
 use std::rc::Rc;
 
@@ -57,7 +57,14 @@ pub struct TensorValue {
 
 impl TensorValue {
     /// A lazily computed value; `reads`/`ops` estimate what recomputing one element costs.
-    pub fn lazy(size: Vec<i64>, dtype: DType, device: Device, reads: usize, ops: usize, f: impl Fn(&mut Bx, &[IndexExpr]) -> ValueId + 'static) -> TensorValue {
+    pub fn lazy(
+        size: Vec<i64>,
+        dtype: DType,
+        device: Device,
+        reads: usize,
+        ops: usize,
+        f: impl Fn(&mut Bx, &[IndexExpr]) -> ValueId + 'static,
+    ) -> TensorValue {
         TensorValue { size, dtype, device, src: Src::Lazy { f: Rc::new(f), reads, ops } }
     }
     pub fn load(&self, bx: &mut Bx, idx: &[IndexExpr]) -> ValueId {
@@ -152,7 +159,6 @@ pub struct Fallback {
     pub target: String,
     pub reason: String,
 }
-
 
 pub struct LoweringResult {
     pub program: LoopProgram,
@@ -256,7 +262,9 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
                     mutations.push(m)
                 }
                 Err((LowerErrorKind::Unsupported, reason)) => uncompiled_mutations.push((id, reason)),
-                Err((kind, message)) => return Err(LowerError { node: node.name.clone(), target: target.name().to_string(), kind, message }),
+                Err((kind, message)) => {
+                    return Err(LowerError { node: node.name.clone(), target: target.name().to_string(), kind, message })
+                }
             }
             continue;
         }
@@ -273,9 +281,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
                 kind,
                 message,
             })?,
-            Err((kind, message)) => {
-                return Err(LowerError { node: node.name.clone(), target: target.name().to_string(), kind, message })
-            }
+            Err((kind, message)) => return Err(LowerError { node: node.name.clone(), target: target.name().to_string(), kind, message }),
         };
         let lowered = cx.maybe_realize(id, lowered);
         let lowered = if matches!(target, Target::GetItem) { lowered } else { noting_origin(lowered, &node.name) };
@@ -285,7 +291,12 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
     cx.lower_mutations(mutations);
     for (id, reason) in uncompiled_mutations {
         let node = graph.node(id);
-        cx.fallback(id, reason).map_err(|(kind, message)| LowerError { node: node.name.clone(), target: "aten.copy_.default".into(), kind, message })?;
+        cx.fallback(id, reason).map_err(|(kind, message)| LowerError {
+            node: node.name.clone(),
+            target: "aten.copy_.default".into(),
+            kind,
+            message,
+        })?;
     }
     Ok(LoweringResult { program: cx.prog, fallbacks: cx.fallbacks, decisions: cx.decisions })
 }
@@ -435,16 +446,15 @@ impl<'g> Ctx<'g> {
         use AtenOp::*;
         let t = Lowered::Tensor;
         Ok(match op {
-            Abs | Neg | Exp | Exp2 | Expm1 | Log | Log2 | Log10 | Log1p | Sqrt | Rsqrt | Sin | Cos | Tan | Asin | Acos
-            | Atan | Sinh | Cosh | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Lgamma | SpecialErfcx | Floor | Ceil | Round
-            | Trunc | Sign | Reciprocal | BitwiseNot | LogicalNot | IsNan | IsInf | Gelu | Silu => t(self.lower_unary(op)?),
-            AddTensor | AddScalar | SubTensor | SubScalar | RsubScalar | MulTensor | MulScalar | DivTensor | DivScalar
-            | DivTensorMode | DivScalarMode | PowTensorTensor | PowTensorScalar | PowScalar | Maximum | Minimum
-            | FmodTensor | FmodScalar | RemainderTensor | RemainderScalar | Atan2 | EqTensor | EqScalar | NeTensor
-            | NeScalar | LtTensor | LtScalar | LeTensor | LeScalar | GtTensor | GtScalar | GeTensor | GeScalar
-            | LogicalAnd | LogicalOr | LogicalXor | BitwiseAndTensor | BitwiseAndScalar | BitwiseOrTensor
-            | BitwiseOrScalar | BitwiseXorTensor | BitwiseXorScalar | LshiftTensor | LshiftScalar | RshiftTensor
-            | RshiftScalar | BitwiseLeftShift | BitwiseRightShift => t(self.lower_binary(op)?),
+            Abs | Neg | Exp | Exp2 | Expm1 | Log | Log2 | Log10 | Log1p | Sqrt | Rsqrt | Sin | Cos | Tan | Asin | Acos | Atan | Sinh
+            | Cosh | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Lgamma | SpecialErfcx | Floor | Ceil | Round | Trunc
+            | Sign | Reciprocal | BitwiseNot | LogicalNot | IsNan | IsInf | Gelu | Silu => t(self.lower_unary(op)?),
+            AddTensor | AddScalar | SubTensor | SubScalar | RsubScalar | MulTensor | MulScalar | DivTensor | DivScalar | DivTensorMode
+            | DivScalarMode | PowTensorTensor | PowTensorScalar | PowScalar | Maximum | Minimum | FmodTensor | FmodScalar
+            | RemainderTensor | RemainderScalar | Atan2 | EqTensor | EqScalar | NeTensor | NeScalar | LtTensor | LtScalar | LeTensor
+            | LeScalar | GtTensor | GtScalar | GeTensor | GeScalar | LogicalAnd | LogicalOr | LogicalXor | BitwiseAndTensor
+            | BitwiseAndScalar | BitwiseOrTensor | BitwiseOrScalar | BitwiseXorTensor | BitwiseXorScalar | LshiftTensor | LshiftScalar
+            | RshiftTensor | RshiftScalar | BitwiseLeftShift | BitwiseRightShift => t(self.lower_binary(op)?),
             WhereSelf => t(self.lower_where()?),
             Fma => t(self.lower_fma()?),
             Conj | ConjPhysical => t(self.lower_conj()?),
@@ -457,8 +467,8 @@ impl<'g> Ctx<'g> {
             ArangeStartStep | ArangeStart | Arange => t(self.lower_arange(op)?),
             Linspace | LinspaceTensorTensor | LinspaceTensorScalar | LinspaceScalarTensor => t(self.lower_linspace(false)?),
             Logspace | LogspaceTensorTensor | LogspaceTensorScalar | LogspaceScalarTensor => t(self.lower_linspace(true)?),
-            SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault
-            | AnyDim | AnyDims | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
+            SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDefault | ProdDimInt | AnyDefault | AnyDim | AnyDims
+            | MaxDefault | MinDefault => t(self.lower_reduction(op)?),
             VarCorrection | VarMeanCorrection | VarDim => self.lower_var(op)?,
             Argmax | Argmin | MaxDim | MinDim => self.lower_arg_reduction(op)?,
             Cumsum | Cumprod => t(self.lower_scan(op)?),
@@ -474,7 +484,9 @@ impl<'g> Ctx<'g> {
             Trilinear => t(self.lower_trilinear()?),
             UpsampleNearest2d => t(self.lower_upsample_nearest()?),
             AvgPool2d | MaxPool2dWithIndices | AdaptiveAvgPool2d | AvgPool3d | MaxPool3dWithIndices | AdaptiveAvgPool3d
-            | AdaptiveMaxPool2d | AdaptiveMaxPool3d | FractionalMaxPool2d | FractionalMaxPool3d | MaxPoolWithOffsets => self.lower_pool(op)?,
+            | AdaptiveMaxPool2d | AdaptiveMaxPool3d | FractionalMaxPool2d | FractionalMaxPool3d | MaxPoolWithOffsets => {
+                self.lower_pool(op)?
+            }
             MaxPoolOffsetsToIndices => t(self.lower_max_pool_offsets_to_indices()?),
             AvgPool2dBackward | AdaptiveAvgPool2dBackward | AvgPool3dBackward | AdaptiveAvgPool3dBackward => {
                 t(self.lower_avg_pool_backward(op)?)
@@ -482,29 +494,65 @@ impl<'g> Ctx<'g> {
             UpsampleBilinear2dVec | UpsampleBilinear2d => t(self.lower_upsample_bilinear(op)?),
             GridSampler2d | GridSampler3d | CudnnGridSampler => t(self.lower_grid_sampler(op)?),
             Col2im => t(self.lower_col2im()?),
-            View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze
-            | SliceTensor | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold => t(self.lower_view(op)?),
+            View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | SliceTensor | SelectInt
+            | TransposeInt | T | Alias | Diagonal | Unfold => t(self.lower_view(op)?),
             SplitWithSizes | SplitTensor => self.lower_split(op)?,
             Cat => t(self.lower_cat()?),
             AsStridedScatter => t(self.lower_as_strided_scatter()?),
             Histc => t(self.lower_histc()?),
             Convolution | ConvolutionBackward => self.lower_convolution(op)?,
             Mm | Bmm | Addmm => self.lower_matmul(op)?,
-            Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward | PdistForward | EmbeddingBag => {
-                self.lower_extern(op)?
-            }
-            FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | FlashAttention | FlashAttentionBackward | EfficientAttention | EfficientAttentionBackward | CudnnAttention | CudnnAttentionBackward | FusedAttention | FusedAttentionBackward | GroupedMm | TransformerEncoderLayer | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg => self.lower_extern(op)?,
+            Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
+            FftC2c
+            | Nonzero
+            | FlashAttentionCpu
+            | FlashAttentionCpuBackward
+            | FlashAttention
+            | FlashAttentionBackward
+            | EfficientAttention
+            | EfficientAttentionBackward
+            | CudnnAttention
+            | CudnnAttentionBackward
+            | FusedAttention
+            | FusedAttentionBackward
+            | GroupedMm
+            | TransformerEncoderLayer
+            | Searchsorted
+            | SearchsortedScalar
+            | LinalgSvd
+            | LinalgQr
+            | LinalgSlogdet
+            | LinalgDet
+            | LinalgEigh
+            | LinalgEig
+            | LinalgEigvals
+            | LinalgCholeskyEx
+            | LinalgInvEx
+            | LinalgSolveEx
+            | LinalgLu
+            | LinalgLuFactorEx
+            | LinalgLuSolve
+            | TriangularSolve
+            | LinalgSolveTriangular
+            | LinalgHouseholderProduct
+            | Geqrf
+            | LinalgPinv
+            | CholeskySolve
+            | CholeskyInverse
+            | LinalgLdlFactorEx
+            | LinalgLdlSolve
+            | Ormqr
+            | LinalgMatrixExp
+            | LinalgCheckErrors
+            | AssertAsync
+            | AssertAsyncMsg => self.lower_extern(op)?,
             Elu | LeakyRelu => t(self.lower_activation(op)?),
             Flip | Repeat | AsStrided => t(self.lower_data_movement(op)?),
             Embedding | IndexSelect | Gather | IndexTensor => t(self.lower_gather(op)?),
             ConstantPadNd => t(self.lower_constant_pad()?),
-            ReflectionPad1d | ReflectionPad2d | ReflectionPad3d | ReplicationPad2d | ReplicationPad3d => {
-                t(self.lower_edge_pad(op)?)
-            }
+            ReflectionPad1d | ReflectionPad2d | ReflectionPad3d | ReplicationPad2d | ReplicationPad3d => t(self.lower_edge_pad(op)?),
             SelectScatter | SliceScatter => t(self.lower_scatter_view(op)?),
-            ScatterSrc | ScatterValue | ScatterReduce | ScatterValueReduce | ScatterAdd | ScatterReduceTwo => {
-                t(self.lower_scatter(op)?)
-            }
+            ScatterSrc | ScatterValue | ScatterReduce | ScatterValueReduce | ScatterAdd | ScatterReduceTwo => t(self.lower_scatter(op)?),
             IndexPut => t(self.lower_index_put()?),
             MaskedScatter => t(self.lower_masked_scatter()?),
             NonzeroStatic => t(self.lower_nonzero_static()?),
@@ -706,7 +754,10 @@ impl<'g> Ctx<'g> {
     fn view_of_shared_base(&mut self, n: NodeId) -> LResult<Option<TensorValue>> {
         use AtenOp::*;
         let reshapes = |op: AtenOp| {
-            matches!(op, View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | TransposeInt | T | Alias)
+            matches!(
+                op,
+                View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | TransposeInt | T | Alias
+            )
         };
         let (base, chain) = self.view_chain(n, reshapes);
         if chain.is_empty() || self.uses[base.0 as usize] < 2 || !matches!(self.tensor_of(base)?.src, Src::Lazy { .. }) {
@@ -854,13 +905,21 @@ fn over_measured(tv: &TensorValue, over: &dyn Fn(usize, usize) -> bool) -> bool 
     let mut bx = Bx { body: &mut body, ranges: tv.size.clone() };
     let vars: Vec<IndexExpr> = (0..tv.size.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
     tv.load(&mut bx, &vars);
-    let mut bufs: Vec<BufferId> = body.exprs.iter().filter_map(|e| match e {
-        Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } => Some(*buf),
-        _ => None,
-    }).collect();
+    let mut bufs: Vec<BufferId> = body
+        .exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } => Some(*buf),
+            _ => None,
+        })
+        .collect();
     bufs.sort();
     bufs.dedup();
-    let ops = body.exprs.iter().filter(|e| !matches!(e, Expr::Load { .. } | Expr::LoadIndirect { .. } | Expr::Constant(_) | Expr::Index(_))).count();
+    let ops = body
+        .exprs
+        .iter()
+        .filter(|e| !matches!(e, Expr::Load { .. } | Expr::LoadIndirect { .. } | Expr::Constant(_) | Expr::Index(_)))
+        .count();
     over(bufs.len(), ops)
 }
 
@@ -870,10 +929,37 @@ fn moves_data(op: AtenOp) -> bool {
     use AtenOp::*;
     matches!(
         op,
-        View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | SliceTensor
-            | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold | SplitWithSizes | SplitTensor | Clone | ToCopy
-            | Copy | LiftFreshCopy | ConstantPadNd | Cat | Flip | Repeat | AsStrided | Conj | ConjPhysical | ViewAsReal
-            | SelectScatter | SliceScatter
+        View | UnsafeView
+            | Reshape
+            | Permute
+            | Expand
+            | Unsqueeze
+            | SqueezeDim
+            | SqueezeDims
+            | Squeeze
+            | SliceTensor
+            | SelectInt
+            | TransposeInt
+            | T
+            | Alias
+            | Diagonal
+            | Unfold
+            | SplitWithSizes
+            | SplitTensor
+            | Clone
+            | ToCopy
+            | Copy
+            | LiftFreshCopy
+            | ConstantPadNd
+            | Cat
+            | Flip
+            | Repeat
+            | AsStrided
+            | Conj
+            | ConjPhysical
+            | ViewAsReal
+            | SelectScatter
+            | SliceScatter
     )
 }
 
@@ -883,8 +969,62 @@ pub fn is_library_call(op: AtenOp) -> bool {
     use AtenOp::*;
     matches!(
         op,
-        Mm | Bmm | Addmm | Convolution | ConvolutionBackward | Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward
-            | PdistForward | EmbeddingBag | FftC2c | Nonzero | FlashAttentionCpu | FlashAttentionCpuBackward | FlashAttention | FlashAttentionBackward | EfficientAttention | EfficientAttentionBackward | CudnnAttention | CudnnAttentionBackward | FusedAttention | FusedAttentionBackward | GroupedMm | TransformerEncoderLayer | Searchsorted | SearchsortedScalar | LinalgSvd | LinalgQr | LinalgSlogdet | LinalgDet | LinalgEigh | LinalgEig | LinalgEigvals | LinalgCholeskyEx | LinalgInvEx | LinalgSolveEx | LinalgLu | LinalgLuFactorEx | LinalgLuSolve | TriangularSolve | LinalgSolveTriangular | LinalgHouseholderProduct | Geqrf | LinalgPinv | CholeskySolve | CholeskyInverse | LinalgLdlFactorEx | LinalgLdlSolve | Ormqr | LinalgMatrixExp | LinalgCheckErrors | AssertAsync | AssertAsyncMsg
+        Mm | Bmm
+            | Addmm
+            | Convolution
+            | ConvolutionBackward
+            | Sort
+            | SortStable
+            | Topk
+            | Randperm
+            | FftR2c
+            | FftC2r
+            | CdistForward
+            | PdistForward
+            | EmbeddingBag
+            | FftC2c
+            | Nonzero
+            | FlashAttentionCpu
+            | FlashAttentionCpuBackward
+            | FlashAttention
+            | FlashAttentionBackward
+            | EfficientAttention
+            | EfficientAttentionBackward
+            | CudnnAttention
+            | CudnnAttentionBackward
+            | FusedAttention
+            | FusedAttentionBackward
+            | GroupedMm
+            | TransformerEncoderLayer
+            | Searchsorted
+            | SearchsortedScalar
+            | LinalgSvd
+            | LinalgQr
+            | LinalgSlogdet
+            | LinalgDet
+            | LinalgEigh
+            | LinalgEig
+            | LinalgEigvals
+            | LinalgCholeskyEx
+            | LinalgInvEx
+            | LinalgSolveEx
+            | LinalgLu
+            | LinalgLuFactorEx
+            | LinalgLuSolve
+            | TriangularSolve
+            | LinalgSolveTriangular
+            | LinalgHouseholderProduct
+            | Geqrf
+            | LinalgPinv
+            | CholeskySolve
+            | CholeskyInverse
+            | LinalgLdlFactorEx
+            | LinalgLdlSolve
+            | Ormqr
+            | LinalgMatrixExp
+            | LinalgCheckErrors
+            | AssertAsync
+            | AssertAsyncMsg
     )
 }
 

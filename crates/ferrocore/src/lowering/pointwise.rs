@@ -42,10 +42,7 @@ pub fn broadcast_shapes(shapes: &[&[i64]]) -> LResult<Vec<i64>> {
 /// Index into `size` for an element of the broadcast output index `idx`.
 pub fn broadcast_index(size: &[i64], idx: &[IndexExpr]) -> Vec<IndexExpr> {
     let off = idx.len() - size.len();
-    size.iter()
-        .enumerate()
-        .map(|(i, &d)| if d == 1 { IndexExpr::zero() } else { idx[off + i].clone() })
-        .collect()
+    size.iter().enumerate().map(|(i, &d)| if d == 1 { IndexExpr::zero() } else { idx[off + i].clone() }).collect()
 }
 
 /// A lazy elementwise value: `f` receives each input loaded (tensors) or materialized as a
@@ -262,8 +259,18 @@ impl Ctx<'_> {
         check_binary_dtype(op, rt, &[a.operand(), b.operand()], out.dtype)?;
         // Comparisons and logical ops compute in the promoted type; the rest in the result type.
         let compute = match op {
-            A::EqTensor | A::EqScalar | A::NeTensor | A::NeScalar | A::LtTensor | A::LtScalar | A::LeTensor
-            | A::LeScalar | A::GtTensor | A::GtScalar | A::GeTensor | A::GeScalar => rt, // a half-typed scalar is rounded first
+            A::EqTensor
+            | A::EqScalar
+            | A::NeTensor
+            | A::NeScalar
+            | A::LtTensor
+            | A::LtScalar
+            | A::LeTensor
+            | A::LeScalar
+            | A::GtTensor
+            | A::GtScalar
+            | A::GeTensor
+            | A::GeScalar => rt, // a half-typed scalar is rounded first
             A::LogicalAnd | A::LogicalOr | A::LogicalXor => DType::Bool,
             _ => out.dtype.compute(),
         };
@@ -318,8 +325,7 @@ impl Ctx<'_> {
             A::RshiftTensor | A::RshiftScalar | A::BitwiseRightShift => BinaryOp::RShift,
             _ => return malformed("not a binary op"),
         };
-        if matches!(bop, BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::LShift | BinaryOp::RShift)
-            && compute.is_float()
+        if matches!(bop, BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::LShift | BinaryOp::RShift) && compute.is_float()
         {
             return malformed("bitwise op on floating-point values");
         }
@@ -355,7 +361,9 @@ impl Ctx<'_> {
             (PwIn::Scalar(Scalar::Int(e)), A::PowTensorScalar) if compute.is_float() => Some(*e as f64),
             _ => None,
         }
-        .filter(|e| [2.0, 3.0, -1.0].contains(e) || (!(out.dtype == DType::F16 && out.device == Device::Cpu) && [0.5, -0.5, -2.0].contains(e)));
+        .filter(|e| {
+            [2.0, 3.0, -1.0].contains(e) || (!(out.dtype == DType::F16 && out.device == Device::Cpu) && [0.5, -0.5, -2.0].contains(e))
+        });
         // sub: self - alpha*other; rsub: other - alpha*self.
         let f = move |bx: &mut Bx, v: &[ValueId]| {
             if let Some(e) = special_pow {
@@ -621,7 +629,11 @@ fn int_bound_beyond(bound: &PwIn, dtype: DType, is_max: bool) -> bool {
         PwIn::Scalar(Scalar::Float(v)) => *v,
         _ => return false,
     };
-    if is_max { v > max as f64 } else { v < min as f64 }
+    if is_max {
+        v > max as f64
+    } else {
+        v < min as f64
+    }
 }
 
 /// The result dtype of a binary op follows torch's promotion of its operands (`graph::dtype`):
@@ -633,9 +645,28 @@ fn check_binary_dtype(op: AtenOp, promoted: DType, operands: &[Operand], out: DT
     let float_tensor = operands.iter().any(|o| matches!(o, Operand::Tensor { dtype, .. } if dtype.is_float()));
     let as_promoted = |d: DType| out == d || (!float_tensor && d.is_float() && out.is_float());
     let ok = match op {
-        A::EqTensor | A::EqScalar | A::NeTensor | A::NeScalar | A::LtTensor | A::LtScalar | A::LeTensor | A::LeScalar
-        | A::GtTensor | A::GtScalar | A::GeTensor | A::GeScalar | A::LogicalAnd | A::LogicalOr | A::LogicalXor => out == DType::Bool,
-        A::DivTensor | A::DivScalar | A::Atan2 => if promoted.is_float() { as_promoted(promoted) } else { out.is_float() },
+        A::EqTensor
+        | A::EqScalar
+        | A::NeTensor
+        | A::NeScalar
+        | A::LtTensor
+        | A::LtScalar
+        | A::LeTensor
+        | A::LeScalar
+        | A::GtTensor
+        | A::GtScalar
+        | A::GeTensor
+        | A::GeScalar
+        | A::LogicalAnd
+        | A::LogicalOr
+        | A::LogicalXor => out == DType::Bool,
+        A::DivTensor | A::DivScalar | A::Atan2 => {
+            if promoted.is_float() {
+                as_promoted(promoted)
+            } else {
+                out.is_float()
+            }
+        }
         // without a rounding mode these divide truly
         A::DivTensorMode | A::DivScalarMode => as_promoted(promoted) || out.is_float(),
         // torch's meta function takes bool ** bool to int64 (its kernel keeps bool); the graph

@@ -10,9 +10,14 @@ use super::*;
 
 #[derive(Clone, Copy, PartialEq)]
 enum PoolKind {
-    Avg { count_include_pad: bool, divisor: Option<i64> },
+    Avg {
+        count_include_pad: bool,
+        divisor: Option<i64>,
+    },
     Max,
-    Adaptive { max: bool },
+    Adaptive {
+        max: bool,
+    },
     /// Windows start at pseudo-random offsets derived from per-plane samples (max pooling).
     Fractional,
 }
@@ -67,8 +72,14 @@ impl Ctx<'_> {
     fn pool_geometry(&self, op: AtenOp, in_size: &[i64], out_size: &[i64], arg0: usize) -> LResult<Pool> {
         use AtenOp as A;
         let nd = match op {
-            A::AvgPool3d | A::MaxPool3dWithIndices | A::FractionalMaxPool3d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool3d | A::AvgPool3dBackward
-            | A::AdaptiveAvgPool3dBackward | A::MaxPool3dWithIndicesBackward => 3,
+            A::AvgPool3d
+            | A::MaxPool3dWithIndices
+            | A::FractionalMaxPool3d
+            | A::AdaptiveAvgPool3d
+            | A::AdaptiveMaxPool3d
+            | A::AvgPool3dBackward
+            | A::AdaptiveAvgPool3dBackward
+            | A::MaxPool3dWithIndicesBackward => 3,
             // the prim pools as many trailing dims as its kernel has
             A::MaxPoolWithOffsets => self.ints_arg(arg0, "kernel_size")?.map_or(2, |k| k.len()),
             _ => 2,
@@ -86,8 +97,15 @@ impl Ctx<'_> {
                 Some(v) => malformed(format!("pooling parameter {v:?} for {nd} spatial dims")),
             }
         };
-        let adaptive = matches!(op, A::AdaptiveAvgPool2d | A::AdaptiveAvgPool3d | A::AdaptiveMaxPool2d | A::AdaptiveMaxPool3d
-            | A::AdaptiveAvgPool2dBackward | A::AdaptiveAvgPool3dBackward);
+        let adaptive = matches!(
+            op,
+            A::AdaptiveAvgPool2d
+                | A::AdaptiveAvgPool3d
+                | A::AdaptiveMaxPool2d
+                | A::AdaptiveMaxPool3d
+                | A::AdaptiveAvgPool2dBackward
+                | A::AdaptiveAvgPool3dBackward
+        );
         let fractional = matches!(op, A::FractionalMaxPool2d | A::FractionalMaxPool3d);
         let (kind, kernel, stride, pad, dil) = if fractional {
             (PoolKind::Fractional, spread(self.ints_arg(1, "kernel_size")?, 1)?, vec![1; nd], vec![0; nd], vec![1; nd])
@@ -241,7 +259,11 @@ impl Ctx<'_> {
                                     arg = bx.body.where_(take, index, arg);
                                 }
                             }
-                            if argmax { arg } else { best }
+                            if argmax {
+                                arg
+                            } else {
+                                best
+                            }
                         }
                         Reduce::Mean => {
                             let z = bx.body.constant(Scalar::Int(0), acc);
@@ -445,7 +467,8 @@ impl Ctx<'_> {
             _ => None,
         };
         let same = |j: usize, f: fn(&Window) -> i64| ints(j).is_some_and(|v| v == wins.iter().map(f).collect::<Vec<_>>());
-        let matches = same(1, |w| w.kernel) && same(2, |w| w.input) && same(3, |w| w.stride) && same(4, |w| w.pad) && same(5, |w| w.dilation);
+        let matches =
+            same(1, |w| w.kernel) && same(2, |w| w.input) && same(3, |w| w.stride) && same(4, |w| w.pad) && same(5, |w| w.dilation);
         match node.arg(0, "") {
             Some(Arg::Node(src)) if matches => self.tensor_of(*src).map(Some),
             _ => Ok(None),

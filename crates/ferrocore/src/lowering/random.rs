@@ -72,17 +72,21 @@ impl Ctx<'_> {
             size: out.shape.clone(),
             dtype: dt,
             device: out.device.clone(),
-            src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                let v = f(bx, idx);
-                let v = match p {
-                    Some(p) => {
-                        let pc = bx.body.constant(Scalar::Float(p), DType::F32);
-                        bx.body.binary(BinaryOp::Lt, v, pc)
-                    }
-                    None => v,
-                };
-                bx.body.cast(v, dt)
-            }), reads: 1, ops: 31 },
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let v = f(bx, idx);
+                    let v = match p {
+                        Some(p) => {
+                            let pc = bx.body.constant(Scalar::Float(p), DType::F32);
+                            bx.body.binary(BinaryOp::Lt, v, pc)
+                        }
+                        None => v,
+                    };
+                    bx.body.cast(v, dt)
+                }),
+                reads: 1,
+                ops: 31,
+            },
         })
     }
 

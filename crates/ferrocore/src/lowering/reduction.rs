@@ -72,7 +72,9 @@ impl Ctx<'_> {
         let rank = x.size.len();
         let dims = match op {
             A::SumDimIntList | A::MeanDim | A::Amax | A::Amin | A::AnyDims => self.reduce_dims(1, "dim", rank)?,
-            A::ProdDimInt | A::AnyDim => vec![norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?].into_iter().filter(|_| rank > 0).collect(),
+            A::ProdDimInt | A::AnyDim => {
+                vec![norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?].into_iter().filter(|_| rank > 0).collect()
+            }
             _ => (0..rank).collect(),
         };
         let rop = match op {
@@ -569,15 +571,22 @@ impl Ctx<'_> {
                 let stat = reshape(&stat, running.size.clone())?;
                 let dt = meta.dtype;
                 let sdt = dt.compute();
-                let v = pointwise(vec![PwIn::Tensor(running), PwIn::Tensor(stat)], meta.shape.clone(), dt, meta.device.clone(), sdt, move |bx, v| {
-                    let r = bx.body.cast(v[0], sdt);
-                    let s = bx.body.cast(v[1], sdt);
-                    let keep = bx.body.constant(Scalar::Float(1.0 - momentum), sdt);
-                    let take = bx.body.constant(Scalar::Float(momentum * scale), sdt);
-                    let a = bx.body.binary(BinaryOp::Mul, r, keep);
-                    let b = bx.body.binary(BinaryOp::Mul, s, take);
-                    bx.body.binary(BinaryOp::Add, a, b)
-                });
+                let v = pointwise(
+                    vec![PwIn::Tensor(running), PwIn::Tensor(stat)],
+                    meta.shape.clone(),
+                    dt,
+                    meta.device.clone(),
+                    sdt,
+                    move |bx, v| {
+                        let r = bx.body.cast(v[0], sdt);
+                        let s = bx.body.cast(v[1], sdt);
+                        let keep = bx.body.constant(Scalar::Float(1.0 - momentum), sdt);
+                        let take = bx.body.constant(Scalar::Float(momentum * scale), sdt);
+                        let a = bx.body.binary(BinaryOp::Mul, r, keep);
+                        let b = bx.body.binary(BinaryOp::Mul, s, take);
+                        bx.body.binary(BinaryOp::Add, a, b)
+                    },
+                );
                 items.push(Some(Lowered::Tensor(v)));
             }
         }
@@ -753,7 +762,8 @@ impl Ctx<'_> {
                         let xh = xh3(bx, idx);
                         let a = s1.load(bx, rows);
                         let b = s2.load(bx, rows);
-                        let st: Vec<IndexExpr> = idx.iter().enumerate().map(|(d, e)| if d < axis { e.clone() } else { IndexExpr::zero() }).collect();
+                        let st: Vec<IndexExpr> =
+                            idx.iter().enumerate().map(|(d, e)| if d < axis { e.clone() } else { IndexExpr::zero() }).collect();
                         let r = rs3.load(bx, &st);
                         let r = bx.body.cast(r, acc);
                         let nn = bx.body.constant(Scalar::Float(n as f64), acc);

@@ -157,8 +157,7 @@ impl GridAxis {
 
     /// Reflect at the borders (pixel centers with align_corners, pixel edges without).
     fn reflect(&self, bx: &mut Bx, x: ValueId) -> ValueId {
-        let (low, twice_span) =
-            if self.align_corners { (0.0, 2.0 * (self.size - 1) as f64) } else { (-0.5, 2.0 * self.size as f64) };
+        let (low, twice_span) = if self.align_corners { (0.0, 2.0 * (self.size - 1) as f64) } else { (-0.5, 2.0 * self.size as f64) };
         if twice_span == 0.0 {
             return self.c(bx, 0.0);
         }
@@ -430,8 +429,7 @@ impl Ctx<'_> {
             (_, 3) => Flavor::CpuScalar,
             _ => Flavor::CpuVector,
         };
-        let axes: Vec<GridAxis> =
-            (0..k).map(|j| GridAxis { size: x.size[2 + j], align_corners, padding, ct, flavor }).collect();
+        let axes: Vec<GridAxis> = (0..k).map(|j| GridAxis { size: x.size[2 + j], align_corners, padding, ct, flavor }).collect();
         let (buf, stride, offset) = strided_base(self, &x)?;
         let dt = x.dtype;
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
@@ -499,8 +497,7 @@ impl Ctx<'_> {
                     ];
                     let (tw, te) = (axes[1].tap(bx, west), axes[1].tap(bx, east));
                     let (tn, ts) = (axes[0].tap(bx, north), axes[0].tap(bx, south));
-                    let values =
-                        [masked(bx, &[tn, tw]), masked(bx, &[tn, te]), masked(bx, &[ts, tw]), masked(bx, &[ts, te])];
+                    let values = [masked(bx, &[tn, tw]), masked(bx, &[tn, te]), masked(bx, &[ts, tw]), masked(bx, &[ts, te])];
                     weighted_sum(bx, &values, &weights)
                 }
                 (_, 2) => {
@@ -641,6 +638,11 @@ impl Ctx<'_> {
             bx.body.cast(r, dt)
         });
         let reads = taps as usize;
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops: 8 * reads } })
+        Ok(TensorValue {
+            size: out.shape.clone(),
+            dtype: out.dtype,
+            device: out.device.clone(),
+            src: Src::Lazy { f, reads, ops: 8 * reads },
+        })
     }
 }

@@ -49,7 +49,11 @@ impl Ctx<'_> {
         if self.triton_kernels(&init.device) {
             let on_gpu = init.device != Device::Cpu;
             if let Some(p) = passes.iter().find(|p| !crate::codegen::triton::atomic_scatter(p.mode, dtype, on_gpu)) {
-                return unsupported(format!("a {:?} scatter of {} values has no atomic or compare-and-swap form in Triton", p.mode, dtype.torch_name()));
+                return unsupported(format!(
+                    "a {:?} scatter of {} values has no atomic or compare-and-swap form in Triton",
+                    p.mode,
+                    dtype.torch_name()
+                ));
             }
         }
         let layout = Layout::contiguous(&init.size, dtype, init.device.clone());
@@ -232,7 +236,13 @@ impl Ctx<'_> {
 
     /// `self[mask] = values` with one boolean index tensor: the k-th selected element takes
     /// `values.flatten()[k]` (or the single value), found with a running count of the mask.
-    fn index_put_mask(&mut self, x: &TensorValue, tensors: &[Option<TensorValue>], values: &TensorValue, accumulate: bool) -> LResult<TensorValue> {
+    fn index_put_mask(
+        &mut self,
+        x: &TensorValue,
+        tensors: &[Option<TensorValue>],
+        values: &TensorValue,
+        accumulate: bool,
+    ) -> LResult<TensorValue> {
         let masks: Vec<(usize, &TensorValue)> = tensors.iter().enumerate().filter_map(|(d, t)| t.as_ref().map(|t| (d, t))).collect();
         let [(first, mask)] = masks.as_slice() else { return unsupported("index_put with a boolean mask and other index tensors") };
         let (first, mask) = (*first, (*mask).clone());
@@ -520,7 +530,11 @@ impl Ctx<'_> {
                 (IndexExpr::zero(), vec![(i, 1)], one)
             });
             let zeros = constant_value(&[num_weights], DType::I64, Scalar::Int(0), &device);
-            Some(self.scatter_into(&zeros, DType::I64, vec![ScatterPass { ranges: indices.size.clone(), f, mode: StoreMode::Combine(ReduceOp::Sum) }])?)
+            Some(self.scatter_into(
+                &zeros,
+                DType::I64,
+                vec![ScatterPass { ranges: indices.size.clone(), f, mode: StoreMode::Combine(ReduceOp::Sum) }],
+            )?)
         } else {
             None
         };
@@ -590,7 +604,14 @@ pub(super) fn unravel(flat: &IndexExpr, shape: &[i64]) -> Vec<IndexExpr> {
 /// covers every other dim) as a pointwise select: `out[.., j, ..] = j == index[.., 0, ..] ? src :
 /// self`. No copy of `self` is materialized (a cross entropy's backward scatters -1 into a zero
 /// tensor of the logits' size, then multiplies it). Out-of-range indices still raise.
-fn one_per_row_scatter(x: &TensorValue, index: &TensorValue, src: Option<&TensorValue>, value: Option<Scalar>, dim: usize, dt: DType) -> Option<TensorValue> {
+fn one_per_row_scatter(
+    x: &TensorValue,
+    index: &TensorValue,
+    src: Option<&TensorValue>,
+    value: Option<Scalar>,
+    dim: usize,
+    dt: DType,
+) -> Option<TensorValue> {
     let covers = index.size.iter().zip(&x.size).enumerate().all(|(d, (&i, &n))| if d == dim { i == 1 } else { i == n });
     if !covers || x.size[dim] == 0 {
         return None;

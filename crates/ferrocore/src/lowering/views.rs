@@ -70,10 +70,7 @@ pub fn reshape(tv: &TensorValue, new_size: Vec<i64>) -> LResult<TensorValue> {
         for (i, s) in idx.iter().zip(&new_strides) {
             flat = flat.add(&i.scale(*s));
         }
-        old.iter()
-            .zip(&old_strides)
-            .map(|(&d, &s)| if d == 1 { IndexExpr::zero() } else { flat.floordiv(s, r).modulo(d, r) })
-            .collect()
+        old.iter().zip(&old_strides).map(|(&d, &s)| if d == 1 { IndexExpr::zero() } else { flat.floordiv(s, r).modulo(d, r) }).collect()
     });
     Ok(apply_view(tv, new_size, reindex))
 }
@@ -358,7 +355,11 @@ impl Ctx<'_> {
                     &x,
                     size,
                     Rc::new(move |idx: &[IndexExpr], r: &[i64]| {
-                        in_size.iter().enumerate().map(|(d, &n)| if n <= 1 { IndexExpr::zero() } else { idx[off + d].modulo(n, r) }).collect()
+                        in_size
+                            .iter()
+                            .enumerate()
+                            .map(|(d, &n)| if n <= 1 { IndexExpr::zero() } else { idx[off + d].modulo(n, r) })
+                            .collect()
                     }),
                 )
             }
@@ -437,8 +438,22 @@ fn aliases_operand(op: AtenOp) -> bool {
     use AtenOp::*;
     matches!(
         op,
-        View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | SliceTensor
-            | SelectInt | TransposeInt | T | Alias | Diagonal | Unfold | AsStrided
+        View | UnsafeView
+            | Reshape
+            | Permute
+            | Expand
+            | Unsqueeze
+            | SqueezeDim
+            | SqueezeDims
+            | Squeeze
+            | SliceTensor
+            | SelectInt
+            | TransposeInt
+            | T
+            | Alias
+            | Diagonal
+            | Unfold
+            | AsStrided
     )
 }
 
@@ -457,12 +472,8 @@ impl Ctx<'_> {
         if meta.shape != tv.size {
             return Ok(false);
         }
-        let vars: Vec<IndexExpr> = tv
-            .size
-            .iter()
-            .enumerate()
-            .map(|(d, &s)| if s == 1 { IndexExpr::zero() } else { IndexExpr::var(Var(d as u32)) })
-            .collect();
+        let vars: Vec<IndexExpr> =
+            tv.size.iter().enumerate().map(|(d, &s)| if s == 1 { IndexExpr::zero() } else { IndexExpr::var(Var(d as u32)) }).collect();
         let zeros = vec![IndexExpr::zero(); tv.size.len()];
         let Some(first) = index(&zeros, &tv.size).as_constant() else { return Ok(false) };
         let mut want = IndexExpr::constant(first);

@@ -135,7 +135,11 @@ fn compile_time(h: &mut String, timings: &[(String, f64)]) {
     let _ = writeln!(h, "<section id=\"time\"><h2>Compile time by stage</h2>\n<table><tr><th>stage</th><th>ms</th><th>share</th></tr>");
     for (stage, ms) in timings {
         let pct = ms / total * 100.0;
-        let _ = writeln!(h, "<tr><td>{}</td><td class=\"num\">{ms:.2}</td><td><div class=\"bar\" style=\"width:{pct:.1}%\"></div> {pct:.1}%</td></tr>", esc(stage));
+        let _ = writeln!(
+            h,
+            "<tr><td>{}</td><td class=\"num\">{ms:.2}</td><td><div class=\"bar\" style=\"width:{pct:.1}%\"></div> {pct:.1}%</td></tr>",
+            esc(stage)
+        );
     }
     let _ = writeln!(
         h,
@@ -155,7 +159,10 @@ fn graph_table(h: &mut String, r: &ReportInput) {
     let g = r.graph;
     let p = &r.schedule.program;
     let computed = computed_in(r.schedule);
-    let _ = writeln!(h, "<section id=\"graph\"><h2>Graph</h2>\n<table><tr><th>node</th><th>value</th><th>op</th><th>computed in</th><th>source</th></tr>");
+    let _ = writeln!(
+        h,
+        "<section id=\"graph\"><h2>Graph</h2>\n<table><tr><th>node</th><th>value</th><th>op</th><th>computed in</th><th>source</th></tr>"
+    );
     for (i, n) in g.nodes.iter().enumerate() {
         let op = match &n.kind {
             NodeKind::Placeholder => "input".to_string(),
@@ -166,7 +173,9 @@ fn graph_table(h: &mut String, r: &ReportInput) {
             }
         };
         let place = match computed.get(n.name.as_str()) {
-            Some(c) => c.kernels.iter().map(|k| kernel_link(k)).chain(c.calls.iter().map(|e| call_link(p, *e))).collect::<Vec<_>>().join(" "),
+            Some(c) => {
+                c.kernels.iter().map(|k| kernel_link(k)).chain(c.calls.iter().map(|e| call_link(p, *e))).collect::<Vec<_>>().join(" ")
+            }
             None if matches!(n.kind, NodeKind::Placeholder) => String::new(),
             None => "<span class=\"note\">no code (a view, or folded into its users' indexing)</span>".into(),
         };
@@ -213,7 +222,8 @@ fn steps(h: &mut String, r: &ReportInput) {
                         format!("grid {grid} x XBLOCK {xblock}, {num_warps} warps, {num_stages} stages")
                     }
                 };
-                let _ = writeln!(h, "<div class=\"step\" id=\"kernel-{}\"><h3>kernel {}</h3>\n<p class=\"note\">{shape}</p>", k.name, k.name);
+                let _ =
+                    writeln!(h, "<div class=\"step\" id=\"kernel-{}\"><h3>kernel {}</h3>\n<p class=\"note\">{shape}</p>", k.name, k.name);
                 if launch.name != k.name {
                     // (kernels that differ only in name are defined once: `codegen::Definitions`)
                     let _ = writeln!(h, "<p class=\"note\">Launched as {}: the same code.</p>", kernel_link(&launch.name));
@@ -221,7 +231,8 @@ fn steps(h: &mut String, r: &ReportInput) {
                 origins_html(h, g, &index, p, &kernel_origins(p, k.plan.nodes.iter().map(|kn| kn.node)));
                 let why: Vec<&String> = r.schedule.decisions.iter().filter(|d| mentions(d, &k.name)).collect();
                 if !why.is_empty() {
-                    let _ = writeln!(h, "<ul class=\"why\">{}</ul>", why.iter().map(|d| format!("<li>{}</li>", esc(d))).collect::<String>());
+                    let _ =
+                        writeln!(h, "<ul class=\"why\">{}</ul>", why.iter().map(|d| format!("<li>{}</li>", esc(d))).collect::<String>());
                 }
                 let text = r.kernels.source.get(launch.text.clone()).unwrap_or("");
                 let _ = writeln!(h, "<details><summary>code</summary><pre>{}</pre></details></div>", esc(text));

@@ -191,8 +191,7 @@ impl Cache {
     /// Opens a file without following a symlink and reads it whole, if it is a regular file of
     /// ours that nobody else may write.
     fn read_owned(&self, path: &Path) -> Option<(File, Vec<u8>)> {
-        let mut file =
-            OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path).ok()?;
+        let mut file = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK).open(path).ok()?;
         let meta = file.metadata().ok()?;
         if !meta.is_file() || meta.uid() != self.uid || meta.mode() & 0o022 != 0 {
             return None;
@@ -263,9 +262,9 @@ fn refused(dir: &Path, why: &str) -> RuntimeError {
 /// Entry names are relative paths of plain names: no `..`, no hidden files, no odd characters.
 fn check_rel(rel: &str) -> Result<(), RuntimeError> {
     let ok = !rel.is_empty()
-        && rel.split('/').all(|p| {
-            !p.is_empty() && !p.starts_with('.') && p.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
-        })
+        && rel
+            .split('/')
+            .all(|p| !p.is_empty() && !p.starts_with('.') && p.chars().all(|c| c.is_ascii_alphanumeric() || "._-".contains(c)))
         && !rel.ends_with(MANIFEST_SUFFIX)
         && rel != KEY_FILE;
     if ok {

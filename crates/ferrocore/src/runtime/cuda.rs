@@ -290,7 +290,9 @@ mod tests {
     fn a_machine_without_the_driver_is_an_error_not_a_crash() {
         // on a GPU machine this opens the driver; elsewhere it must be a plain error
         match Driver::open() {
-            Ok(d) => assert!(Kernel::load(&d, b"not a cubin", "k", 0, LaunchConfig { num_warps: 4, shared: 0, trailing_nulls: 0 }).is_err()),
+            Ok(d) => {
+                assert!(Kernel::load(&d, b"not a cubin", "k", 0, LaunchConfig { num_warps: 4, shared: 0, trailing_nulls: 0 }).is_err())
+            }
             Err(e) => assert!(e.0.contains("CUDA driver"), "{e}"),
         }
     }

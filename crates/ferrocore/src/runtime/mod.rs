@@ -192,7 +192,13 @@ impl CppJobs {
 }
 
 /// `compile_cpp` under the unit policy `split`.
-pub fn compile_cpp_with(source: &str, cache_dir: &Path, cxx: &str, split: &CppJobs, progress: &Progress) -> Result<CompiledLibrary, RuntimeError> {
+pub fn compile_cpp_with(
+    source: &str,
+    cache_dir: &Path,
+    cxx: &str,
+    split: &CppJobs,
+    progress: &Progress,
+) -> Result<CompiledLibrary, RuntimeError> {
     let (jobs, min_unit_bytes) = (split.jobs, split.min_unit_bytes);
     let cache = Cache::open(cache_dir)?;
     let (lib_rel, src_rel) = cpp_entry_names(source, cxx);

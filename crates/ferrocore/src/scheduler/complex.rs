@@ -36,8 +36,11 @@ pub fn complex_as_real(p: &mut LoopProgram) -> Vec<String> {
             continue;
         }
         if let Some(rewritten) = rewrite(node, out_dt.is_complex()) {
-            decisions.push(format!("complex: {} moves complex values as pairs of {}", p.buffer(node.output).name,
-                component_type(out_dt).unwrap_or(out_dt).torch_name()));
+            decisions.push(format!(
+                "complex: {} moves complex values as pairs of {}",
+                p.buffer(node.output).name,
+                component_type(out_dt).unwrap_or(out_dt).torch_name()
+            ));
             p.nodes[n] = rewritten;
         }
     }

@@ -105,16 +105,18 @@ fn merged_writers(p: &LoopProgram, uses: &Uses, n: usize, at: usize) -> Option<(
     reads.iter().for_each(|(b, _)| *times_read.entry(*b).or_default() += 1);
     // the largest concatenation `n` alone reads, element for element (rotary embeddings read
     // their `cos` table, a cat many nodes read, beside the rotated half)
-    let best = reads.iter().filter_map(|(buf, index)| {
-        let only_reader = uses.readers[buf.0 as usize].iter().all(|&m| m == n) && !uses.escapes[buf.0 as usize];
-        if *buf == node.output || !only_reader || times_read[buf] > 1 {
-            return None;
-        }
-        let pieces = pieces_of(p, uses, *buf)?;
-        // which dim of the concatenation each of `n`'s variables steps along
-        Some((*buf, pieces, dims_of(index, &node.ranges, &p.buffer(*buf).layout)?))
-    })
-    .max_by_key(|(buf, _, _)| p.buffer(*buf).layout.size.iter().product::<i64>())?;
+    let best = reads
+        .iter()
+        .filter_map(|(buf, index)| {
+            let only_reader = uses.readers[buf.0 as usize].iter().all(|&m| m == n) && !uses.escapes[buf.0 as usize];
+            if *buf == node.output || !only_reader || times_read[buf] > 1 {
+                return None;
+            }
+            let pieces = pieces_of(p, uses, *buf)?;
+            // which dim of the concatenation each of `n`'s variables steps along
+            Some((*buf, pieces, dims_of(index, &node.ranges, &p.buffer(*buf).layout)?))
+        })
+        .max_by_key(|(buf, _, _)| p.buffer(*buf).layout.size.iter().product::<i64>())?;
     let (buf, pieces, dims) = best;
     let mut writes_buf = vec![false; p.nodes.len()];
     uses.writers[buf.0 as usize].iter().for_each(|&m| writes_buf[m] = true);
@@ -160,9 +162,7 @@ fn merge(writer: &LoopNode, reader: &LoopNode, buf: BufferId, dims: &[Option<usi
     let mut map: Vec<Option<ValueId>> = Vec::with_capacity(rbody.exprs.len());
     for (k, e) in rbody.exprs.iter().enumerate() {
         let v = match e {
-            Expr::Load { buf: b, .. } if *b == buf => {
-                (writer.body.dtype(stored.value) == rbody.dtypes[k]).then_some(stored.value)?
-            }
+            Expr::Load { buf: b, .. } if *b == buf => (writer.body.dtype(stored.value) == rbody.dtypes[k]).then_some(stored.value)?,
             _ => body.push_copy(e, rbody.dtypes[k], &|x| map[x.0 as usize])?,
         };
         map.push(Some(v));
@@ -170,7 +170,13 @@ fn merge(writer: &LoopNode, reader: &LoopNode, buf: BufferId, dims: &[Option<usi
     let store = rbody.store.as_ref()?;
     let value = map[store.value.0 as usize]?;
     body.set_store(store.index.clone(), value);
-    Some(LoopNode { output: reader.output, ranges: writer.ranges.clone(), reduction_ranges: vec![], body, origins: [writer.origins.clone(), reader.origins.clone()].concat() })
+    Some(LoopNode {
+        output: reader.output,
+        ranges: writer.ranges.clone(),
+        reduction_ranges: vec![],
+        body,
+        origins: [writer.origins.clone(), reader.origins.clone()].concat(),
+    })
 }
 
 /// The writers of a computed buffer and the piece each fills, sorted by offset, when two or

@@ -180,14 +180,21 @@ fn storage_fits(p: &LoopProgram, x: BufferId, out: BufferId, fills: &[usize]) ->
         && corner_of(xl, ol)
         && !used_whole(p, out)
         && fills.iter().all(|&j| !reads(&p.nodes[j].body, x) && writes_outside(&p.nodes[j], xl, ol));
-    if corner { Fit::Same } else { Fit::No }
+    if corner {
+        Fit::Same
+    } else {
+        Fit::No
+    }
 }
 
 /// Both layouts are dense row-major orders of the same number of elements of one dtype and
 /// device (so an element's storage position is its flat index in either).
 fn reshaped(x: &Layout, out: &Layout) -> bool {
     let dense = |l: &Layout| l.offset == 0 && l.stride == contiguous_strides(&l.size);
-    x.dtype == out.dtype && x.device == out.device && dense(x) && dense(out)
+    x.dtype == out.dtype
+        && x.device == out.device
+        && dense(x)
+        && dense(out)
         && x.size.iter().product::<i64>() == out.size.iter().product::<i64>()
 }
 
@@ -215,8 +222,13 @@ fn view_whole_uses(p: &mut LoopProgram, b: BufferId, layout: &Layout) {
 /// `x` is the leading corner of `out` (same strides, no larger): the unpadded view of padded
 /// rows, which a donated input's storage holds when the padded result it was read from had them.
 fn corner_of(x: &Layout, out: &Layout) -> bool {
-    x.dtype == out.dtype && x.device == out.device && x.offset == 0 && out.offset == 0 && x.stride == out.stride
-        && x.size.len() == out.size.len() && x.size.iter().zip(&out.size).all(|(a, b)| a <= b)
+    x.dtype == out.dtype
+        && x.device == out.device
+        && x.offset == 0
+        && out.offset == 0
+        && x.stride == out.stride
+        && x.size.len() == out.size.len()
+        && x.size.iter().zip(&out.size).all(|(a, b)| a <= b)
 }
 
 /// Every element `node` stores into `out`'s storage lies outside the view `x` (padding), checked
@@ -307,9 +319,9 @@ fn readers_first(p: &LoopProgram, plan: &KernelPlan, pos: usize, x: BufferId, in
 fn others_read_first(plan: &KernelPlan, pos: usize, x: BufferId) -> bool {
     let order = &plan.groups[plan.nodes[pos].group].nodes;
     let at = order.iter().position(|&q| q == pos);
-    (0..plan.nodes.len()).filter(|&q| q != pos && reads(&plan.nodes[q].body, x)).all(|q| {
-        plan.nodes[q].group == plan.nodes[pos].group && order.iter().position(|&r| r == q) < at
-    })
+    (0..plan.nodes.len())
+        .filter(|&q| q != pos && reads(&plan.nodes[q].body, x))
+        .all(|q| plan.nodes[q].group == plan.nodes[pos].group && order.iter().position(|&r| r == q) < at)
 }
 
 fn reads(body: &LoopBody, x: BufferId) -> bool {

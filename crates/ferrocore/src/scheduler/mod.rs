@@ -13,9 +13,9 @@ pub mod simplify;
 mod split;
 mod welford;
 
-pub use plan::{KernelNode, KernelPlan, LocalRead, LoopGroup};
-use plan::{Joined, PlanBuilder};
 pub use complex::{complex_as_real, component_type};
+use plan::{Joined, PlanBuilder};
+pub use plan::{KernelNode, KernelPlan, LocalRead, LoopGroup};
 pub use split::{split_reductions, SplitConfig, GPU_SPLIT};
 pub use welford::welford_variances;
 
@@ -184,19 +184,15 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
                         }
                         producer[node.output.0 as usize].add(si);
                     }
-                    None => {
-                        match PlanBuilder::build(&program, &[n], &placed) {
-                            Ok(plan) => {
-                                let why = if rejected { "every fusion was rejected" } else { "shares no data with an earlier kernel" };
-                                decisions.push(format!("new kernel #{}: {out_name} ({why})", slots.len()));
-                                producer[node.output.0 as usize].add(slots.len());
-                                slots.push(Slot::Kernel(KernelSlot::new(&program, &returned, n, plan)));
-                            }
-                            Err(why) => {
-                                return Err(SchedulerError { message: format!("{out_name} cannot be planned as a kernel: {why}") })
-                            }
+                    None => match PlanBuilder::build(&program, &[n], &placed) {
+                        Ok(plan) => {
+                            let why = if rejected { "every fusion was rejected" } else { "shares no data with an earlier kernel" };
+                            decisions.push(format!("new kernel #{}: {out_name} ({why})", slots.len()));
+                            producer[node.output.0 as usize].add(slots.len());
+                            slots.push(Slot::Kernel(KernelSlot::new(&program, &returned, n, plan)));
                         }
-                    }
+                        Err(why) => return Err(SchedulerError { message: format!("{out_name} cannot be planned as a kernel: {why}") }),
+                    },
                 }
             }
         }
@@ -486,7 +482,10 @@ fn choose_kernel(
         if score == 0 || best.as_ref().is_some_and(|b| b.score >= score) {
             continue;
         }
-        let apart = keep_apart && { let b = beside(k); b > 0 && freed <= b };
+        let apart = keep_apart && {
+            let b = beside(k);
+            b > 0 && freed <= b
+        };
         if apart {
             let name = &p.buffer(node.output).name;
             decisions.push(format!("no fusion: {name} into kernel #{si}: a large output beside a large temporary (peak memory)"));

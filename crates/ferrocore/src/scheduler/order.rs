@@ -27,7 +27,13 @@ fn touches(p: &LoopProgram, it: &Item) -> (Vec<BufferId>, Vec<BufferId>) {
 /// backward: BERT's decoder bias gradient sat beside its weight gradient's GEMM, the backward's
 /// peak); the others live in its registers. `steps_reading` counts, per buffer, the steps that
 /// read it.
-fn sinking_results(p: &LoopProgram, item: &Item, (reads, writes): &(Vec<BufferId>, Vec<BufferId>), returned: &[bool], steps_reading: &[usize]) -> Option<Vec<BufferId>> {
+fn sinking_results(
+    p: &LoopProgram,
+    item: &Item,
+    (reads, writes): &(Vec<BufferId>, Vec<BufferId>),
+    returned: &[bool],
+    steps_reading: &[usize],
+) -> Option<Vec<BufferId>> {
     let mut outs = writes.clone();
     outs.sort_by_key(|b| b.0);
     outs.dedup();
@@ -72,7 +78,8 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
         seen.dedup();
         seen.iter().for_each(|b| steps_reading[b.0 as usize] += 1);
     }
-    let sinking: Vec<Option<Vec<BufferId>>> = items.iter().zip(&touched).map(|(it, t)| sinking_results(p, it, t, &returned, &steps_reading)).collect();
+    let sinking: Vec<Option<Vec<BufferId>>> =
+        items.iter().zip(&touched).map(|(it, t)| sinking_results(p, it, t, &returned, &steps_reading)).collect();
     let gradient_kernel = |j: usize| matches!(items[j], Item::Kernel(_)) && sinking[j].is_some();
     // per buffer, the steps (first positions, ascending) that read it, that read it and are no
     // gradient kernel, that write it

@@ -155,15 +155,17 @@ impl PlanBuilder {
     /// Plans `nodes`; `placed` counts the nodes placed (the scheduler's measure of its work).
     pub(super) fn build(p: &LoopProgram, nodes: &[usize], placed: &Cell<usize>) -> Result<PlanBuilder, String> {
         let first = &p.nodes[*nodes.first().ok_or("no nodes")?];
-        let reduction_n = nodes
-            .iter()
-            .find(|&&i| !p.nodes[i].reduction_ranges.is_empty())
-            .map(|&i| p.nodes[i].ranges.iter().product::<i64>());
+        let reduction_n =
+            nodes.iter().find(|&&i| !p.nodes[i].reduction_ranges.is_empty()).map(|&i| p.nodes[i].ranges.iter().product::<i64>());
         let outer = match reduction_n {
             Some(n) => n,
             None => {
                 let r = &first.ranges;
-                if r.len() >= 2 { r[..r.len() - 1].iter().product() } else { r.iter().product() }
+                if r.len() >= 2 {
+                    r[..r.len() - 1].iter().product()
+                } else {
+                    r.iter().product()
+                }
             }
         };
         let plan = KernelPlan { outer, groups: Vec::new(), nodes: Vec::new(), local_reads: Vec::new() };
@@ -224,7 +226,10 @@ impl PlanBuilder {
             (s, inner, false)
         } else {
             if n.ranges.iter().product::<i64>() != outer {
-                return Err(format!("reduction {name} has {} outputs, the kernel's outer size is {outer}", n.ranges.iter().product::<i64>()));
+                return Err(format!(
+                    "reduction {name} has {} outputs, the kernel's outer size is {outer}",
+                    n.ranges.iter().product::<i64>()
+                ));
             }
             let (mut s, _) = node_subst(&n.ranges, outer, 1).ok_or_else(|| format!("{name}'s ranges do not split"))?;
             for j in 0..n.reduction_ranges.len() {
@@ -304,7 +309,10 @@ impl PlanBuilder {
         for &r in readers {
             let kn = &self.plan.nodes[r];
             let reader = &p.nodes[kn.node];
-            let same_loop = kn.group == last && !self.plan.groups[last].reduction && reader.reduction_ranges.is_empty() && reader.kind() != NodeKind::Scan;
+            let same_loop = kn.group == last
+                && !self.plan.groups[last].reduction
+                && reader.reduction_ranges.is_empty()
+                && reader.kind() != NodeKind::Scan;
             let at_store = kn.body.exprs.iter().all(|e| match e {
                 Expr::Load { buf, index } if *buf == out => *index == store.index,
                 Expr::LoadIndirect { buf, .. } => *buf != out,

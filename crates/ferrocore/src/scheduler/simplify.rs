@@ -62,11 +62,9 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
 }
 
 fn mergeable(indices: &[&IndexExpr], outer: usize, inner: usize, inner_size: i64) -> bool {
-    indices.iter().all(|e| {
-        match (e.affine_coeff(Var(outer as u32)), e.affine_coeff(Var(inner as u32))) {
-            (Some(a), Some(b)) => a == b * inner_size,
-            _ => false,
-        }
+    indices.iter().all(|e| match (e.affine_coeff(Var(outer as u32)), e.affine_coeff(Var(inner as u32))) {
+        (Some(a), Some(b)) => a == b * inner_size,
+        _ => false,
     })
 }
 
@@ -123,4 +121,3 @@ pub fn eliminate_dead_nodes(p: &mut LoopProgram) -> Vec<String> {
         }
     }
 }
-

@@ -124,9 +124,12 @@ fn copy_at(
     let made = match e {
         Expr::Load { buf, index } => out.load(*buf, index.substitute(subst, ranges), dtype),
         Expr::Index(ix) => out.index(ix.substitute(subst, ranges), dtype),
-        Expr::LoadIndirect { .. } | Expr::Reduce(..) | Expr::ArgReduce(..) | Expr::Scan(..) | Expr::Random { .. } | Expr::CheckIndex { .. } => {
-            return None
-        }
+        Expr::LoadIndirect { .. }
+        | Expr::Reduce(..)
+        | Expr::ArgReduce(..)
+        | Expr::Scan(..)
+        | Expr::Random { .. }
+        | Expr::CheckIndex { .. } => return None,
         _ => {
             let mut operands = Vec::new();
             for x in e.operands() {

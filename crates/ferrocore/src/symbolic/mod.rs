@@ -40,7 +40,11 @@ impl IndexExpr {
         Self::constant(0)
     }
     pub fn as_constant(&self) -> Option<i64> {
-        if self.terms.is_empty() { Some(self.constant) } else { None }
+        if self.terms.is_empty() {
+            Some(self.constant)
+        } else {
+            None
+        }
     }
     pub fn is_zero(&self) -> bool {
         self.terms.is_empty() && self.constant == 0
@@ -55,8 +59,7 @@ impl IndexExpr {
     /// `k·d·(x // d) + k·(x mod d)` is `k·x`: folds the pairs that a view-of-a-view leaves behind.
     fn fold_div_mod_pairs(self) -> Self {
         let mut map: BTreeMap<Atom, i64> = self.terms.iter().cloned().collect();
-        let mods: Vec<(Atom, i64)> =
-            map.iter().filter(|(a, _)| matches!(a, Atom::Mod(..))).map(|(a, c)| (a.clone(), *c)).collect();
+        let mods: Vec<(Atom, i64)> = map.iter().filter(|(a, _)| matches!(a, Atom::Mod(..))).map(|(a, c)| (a.clone(), *c)).collect();
         for (m, k) in mods {
             if let Atom::Mod(inner, d) = &m {
                 // the partner of (e mod d) is e // d in canonical form: (x // a) // d is x // (a·d)
@@ -71,8 +74,7 @@ impl IndexExpr {
                     rest = rest.add(&inner.scale(k));
                     map = rest.terms.iter().cloned().collect();
                     let c = rest.constant;
-                    return IndexExpr { constant: c, terms: map.into_iter().filter(|(_, c)| *c != 0).collect() }
-                        .fold_div_mod_pairs();
+                    return IndexExpr { constant: c, terms: map.into_iter().filter(|(_, c)| *c != 0).collect() }.fold_div_mod_pairs();
                 }
             }
         }
@@ -98,10 +100,7 @@ impl IndexExpr {
         if k == 0 {
             return IndexExpr::zero();
         }
-        IndexExpr {
-            constant: self.constant * k,
-            terms: self.terms.iter().map(|(a, c)| (a.clone(), c * k)).collect(),
-        }
+        IndexExpr { constant: self.constant * k, terms: self.terms.iter().map(|(a, c)| (a.clone(), c * k)).collect() }
     }
 
     /// The value at the point where variable `v` is `values[v]` (0 past the end).
@@ -246,10 +245,7 @@ impl IndexExpr {
     }
 
     fn exact_div(&self, g: i64) -> IndexExpr {
-        IndexExpr {
-            constant: self.constant / g,
-            terms: self.terms.iter().map(|(a, c)| (a.clone(), c / g)).collect(),
-        }
+        IndexExpr { constant: self.constant / g, terms: self.terms.iter().map(|(a, c)| (a.clone(), c / g)).collect() }
     }
 
     fn single_atom(&self) -> Option<&Atom> {
@@ -409,7 +405,11 @@ impl Printer<'_> {
 impl IndexExpr {
     fn grouped(&self) -> String {
         let parts = self.terms.len() + usize::from(self.constant != 0);
-        if parts > 1 { format!("({self})") } else { self.to_string() }
+        if parts > 1 {
+            format!("({self})")
+        } else {
+            self.to_string()
+        }
     }
 }
 

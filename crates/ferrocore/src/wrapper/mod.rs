@@ -23,7 +23,10 @@ pub const TRITON_UNIT_END: &str = "# ---- ferrocore: end of Triton kernels ----\
 pub enum HostStep {
     Alloc(BufferId),
     /// Reuse the storage of a freed buffer with the same layout.
-    Reuse { buf: BufferId, from: BufferId },
+    Reuse {
+        buf: BufferId,
+        from: BufferId,
+    },
     Launch(usize),
     Extern(usize),
     Free(BufferId),
@@ -47,8 +50,13 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
         match it {
             Item::Kernel(k) => {
                 let args = &kernels.launches[launch].args;
-                let outs: Vec<BufferId> =
-                    k.plan.nodes.iter().map(|kn| p.nodes[kn.node].output).filter(|b| s.storage[b.0 as usize] == Storage::Allocated).collect();
+                let outs: Vec<BufferId> = k
+                    .plan
+                    .nodes
+                    .iter()
+                    .map(|kn| p.nodes[kn.node].output)
+                    .filter(|b| s.storage[b.0 as usize] == Storage::Allocated)
+                    .collect();
                 uses.push(args.clone());
                 defs.push(outs);
                 item_launch.push(Some(launch));
@@ -124,11 +132,7 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
                 if !allocated[b.0 as usize] {
                     allocated[b.0 as usize] = true;
                     let l = &p.buffer(*b).layout;
-                    let reusable = if pinned[b.0 as usize] {
-                        None
-                    } else {
-                        free_pool.iter().position(|(f, _)| p.buffer(*f).layout == *l)
-                    };
+                    let reusable = if pinned[b.0 as usize] { None } else { free_pool.iter().position(|(f, _)| p.buffer(*f).layout == *l) };
                     match reusable {
                         Some(pos) => {
                             let (from, free_step) = free_pool.remove(pos);
@@ -144,7 +148,8 @@ pub fn plan_host(s: &Schedule, kernels: &RenderedKernels) -> HostPlan {
             (Item::Extern(e), _) => steps.push(HostStep::Extern(*e)),
             _ => {}
         }
-        let mut dying: Vec<BufferId> = uses[i].iter().chain(&defs[i]).copied().filter(|b| last_use.get(b) == Some(&i) && !pinned[b.0 as usize]).collect();
+        let mut dying: Vec<BufferId> =
+            uses[i].iter().chain(&defs[i]).copied().filter(|b| last_use.get(b) == Some(&i) && !pinned[b.0 as usize]).collect();
         dying.sort();
         dying.dedup();
         for b in dying {
@@ -206,7 +211,9 @@ fn extern_arg_py(p: &LoopProgram, a: &ExternArg) -> String {
     match a {
         ExternArg::Buffer(b) => p.buffer(*b).name.clone(),
         // a view the buffer already is: the tensor itself (no as_strided call per launch)
-        ExternArg::View { buf, size, stride, offset } if *offset == 0 && p.buffer(*buf).layout.size == *size && p.buffer(*buf).layout.stride == *stride => {
+        ExternArg::View { buf, size, stride, offset }
+            if *offset == 0 && p.buffer(*buf).layout.size == *size && p.buffer(*buf).layout.stride == *stride =>
+        {
             p.buffer(*buf).name.clone()
         }
         ExternArg::View { buf, size, stride, offset } => view_py(p, *buf, size, stride, *offset),
@@ -219,7 +226,11 @@ fn extern_arg_py(p: &LoopProgram, a: &ExternArg) -> String {
 fn literal_py(l: &Literal) -> String {
     // torch's layouts and memory formats are attributes of `torch` (the importer accepts only those)
     let torch_attr = |name: &str| {
-        if crate::graph::names::is_identifier(name) { format!("torch.{name}") } else { format!("getattr(torch, {})", py_str(name)) }
+        if crate::graph::names::is_identifier(name) {
+            format!("torch.{name}")
+        } else {
+            format!("getattr(torch, {})", py_str(name))
+        }
     };
     match l {
         Literal::None => "None".into(),
@@ -293,7 +304,8 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
     let mut m = String::new();
     let fallbacks = p.externs.iter().filter(|e| e.fallback).count();
     let _ = writeln!(m, "# ferrocore output code for graph {}", py_str(graph_name));
-    let _ = writeln!(m, "# kernels: {}, extern calls: {}, ATen fallbacks: {fallbacks}", kernels.launches.len(), p.externs.len() - fallbacks);
+    let _ =
+        writeln!(m, "# kernels: {}, extern calls: {}, ATen fallbacks: {fallbacks}", kernels.launches.len(), p.externs.len() - fallbacks);
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
     match kernels.language {
         KernelLanguage::Cpp => {
@@ -401,7 +413,10 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
     }
     match (kernels.language, cuda) {
         (KernelLanguage::Triton, Some(i)) if !kernels.launches.is_empty() => {
-            let _ = write!(m, "\n\ndef call({params}):\n    with torch.cuda.device({i}):\n        return _call({inner})\n\n\ndef _call({inner}):\n");
+            let _ = write!(
+                m,
+                "\n\ndef call({params}):\n    with torch.cuda.device({i}):\n        return _call({inner})\n\n\ndef _call({inner}):\n"
+            );
         }
         _ => {
             let _ = write!(m, "\n\ndef call({params}):\n");
@@ -432,7 +447,11 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
     match flag_device {
         Some(_) if gpu_flag => m.push_str("    _index_error = _INDEX_CHECK.begin() if index_flag is None else index_flag\n"),
         Some(d) => {
-            let _ = writeln!(m, "    _index_error = torch.zeros((1,), dtype=torch.int32, device={}) if index_flag is None else index_flag", py_str(&d.to_string()));
+            let _ = writeln!(
+                m,
+                "    _index_error = torch.zeros((1,), dtype=torch.int32, device={}) if index_flag is None else index_flag",
+                py_str(&d.to_string())
+            );
         }
         None => {}
     }
@@ -446,7 +465,11 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
                     // on the current device (the call runs under it): torch's allocator, no argument parsing
                     let _ = writeln!(m, "    {name} = empty_strided_cuda({size}, {stride}, {dtype})");
                 } else {
-                    let _ = writeln!(m, "    {name} = torch.empty_strided({size}, {stride}, dtype={dtype}, device={})", py_str(&l.device.to_string()));
+                    let _ = writeln!(
+                        m,
+                        "    {name} = torch.empty_strided({size}, {stride}, dtype={dtype}, device={})",
+                        py_str(&l.device.to_string())
+                    );
                 }
             }
             HostStep::Reuse { buf, from } => {
@@ -471,7 +494,11 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
                         // complex buffers: kernels address their components (pairs of reals)
                         let arg = |b: &BufferId| {
                             let name = &p.buffer(*b).name;
-                            if p.buffer(*b).layout.dtype.is_complex() { format!("torch.view_as_real({name})") } else { name.clone() }
+                            if p.buffer(*b).layout.dtype.is_complex() {
+                                format!("torch.view_as_real({name})")
+                            } else {
+                                name.clone()
+                            }
                         };
                         let mut args: Vec<String> = k.args.iter().map(arg).collect();
                         if k.checks_indices {
@@ -553,6 +580,8 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
     }
     m.push_str("    ]\n\n\ndef benchmark_compiled_module(reps=100, report=None):\n    from ferrocore.runtime import benchmark\n");
     m.push_str("    return benchmark(call, make_inputs(), reps, report=report, module=globals())\n\n\n");
-    m.push_str("if __name__ == '__main__':\n    from ferrocore.runtime import benchmark_main\n    benchmark_main(benchmark_compiled_module)\n");
+    m.push_str(
+        "if __name__ == '__main__':\n    from ferrocore.runtime import benchmark_main\n    benchmark_main(benchmark_compiled_module)\n",
+    );
     m
 }

@@ -446,7 +446,15 @@ impl OpsHandler for BodyEmitter<'_> {
         let ty = c_type(dtype);
         let m = math_namespace(xd);
         let e = match op {
-            UnaryOp::Abs => if fl { format!("{m}::abs({x})") } else if xd == DType::Bool { x.clone() } else { format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})") },
+            UnaryOp::Abs => {
+                if fl {
+                    format!("{m}::abs({x})")
+                } else if xd == DType::Bool {
+                    x.clone()
+                } else {
+                    format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})")
+                }
+            }
             UnaryOp::Neg => format!("static_cast<{ty}>(-{x})"),
             UnaryOp::Exp if ty == "float" => format!("ferro_expf({x})"),
             UnaryOp::Exp => format!("{m}::exp({x})"),
@@ -480,16 +488,64 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Real => format!("std::real({x})"),
             UnaryOp::Imag => format!("std::imag({x})"),
             UnaryOp::Erfcx => format!("static_cast<{ty}>(ferro_erfcx(static_cast<double>({x})))"),
-            UnaryOp::Floor => if fl { format!("{m}::floor({x})") } else { x.clone() },
-            UnaryOp::Ceil => if fl { format!("{m}::ceil({x})") } else { x.clone() },
-            UnaryOp::Round => if fl { format!("{m}::nearbyint({x})") } else { x.clone() },
-            UnaryOp::Trunc => if fl { format!("{m}::trunc({x})") } else { x.clone() },
-            UnaryOp::Sign => if xd == DType::Bool { x.clone() } else { format!("ferro_sign({x})") },
+            UnaryOp::Floor => {
+                if fl {
+                    format!("{m}::floor({x})")
+                } else {
+                    x.clone()
+                }
+            }
+            UnaryOp::Ceil => {
+                if fl {
+                    format!("{m}::ceil({x})")
+                } else {
+                    x.clone()
+                }
+            }
+            UnaryOp::Round => {
+                if fl {
+                    format!("{m}::nearbyint({x})")
+                } else {
+                    x.clone()
+                }
+            }
+            UnaryOp::Trunc => {
+                if fl {
+                    format!("{m}::trunc({x})")
+                } else {
+                    x.clone()
+                }
+            }
+            UnaryOp::Sign => {
+                if xd == DType::Bool {
+                    x.clone()
+                } else {
+                    format!("ferro_sign({x})")
+                }
+            }
             UnaryOp::Reciprocal => format!("static_cast<{ty}>(1) / {x}"),
-            UnaryOp::BitwiseNot => if xd == DType::Bool { format!("!{x}") } else { format!("static_cast<{ty}>(~{x})") },
+            UnaryOp::BitwiseNot => {
+                if xd == DType::Bool {
+                    format!("!{x}")
+                } else {
+                    format!("static_cast<{ty}>(~{x})")
+                }
+            }
             UnaryOp::LogicalNot => format!("!{x}"),
-            UnaryOp::IsNan => if fl { format!("{m}::isnan({x})") } else { "false".into() },
-            UnaryOp::IsInf => if fl { format!("{m}::isinf({x})") } else { "false".into() },
+            UnaryOp::IsNan => {
+                if fl {
+                    format!("{m}::isnan({x})")
+                } else {
+                    "false".into()
+                }
+            }
+            UnaryOp::IsInf => {
+                if fl {
+                    format!("{m}::isinf({x})")
+                } else {
+                    "false".into()
+                }
+            }
         };
         self.emit(dtype, e, &[x])
     }
@@ -505,15 +561,63 @@ impl OpsHandler for BodyEmitter<'_> {
         let e = match op {
             BinaryOp::Add => format!("{a} + {b}"),
             BinaryOp::Sub => format!("{a} - {b}"),
-            BinaryOp::Mul => if od == DType::Bool { format!("{a} && {b}") } else { format!("{a} * {b}") },
+            BinaryOp::Mul => {
+                if od == DType::Bool {
+                    format!("{a} && {b}")
+                } else {
+                    format!("{a} * {b}")
+                }
+            }
             BinaryOp::TrueDiv => format!("{a} / {b}"),
-            BinaryOp::FloorDiv => if fl { format!("ferro_floordiv_f({a}, {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
-            BinaryOp::TruncDiv => if fl { format!("{m}::trunc({a} / {b})") } else { format!("ferro_truncdiv_i({a}, {b})") },
-            BinaryOp::Remainder => if fl { format!("ferro_remainder({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
-            BinaryOp::Fmod => if fl { format!("{m}::fmod({a}, {b})") } else { format!("ferro_fmod_i({a}, {b})") },
-            BinaryOp::Pow => if fl { format!("{m}::pow({a}, {b})") } else { format!("ferro_ipow<{ty}>({a}, {b})") },
-            BinaryOp::Maximum => if fl { format!("ferro_max({a}, {b})") } else { format!("ferro::max({a}, {b})") },
-            BinaryOp::Minimum => if fl { format!("ferro_min({a}, {b})") } else { format!("ferro::min({a}, {b})") },
+            BinaryOp::FloorDiv => {
+                if fl {
+                    format!("ferro_floordiv_f({a}, {b})")
+                } else {
+                    format!("ferro_floordiv_i({a}, {b})")
+                }
+            }
+            BinaryOp::TruncDiv => {
+                if fl {
+                    format!("{m}::trunc({a} / {b})")
+                } else {
+                    format!("ferro_truncdiv_i({a}, {b})")
+                }
+            }
+            BinaryOp::Remainder => {
+                if fl {
+                    format!("ferro_remainder({a}, {b})")
+                } else {
+                    format!("ferro_mod_i({a}, {b})")
+                }
+            }
+            BinaryOp::Fmod => {
+                if fl {
+                    format!("{m}::fmod({a}, {b})")
+                } else {
+                    format!("ferro_fmod_i({a}, {b})")
+                }
+            }
+            BinaryOp::Pow => {
+                if fl {
+                    format!("{m}::pow({a}, {b})")
+                } else {
+                    format!("ferro_ipow<{ty}>({a}, {b})")
+                }
+            }
+            BinaryOp::Maximum => {
+                if fl {
+                    format!("ferro_max({a}, {b})")
+                } else {
+                    format!("ferro::max({a}, {b})")
+                }
+            }
+            BinaryOp::Minimum => {
+                if fl {
+                    format!("ferro_min({a}, {b})")
+                } else {
+                    format!("ferro::min({a}, {b})")
+                }
+            }
             BinaryOp::Atan2 => format!("{m}::atan2({a}, {b})"),
             BinaryOp::Eq => format!("{a} == {b}"),
             BinaryOp::Ne => format!("{a} != {b}"),
@@ -592,7 +696,7 @@ impl OpsHandler for BodyEmitter<'_> {
         let at = Self::index_section(index).max(if read_only { Section::Kernel } else { Section::Pre });
         let e = match dtype {
             DType::F16 => format!("ferro_h2f({raw})"),
-        DType::C32 => format!("ferro_chalf2c({raw})"),
+            DType::C32 => format!("ferro_chalf2c({raw})"),
             DType::BF16 => format!("ferro_bf2f({raw})"),
             DType::Bool => format!("({raw} != 0)"),
             _ => raw,

@@ -4,7 +4,9 @@
 
 mod expr;
 
-use super::{kernel_buffers, kernel_numel, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels};
+use super::{
+    kernel_buffers, kernel_numel, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels,
+};
 use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, KernelPlan, LocalRead, Schedule, Storage};
@@ -142,7 +144,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     }
 
     // loop-invariant values are computed once, before every loop, from buffers only read here
-    let read_only: std::collections::HashSet<BufferId> = read.iter().filter(|b| !written.contains(b) && !rows.contains(b)).copied().collect();
+    let read_only: std::collections::HashSet<BufferId> =
+        read.iter().filter(|b| !written.contains(b) && !rows.contains(b)).copied().collect();
     let mut hoisted = String::new();
     // names of in-kernel values: buffer -> C++ variable
     let mut locals: HashMap<BufferId, String> = HashMap::new();
@@ -254,9 +257,11 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     let region = worksharing.is_some() && !hoisted.is_empty();
     match worksharing {
         Some(w) if region => {
-            out.push_str("  #pragma omp parallel
+            out.push_str(
+                "  #pragma omp parallel
   {
-");
+",
+            );
             out.push_str(&indent(&hoisted, 2));
             let _ = writeln!(out, "  #pragma omp {w}");
         }
@@ -409,7 +414,14 @@ fn column_tile(plan: &KernelPlan, codes: &[(GroupCode, bool)]) -> Option<i64> {
     };
     // the groups after the reduction are code per column (an epilogue), no loops
     let epilogue = plan.groups[1..].iter().zip(&codes[1..]).all(|(g, (c, _))| !g.reduction && g.inner.is_empty() && c.accs.is_empty());
-    if !epilogue || !g.reduction || g.inner.is_empty() || *split || !code.pre.is_empty() || code.accs.is_empty() || plan.outer < NARROW_COLUMN_TILE {
+    if !epilogue
+        || !g.reduction
+        || g.inner.is_empty()
+        || *split
+        || !code.pre.is_empty()
+        || code.accs.is_empty()
+        || plan.outer < NARROW_COLUMN_TILE
+    {
         return None;
     }
     if code.accs.iter().any(|a| a.scan || a.index_check || a.value_dtype.is_some()) {

@@ -162,7 +162,11 @@ impl IndexPrinter<'_> {
             parts.push(e.constant.to_string());
         }
         let s = parts.join(" + ").replace("+ -", "- ");
-        if parts.len() > 1 { format!("({s})") } else { s }
+        if parts.len() > 1 {
+            format!("({s})")
+        } else {
+            s
+        }
     }
 }
 
@@ -305,7 +309,11 @@ impl<'a> BodyEmitter<'a> {
     pub fn index_section(e: &IndexExpr) -> Section {
         let mut vs = Vec::new();
         e.vars(&mut vs);
-        if vs.iter().any(|v| v.0 != 0) { Section::Inner } else { Section::Pre }
+        if vs.iter().any(|v| v.0 != 0) {
+            Section::Inner
+        } else {
+            Section::Pre
+        }
     }
 
     /// The mask of a value in `section`.
@@ -341,7 +349,11 @@ impl<'a> BodyEmitter<'a> {
     }
 
     fn shape1(&self) -> &'static str {
-        if self.two_d { "[1, 1]" } else { "[1]" }
+        if self.two_d {
+            "[1, 1]"
+        } else {
+            "[1]"
+        }
     }
 
     fn fresh(&mut self, prefix: &str) -> String {
@@ -467,7 +479,15 @@ impl OpsHandler for BodyEmitter<'_> {
         let fl = xd.is_float();
         let t = ty(dtype);
         let e = match op {
-            UnaryOp::Abs => if fl { format!("tl.math.abs({x})") } else if xd == DType::Bool { x.clone() } else { format!("tl.where({x} < 0, -{x}, {x})") },
+            UnaryOp::Abs => {
+                if fl {
+                    format!("tl.math.abs({x})")
+                } else if xd == DType::Bool {
+                    x.clone()
+                } else {
+                    format!("tl.where({x} < 0, -{x}, {x})")
+                }
+            }
             UnaryOp::Neg => format!("-{x}"),
             UnaryOp::Exp => format!("ferro_exp({x})"),
             UnaryOp::Exp2 => format!("tl.math.exp2({x})"),
@@ -497,10 +517,34 @@ impl OpsHandler for BodyEmitter<'_> {
             UnaryOp::Lgamma => format!("ferro_lgamma({x})"),
             UnaryOp::Conj | UnaryOp::Real | UnaryOp::Imag => return self.unsupported(format!("{op:?} of complex values")),
             UnaryOp::Erfcx => format!("ferro_erfcx({x})"),
-            UnaryOp::Floor => if fl { format!("tl.math.floor({x})") } else { x.clone() },
-            UnaryOp::Ceil => if fl { format!("tl.math.ceil({x})") } else { x.clone() },
-            UnaryOp::Round => if fl { format!("ferro_nearbyint({x})") } else { x.clone() },
-            UnaryOp::Trunc => if fl { format!("ferro_trunc({x})") } else { x.clone() },
+            UnaryOp::Floor => {
+                if fl {
+                    format!("tl.math.floor({x})")
+                } else {
+                    x.clone()
+                }
+            }
+            UnaryOp::Ceil => {
+                if fl {
+                    format!("tl.math.ceil({x})")
+                } else {
+                    x.clone()
+                }
+            }
+            UnaryOp::Round => {
+                if fl {
+                    format!("ferro_nearbyint({x})")
+                } else {
+                    x.clone()
+                }
+            }
+            UnaryOp::Trunc => {
+                if fl {
+                    format!("ferro_trunc({x})")
+                } else {
+                    x.clone()
+                }
+            }
             UnaryOp::Sign => {
                 if xd == DType::Bool {
                     x.clone()
@@ -510,10 +554,22 @@ impl OpsHandler for BodyEmitter<'_> {
                 }
             }
             UnaryOp::Reciprocal => format!("ferro_div(tl.zeros_like({x}) + 1, {x})"),
-            UnaryOp::BitwiseNot => if xd == DType::Bool { format!("({x} == 0)") } else { format!("~{x}") },
+            UnaryOp::BitwiseNot => {
+                if xd == DType::Bool {
+                    format!("({x} == 0)")
+                } else {
+                    format!("~{x}")
+                }
+            }
             UnaryOp::LogicalNot => format!("({x} == 0)"),
             UnaryOp::IsNan => format!("({x} != {x})"),
-            UnaryOp::IsInf => if fl { format!("(tl.math.abs({x}) == float(\"inf\"))") } else { format!("({x} != {x})") },
+            UnaryOp::IsInf => {
+                if fl {
+                    format!("(tl.math.abs({x}) == float(\"inf\"))")
+                } else {
+                    format!("({x} != {x})")
+                }
+            }
         };
         let e = if dtype == DType::Bool || !matches!(op, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Reciprocal | UnaryOp::Sigmoid) {
             e
@@ -529,17 +585,83 @@ impl OpsHandler for BodyEmitter<'_> {
         let t = ty(dtype);
         let bits = od.itemsize() * 8;
         let e = match op {
-            BinaryOp::Add => if boolean { format!("{a} | {b}") } else { format!("{a} + {b}") },
-            BinaryOp::Sub => if boolean { format!("{a} ^ {b}") } else { format!("{a} - {b}") },
-            BinaryOp::Mul => if boolean { format!("{a} & {b}") } else { format!("{a} * {b}") },
-            BinaryOp::TrueDiv => if fl { format!("ferro_div({a}, {b})") } else { format!("{a} / {b}") },
-            BinaryOp::FloorDiv => if fl { format!("ferro_floordiv_f({a}, {b})") } else { format!("ferro_floordiv_i({a}, {b})") },
-            BinaryOp::TruncDiv => if fl { format!("ferro_trunc(ferro_div({a}, {b}))") } else { format!("ferro_truncdiv_i({a}, {b})") },
-            BinaryOp::Remainder => if fl { format!("ferro_remainder_f({a}, {b})") } else { format!("ferro_mod_i({a}, {b})") },
-            BinaryOp::Fmod => if fl { format!("ferro_fmod_f({a}, {b})") } else { format!("ferro_fmod_i({a}, {b})") },
-            BinaryOp::Pow => if fl { format!("ferro_pow({a}, {b})") } else { format!("ferro_ipow({a}, {b})") },
-            BinaryOp::Maximum => if boolean { format!("{a} | {b}") } else { format!("ferro_max({a}, {b})") },
-            BinaryOp::Minimum => if boolean { format!("{a} & {b}") } else { format!("ferro_min({a}, {b})") },
+            BinaryOp::Add => {
+                if boolean {
+                    format!("{a} | {b}")
+                } else {
+                    format!("{a} + {b}")
+                }
+            }
+            BinaryOp::Sub => {
+                if boolean {
+                    format!("{a} ^ {b}")
+                } else {
+                    format!("{a} - {b}")
+                }
+            }
+            BinaryOp::Mul => {
+                if boolean {
+                    format!("{a} & {b}")
+                } else {
+                    format!("{a} * {b}")
+                }
+            }
+            BinaryOp::TrueDiv => {
+                if fl {
+                    format!("ferro_div({a}, {b})")
+                } else {
+                    format!("{a} / {b}")
+                }
+            }
+            BinaryOp::FloorDiv => {
+                if fl {
+                    format!("ferro_floordiv_f({a}, {b})")
+                } else {
+                    format!("ferro_floordiv_i({a}, {b})")
+                }
+            }
+            BinaryOp::TruncDiv => {
+                if fl {
+                    format!("ferro_trunc(ferro_div({a}, {b}))")
+                } else {
+                    format!("ferro_truncdiv_i({a}, {b})")
+                }
+            }
+            BinaryOp::Remainder => {
+                if fl {
+                    format!("ferro_remainder_f({a}, {b})")
+                } else {
+                    format!("ferro_mod_i({a}, {b})")
+                }
+            }
+            BinaryOp::Fmod => {
+                if fl {
+                    format!("ferro_fmod_f({a}, {b})")
+                } else {
+                    format!("ferro_fmod_i({a}, {b})")
+                }
+            }
+            BinaryOp::Pow => {
+                if fl {
+                    format!("ferro_pow({a}, {b})")
+                } else {
+                    format!("ferro_ipow({a}, {b})")
+                }
+            }
+            BinaryOp::Maximum => {
+                if boolean {
+                    format!("{a} | {b}")
+                } else {
+                    format!("ferro_max({a}, {b})")
+                }
+            }
+            BinaryOp::Minimum => {
+                if boolean {
+                    format!("{a} & {b}")
+                } else {
+                    format!("ferro_min({a}, {b})")
+                }
+            }
             BinaryOp::Atan2 => format!("ferro_atan2({a}, {b})"),
             BinaryOp::Eq => format!("{a} == {b}"),
             BinaryOp::Ne => format!("{a} != {b}"),

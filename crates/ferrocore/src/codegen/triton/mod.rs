@@ -11,7 +11,10 @@
 
 mod expr;
 
-use super::{kernel_buffers, kernel_numel, next_power_of_two, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels, TuneConfig};
+use super::{
+    kernel_buffers, kernel_numel, next_power_of_two, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape,
+    RenderedKernels, TuneConfig,
+};
 use crate::graph::{DType, Device};
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
@@ -119,7 +122,12 @@ fn check_supported(s: &Schedule, k: &FusedKernel, cpu_tensors: bool) -> Result<(
         let out = p.buffer(node.output);
         if let Some(st) = node.body.store.as_ref().filter(|st| st.is_scatter()) {
             if !atomic_scatter(st.mode, out.layout.dtype, device != Device::Cpu) {
-                return unsupported(format!("{} is a {:?} scatter of {} values (no atomic or compare-and-swap form)", out.name, st.mode, out.layout.dtype.torch_name()));
+                return unsupported(format!(
+                    "{} is a {:?} scatter of {} values (no atomic or compare-and-swap form)",
+                    out.name,
+                    st.mode,
+                    out.layout.dtype.torch_name()
+                ));
             }
         }
         let mut bufs = vec![node.output];
@@ -430,11 +438,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
         let shape = &shapes[gi];
         // persistent groups over the same inner loops share their inner variables' names (so
         // that their loads are the same expressions); looped ones bind theirs inside the loop
-        let rp = if flat || shape.looped {
-            gi
-        } else {
-            (0..gi).find(|&h| !shapes[h].looped && plan.groups[h].inner == g.inner).unwrap_or(gi)
-        };
+        let rp =
+            if flat || shape.looped { gi } else { (0..gi).find(|&h| !shapes[h].looped && plan.groups[h].inner == g.inner).unwrap_or(gi) };
         let var_name = move |v: Var| -> String {
             match (v.0, flat) {
                 (0, _) => "x0".to_string(),
@@ -466,7 +471,9 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
                         let (name, _) = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
                         (name, Section::Pre)
                     }
-                    LocalRead::Forwarded => locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?,
+                    LocalRead::Forwarded => {
+                        locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?
+                    }
                     LocalRead::Stored => continue,
                 };
                 replace.insert(*b, (name, section));
@@ -571,7 +578,13 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             }
         }
         let kind = if g.reduction { "reduction" } else { "loop" };
-        let how = if flat { "flat" } else if shape.looped { "looped" } else { "persistent" };
+        let how = if flat {
+            "flat"
+        } else if shape.looped {
+            "looped"
+        } else {
+            "persistent"
+        };
         let _ = writeln!(out, "    # group {gi}: {kind} over {:?} ({how})", g.inner);
         if stored_read {
             // reads what an earlier group of this program stored: other threads wrote it
