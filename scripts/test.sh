@@ -30,6 +30,9 @@ mkdir -p "$FERROCORE_CACHE_DIR" && chmod 700 "$FERROCORE_CACHE_DIR"
 export PYO3_PYTHON="$REPO/.venv/bin/python"
 PY_LIBDIR="$("$PYO3_PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR") or "")')"
 export LD_LIBRARY_PATH="$PY_LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# the Rust code is rustfmt-formatted (rustfmt.toml) and clippy-clean, checked before it is tested
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release --quiet -- -D warnings
 cargo test --workspace --release
 
 .venv/bin/python -m pytest "${TESTS[@]}" "$@"

@@ -184,6 +184,7 @@ impl CudaDriver {
 
     /// Loads kernel `name` of `cubin` on `device`; `trailing_nulls` null pointers follow the
     /// buffers at each launch (a Triton kernel's scratch parameters).
+    #[allow(clippy::too_many_arguments)] // the Python method's parameters, one per launch fact
     fn load(
         &self,
         py: Python<'_>,
@@ -221,7 +222,7 @@ impl CudaKernel {
         for a in args.iter() {
             // (not `extract` on anything: a one-element integer tensor converts to its value)
             let p: u64 = if a.is_instance_of::<PyInt>() { a.extract()? } else { a.call_method0(intern!(py, "data_ptr"))?.extract()? };
-            if p % 16 != 0 {
+            if !p.is_multiple_of(16) {
                 return Ok(false);
             }
             pointers.push(p);

@@ -120,7 +120,7 @@ fn replay_corpus_generates_the_approved_code() {
             };
             graphs += 1;
             let expected_path = dir.join("expected").join(format!("{stem}.txt.gz"));
-            let expected = expected_path.exists().then(|| read_gz(&expected_path)).unwrap_or_default();
+            let expected = if expected_path.exists() { read_gz(&expected_path) } else { Default::default() };
             if expected != actual {
                 changed += 1;
                 let _ = writeln!(report, "{device}/{stem}: {}", changed_sections(&expected, &actual).join(", "));

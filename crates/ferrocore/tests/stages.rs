@@ -153,7 +153,7 @@ fn views_of_views_fold_to_affine_indices() {
             "t",
             "aten.t.default",
             &n("x"),
-            &format!(r#"{{"tensor":{{"shape":[6,4],"stride":[1,6],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#),
+            r#"{"tensor":{"shape":[6,4],"stride":[1,6],"storage_offset":0,"dtype":"float32","device":"cpu"}}"#,
         )
         .call("perm", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("t")), &meta(&[4, 6], "float32"))
         .call(
@@ -565,7 +565,7 @@ fn triton_moves_complex_values_as_pairs_of_reals() {
             &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("x")),
             &meta(&[8, 4], "complex64").replace("[4,1]", "[1,8]"),
         )
-        .call("c", "aten.clone.default", &format!(r#"{}"#, n("t")), &meta(&[8, 4], "complex64"))
+        .call("c", "aten.clone.default", &n("t").to_string(), &meta(&[8, 4], "complex64"))
         .call("z", "aten._to_copy.default", &n("r"), &meta(&[4, 8], "complex128"))
         .output(&["c", "z"]);
     let g = parse_graph(&doc).unwrap();
@@ -869,7 +869,7 @@ fn no_in_place_result_over_a_transposed_read_a_returned_buffer_or_an_input() {
             "t",
             "aten.permute.default",
             &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("c")),
-            &format!(r#"{{"tensor":{{"shape":[16,16],"stride":[1,16],"storage_offset":0,"dtype":"float32","device":"cpu"}}}}"#),
+            r#"{"tensor":{"shape":[16,16],"stride":[1,16],"storage_offset":0,"dtype":"float32","device":"cpu"}}"#,
         )
         .call("r", "aten.add.Tensor", &format!(r#"{},{}"#, n("t"), n("x")), &meta(&[16, 16], "float32"))
         .output(&["r"]);

@@ -215,7 +215,7 @@ mod tests {
             f64::MIN_POSITIVE,
             5e-324,
             -5e-324,
-            2.2250738585072009e-308,
+            2.225_073_858_507_201e-308,
             f32::MAX as f64,
             f32::MIN_POSITIVE as f64,
             1e-45,

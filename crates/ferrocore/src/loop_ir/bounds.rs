@@ -26,6 +26,10 @@ const LOW: i128 = i128::MIN / 4;
 const HIGH: i128 = i128::MAX / 4;
 const UNBOUNDED: Range = (LOW, HIGH);
 
+/// One load or store of a node: its buffer, index, indirect terms, the loop ranges it runs
+/// over, and "reads" or "writes".
+type Access<'a> = (BufferId, &'a IndexExpr, &'a [(ValueId, i64)], &'a [i64], &'static str);
+
 impl LoopProgram {
     /// The first load or store that may address an element outside its buffer; Ok where every
     /// address is in range.
@@ -37,7 +41,7 @@ impl LoopProgram {
                 continue; // no iteration runs
             }
             let values = value_ranges(&n.body, &ranges);
-            let mut accesses: Vec<(BufferId, &IndexExpr, &[(ValueId, i64)], &[i64], &str)> = Vec::new();
+            let mut accesses: Vec<Access> = Vec::new();
             for e in &n.body.exprs {
                 match e {
                     Expr::Load { buf, index } => accesses.push((*buf, index, &[], &ranges, "reads")),

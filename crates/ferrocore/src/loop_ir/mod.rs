@@ -35,7 +35,7 @@ impl Layout {
     }
     /// Elements the storage must hold to back this layout.
     pub fn storage_numel(&self) -> i64 {
-        if self.size.iter().any(|&s| s == 0) {
+        if self.size.contains(&0) {
             return 0;
         }
         self.offset + self.size.iter().zip(&self.stride).map(|(s, st)| (s - 1) * st).sum::<i64>() + 1

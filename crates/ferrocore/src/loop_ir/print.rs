@@ -36,7 +36,7 @@ impl OpsHandler for BodyPrinter<'_> {
     fn index_expr(&mut self, e: &IndexExpr, dtype: DType) -> String {
         self.line(dtype, format!("index_expr({e})"))
     }
-    fn unary(&mut self, op: UnaryOp, x: &String, _x: DType, dtype: DType) -> String {
+    fn unary(&mut self, op: UnaryOp, x: &String, _in_dtype: DType, dtype: DType) -> String {
         self.line(dtype, format!("{}({x})", format!("{op:?}").to_lowercase()))
     }
     fn binary(&mut self, op: BinaryOp, a: &String, b: &String, _o: DType, dtype: DType) -> String {

@@ -13,6 +13,7 @@
 //!   the channels of a channels-last graph, the bias added in it. 2x16x8x8 7x7: 18 against
 //!   35 us per compiled call; they break even at 2x32x32x32 3x3 (590K multiply-adds), and
 //!   oneDNN is 2x faster at 8x144x28x28 3x3 (its kernels block registers along the rows).
+//!
 //! `python/ferrocore/conv_layout.py` leaves both kinds out of its layout measurement: they run
 //! about as fast either way.
 
@@ -124,13 +125,7 @@ impl Ctx<'_> {
         let (wb, ws, woff) = self.strided_arg(1, "weight", &weight)?;
         let out = self.out_meta()?.clone();
         let meta = |shape: Vec<i64>| {
-            Meta::Tensor(TensorMeta {
-                stride: contiguous_strides(&shape),
-                shape,
-                storage_offset: 0,
-                dtype: out.dtype,
-                device: out.device.clone(),
-            })
+            Meta::Tensor(TensorMeta { stride: contiguous_strides(&shape), shape, storage_offset: 0, dtype: out.dtype, device: out.device })
         };
         let (args, product, stride) = if h * w == 1 || self.channels_last {
             let (xb, xoff) = self.pixel_rows(x, h * w == 1)?;
@@ -142,7 +137,7 @@ impl Ctx<'_> {
             let (xb, xs, xoff) = match tv.strided() {
                 Some((b, s, off)) if s[2] == s[3] * w => (b, s, off),
                 _ => {
-                    let l = Layout::contiguous(&tv.size, tv.dtype, tv.device.clone());
+                    let l = Layout::contiguous(&tv.size, tv.dtype, tv.device);
                     let r = self.realize_into(&tv, l);
                     r.strided().ok_or((LowerErrorKind::Malformed, "realized input is not strided".to_string()))?
                 }
@@ -156,7 +151,7 @@ impl Ctx<'_> {
             return malformed("GEMM produced no tensor");
         };
         let Some((buf, _, _)) = p.strided() else { return malformed("GEMM result is not a buffer") };
-        let conv = view_of_layout(buf, &Layout { size: g.out.to_vec(), stride, offset: 0, dtype: out.dtype, device: out.device.clone() });
+        let conv = view_of_layout(buf, &Layout { size: g.out.to_vec(), stride, offset: 0, dtype: out.dtype, device: out.device });
         Ok(Lowered::Tensor(match self.bias()? {
             Some(b) => layout::add_channel_bias(conv, b),
             None => conv,
@@ -206,13 +201,13 @@ impl Ctx<'_> {
                 stride: vec![1, ch * kh * kw, kw * ch, ch],
                 offset: 0,
                 dtype: weight.dtype,
-                device: weight.device.clone(),
+                device: weight.device,
             };
             weight = self.realize_into(&weight, l);
         }
         let bias = self.bias()?;
         let acc = out.dtype.compute();
-        let layout = self.fresh_layout(&out.shape, out.dtype, out.device.clone());
+        let layout = self.fresh_layout(&out.shape, out.dtype, out.device);
         let order = loop_order(&layout);
         let ranges: Vec<i64> = order.iter().map(|&d| out.shape[d]).collect();
         let obuf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);

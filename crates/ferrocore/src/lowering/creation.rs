@@ -34,7 +34,7 @@ impl Ctx<'_> {
         Ok(TensorValue {
             size: out.shape.clone(),
             dtype: dt,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _idx: &[IndexExpr]| stored_constant(bx, value, dt)), reads: 0, ops: 1 },
         })
     }
@@ -85,7 +85,7 @@ impl Ctx<'_> {
         Ok(TensorValue {
             size: out.shape.clone(),
             dtype: dt,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let i = bx.body.index(idx[0].clone(), DType::I64);
@@ -157,7 +157,7 @@ impl Ctx<'_> {
         Ok(TensorValue {
             size: out.shape.clone(),
             dtype: dt,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     // a bound as a value of the result type

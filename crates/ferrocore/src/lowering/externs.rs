@@ -66,7 +66,7 @@ impl Ctx<'_> {
         let call = self.prog.externs.len();
         let mut outputs = Vec::new();
         let mut make = |cx: &mut Self, t: &TensorMeta, item: Option<usize>| -> TensorValue {
-            let layout = Layout { size: t.shape.clone(), stride: t.stride.clone(), offset: 0, dtype: t.dtype, device: t.device.clone() };
+            let layout = Layout { size: t.shape.clone(), stride: t.stride.clone(), offset: 0, dtype: t.dtype, device: t.device };
             let buf = cx.prog.add_buffer(layout.clone(), BufferSource::Extern { call, item });
             outputs.push(buf);
             view_of_layout(buf, &layout)
@@ -133,7 +133,7 @@ impl Ctx<'_> {
         let rank = out.shape.len();
         let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
         let stride = if is_dense(&out.shape, &out.stride) { out.stride.clone() } else { contiguous_strides(&out.shape) };
-        let layout = Layout { size: out.shape.clone(), stride, offset: 0, dtype: out.dtype, device: out.device.clone() };
+        let layout = Layout { size: out.shape.clone(), stride, offset: 0, dtype: out.dtype, device: out.device };
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let mut offset = 0i64;
         for it in items {
@@ -246,7 +246,7 @@ fn literal_of(a: &Arg) -> Literal {
         Arg::Bool(b) => Literal::Bool(*b),
         Arg::Str(s) => Literal::Str(s.clone()),
         Arg::DType(d) => Literal::DType(*d),
-        Arg::Device(d) => Literal::Device(d.clone()),
+        Arg::Device(d) => Literal::Device(*d),
         Arg::Layout(l) => Literal::Layout(l.clone()),
         Arg::MemoryFormat(m) => Literal::MemoryFormat(m.clone()),
     }

@@ -121,7 +121,7 @@ impl Ctx<'_> {
                     return Ok(TensorValue {
                         size: out.shape.clone(),
                         dtype: out.dtype,
-                        device: out.device.clone(),
+                        device: out.device,
                         src: Src::Lazy {
                             f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                                 // index_select's index has one element; gather's has the output's shape
@@ -152,7 +152,7 @@ impl Ctx<'_> {
             }
         };
         let (reads, ops) = (2, 3);
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads, ops } })
     }
 
     /// A gather's result is laid out over the metadata's shape and reads its index tensors at
@@ -210,7 +210,7 @@ impl Ctx<'_> {
             load_at_runtime_index(bx, &src, idx, dim, at)
         });
         let (reads, ops) = (2, 3);
-        Ok(Some(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } }))
+        Ok(Some(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads, ops } }))
     }
 
     /// constant_pad_nd: out[i] = in[i - lo] inside the input, `value` outside (negative pads crop).
@@ -269,7 +269,7 @@ pub(super) fn constant_padded(
             inside = Some(and_in_range(bx, inside, i, n));
             terms.push((clamp_index(bx, i, sizes[d] - 1), stride[d]));
         }
-        let v = if sizes.iter().any(|&s| s == 0) {
+        let v = if sizes.contains(&0) {
             super::creation::stored_constant(bx, value, dt) // nothing to read
         } else {
             bx.body.load_indirect(buf, base, terms, dt)
@@ -282,7 +282,7 @@ pub(super) fn constant_padded(
             None => v,
         }
     });
-    TensorValue { size: out_size.to_vec(), dtype: x.dtype, device: x.device.clone(), src: Src::Lazy { f, reads: 1, ops: 6 } }
+    TensorValue { size: out_size.to_vec(), dtype: x.dtype, device: x.device, src: Src::Lazy { f, reads: 1, ops: 6 } }
 }
 
 impl Ctx<'_> {
@@ -302,7 +302,7 @@ impl Ctx<'_> {
         for (j, pair) in pad.chunks(2).enumerate() {
             lo[rank - 1 - j] = pair[0];
         }
-        if x.size.iter().any(|&s| s == 0) {
+        if x.size.contains(&0) {
             return unsupported("edge padding of an empty tensor (ATen raises)");
         }
         let (buf, stride, offset) = self.strided_arg(0, "self", &x)?;
@@ -333,7 +333,7 @@ impl Ctx<'_> {
             }
             bx.body.load_indirect(buf, base, terms, dt)
         });
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 6 } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads: 1, ops: 6 } })
     }
 
     /// select_scatter / slice_scatter: `src` where the index falls in the selection, else `x`.
@@ -381,14 +381,14 @@ impl Ctx<'_> {
             let c = clamp_index(bx, q, len - 1);
             let mut base = IndexExpr::constant(soff);
             let mut sd = 0usize;
-            for d in 0..rank {
+            for (d, i) in idx.iter().enumerate().take(rank) {
                 if d == dim {
                     if !select {
                         sd += 1; // the sliced dim is indexed through `c`
                     }
                     continue;
                 }
-                base = base.add(&idx[d].scale(sstride[sd]));
+                base = base.add(&i.scale(sstride[sd]));
                 sd += 1;
             }
             let terms = if select { vec![] } else { vec![(c, sstride[dim])] };
@@ -396,7 +396,7 @@ impl Ctx<'_> {
             let v = bx.body.cast(v, cd);
             bx.body.where_(inside, v, keep)
         });
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 2, ops: 12 } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads: 2, ops: 12 } })
     }
 
     /// as_strided_scatter(self, src, size, stride, offset): `self` with the as_strided view of
@@ -460,7 +460,7 @@ impl Ctx<'_> {
             let v = bx.body.cast(v, cd);
             bx.body.where_(inside, v, keep)
         });
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 2, ops: 20 } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads: 2, ops: 20 } })
     }
 }
 
@@ -497,7 +497,7 @@ impl Ctx<'_> {
         let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let mut base = IndexExpr::constant(offset).add(&idx[0].scale(stride[0])).add(&idx[1].scale(stride[1]));
             let mut terms = Vec::new();
-            for k in 0..2 {
+            for (k, scale) in scales.iter().enumerate() {
                 let d = 2 + k;
                 if outs[d] == ins[d] {
                     base = base.add(&idx[d].scale(stride[d]));
@@ -505,7 +505,7 @@ impl Ctx<'_> {
                 }
                 let o = bx.body.index(idx[d].clone(), DType::I64);
                 let of = bx.body.cast(o, DType::F32);
-                let s = bx.body.constant(Scalar::Float(scales[k] as f64), DType::F32);
+                let s = bx.body.constant(Scalar::Float(*scale as f64), DType::F32);
                 let p = bx.body.binary(BinaryOp::Mul, of, s);
                 let fl = bx.body.unary(UnaryOp::Floor, p);
                 let i = bx.body.cast(fl, DType::I64);
@@ -513,7 +513,7 @@ impl Ctx<'_> {
             }
             bx.body.load_indirect(buf, base, terms, dt)
         });
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 8 } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads: 1, ops: 8 } })
     }
 }
 

@@ -219,7 +219,7 @@ impl Ctx<'_> {
 
 /// `conv + bias`, the bias broadcast along the channel dim (1), in the convolution's dtype.
 pub(super) fn add_channel_bias(conv: TensorValue, bias: TensorValue) -> TensorValue {
-    let (dt, size, device) = (conv.dtype, conv.size.clone(), conv.device.clone());
+    let (dt, size, device) = (conv.dtype, conv.size.clone(), conv.device);
     let (r0, o0) = conv.cost();
     let (r1, o1) = bias.cost();
     TensorValue::lazy(size, dt, device, r0 + r1, o0 + o1 + 1, move |bx, idx| {

@@ -81,7 +81,7 @@ impl Ctx<'_> {
             vec![PwIn::Tensor(product), PwIn::Tensor(bias)],
             out.shape.clone(),
             dt,
-            out.device.clone(),
+            out.device,
             dt,
             move |bx, v| {
                 let p = bx.body.cast(v[0], dt);
@@ -169,8 +169,7 @@ impl Ctx<'_> {
         };
         let Src::View { buf, .. } = full.src else { return malformed("a GEMM result is not a buffer") };
         self.padded_results.push(buf);
-        let layout =
-            Layout { size: out.shape.clone(), stride: contiguous_strides(&size), offset: 0, dtype: out.dtype, device: out.device.clone() };
+        let layout = Layout { size: out.shape.clone(), stride: contiguous_strides(&size), offset: 0, dtype: out.dtype, device: out.device };
         Ok(view_of_layout(buf, &layout))
     }
 
@@ -283,7 +282,7 @@ impl Ctx<'_> {
     /// `tv` computed into the corner of a zero-filled buffer of `storage` size (each dim at least
     /// its own); node `n` now reads that corner, and padded GEMMs read the buffer as it is.
     fn realize_in_padded_storage(&mut self, n: NodeId, tv: &TensorValue, storage: &[i64]) -> LResult<BufferId> {
-        let layout = Layout::contiguous(storage, tv.dtype, tv.device.clone());
+        let layout = Layout::contiguous(storage, tv.dtype, tv.device);
         let own = tv.size.clone();
         let corner = Layout { size: own.clone(), ..layout.clone() };
         let buf = self.as_node(n, |cx| {
@@ -352,7 +351,7 @@ impl Ctx<'_> {
                 None => v,
             }
         };
-        let lazy = TensorValue::lazy(size.to_vec(), dt, tv.device.clone(), 1, 4, f);
+        let lazy = TensorValue::lazy(size.to_vec(), dt, tv.device, 1, 4, f);
         // [.., rows, cols], stored with rows contiguous when the operand was (a transposed weight)
         let mut order: Vec<i64> = size.to_vec();
         if column_major {
@@ -362,7 +361,7 @@ impl Ctx<'_> {
         if column_major {
             stride.swap(r - 2, r - 1);
         }
-        let layout = Layout { size: size.to_vec(), stride: stride.clone(), offset: 0, dtype: dt, device: tv.device.clone() };
+        let layout = Layout { size: size.to_vec(), stride: stride.clone(), offset: 0, dtype: dt, device: tv.device };
         let (r, arg) = self.realize_arg(n, &lazy, layout)?;
         if let Some((padded, _, _)) = r.strided() {
             let dims = src_strides.iter().zip(&stride).zip(size).map(|((s, p), n)| (*s, *p, *n)).collect();

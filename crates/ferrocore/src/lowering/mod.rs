@@ -242,7 +242,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
             message: "input without tensor metadata".into(),
         })?;
         // kernels get the tensor's data pointer, which already includes its storage offset
-        let layout = Layout { size: t.shape.clone(), stride: t.stride.clone(), offset: 0, dtype: t.dtype, device: t.device.clone() };
+        let layout = Layout { size: t.shape.clone(), stride: t.stride.clone(), offset: 0, dtype: t.dtype, device: t.device };
         let buf = cx.prog.add_buffer(layout.clone(), BufferSource::Input(i));
         cx.prog.inputs.push(buf);
         if graph.donated_inputs.contains(&i) {
@@ -354,7 +354,7 @@ pub fn view_of_layout(buf: BufferId, l: &Layout) -> TensorValue {
     TensorValue {
         size: l.size.clone(),
         dtype: l.dtype,
-        device: l.device.clone(),
+        device: l.device,
         src: Src::View {
             buf,
             index: Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
@@ -649,7 +649,7 @@ impl<'g> Ctx<'g> {
         if matches!(tv.src, Src::View { .. }) {
             return tv.clone();
         }
-        let layout = self.fresh_layout(&tv.size, tv.dtype, tv.device.clone());
+        let layout = self.fresh_layout(&tv.size, tv.dtype, tv.device);
         self.realize_into(tv, layout)
     }
 
@@ -723,7 +723,7 @@ impl<'g> Ctx<'g> {
         }
         let stored = self.realized_node(*src, false).ok()?;
         let dt = tv.dtype;
-        Some(TensorValue::lazy(tv.size.clone(), dt, tv.device.clone(), 1, 1, move |bx, idx| {
+        Some(TensorValue::lazy(tv.size.clone(), dt, tv.device, 1, 1, move |bx, idx| {
             let v = stored.load(bx, idx);
             bx.body.cast(v, dt)
         }))
@@ -799,7 +799,7 @@ impl<'g> Ctx<'g> {
     /// 4-D values of a channels-last graph, else eager's.
     pub fn preferred_layout(&self, n: NodeId, tv: &TensorValue) -> Layout {
         if self.channels_last && tv.size.len() == 4 {
-            return self.fresh_layout(&tv.size, tv.dtype, tv.device.clone());
+            return self.fresh_layout(&tv.size, tv.dtype, tv.device);
         }
         self.eager_layout(n, tv)
     }
@@ -810,9 +810,9 @@ impl<'g> Ctx<'g> {
     pub fn eager_layout(&self, n: NodeId, tv: &TensorValue) -> Layout {
         match self.graph.node(n).meta.tensor() {
             Some(m) if m.shape == tv.size && is_dense(&m.shape, &m.stride) => {
-                Layout { size: tv.size.clone(), stride: m.stride.clone(), offset: 0, dtype: tv.dtype, device: tv.device.clone() }
+                Layout { size: tv.size.clone(), stride: m.stride.clone(), offset: 0, dtype: tv.dtype, device: tv.device }
             }
-            _ => Layout::contiguous(&tv.size, tv.dtype, tv.device.clone()),
+            _ => Layout::contiguous(&tv.size, tv.dtype, tv.device),
         }
     }
 
@@ -889,7 +889,7 @@ impl<'g> Ctx<'g> {
             }
         }
         let stride = if is_dense(&meta.shape, &meta.stride) { meta.stride.clone() } else { contiguous_strides(&meta.shape) };
-        let layout = Layout { size: meta.shape.clone(), stride, offset: 0, dtype: meta.dtype, device: meta.device.clone() };
+        let layout = Layout { size: meta.shape.clone(), stride, offset: 0, dtype: meta.dtype, device: meta.device };
         let r = self.realize_into(tv, layout);
         match r.src {
             Src::View { buf, .. } => OutputValue::Buffer(buf),

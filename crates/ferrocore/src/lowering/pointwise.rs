@@ -4,6 +4,9 @@
 use super::*;
 use crate::graph::{result_type, Category, Operand};
 
+/// An elementwise function of a node's input values, in the loop body being built.
+type ValueFn = Box<dyn Fn(&mut Bx, &[ValueId]) -> ValueId>;
+
 /// An elementwise operand: a tensor or a Python scalar from the graph.
 #[derive(Clone)]
 pub enum PwIn {
@@ -140,13 +143,13 @@ impl Ctx<'_> {
             PwIn::Tensor(t) => t.dtype,
             PwIn::Scalar(_) => cd,
         };
-        let simple = |u: UnaryOp| -> Box<dyn Fn(&mut Bx, &[ValueId]) -> ValueId> {
+        let simple = |u: UnaryOp| -> ValueFn {
             Box::new(move |bx: &mut Bx, v: &[ValueId]| {
                 let x = bx.body.cast(v[0], cd);
                 bx.body.unary(u, x)
             })
         };
-        let f: Box<dyn Fn(&mut Bx, &[ValueId]) -> ValueId> = match op {
+        let f: ValueFn = match op {
             A::Abs => simple(UnaryOp::Abs),
             A::Neg => simple(UnaryOp::Neg),
             A::Exp => simple(UnaryOp::Exp),
@@ -239,7 +242,7 @@ impl Ctx<'_> {
         if matches!(op, A::BitwiseNot) && in_dtype.is_float() {
             return malformed("bitwise_not of a float tensor");
         }
-        Ok(pointwise(vec![x], size, out.dtype, out.device.clone(), cd, f))
+        Ok(pointwise(vec![x], size, out.dtype, out.device, cd, f))
     }
 
     pub(super) fn lower_binary(&mut self, op: AtenOp) -> LResult<TensorValue> {
@@ -416,7 +419,7 @@ impl Ctx<'_> {
         };
         // scalars enter in the computation type; comparisons then round them to a half type
         // like ATen's common-dtype cast, arithmetic keeps them exact like ATen's opmath
-        Ok(pointwise(vec![a, b], size, out.dtype, out.device.clone(), compute.compute(), f))
+        Ok(pointwise(vec![a, b], size, out.dtype, out.device, compute.compute(), f))
     }
 
     /// A pointwise op of the node's first arguments `keys` (tensors or numbers), `f` of their
@@ -471,7 +474,7 @@ impl Ctx<'_> {
         let size = self.out_shape_of(&inputs)?;
         let cd = out.dtype.compute();
         let (has_lo, has_hi) = (lo.is_some(), hi.is_some());
-        Ok(pointwise(inputs, size, out.dtype, out.device.clone(), cd, move |bx, v| {
+        Ok(pointwise(inputs, size, out.dtype, out.device, cd, move |bx, v| {
             let mut r = bx.body.cast(v[0], cd);
             let mut k = 1;
             // torch.clamp propagates NaN from the input and applies min before max.
@@ -503,7 +506,7 @@ impl Ctx<'_> {
             return Ok(x);
         }
         let size = x.size.clone();
-        let (dt, device) = (x.dtype, x.device.clone());
+        let (dt, device) = (x.dtype, x.device);
         Ok(pointwise(vec![PwIn::Tensor(x)], size, dt, device, dt, move |bx, v| bx.body.unary(UnaryOp::Conj, v[0])))
     }
 
@@ -526,7 +529,7 @@ impl Ctx<'_> {
             let is_re = bx.body.binary(BinaryOp::Eq, part, zero);
             bx.body.where_(is_re, re, im)
         });
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 1, ops: 4 } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads: 1, ops: 4 } })
     }
 
     pub(super) fn lower_copy(&mut self, op: AtenOp) -> LResult<TensorValue> {
@@ -537,12 +540,12 @@ impl Ctx<'_> {
         };
         // a kernel copies within one device; a transfer is ATen's
         let from = match &src {
-            PwIn::Tensor(t) => Some(t.device.clone()),
+            PwIn::Tensor(t) => Some(t.device),
             PwIn::Scalar(_) => None,
         };
         let to = match self.arg(usize::MAX, "device") {
-            Some(Arg::Device(d)) => d.clone(),
-            _ => out.device.clone(),
+            Some(Arg::Device(d)) => *d,
+            _ => out.device,
         };
         if to != out.device || from.is_some_and(|f| f != to) {
             return unsupported("copy to another device");
@@ -557,7 +560,7 @@ impl Ctx<'_> {
             broadcast_shapes(&[&t.size, &size])?;
         }
         let cd = out.dtype;
-        Ok(pointwise(vec![src], size, out.dtype, out.device.clone(), cd, move |bx, v| bx.body.cast(v[0], cd)))
+        Ok(pointwise(vec![src], size, out.dtype, out.device, cd, move |bx, v| bx.body.cast(v[0], cd)))
     }
 }
 
@@ -575,7 +578,7 @@ impl Ctx<'_> {
         Ok(match op {
             AtenOp::LeakyRelu => {
                 let slope = num(self.float_arg(1, "negative_slope")?, 0.01);
-                pointwise(vec![x], size, out.dtype, out.device.clone(), cd, move |bx, v| {
+                pointwise(vec![x], size, out.dtype, out.device, cd, move |bx, v| {
                     let x = bx.body.cast(v[0], cd);
                     let zero = bx.body.constant(Scalar::Float(0.0), cd);
                     let s = bx.body.constant(Scalar::Float(slope), cd);
@@ -588,7 +591,7 @@ impl Ctx<'_> {
                 let alpha = num(self.float_arg(1, "alpha")?, 1.0);
                 let scale = num(self.float_arg(2, "scale")?, 1.0);
                 let input_scale = num(self.float_arg(3, "input_scale")?, 1.0);
-                pointwise(vec![x], size, out.dtype, out.device.clone(), cd, move |bx, v| {
+                pointwise(vec![x], size, out.dtype, out.device, cd, move |bx, v| {
                     // x > 0 ? scale·x : scale·alpha·(exp(input_scale·x) − 1)
                     let x = bx.body.cast(v[0], cd);
                     let c = |bx: &mut Bx, f: f64| bx.body.constant(Scalar::Float(f), cd);

@@ -190,7 +190,7 @@ impl Ctx<'_> {
             // computed in the accumulation type, stored in the result's (a bfloat16 pool writes
             // bfloat16, not a float32 buffer and a conversion of it)
             let dtype = if matches!(what, Reduce::ArgMax(_)) { index_dtype } else { out.dtype };
-            let layout = cx.fresh_layout(&dims, dtype, x.device.clone());
+            let layout = cx.fresh_layout(&dims, dtype, x.device);
             // the output loops follow the layout (channels innermost in a channels-last graph)
             let order = loop_order(&layout);
             let ranges: Vec<i64> = order.iter().map(|&d| dims[d]).collect();
@@ -385,7 +385,7 @@ impl Ctx<'_> {
         // this element's offset in each covering window (small integers, no index arithmetic)
         let offsets = self.window_offsets_behind(7, &wins)?;
         let reads = 2 * cover.iter().product::<i64>() as usize;
-        Ok(Some(TensorValue::lazy(x.size.clone(), dt, x.device.clone(), reads, 4 * reads, move |bx, idx| {
+        Ok(Some(TensorValue::lazy(x.size.clone(), dt, x.device, reads, 4 * reads, move |bx, idx| {
             let r = bx.ranges.clone();
             // window positions and taps fit in 32 bits whatever the tensor's size
             let small = DType::I32;
@@ -490,7 +490,7 @@ impl Ctx<'_> {
         }
         let sp = rank - nd;
         let size = offsets.size.clone();
-        let device = offsets.device.clone();
+        let device = offsets.device;
         Ok(TensorValue::lazy(size, DType::I64, device, 1, 4 * nd, move |bx, idx| {
             let raw = offsets.load(bx, idx);
             let mut rest = bx.body.cast(raw, DType::I64);
@@ -521,7 +521,7 @@ impl Ctx<'_> {
             return tv;
         }
         let dt = m.dtype;
-        super::pointwise::pointwise(vec![super::pointwise::PwIn::Tensor(tv)], m.shape.clone(), dt, m.device.clone(), dt, move |bx, v| {
+        super::pointwise::pointwise(vec![super::pointwise::PwIn::Tensor(tv)], m.shape.clone(), dt, m.device, dt, move |bx, v| {
             bx.body.cast(v[0], dt)
         })
     }

@@ -9,7 +9,7 @@ impl Ctx<'_> {
     /// when the wrapper runs.
     fn seed_buffer(&mut self, device: &Device) -> BufferId {
         let call = self.prog.externs.len();
-        let layout = Layout { size: vec![], stride: vec![], offset: 0, dtype: DType::I64, device: device.clone() };
+        let layout = Layout { size: vec![], stride: vec![], offset: 0, dtype: DType::I64, device: *device };
         let buf = self.prog.add_buffer(layout, BufferSource::Extern { call, item: None });
         let lit = ExternArg::Literal;
         self.prog.externs.push(ExternCall {
@@ -34,7 +34,7 @@ impl Ctx<'_> {
         TensorValue {
             size: size.to_vec(),
             dtype: DType::F32,
-            device: device.clone(),
+            device: *device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let s = bx.body.load(seed, IndexExpr::zero(), DType::I64);
@@ -71,7 +71,7 @@ impl Ctx<'_> {
         Ok(TensorValue {
             size: out.shape.clone(),
             dtype: dt,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let v = f(bx, idx);
@@ -109,7 +109,7 @@ impl Ctx<'_> {
             TensorValue {
                 size: x.size.clone(),
                 dtype: DType::Bool,
-                device: x.device.clone(),
+                device: x.device,
                 src: Src::Lazy {
                     f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                         let u = r.load(bx, idx);
@@ -125,7 +125,7 @@ impl Ctx<'_> {
         let out = TensorValue {
             size: x.size.clone(),
             dtype: x.dtype,
-            device: x.device.clone(),
+            device: x.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let k = k2.load(bx, idx);
@@ -166,7 +166,7 @@ impl Ctx<'_> {
         if !training {
             let slope = (lower + upper) / 2.0;
             let xs = x.clone();
-            let out = TensorValue::lazy(x.size.clone(), dt, x.device.clone(), 1, 4, move |bx, idx| {
+            let out = TensorValue::lazy(x.size.clone(), dt, x.device, 1, 4, move |bx, idx| {
                 let v = xs.load(bx, idx);
                 let v = bx.body.cast(v, cd);
                 let z = bx.body.constant(Scalar::Float(0.0), cd);
@@ -199,12 +199,12 @@ impl Ctx<'_> {
             })
         };
         let s1 = slope.clone();
-        let out = TensorValue::lazy(x.size.clone(), dt, x.device.clone(), 2, 40, move |bx, idx| {
+        let out = TensorValue::lazy(x.size.clone(), dt, x.device, 2, 40, move |bx, idx| {
             let (v, s) = s1(bx, idx);
             let r = bx.body.binary(BinaryOp::Mul, v, s);
             bx.body.cast(r, dt)
         });
-        let new_noise = TensorValue::lazy(x.size.clone(), ndt, x.device.clone(), 2, 40, move |bx, idx| {
+        let new_noise = TensorValue::lazy(x.size.clone(), ndt, x.device, 2, 40, move |bx, idx| {
             let (_, s) = slope(bx, idx);
             bx.body.cast(s, ndt)
         });

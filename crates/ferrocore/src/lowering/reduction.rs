@@ -98,7 +98,7 @@ impl Ctx<'_> {
             (rop, _) => (rop, false),
         };
         let xs = x.clone();
-        let r = self.reduce_node(&x.size, &dims, acc, out.device.clone(), move |bx, full, _| {
+        let r = self.reduce_node(&x.size, &dims, acc, out.device, move |bx, full, _| {
             let v = xs.load(bx, full);
             let v = if rop == ReduceOp::Any && acc != DType::Bool { v } else { bx.body.cast(v, acc) };
             let v = if all { bx.body.unary(UnaryOp::LogicalNot, v) } else { v };
@@ -125,7 +125,7 @@ impl Ctx<'_> {
         let kept: Vec<usize> = (0..rank).filter(|&d| Some(d) != dim).collect();
         let ranges: Vec<i64> = kept.iter().map(|&d| x.size[d]).collect();
         let reduction_ranges = vec![dim.map_or(1, |d| x.size[d])];
-        let layout = Layout::contiguous(&x.size, acc, out.device.clone());
+        let layout = Layout::contiguous(&x.size, acc, out.device);
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let mut body = LoopBody::default();
         {
@@ -172,7 +172,7 @@ impl Ctx<'_> {
         let sizes: Vec<i64> = dims.iter().map(|&d| x.size[d]).collect();
         let strides = contiguous_strides(&sizes);
         let (xs, dims2) = (x.clone(), dims.clone());
-        let idx = self.reduce_node(&x.size, &dims, DType::I64, x.device.clone(), move |bx, full, _| {
+        let idx = self.reduce_node(&x.size, &dims, DType::I64, x.device, move |bx, full, _| {
             let v = xs.load(bx, full);
             let v = bx.body.cast(v, vd);
             let mut lin = IndexExpr::zero();
@@ -191,7 +191,7 @@ impl Ctx<'_> {
                 let (Some(vm), Some(im)) = (metas.first(), metas.get(1)) else { return malformed("max.dim returns two tensors") };
                 let xs = x.clone();
                 let rop = if is_max { ReduceOp::Max } else { ReduceOp::Min };
-                let vals = self.reduce_node(&x.size, &dims, vd, x.device.clone(), move |bx, full, _| {
+                let vals = self.reduce_node(&x.size, &dims, vd, x.device, move |bx, full, _| {
                     let v = xs.load(bx, full);
                     let v = bx.body.cast(v, vd);
                     bx.body.reduce(rop, v)
@@ -210,7 +210,7 @@ impl Ctx<'_> {
             return Ok(r);
         }
         let dt = out.dtype;
-        Ok(pointwise(vec![PwIn::Tensor(r)], out.shape.clone(), dt, out.device.clone(), dt, move |bx, v| bx.body.cast(v[0], dt)))
+        Ok(pointwise(vec![PwIn::Tensor(r)], out.shape.clone(), dt, out.device, dt, move |bx, v| bx.body.cast(v[0], dt)))
     }
 
     /// Two-pass variance: a mean node, then Σ(x - mean)² / (N - correction).
@@ -251,7 +251,7 @@ impl Ctx<'_> {
     fn variance(&mut self, x: &TensorValue, dims: &[usize], acc: DType, correction: f64) -> (TensorValue, TensorValue) {
         let count: i64 = dims.iter().map(|&d| x.size[d]).product();
         let xs = x.clone();
-        let mean = self.reduce_node(&x.size, dims, acc, x.device.clone(), move |bx, full, _| {
+        let mean = self.reduce_node(&x.size, dims, acc, x.device, move |bx, full, _| {
             let v = xs.load(bx, full);
             let v = bx.body.cast(v, acc);
             let s = bx.body.reduce(ReduceOp::Sum, v);
@@ -260,7 +260,7 @@ impl Ctx<'_> {
         });
         let (xs, m) = (x.clone(), mean.clone());
         let denom = (count as f64 - correction).max(0.0);
-        let var = self.reduce_node(&x.size, dims, acc, x.device.clone(), move |bx, full, kept| {
+        let var = self.reduce_node(&x.size, dims, acc, x.device, move |bx, full, kept| {
             let v = xs.load(bx, full);
             let v = bx.body.cast(v, acc);
             let mu = m.load(bx, kept);
@@ -284,7 +284,7 @@ impl Ctx<'_> {
             full.iter().enumerate().filter(|(i, _)| Some(*i) != dim).map(|(_, e)| e.clone()).collect()
         };
         let xs = x.clone();
-        let max = self.reduce_node(&x.size, &dims, acc, x.device.clone(), move |bx, full, _| {
+        let max = self.reduce_node(&x.size, &dims, acc, x.device, move |bx, full, _| {
             let v = xs.load(bx, full);
             let v = bx.body.cast(v, acc);
             bx.body.reduce(ReduceOp::Max, v)
@@ -292,7 +292,7 @@ impl Ctx<'_> {
         let log = op == AtenOp::LogSoftmax;
         // exp(x - max), in the accumulation type
         let (xs, m) = (x.clone(), max.clone());
-        let shifted_exp = TensorValue::lazy(x.size.clone(), acc, x.device.clone(), 2, 3, move |bx, full| {
+        let shifted_exp = TensorValue::lazy(x.size.clone(), acc, x.device, 2, 3, move |bx, full| {
             let v = xs.load(bx, full);
             let v = bx.body.cast(v, acc);
             let mx = m.load(bx, &drop_dim(full));
@@ -307,7 +307,7 @@ impl Ctx<'_> {
         let stored_exp = !log && cpp && x.size.iter().product::<i64>() > 0;
         let shifted_exp = if stored_exp { self.realize(&shifted_exp) } else { shifted_exp };
         let e = shifted_exp.clone();
-        let sum = self.reduce_node(&x.size, &dims, acc, x.device.clone(), move |bx, full, _| {
+        let sum = self.reduce_node(&x.size, &dims, acc, x.device, move |bx, full, _| {
             let v = e.load(bx, full);
             bx.body.reduce(ReduceOp::Sum, v)
         });
@@ -318,7 +318,7 @@ impl Ctx<'_> {
         Ok(TensorValue {
             size: x.size.clone(),
             dtype: out.dtype,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let kept = drop_dim(idx);
@@ -383,7 +383,7 @@ impl Ctx<'_> {
         let y = TensorValue {
             size: x.size.clone(),
             dtype: out.dtype,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let kept = &idx[..axis];
@@ -421,7 +421,7 @@ impl Ctx<'_> {
             let rstd = TensorValue {
                 size: kept_size,
                 dtype: acc,
-                device: x.device.clone(),
+                device: x.device,
                 src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, kept: &[IndexExpr]| r3(bx, kept)), reads: 1, ops: 3 },
             };
             items.push(Some(Lowered::Tensor(self.finish_reduction(rstd, rm)?)));
@@ -467,7 +467,7 @@ impl Ctx<'_> {
         TensorValue {
             size: x.size.clone(),
             dtype: dt,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let c = std::slice::from_ref(&idx[1]);
@@ -526,10 +526,10 @@ impl Ctx<'_> {
             // updates running_mean/var in place: functional graphs carry the _functional form
             return unsupported("_native_batch_norm_legit in training mode mutates its running statistics");
         }
-        let device = x.device.clone();
+        let device = x.device;
         let rstd_of = |var: TensorValue| -> TensorValue {
             let size = var.size.clone();
-            super::pointwise::pointwise(vec![super::pointwise::PwIn::Tensor(var)], size, acc, device.clone(), acc, move |bx, v| {
+            super::pointwise::pointwise(vec![super::pointwise::PwIn::Tensor(var)], size, acc, device, acc, move |bx, v| {
                 let v = bx.body.cast(v[0], acc);
                 let e = bx.body.constant(Scalar::Float(eps), acc);
                 let s = bx.body.binary(BinaryOp::Add, v, e);
@@ -571,13 +571,8 @@ impl Ctx<'_> {
                 let stat = reshape(&stat, running.size.clone())?;
                 let dt = meta.dtype;
                 let sdt = dt.compute();
-                let v = pointwise(
-                    vec![PwIn::Tensor(running), PwIn::Tensor(stat)],
-                    meta.shape.clone(),
-                    dt,
-                    meta.device.clone(),
-                    sdt,
-                    move |bx, v| {
+                let v =
+                    pointwise(vec![PwIn::Tensor(running), PwIn::Tensor(stat)], meta.shape.clone(), dt, meta.device, sdt, move |bx, v| {
                         let r = bx.body.cast(v[0], sdt);
                         let s = bx.body.cast(v[1], sdt);
                         let keep = bx.body.constant(Scalar::Float(1.0 - momentum), sdt);
@@ -585,8 +580,7 @@ impl Ctx<'_> {
                         let a = bx.body.binary(BinaryOp::Mul, r, keep);
                         let b = bx.body.binary(BinaryOp::Mul, s, take);
                         bx.body.binary(BinaryOp::Add, a, b)
-                    },
-                );
+                    });
                 items.push(Some(Lowered::Tensor(v)));
             }
         }
@@ -598,7 +592,7 @@ impl Ctx<'_> {
         TensorValue {
             size: m.shape.clone(),
             dtype: dt,
-            device: m.device.clone(),
+            device: m.device,
             src: Src::Lazy { f: Rc::new(move |bx: &mut Bx, _: &[IndexExpr]| bx.body.constant(Scalar::Int(0), dt)), reads: 0, ops: 1 },
         }
     }
@@ -632,7 +626,7 @@ impl Ctx<'_> {
         let rstd = TensorValue {
             size: vec![n, g],
             dtype: acc,
-            device: x.device.clone(),
+            device: x.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let v = vm.load(bx, idx);
@@ -649,7 +643,7 @@ impl Ctx<'_> {
         let y = TensorValue {
             size: x.size.clone(),
             dtype: dt,
-            device: out.device.clone(),
+            device: out.device,
             src: Src::Lazy {
                 f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                     let ch = idx[1].clone();
@@ -739,12 +733,12 @@ impl Ctx<'_> {
         let mut items: Vec<Option<Lowered>> = vec![None, None, None];
         if let Some(Some(m0)) = metas.first() {
             let g1 = g.clone();
-            let s1 = self.reduce_node(&x.size, &row_dims, acc, x.device.clone(), move |bx, full, _| {
+            let s1 = self.reduce_node(&x.size, &row_dims, acc, x.device, move |bx, full, _| {
                 let v = g1(bx, full);
                 bx.body.reduce(ReduceOp::Sum, v)
             });
             let (g2, xh2) = (g.clone(), xhat.clone());
-            let s2 = self.reduce_node(&x.size, &row_dims, acc, x.device.clone(), move |bx, full, _| {
+            let s2 = self.reduce_node(&x.size, &row_dims, acc, x.device, move |bx, full, _| {
                 let a = g2(bx, full);
                 let b = xh2(bx, full);
                 let p = bx.body.binary(BinaryOp::Mul, a, b);
@@ -754,7 +748,7 @@ impl Ctx<'_> {
             let dx = TensorValue {
                 size: x.size.clone(),
                 dtype: dt,
-                device: x.device.clone(),
+                device: x.device,
                 src: Src::Lazy {
                     f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                         let rows = &idx[..axis];
@@ -783,7 +777,7 @@ impl Ctx<'_> {
         }
         if let Some(Some(m1)) = metas.get(1) {
             let (dys, xh) = (dy.clone(), xhat.clone());
-            let dw = self.reduce_node(&x.size, &col_dims, acc, x.device.clone(), move |bx, full, _| {
+            let dw = self.reduce_node(&x.size, &col_dims, acc, x.device, move |bx, full, _| {
                 let d = dys.load(bx, full);
                 let d = bx.body.cast(d, acc);
                 let h = xh(bx, full);
@@ -794,7 +788,7 @@ impl Ctx<'_> {
         }
         if let Some(Some(m2)) = metas.get(2) {
             let dys = dy.clone();
-            let db = self.reduce_node(&x.size, &col_dims, acc, x.device.clone(), move |bx, full, _| {
+            let db = self.reduce_node(&x.size, &col_dims, acc, x.device, move |bx, full, _| {
                 let d = dys.load(bx, full);
                 let d = bx.body.cast(d, acc);
                 bx.body.reduce(ReduceOp::Sum, d)
@@ -864,12 +858,12 @@ impl Ctx<'_> {
         let mut items: Vec<Option<Lowered>> = vec![None, None, None];
         if let Some(Some(m0)) = metas.first() {
             let g1 = gw.clone();
-            let s1 = self.reduce_node(&shape4, &[2, 3], acc, x.device.clone(), move |bx, full, _| {
+            let s1 = self.reduce_node(&shape4, &[2, 3], acc, x.device, move |bx, full, _| {
                 let v = g1(bx, full);
                 bx.body.reduce(ReduceOp::Sum, v)
             });
             let (g2, xh2) = (gw.clone(), xhat.clone());
-            let s2 = self.reduce_node(&shape4, &[2, 3], acc, x.device.clone(), move |bx, full, _| {
+            let s2 = self.reduce_node(&shape4, &[2, 3], acc, x.device, move |bx, full, _| {
                 let a = g2(bx, full);
                 let b = xh2(bx, full);
                 let p = bx.body.binary(BinaryOp::Mul, a, b);
@@ -880,7 +874,7 @@ impl Ctx<'_> {
             let dx4 = TensorValue {
                 size: shape4.clone(),
                 dtype: dt,
-                device: x.device.clone(),
+                device: x.device,
                 src: Src::Lazy {
                     f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
                         let gv = g3(bx, idx);
@@ -906,7 +900,7 @@ impl Ctx<'_> {
         // per-channel sums over samples and space: reduce [N, G, D, HxW] over N and HxW
         if let Some(Some(m1)) = metas.get(1) {
             let (dys, xh) = (dy4.clone(), xhat.clone());
-            let dw = self.reduce_node(&shape4, &[0, 3], acc, x.device.clone(), move |bx, full, _| {
+            let dw = self.reduce_node(&shape4, &[0, 3], acc, x.device, move |bx, full, _| {
                 let v = dys.load(bx, full);
                 let v = bx.body.cast(v, acc);
                 let h = xh(bx, full);
@@ -917,7 +911,7 @@ impl Ctx<'_> {
         }
         if let Some(Some(m2)) = metas.get(2) {
             let dys = dy4.clone();
-            let db = self.reduce_node(&shape4, &[0, 3], acc, x.device.clone(), move |bx, full, _| {
+            let db = self.reduce_node(&shape4, &[0, 3], acc, x.device, move |bx, full, _| {
                 let v = dys.load(bx, full);
                 let v = bx.body.cast(v, acc);
                 bx.body.reduce(ReduceOp::Sum, v)
@@ -958,7 +952,7 @@ impl Ctx<'_> {
         let full = super::pointwise::broadcast_shapes(&shapes)?;
         let dims: Vec<usize> = sumdim.iter().map(|&d| norm_dim(d, total)).collect::<LResult<_>>()?;
         let acc = out.dtype.compute();
-        let prod = self.reduce_node(&full, &dims, acc, out.device.clone(), move |bx, idx, _| {
+        let prod = self.reduce_node(&full, &dims, acc, out.device, move |bx, idx, _| {
             let mut p: Option<ValueId> = None;
             for t in &shaped {
                 let v = t.load(bx, &super::pointwise::broadcast_index(&t.size, idx));

@@ -384,7 +384,7 @@ impl Ctx<'_> {
             let r = weighted_sum(bx, &rows, &h.weight);
             bx.body.cast(r, dt)
         });
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads: 4, ops: 40 } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads: 4, ops: 40 } })
     }
 
     /// grid_sampler_2d / grid_sampler_3d: input [N, C, (D,) H, W] sampled at a grid
@@ -557,7 +557,7 @@ impl Ctx<'_> {
             (_, 2) => (67, 1100),
             _ => (11, 120),
         };
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device.clone(), src: Src::Lazy { f, reads, ops } })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads, ops } })
     }
 
     /// col2im (F.fold): [N?, C·kh·kw, L] -> [N?, C, H, W]; each output pixel sums, in kernel
@@ -638,11 +638,6 @@ impl Ctx<'_> {
             bx.body.cast(r, dt)
         });
         let reads = taps as usize;
-        Ok(TensorValue {
-            size: out.shape.clone(),
-            dtype: out.dtype,
-            device: out.device.clone(),
-            src: Src::Lazy { f, reads, ops: 8 * reads },
-        })
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads, ops: 8 * reads } })
     }
 }

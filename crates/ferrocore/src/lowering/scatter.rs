@@ -56,7 +56,7 @@ impl Ctx<'_> {
                 ));
             }
         }
-        let layout = Layout::contiguous(&init.size, dtype, init.device.clone());
+        let layout = Layout::contiguous(&init.size, dtype, init.device);
         let dst = self.realize_into(init, layout.clone());
         let Src::View { buf, .. } = dst.src else { return Ok(dst) };
         for pass in passes {
@@ -200,7 +200,7 @@ impl Ctx<'_> {
                     let q = if dt.is_float() { bx.body.binary(BinaryOp::TrueDiv, s, c) } else { bx.body.binary(BinaryOp::FloorDiv, s, c) };
                     bx.body.cast(q, dt)
                 });
-                TensorValue { size: sizes.clone(), dtype: dt, device: x.device.clone(), src: Src::Lazy { f, reads: 2, ops: 6 } }
+                TensorValue { size: sizes.clone(), dtype: dt, device: x.device, src: Src::Lazy { f, reads: 2, ops: 6 } }
             }
         };
         Ok(if rank == 0 { reshaped(&result, vec![]) } else { result })
@@ -301,13 +301,13 @@ impl Ctx<'_> {
             let new = bx.body.cast(new, dt);
             bx.body.where_(m, new, keep)
         });
-        Ok(TensorValue { size: x.size.clone(), dtype: dt, device: x.device.clone(), src: Src::Lazy { f, reads: 3, ops: 8 } })
+        Ok(TensorValue { size: x.size.clone(), dtype: dt, device: x.device, src: Src::Lazy { f, reads: 3, ops: 8 } })
     }
 
     /// The inclusive running count of `mask` in row-major order, as an int64 buffer.
     fn running_count(&mut self, mask: &TensorValue) -> BufferId {
         let numel = mask.numel();
-        let layout = Layout::contiguous(&[numel], DType::I64, mask.device.clone());
+        let layout = Layout::contiguous(&[numel], DType::I64, mask.device);
         let buf = self.prog.add_buffer(layout, BufferSource::Computed);
         let mut body = LoopBody::default();
         {
@@ -370,7 +370,7 @@ impl Ctx<'_> {
             let v = bx.body.cast(v, dt);
             bx.body.where_(m, v, keep)
         });
-        Ok(TensorValue { size: shape, dtype: dt, device: out.device.clone(), src: Src::Lazy { f, reads: 3, ops: 10 } })
+        Ok(TensorValue { size: shape, dtype: dt, device: out.device, src: Src::Lazy { f, reads: 3, ops: 10 } })
     }
 
     /// nonzero_static(x, size, fill_value): the coordinates of the first `size` nonzero elements
@@ -386,7 +386,7 @@ impl Ctx<'_> {
             return malformed(format!("nonzero_static result {:?} for size {size}", out.shape));
         }
         let xs = x.clone();
-        let nonzero = TensorValue::lazy(x.size.clone(), DType::Bool, x.device.clone(), 1, 1, move |bx, idx| {
+        let nonzero = TensorValue::lazy(x.size.clone(), DType::Bool, x.device, 1, 1, move |bx, idx| {
             let v = xs.load(bx, idx);
             bx.body.cast(v, DType::Bool)
         });
@@ -416,7 +416,7 @@ impl Ctx<'_> {
         let init = constant_value(&[size + 1, ndim], DType::I64, Scalar::Int(fill), &x.device);
         let full = self.scatter_into(&init, DType::I64, passes)?;
         let Src::View { buf, .. } = full.src else { return malformed("scatter produced no buffer") };
-        let layout = Layout::contiguous(&[size, ndim], DType::I64, x.device.clone());
+        let layout = Layout::contiguous(&[size, ndim], DType::I64, x.device);
         Ok(view_of_layout(buf, &layout))
     }
 
@@ -471,7 +471,7 @@ impl Ctx<'_> {
         let dt = out.dtype;
         let int = !dt.is_float();
         let (lo, hi) = if int { (lo.trunc(), hi.trunc()) } else { (lo, hi) };
-        if !(lo < hi) {
+        if lo.partial_cmp(&hi) != Some(std::cmp::Ordering::Less) {
             return unsupported("histc over the data's own range (min == max)");
         }
         let ct = if int { DType::I64 } else { dt.compute() };
@@ -519,7 +519,7 @@ impl Ctx<'_> {
         }
         let width = grad.size[k];
         let granges = grad.size.clone();
-        let device = grad.device.clone();
+        let device = grad.device;
         // per-row counts, for scale_grad_by_freq
         let counts = if by_freq {
             let ind = indices.clone();
@@ -538,7 +538,7 @@ impl Ctx<'_> {
         } else {
             None
         };
-        let counts = counts.map(|c| c.strided()).flatten();
+        let counts = counts.and_then(|c| c.strided());
         let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
             let raw = indices.load(bx, &idx[..k]);
             let i = bx.body.check_index(raw, num_weights, false);
@@ -621,7 +621,7 @@ fn one_per_row_scatter(
     let ops = 3 + parts.iter().flatten().map(|t| t.cost().1).sum::<usize>();
     let (x, index, src) = (x.clone(), index.clone(), src.cloned());
     let n_dim = x.size[dim];
-    Some(TensorValue::lazy(x.size.clone(), dt, x.device.clone(), reads, ops, move |bx, idx| {
+    Some(TensorValue::lazy(x.size.clone(), dt, x.device, reads, ops, move |bx, idx| {
         let mut row = idx.to_vec();
         row[dim] = IndexExpr::zero();
         let raw = index.load(bx, &row);
@@ -644,20 +644,20 @@ fn one_per_row_scatter(
 
 /// A tensor filled with `value`.
 pub(super) fn constant_value(size: &[i64], dt: DType, value: Scalar, device: &Device) -> TensorValue {
-    TensorValue::lazy(size.to_vec(), dt, device.clone(), 0, 1, move |bx, _idx| bx.body.constant(value, dt))
+    TensorValue::lazy(size.to_vec(), dt, *device, 0, 1, move |bx, _idx| bx.body.constant(value, dt))
 }
 
 /// The same elements under another shape with equal numel (0-d <-> [1]).
 fn reshaped(t: &TensorValue, size: Vec<i64>) -> TensorValue {
     let inner = t.clone();
     let rank = t.size.len();
-    TensorValue::lazy(size, t.dtype, t.device.clone(), 1, 0, move |bx, _idx| inner.load(bx, &vec![IndexExpr::zero(); rank]))
+    TensorValue::lazy(size, t.dtype, t.device, 1, 0, move |bx, _idx| inner.load(bx, &vec![IndexExpr::zero(); rank]))
 }
 
 /// `t` read at the trailing-aligned broadcast of an index of `shape`.
 fn broadcast_to(t: &TensorValue, shape: &[i64]) -> TensorValue {
     let inner = t.clone();
-    TensorValue::lazy(shape.to_vec(), t.dtype, t.device.clone(), 1, 0, move |bx, idx| inner.load(bx, &broadcast_index(&inner.size, idx)))
+    TensorValue::lazy(shape.to_vec(), t.dtype, t.device, 1, 0, move |bx, idx| inner.load(bx, &broadcast_index(&inner.size, idx)))
 }
 
 /// Advanced indexing with integer index tensors: the indexed dims are replaced by the broadcast

@@ -23,7 +23,7 @@ pub fn apply_view(tv: &TensorValue, size: Vec<i64>, reindex: ReindexFn) -> Tenso
             }
         }
     };
-    TensorValue { size, dtype: tv.dtype, device: tv.device.clone(), src }
+    TensorValue { size, dtype: tv.dtype, device: tv.device, src }
 }
 
 /// Reshape by flattening the index and splitting it again; the simplifier removes the
@@ -58,7 +58,7 @@ pub fn reshape(tv: &TensorValue, new_size: Vec<i64>) -> LResult<TensorValue> {
     if old == new_size {
         return Ok(tv.clone());
     }
-    if old.iter().any(|&d| d == 0) {
+    if old.contains(&0) {
         // no elements: any index map will do
         let rank = old.len();
         return Ok(apply_view(tv, new_size, Rc::new(move |_: &[IndexExpr], _: &[i64]| vec![IndexExpr::zero(); rank])));
@@ -410,7 +410,7 @@ impl Ctx<'_> {
             BufferSource::Extern { .. } => return unsupported("as_strided of an extern result (storage offset unknown)"),
         };
         let offset = explicit.unwrap_or(operand_offset) - buffer_start;
-        let l = Layout { size: size.clone(), stride: stride.clone(), offset, dtype: tv.dtype, device: tv.device.clone() };
+        let l = Layout { size: size.clone(), stride: stride.clone(), offset, dtype: tv.dtype, device: tv.device };
         let reach = l.storage_numel();
         match self.prog.buffer(buf).source {
             BufferSource::Input(_) => {
@@ -466,7 +466,7 @@ impl Ctx<'_> {
         let Some(Arg::Node(n)) = self.arg(0, "self") else { return Ok(true) };
         let Some(meta) = self.graph.node(*n).meta.tensor() else { return Ok(true) };
         let Src::View { buf, index } = &tv.src else { return Ok(false) };
-        if tv.size.iter().any(|&s| s == 0) {
+        if tv.size.contains(&0) {
             return Ok(true);
         }
         if meta.shape != tv.size {

@@ -189,7 +189,7 @@ pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<
                             let why = if rejected { "every fusion was rejected" } else { "shares no data with an earlier kernel" };
                             decisions.push(format!("new kernel #{}: {out_name} ({why})", slots.len()));
                             producer[node.output.0 as usize].add(slots.len());
-                            slots.push(Slot::Kernel(KernelSlot::new(&program, &returned, n, plan)));
+                            slots.push(Slot::Kernel(Box::new(KernelSlot::new(&program, &returned, n, plan))));
                         }
                         Err(why) => return Err(SchedulerError { message: format!("{out_name} cannot be planned as a kernel: {why}") }),
                     },
@@ -263,7 +263,7 @@ impl std::error::Error for SchedulerError {}
 
 /// A kernel or an extern call, in schedule order, while fusion is still deciding.
 enum Slot {
-    Kernel(KernelSlot),
+    Kernel(Box<KernelSlot>),
     Extern(usize),
 }
 

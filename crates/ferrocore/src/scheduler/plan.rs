@@ -51,8 +51,11 @@ const FEW_PROGRAMS: i64 = 128;
 /// reduction once took in Llama's 4M-element embedding output, one program for 4 ms.
 const SERIAL_ELEMENTS: i64 = 4096;
 
-fn split_point(dims: &[i64], n: i64) -> Option<(Vec<i64>, Vec<i64>, Vec<(usize, i64, i64)>)> {
-    // outer pieces, inner pieces, and per dim (dim, outer part, inner part)
+/// Where a loop nest splits into outer and inner pieces: the outer pieces, the inner pieces, and
+/// per dim (dim, outer part, inner part).
+type SplitPoint = (Vec<i64>, Vec<i64>, Vec<(usize, i64, i64)>);
+
+fn split_point(dims: &[i64], n: i64) -> Option<SplitPoint> {
     let mut outer = Vec::new();
     let mut inner = Vec::new();
     let mut parts = Vec::new();

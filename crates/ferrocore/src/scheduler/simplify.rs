@@ -13,18 +13,18 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
     let mut groups: Vec<Vec<usize>> = Vec::new();
     let mut group_is_red: Vec<bool> = Vec::new();
     let indices = node.body.indices();
-    if sizes.iter().any(|&s| s == 0) {
+    if sizes.contains(&0) {
         return node.clone(); // an empty loop: nothing to simplify
     }
-    for v in 0..sizes.len() {
-        if sizes[v] == 1 {
+    for (v, &size) in sizes.iter().enumerate() {
+        if size == 1 {
             continue;
         }
         let red = v >= nr;
         if let Some(last) = groups.last() {
             let prev = *last.last().unwrap_or(&v);
             let same_kind = *group_is_red.last().unwrap_or(&false) == red;
-            if same_kind && prev + 1 == v && mergeable(&indices, prev, v, sizes[v]) {
+            if same_kind && prev + 1 == v && mergeable(&indices, prev, v, size) {
                 if let Some(g) = groups.last_mut() {
                     g.push(v);
                 }

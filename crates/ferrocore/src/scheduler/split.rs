@@ -103,11 +103,11 @@ pub fn split_reductions(p: &mut LoopProgram, config: &SplitConfig) -> Vec<String
             if let Some(Split { firsts, second, splits, part_size, outer }) = welford.or_else(|| plan_split(p, n, config)) {
                 let (output, ranges, origins) = (p.nodes[n].output, p.nodes[n].ranges.clone(), p.nodes[n].origins.clone());
                 let total: i64 = p.nodes[n].reduction_ranges.iter().product();
-                let device = p.buffer(output).layout.device.clone();
+                let device = p.buffer(output).layout.device;
                 let mut partials = Vec::new();
                 for first in firsts {
                     let dtype = first.body.dtype(first.body.store.as_ref().map_or(ValueId(0), |s| s.value));
-                    let partial = p.add_buffer(Layout::contiguous(&part_size, dtype, device.clone()), BufferSource::Computed);
+                    let partial = p.add_buffer(Layout::contiguous(&part_size, dtype, device), BufferSource::Computed);
                     partials.push(partial);
                     p.nodes.push(LoopNode { output: partial, origins: origins.clone(), ..first });
                     new_steps.push(Step::Node(p.nodes.len() - 1));

@@ -290,6 +290,9 @@ pub fn combine(op: ReduceOp, dt: DType, acc: &str, v: &str) -> String {
     }
 }
 
+/// The chunk length of a float sum of one dtype (`Acc::chunked`).
+pub type ChunkLen = fn(DType) -> i64;
+
 pub struct BodyEmitter<'a> {
     program: &'a LoopProgram,
     ptr: &'a HashMap<BufferId, String>,
@@ -300,7 +303,7 @@ pub struct BodyEmitter<'a> {
     split: bool,
     /// The group's reduction length and the chunk length per dtype: a float sum longer than
     /// its chunk accumulates per chunk (`Acc::chunked`).
-    pub chunk_sums_above: Option<(i64, fn(DType) -> i64)>,
+    pub chunk_sums_above: Option<(i64, ChunkLen)>,
     /// Buffers in the kernel's scratch rows, and the current element's position in a row.
     pub rows: Option<(&'a std::collections::HashSet<BufferId>, String)>,
     /// Buffers the kernel only reads: a load of one at a fixed index is loop-invariant.

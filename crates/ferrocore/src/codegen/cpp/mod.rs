@@ -122,7 +122,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     // a scatter kernel holds one node (the scheduler never fuses one): its stores may collide
     let scatter = plan.nodes.iter().find_map(|kn| kn.body.store.as_ref().filter(|st| st.is_scatter()));
     let scatter_dtype = plan.nodes.first().map(|kn| p.buffer(p.nodes[kn.node].output).layout.dtype);
-    let parallel = work >= PARALLEL_THRESHOLD && scatter.map_or(true, |st| scatter_parallel(st.mode, scatter_dtype));
+    let parallel = work >= PARALLEL_THRESHOLD && scatter.is_none_or(|st| scatter_parallel(st.mode, scatter_dtype));
     let vectorize = scatter.is_none();
     let outer_parallel = parallel && n > 1;
     let mut out = String::new();
@@ -183,7 +183,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             let is_red = node.kind() == NodeKind::Reduction;
             let mut em = BodyEmitter::new(p, &kn.body, &ptr, &replace, &kn.ranges, &mut tmp, split);
             em.rows = Some((&rows, row_position(&g.inner)));
-            em.chunk_sums_above = reduction_len.map(|r| (r, sum_chunk as fn(DType) -> i64));
+            em.chunk_sums_above = reduction_len.map(|r| (r, sum_chunk as expr::ChunkLen));
             em.read_only = Some(&read_only);
             let vals = kn.body.visit(&mut em);
             let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
@@ -228,7 +228,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
             pre.push_str(&em.pre);
             inner.push_str(&em.inner);
             post.push_str(&em.post);
-            accs.extend(em.accs.drain(..));
+            accs.append(&mut em.accs);
             match (is_red, section) {
                 (true, _) | (false, Section::Post) => {
                     post.push_str(&line);

@@ -696,7 +696,7 @@ fn candidates(s: &Space, base: TuneConfig) -> Vec<TuneConfig> {
             } else {
                 x >= 1 && x * s.rmax <= (2 * MAX_BLOCK_ELEMENTS).min(s.block_max) && x <= next_power_of_two(s.xnumel)
             };
-            if fits && s.idx32_reach.map_or(true, |limit| s.xnumel + x < limit) {
+            if fits && s.idx32_reach.is_none_or(|limit| s.xnumel + x < limit) {
                 xblocks.push(x);
             }
         }
