@@ -23,12 +23,12 @@ if ! python -c "import torch, torchvision" 2>/dev/null && [ -n "${FERROCORE_TORC
     echo "setup: torch and torchvision from $FERROCORE_TORCH_INDEX"
     python -m pip install --index-url "$FERROCORE_TORCH_INDEX" torch torchvision
 fi
-if ! python -c "import torch, numpy, pytest, expecttest, transformers, torchvision, playwright" 2>/dev/null \
+if ! python -c "import torch, numpy, pytest, xdist, expecttest, transformers, torchvision, playwright" 2>/dev/null \
         || [ ! -x .venv/bin/maturin ] || [ ! -x .venv/bin/tlparse ]; then
-    # expecttest: torch's OpInfo db; torchvision is resolved together with torch (matching builds);
+    # pytest-xdist: the test command runs test files on one worker per core; expecttest: torch's OpInfo db; torchvision is resolved together with torch (matching builds);
     # tlparse: reads TORCH_TRACE logs (a test checks ferrocore's entries in them); playwright
     # drives Chromium in the compile report's browser test (its own browser download is not used)
-    python -m pip install torch torchvision numpy pytest maturin expecttest transformers tlparse playwright
+    python -m pip install torch torchvision numpy pytest pytest-xdist maturin expecttest transformers tlparse playwright
 fi
 
 # Debian's Chromium, for the compile report's browser test (tests/test_report.py): installed

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds ferrocore (see setup.sh), then runs the Rust tests and the Python tests, one line of
-# progress per test file. Extra arguments go to pytest.
+# Builds ferrocore (see setup.sh), then checks the Rust code's format and lints, runs the Rust
+# tests (the replay corpus among them) and the Python tests, whole files on one worker per core.
+# Extra arguments go to pytest.
 #   bash scripts/test.sh --quick   the quick subset (QUICK_TESTS below, under 5 minutes with the
 #                                  Rust tests): for a change to one thing
 set -euo pipefail
@@ -35,4 +36,12 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --release --quiet -- -D warnings
 cargo test --workspace --release
 
-.venv/bin/python -m pytest "${TESTS[@]}" "$@"
+# One worker per core (FERROCORE_TEST_WORKERS, default 2: CI's cores), each taking whole files:
+# a file's tests run in order in one process, and the kernel cache is shared (safe between
+# processes). FERROCORE_TEST_WORKERS=0 runs everything in this process.
+WORKERS="${FERROCORE_TEST_WORKERS:-2}"
+if [ "$WORKERS" = 0 ]; then
+    .venv/bin/python -m pytest "${TESTS[@]}" "$@"
+else
+    .venv/bin/python -m pytest -n "$WORKERS" --dist loadfile "${TESTS[@]}" "$@"
+fi

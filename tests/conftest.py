@@ -20,7 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("FERROCORE_CACHE_DIR", str(REPO_ROOT / ".ferrocore-cache-test"))
 # Kernels stay cached between runs; compiled-graph entries do not: a test that checks what a
 # compile prints or times must not meet an entry an earlier run stored (each run starts alike).
-shutil.rmtree(Path(os.environ["FERROCORE_CACHE_DIR"]) / "compiled", ignore_errors=True)
+# Under pytest-xdist only the controlling process clears them, before its workers start.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    shutil.rmtree(Path(os.environ["FERROCORE_CACHE_DIR"]) / "compiled", ignore_errors=True)
 # no progress lines between test results (a terminal's pytest -s would draw them)
 os.environ.setdefault("FERROCORE_PROGRESS", "off")
 
