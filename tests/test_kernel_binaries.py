@@ -30,7 +30,8 @@ def cache_dir(tmp_path):
 
 
 def _wrapper_module(cache_dir):
-    """A wrapper module of Triton kernels (rendered for CPU tensors: only its source is used)."""
+    """A compiled graph of Triton kernels and its wrapper module (rendered for CPU tensors: only
+    its source is used)."""
     import ferrocore
     from ferrocore.backend import _import_module
 
@@ -42,26 +43,26 @@ def _wrapper_module(cache_dir):
         gm = make_fx(f)(*args)
     ferrocore.compile_graph(gm, args, {"backend": "triton", "cache_dir": cache_dir})
     path = ferrocore.metrics.last["module_path"]
-    source = Path(path).read_text()
-    return source, _import_module(path, "kernel_binaries_test", source)
+    compiled = json.loads(Path(ferrocore.metrics.last["artifact_path"]).read_text())
+    return compiled, _import_module(path, "kernel_binaries_test", Path(path).read_text())
 
 
 def test_a_worker_compiles_a_launchable_binary_that_the_cache_keeps(cache_dir):
-    from ferrocore import kernel_binaries
+    from ferrocore import artifact, kernel_binaries
 
-    source, module = _wrapper_module(cache_dir)
-    unit = kernel_binaries.triton_unit(source)
+    compiled, module = _wrapper_module(cache_dir)
+    unit = artifact.unit_source(compiled)
     assert unit is not None and "@ferro_jit" in unit and "import torch" not in unit
     pool = kernel_binaries.compile_pool(1)
     assert pool is not None
-    for entry in module.TRITON_KERNELS:
+    for entry in artifact.triton_kernels(compiled, module)[0]:
         fn, signature, constexprs, launch = entry
         binary = kernel_binaries.result(pool.submit(kernel_binaries.job(unit, entry, 90)), fn.__name__)
         assert binary is not None, fn.__name__
         assert binary["name"] == fn.__name__ and binary["cubin"][:4] == b"\x7fELF"
         assert binary["num_warps"] == launch["num_warps"] and 0 <= binary["trailing_nulls"] <= 2
-        k = kernel_binaries.key(fn, signature, constexprs, launch, 90)
-        assert kernel_binaries.key(fn, signature, constexprs, launch, 80) != k
+        k = kernel_binaries.key(signature, constexprs, launch, 90)
+        assert kernel_binaries.key(signature, constexprs, launch, 80) != k
         kernel_binaries.store(cache_dir, k, binary)
         assert kernel_binaries.load(cache_dir, k) == binary
     # an edited entry is a miss, never a binary
@@ -147,33 +148,31 @@ def test_a_new_process_launches_the_cached_binaries(cache_dir):
 
 
 def test_kernels_go_to_the_workers_dearest_first():
-    from types import SimpleNamespace
-
     from ferrocore import kernel_binaries
 
-    plain = SimpleNamespace(src="    tmp0 = tmp1 + tmp2\n" * 40)
-    longer = SimpleNamespace(src="    tmp0 = tmp1 + tmp2\n" * 80)
-    rotary = SimpleNamespace(src="    tmp0 = tl.math.cos(tmp1)\n    tmp2 = tl.math.sin(tmp1)\n" * 4)
+    plain = "    tmp0 = tmp1 + tmp2\n" * 40
+    longer = "    tmp0 = tmp1 + tmp2\n" * 80
+    rotary = "    tmp0 = tl.math.cos(tmp1)\n    tmp2 = tl.math.sin(tmp1)\n" * 4
     assert kernel_binaries.compile_cost(longer) > kernel_binaries.compile_cost(plain)
-    assert len(rotary.src) < len(plain.src)
+    assert len(rotary) < len(plain)
     assert kernel_binaries.compile_cost(rotary) > kernel_binaries.compile_cost(longer)
-    assert kernel_binaries.compile_cost(SimpleNamespace()) == 0  # a kernel without source text
+    assert kernel_binaries.compile_cost("") == 0  # a kernel without source text
 
 
 def test_a_module_import_makes_no_jit_function_until_one_is_needed(cache_dir):
     """`triton.jit` tokenizes each function's source: a wrapper module defers it, and a warm start
     (cached binaries) never needs it; the cache key is the same before and after."""
-    from ferrocore import kernel_binaries
+    from ferrocore import artifact, kernel_binaries
 
-    _, module = _wrapper_module(cache_dir)
-    fn, signature, constexprs, launch = module.TRITON_KERNELS[0]
+    compiled, module = _wrapper_module(cache_dir)
+    fn, signature, constexprs, launch = artifact.triton_kernels(compiled, module)[0][0]
     assert type(fn).__name__ == "DeferredJit" and type(module.ferro_max).__name__ == "DeferredJit"
-    before = kernel_binaries.key(fn, signature, constexprs, launch, 90)
-    source = kernel_binaries.kernel_source(fn)
+    before = kernel_binaries.key(signature, constexprs, launch, 90)
+    source = launch["text"]
     assert source.startswith("@ferro_jit\ndef " + fn.__name__ + "(") and "tl.store(" in source
     jit = kernel_binaries.jit_function(fn)
     assert isinstance(jit, triton.runtime.jit.JITFunction) and jit.__name__ == fn.__name__
     # the callees too, where Triton's compiler looks them up
     assert isinstance(module.ferro_max, triton.runtime.jit.JITFunction)
-    assert kernel_binaries.key(jit, signature, constexprs, launch, 90) == before
+    assert kernel_binaries.key(signature, constexprs, launch, 90) == before
     assert jit.src in source and fn.arg_names == jit.arg_names

@@ -41,7 +41,7 @@ def test_undefined_attention_results_are_not_bound():
     assert "_r = torch.ops.aten._scaled_dot_product_flash_attention.default(" in src
     assert "restride(_r[0]" in src and "_r[6]" not in src and "_r[7]" not in src
     assert "del _r" in src
-    assert "CUDAGRAPH_UNSAFE" not in src
+    assert result["artifact"]["cuda_graph_hazards"] == []
     assert result["extern_ops"] == ["torch.ops.aten._scaled_dot_product_flash_attention.default"]
     assert result["fallbacks"] == []
 
@@ -60,20 +60,21 @@ def test_a_synchronizing_library_call_keeps_the_graph_out_of_cuda_graphs():
     def permuted(x):
         return x[torch.ops.aten.randperm.default(16, device="cuda")] + 1
 
-    src = compile_fake_cuda(permuted, (16,), dtype=torch.float32)["module_source"]
-    unsafe = [line for line in src.splitlines() if line.startswith("CUDAGRAPH_UNSAFE = ")]
-    assert len(unsafe) == 1 and "randperm may draw the permutation on the host" in unsafe[0]
+    hazards = compile_fake_cuda(permuted, (16,), dtype=torch.float32)["artifact"]["cuda_graph_hazards"]
+    assert len(hazards) == 1 and "randperm may draw the permutation on the host" in hazards[0]
 
 
-def test_a_module_naming_a_hazard_is_not_recorded():
+def test_a_graph_naming_a_hazard_is_not_recorded():
     import ferrocore.cudagraphs as cg
 
-    class Module:
-        CUDAGRAPH_UNSAFE = "ATen fallback torch.ops.aten.foo.default of unknown capture safety"
-
+    hazard = "ATen fallback torch.ops.aten.foo.default of unknown capture safety"
+    compiled = {"language": "triton", "kernels": [], "cuda_graph_hazards": [hazard]}
     cuda = torch.device("cuda:0")
-    assert "unknown capture safety" in cg.blocker(Module, cuda, [], False)
-    assert cg.blocker(object(), cuda, [], False) is None
+    assert "unknown capture safety" in cg.blocker(compiled, cuda, [], False)
+    assert cg.blocker({**compiled, "cuda_graph_hazards": []}, cuda, [], False) is None
+    # C++ kernels run on the host, whatever the graph's device
+    host = {**compiled, "language": "cpp", "kernels": [{"name": "k"}], "cuda_graph_hazards": []}
+    assert cg.blocker(host, cuda, [], False) == "it runs C++ kernels on the host"
 
 
 @pytest.mark.parametrize("shapes", [((6, 13), (21, 13)), ((32, 64), (50, 64))])

@@ -199,7 +199,9 @@ def test_cpu_graphs_get_cpp_kernels_unless_triton_is_forced(monkeypatch):
     last = ferrocore.metrics.last
     assert last["backend"] == "triton" and last["kernels"] == 1 and not last["graph_fallback"]
     source = Path(last["module_path"]).read_text()
-    assert "@ferro_jit\ndef triton_red_fused_" in source and "TRITON_KERNELS" in source
+    compiled = json.loads(Path(last["artifact_path"]).read_text())
+    assert "@ferro_jit\ndef triton_red_fused_" in source and compiled["language"] == "triton"
+    assert [k["launch"]["kind"] for k in compiled["kernels"]] == ["grid"]
 
 
 def test_bound_launcher_calls_the_binary_directly(monkeypatch):

@@ -520,7 +520,7 @@ def main(out_path: str, shard: str = "0/1") -> None:
     results = {}
     for name in list(CASES)[index::count]:
         r = run_case(name)
-        modules = [e["module_path"] for e in r.pop("entries") if e.get("module_path")]
+        modules = [(e["module_path"], e["artifact_path"]) for e in r.pop("entries") if e.get("module_path")]
         results[name] = dict(ok=r["ok"], detail=r.get("detail"), modules=modules)
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {name} {r.get('detail') or ''}", file=sys.stderr)
     with open(out_path, "w") as f:
@@ -537,16 +537,20 @@ def aot_main(results_path: str, out_path: str) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from ferrocore import artifact
+
     target = GPUTarget("cuda", 90, 32)
     results = {}
     with open(results_path) as f:
         cases = json.load(f)
     for name, r in cases.items():
-        for path in r["modules"]:
+        for path, artifact_path in r["modules"]:
             spec = importlib.util.spec_from_file_location(f"aot_{len(results)}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            for fn, signature, constexprs, launch in module.TRITON_KERNELS:
+            with open(artifact_path) as f:
+                compiled = json.load(f)
+            for fn, signature, constexprs, launch in artifact.triton_kernels(compiled, module)[0]:
                 key = f"{name}:{fn.__name__}"
                 sig = dict(signature, **{k: "constexpr" for k in constexprs})
                 try:

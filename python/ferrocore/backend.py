@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import (aliasing, aot_runtime, conv_layout, direct_trace, foreach, graph_cache, graph_names, joint_split,
+from . import (aliasing, aot_runtime, artifact, conv_layout, direct_trace, foreach, graph_cache, graph_names, joint_split,
                kernel_binaries, padding, partition, progress, runtime, torch_logs)
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lend_forward_lines, lifted_constants, serialize_graph
@@ -468,7 +468,8 @@ def _show_cached_module(graph: graph_cache.CompiledGraph, opts: dict, cache_key:
     code = [{"channel": "output_code", "text": graph.module_source}]
     if torch_logs.tracing():
         torch_logs.trace_graph(graph.name, graph.module_path, code, note=f"compiled-graph cache hit {cache_key[:16]}")
-    _print_logs([log for log in code if log["channel"] in opts["logs"]], graph.name, graph.module_path)
+    _print_logs([log for log in code if log["channel"] in opts["logs"]], graph.name, graph.module_path,
+                graph.artifact)
 
 
 def _store_graph(cache_key: str, opts: dict, recorded: dict, kind: str) -> bool:
@@ -822,7 +823,8 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
     logs = result.get("logs", ())
     if traced:
         torch_logs.trace_graph(name, result.get("module_path", ""), logs)
-    _print_logs([log for log in logs if log["channel"] in opts["logs"]], name, result.get("module_path", ""))
+    _print_logs([log for log in logs if log["channel"] in opts["logs"]], name, result.get("module_path", ""),
+                result.get("artifact"))
     report_path = result.get("report_path")
     if report_path:
         print(f"[ferrocore] {name}: compile report {report_path}", file=sys.stderr)
@@ -843,6 +845,8 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         name=name,
         module_path=result["module_path"],
         module_source=result["module_source"],
+        artifact=result["artifact"],
+        artifact_path=result["artifact_path"],
         options=options,
         device=str(device) if device is not None else None,
         host_scalars=list(host_scalars),
@@ -866,13 +870,13 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         from . import cudagraphs
 
         inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        why = cudagraphs.blocker(module, device, inputs_meta, bool(host_scalars))
+        why = cudagraphs.blocker(graph.artifact, device, inputs_meta, bool(host_scalars))
         if why is not None:
             print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
         else:
-            call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=getattr(module, "INDEX_FLAG", False),
+            call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=artifact.checks_indices_by_flag(graph.artifact),
                                               copied=_copied_inputs(gm, backward, static_inputs), saved=saved or (),
-                                              donated_writes=getattr(module, "DONATED_WRITES", False), family=family)
+                                              donated_writes=artifact.holds_donated_inputs(graph.artifact), family=family)
     if device is None and opts["backend"] == "triton" and not _triton_interpreted():
         call = _refusing_uninterpreted_triton(name)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
@@ -915,7 +919,7 @@ def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: 
 
         return _with_argument_moves(call, graph), None
     load.run_module(cpp_source)
-    if kernels_later is not None and load.device is not None and getattr(load.module, "TRITON_KERNELS", None):
+    if kernels_later is not None and load.device is not None and artifact.has_triton_kernels(graph.artifact):
         kernels_later.submit(load.compile_kernels)
     else:
         load.compile_kernels()
@@ -957,13 +961,14 @@ class _GraphLoad:
     def compile_kernels(self) -> None:
         graph, opts, module, timings = self.graph, self.opts, self.module, self.timings
         tuned = {}
-        if self.device is not None and getattr(module, "TRITON_KERNELS", None):
+        if self.device is not None and artifact.has_triton_kernels(graph.artifact):
             start = time.perf_counter()
-            self.reporter.stage("Triton kernels", len(module.TRITON_KERNELS))
+            kernels, launchers = artifact.triton_kernels(graph.artifact, module)
+            self.reporter.stage("Triton kernels", len(kernels))
             timeline: list = []
-            tuned = runtime.precompile_triton(module.TRITON_KERNELS, self.device, getattr(module, "TRITON_LAUNCHERS", None),
+            tuned = runtime.precompile_triton(kernels, self.device, launchers,
                                               autotune=opts["autotune"], cache_dir=opts["cache_dir"],
-                                              source=graph.module_source, workers=opts.get("compile_workers", 0),
+                                              unit=artifact.unit_source(graph.artifact), workers=opts.get("compile_workers", 0),
                                               on_kernel=self.reporter.advance, timeline=timeline)
             if "kernel_compile" in opts["logs"]:
                 text = kernel_binaries.timeline_text(graph.name, timeline, start, opts.get("compile_workers", 0))
@@ -971,6 +976,7 @@ class _GraphLoad:
             timings["autotune" if opts["autotune"] else "triton_compile"] = (time.perf_counter() - start) * 1e3
         _cache_trimmer.after_compile(opts["cache_dir"], opts["cache_max_bytes"], not self.cpp_cache_hit)
         metrics.record(_entry(graph.name, timings, cpp_cache_hit=self.cpp_cache_hit, module_path=graph.module_path,
+                              artifact_path=graph.artifact_path,
                               **graph.counts, **self.fields, **tuned), self.ticket)
 
 
@@ -1518,40 +1524,33 @@ def _release_source(path: str) -> None:
     linecache.cache.pop(path, None)
 
 
-def _print_logs(logs, name: str, module_path: str = "") -> None:
+def _print_logs(logs, name: str, module_path: str = "", compiled: dict | None = None) -> None:
     """Graph `name`'s channel texts on stderr, each block headed by its channel and graph (and
-    for output_code, the module's file)."""
+    for output_code, the module's file); `compiled`: its compiled graph (for its C++ prelude)."""
     channel = None
     for log in logs:
         if log["channel"] != channel:
             channel = log["channel"]
             where = f" ({module_path})" if channel == "output_code" and module_path else ""
             print(f"[ferrocore:{channel}] {name}{where}", file=sys.stderr)
-        text = _prelude_once(log["text"], name) if channel == "output_code" else log["text"]
+        text = _prelude_once(log["text"], name, compiled) if channel == "output_code" and compiled else log["text"]
         print(text.rstrip("\n"), file=sys.stderr)
 
 
-# C++ unit boundary (Rust's `runtime::CPP_UNIT_MARK`): the kernel source's prelude ends at the first
-_CPP_UNIT_MARK = "// ferrocore: unit boundary\n"
-_KERNEL_SOURCE = "KERNEL_SOURCE = r'''"
 # the preludes printed on the output_code channel so far in this process -> the graph that showed it
 _preludes_shown: dict = {}
 
 
-def _prelude_once(module_text: str, name: str) -> str:
+def _prelude_once(module_text: str, name: str, compiled: dict) -> str:
     """Graph `name`'s output_code module with its C++ prelude (some 200 lines, the same for every
     graph) cut to one line after the first graph that printed it; the debug dumps keep it."""
-    start = module_text.find(_KERNEL_SOURCE)
-    end = module_text.find(_CPP_UNIT_MARK, start)
-    if start < 0 or end < 0:
+    prelude = artifact.prelude(compiled) if compiled["language"] == "cpp" else ""
+    if not prelude or prelude not in module_text:
         return module_text
-    start += len(_KERNEL_SOURCE)
-    prelude = module_text[start:end]
     shown = _preludes_shown.setdefault(prelude, name)
     if shown == name:
         return module_text
-    lines = prelude.count("\n")
-    return f"{module_text[:start]}// (the C++ prelude: {lines} lines, as printed with {shown})\n{module_text[end:]}"
+    return module_text.replace(prelude, f"// (the C++ prelude: {prelude.count(chr(10))} lines, as printed with {shown})\n", 1)
 
 
 _start_compile_workers_early()

@@ -4,7 +4,7 @@ Reads jobs from stdin and writes results to the pipe that was stdout (each a lit
 8-byte length, then a pickle); stdout itself goes to stderr, so nothing a library prints can
 garble a result. The first message, once the worker has warmed up, is ("ready", None). A job
 ("compile", Triton unit, kernel name, signature, constexprs, num_warps, num_stages, arch, warp
-size) runs the wrapper module's Triton unit (`kernel_binaries.triton_unit`, cached by its hash;
+size) runs the compiled graph's Triton unit (`artifact.unit_source`, cached by its hash;
 it imports no torch) and compiles the kernel with Triton for that GPU target, without touching
 the GPU; the result is `kernel_binaries.describe` of the compiled kernel. The worker exits when
 stdin closes.

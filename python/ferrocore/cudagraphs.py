@@ -17,16 +17,16 @@ its own memory pool. Two rules keep that from ever giving a wrong answer:
   outputs are still held, the call runs the plain wrapper, which allocates fresh outputs. A
   later replay never overwrites memory the caller can still read.
 
-A graph whose kernels check gather indices records its call with a flag of its own (the module's
-`INDEX_FLAG`); a replay does not wait for it: the flag is read once the replay is done, at a later
+A graph whose kernels check gather indices records its call with a flag of its own (the compiled
+graph's `index_check`); a replay does not wait for it: the flag is read once the replay is done, at a later
 call, which then raises IndexError, as eager CUDA reports a device-side assert asynchronously
 (plain calls do the same through `runtime.GpuIndexCheck`). The flag is sticky.
 
 Forward, backward and inference graphs whose every input is a tensor on the graph's GPU are
 recorded. A forward's outputs are pool memory that autograd holds as saved activations until the
 backward has run; the backward's recording reads them there (keyed by their addresses). CPU
-tensors, ATen fallbacks, library calls that synchronize with the host (the module's
-`CUDAGRAPH_UNSAFE`) and host-side checks run without CUDA graphs, logged once.
+tensors, ATen fallbacks, library calls that synchronize with the host (the compiled graph's
+`cuda_graph_hazards`) and host-side checks run without CUDA graphs, logged once.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from collections import OrderedDict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import artifact
 from .backend import is_dense
 from .metrics import metrics
 
@@ -49,17 +50,17 @@ MAX_KEYS = 8
 GENERATIONS = 2
 
 
-def blocker(module, device, inputs_meta, host_scalars: bool) -> str | None:
-    """Why this compiled graph cannot run as a CUDA graph, or None when it can."""
+def blocker(compiled: dict, device, inputs_meta, host_scalars: bool) -> str | None:
+    """Why this compiled graph (`artifact.py`) cannot run as a CUDA graph, or None when it can."""
     if device is None or device.type != "cuda":
         return "not a GPU graph"
     if host_scalars:
         # (their placeholders are declared on the GPU: the call copies them there)
         return "0-d CPU tensor inputs are copied to the GPU at each call"
-    if getattr(module, "KERNEL_SOURCE", None) is not None:
+    if artifact.runs_host_kernels(compiled):
         return "it runs C++ kernels on the host"
-    # library calls that synchronize, ATen fallbacks, index checks: the module names them
-    unsafe = getattr(module, "CUDAGRAPH_UNSAFE", None)
+    # library calls that synchronize, ATen fallbacks of unknown capture safety
+    unsafe = artifact.cuda_graph_hazard(compiled)
     if unsafe:
         return unsafe
     for i, val in enumerate(inputs_meta):

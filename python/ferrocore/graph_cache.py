@@ -33,7 +33,7 @@ from . import aliasing
 from .serialize import module_attr
 
 # Bumped whenever an entry's layout or meaning changes: older entries are then misses.
-FORMAT = 3
+FORMAT = 4
 
 # Modules whose functions may appear as call targets of a cached graph: their behaviour is
 # covered by the versions in the key. A user function (allow_in_graph) is not.
@@ -54,6 +54,8 @@ class CompiledGraph:
     name: str
     module_path: str
     module_source: str
+    artifact: dict  # the compiled graph (`artifact.py`): what the runtime reads about it
+    artifact_path: str  # where the kernel cache holds it, serialized
     options: str  # the options JSON the module was compiled (and is imported) with
     device: str | None  # the graph's GPU device, None on the CPU
     host_scalars: list = field(default_factory=list)  # 0-d CPU inputs moved to the device

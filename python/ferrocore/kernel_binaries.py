@@ -23,7 +23,6 @@ import base64
 import functools
 import hashlib
 import json
-import linecache
 import os
 import pickle
 import queue
@@ -56,26 +55,14 @@ def triton_options() -> dict:
 JOB_TIMEOUT_S = 600
 
 
-def key(fn, signature: dict, constexprs: dict, launch: dict, arch: int) -> str:
-    """The cache key of a kernel's binary for its heuristic launch configuration."""
+def key(signature: dict, constexprs: dict, launch: dict, arch: int) -> str:
+    """The cache key of a kernel's binary for its heuristic launch configuration (`launch`
+    holds its definition's text)."""
     from .graph_cache import versions
 
-    text = json.dumps([FORMAT, kernel_source(fn), signature, constexprs, launch["num_warps"],
+    text = json.dumps([FORMAT, launch.get("text", ""), signature, constexprs, launch["num_warps"],
                        launch["num_stages"], arch, versions()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def kernel_source(fn) -> str:
-    """A kernel's definition as its module's text holds it (for cache keys and cost guesses),
-    read from the code object's line span: `triton.jit` reads it with `inspect`, which tokenizes
-    it, and a warm start must not make the JITFunction at all (the prelude's `DeferredJit`)."""
-    code = getattr(getattr(fn, "fn", fn), "__code__", None)
-    if code is not None and hasattr(code, "co_positions"):  # (Python 3.11)
-        lines = linecache.getlines(code.co_filename)
-        last = max((end for _, end, _, _ in code.co_positions() if end is not None), default=0)
-        if lines and last >= code.co_firstlineno:
-            return "".join(lines[code.co_firstlineno - 1:last])
-    return getattr(fn, "src", None) or ""
 
 
 def jit_function(fn):
@@ -153,30 +140,16 @@ def load_kernel(binary: dict, device_index: int):
                           binary["trailing_nulls"])
 
 
-# the lines around a wrapper module's Triton kernels (Rust's wrapper::TRITON_UNIT_BEGIN / _END)
-TRITON_UNIT_BEGIN = "# ---- ferrocore: Triton kernels ----\n"
-TRITON_UNIT_END = "# ---- ferrocore: end of Triton kernels ----\n"
-
-
-def triton_unit(module_source: str) -> str | None:
-    """The Triton kernels of a wrapper module's source, with their prelude: what a worker runs."""
-    start = module_source.find(TRITON_UNIT_BEGIN)
-    end = module_source.find(TRITON_UNIT_END, start + 1)
-    if start < 0 or end < 0:
-        return None
-    return module_source[start + len(TRITON_UNIT_BEGIN):end]
-
-
-def compile_cost(fn) -> int:
-    """A guess at how long Triton takes to compile a kernel: its source's length, and more for
-    each transcendental function, whose libdevice body the compile inlines and optimizes (a
-    rotary embedding's sine and cosine took longer than kernels twice its length)."""
-    src = kernel_source(fn)
+def compile_cost(src: str) -> int:
+    """A guess at how long Triton takes to compile a kernel (its definition's text): its length,
+    and more for each transcendental function, whose libdevice body the compile inlines and
+    optimizes (a rotary embedding's sine and cosine took longer than kernels twice its length)."""
     return len(src) + 1500 * (src.count("tl.math.") + src.count("libdevice."))
 
 
 def job(unit: str, entry, arch: int) -> tuple:
-    """What a worker needs to compile one `TRITON_KERNELS` entry of the Triton unit `unit`."""
+    """What a worker needs to compile one kernel (`artifact.triton_kernels` entry) of the Triton
+    unit `unit`."""
     fn, signature, constexprs, launch = entry
     return ("compile", unit, fn.__name__, dict(signature), dict(constexprs), launch["num_warps"],
             launch["num_stages"], arch, 32)

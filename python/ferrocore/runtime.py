@@ -445,15 +445,16 @@ def _launch_hooks_active(compiled=None) -> bool:
 
 
 def precompile_triton(kernels, device, launchers: dict | None = None, autotune: bool = False,
-                      cache_dir: str | None = None, source: str | None = None, workers: int = 0,
+                      cache_dir: str | None = None, unit: str | None = None, workers: int = 0,
                       on_kernel=None, timeline: list | None = None) -> dict:
     """Compiles a wrapper module's Triton kernels now, instead of one by one at their first
-    launch (`TRITON_KERNELS`: kernel, signature, constexprs, launch config), and binds each
-    binary to its `TritonLaunch` (`TRITON_LAUNCHERS`). A kernel that cannot be compiled here is
-    simply compiled at its first launch, through Triton's JIT call.
+    launch (`artifact.triton_kernels`: kernel, signature, constexprs, launch config with the
+    definition's text), and binds each binary to its `TritonLaunch` (`launchers`, by kernel
+    name). A kernel that cannot be compiled here is simply compiled at its first launch, through
+    Triton's JIT call.
 
     Binaries come from the cache (`kernel_binaries`), else from `workers` compile processes
-    given the module's `source`, else from Triton in this process (several threads); the last
+    given the kernels' source `unit`, else from Triton in this process (several threads); the last
     two are stored for the next process. With `autotune`, each kernel's candidate
     configurations (the launch config's `candidates`, heuristic first) are compiled and timed
     on scratch buffers, and the fastest one is bound; winners are cached under
@@ -495,7 +496,7 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
                 tunable[id(e)] = (launcher, *tuner.lookup(e))
     rest = [e for e in kernels if id(e) not in tunable]
     if arch is not None and cache_dir is not None and not _launch_hooks_active():
-        rest = _bind_binaries(rest, launchers, index, arch, cache_dir, source, workers, stats, compile_one, tick,
+        rest = _bind_binaries(rest, launchers, index, arch, cache_dir, unit, workers, stats, compile_one, tick,
                               timeline)
     # what is timed below is compiled first, several kernels at a time, like the rest
     work = [(compile_one, e) for e in rest]
@@ -535,7 +536,7 @@ def cuda_arch(device) -> int | None:
     return major * 10 + minor
 
 
-def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, source: str | None,
+def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, unit: str | None,
                    workers: int, stats: dict, compile_here, tick, timeline: list) -> list:
     """Binds what the binary cache holds, then what the worker processes compile, taking back
     (`compile_here`) jobs no worker has started until a worker is ready; returns the entries
@@ -555,12 +556,11 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
             tick()
         else:
             missing.append((e, k, launcher))
-    unit = kernel_binaries.triton_unit(source) if missing and source is not None else None
-    pool = kernel_binaries.compile_pool(workers, arch) if unit is not None else None
+    pool = kernel_binaries.compile_pool(workers, arch) if missing and unit is not None else None
     if pool is None:
         return left + [e for e, _, _ in missing]
     # the dearest first, so that none starts late and keeps the rest waiting for it
-    missing.sort(key=lambda m: kernel_binaries.compile_cost(m[0][0]), reverse=True)
+    missing.sort(key=lambda m: kernel_binaries.compile_cost(m[0][3].get("text", "")), reverse=True)
     futures = [(e, k, launcher, pool.submit(kernel_binaries.job(unit, e, arch))) for e, k, launcher in missing]
 
     def done(e, future) -> None:
@@ -612,10 +612,10 @@ def _binary_key(entry, arch: int) -> str | None:
     arguments (it passes pointers only)."""
     from . import kernel_binaries
 
-    fn, signature, constexprs, launch = entry
+    _, signature, constexprs, launch = entry
     if not all(t.startswith("*") for t in signature.values()):
         return None
-    return kernel_binaries.key(fn, signature, constexprs, launch, arch)
+    return kernel_binaries.key(signature, constexprs, launch, arch)
 
 
 def _warmup(fn, signature: dict, device, config):
@@ -643,9 +643,7 @@ class Autotuner:
     def key(self, fn, signature: dict, launch: dict) -> str:
         import triton
 
-        from .kernel_binaries import kernel_source
-
-        text = json.dumps([kernel_source(fn) or getattr(fn, "__name__", ""), signature, launch.get("arg_numel"),
+        text = json.dumps([launch.get("text") or getattr(fn, "__name__", ""), signature, launch.get("arg_numel"),
                            [list(c) for c in launch["candidates"]], self.device_name, triton.__version__])
         return hashlib.sha256(text.encode()).hexdigest()
 

@@ -94,6 +94,8 @@ fn compile_graph_detached(graph_json: &str, options_json: &str, progress: &runti
             "extern_ops": r.extern_ops,
             "cpp_source": r.cpp_source,
             "report_path": r.report_path,
+            "artifact": r.artifact,
+            "artifact_path": r.artifact_path,
         });
         Ok(out.to_string())
     })

@@ -1,5 +1,6 @@
 //! ferrocore: a deep-learning compiler core. The modules follow the pipeline, top to bottom;
 //! each depends only on the ones above it (see ARCHITECTURE.md).
+pub mod artifact;
 pub mod codegen;
 pub mod driver;
 pub mod graph;

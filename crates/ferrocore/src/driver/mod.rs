@@ -3,6 +3,7 @@
 //! by device or by `Options::backend`. Each pass has a name used for timings, `FERROCORE_LOGS`
 //! channels and debug dumps. Options arrive as one explicit value; there is no global state.
 
+use crate::artifact::{self, CompiledGraph};
 use crate::codegen::cpp::CppBackend;
 use crate::codegen::triton::TritonBackend;
 use crate::codegen::RenderedKernels;
@@ -133,6 +134,10 @@ pub struct CompileResult {
     pub cpp_source: Option<String>,
     /// The compile report (`report`), written where the stage dumps go.
     pub report_path: Option<String>,
+    /// The compiled graph (docs/compiled_graph.md); None for a graph that runs eagerly.
+    pub artifact: Option<CompiledGraph>,
+    /// Where the cache holds it, serialized (beside the module).
+    pub artifact_path: String,
 }
 
 #[derive(Debug, Clone)]
@@ -202,6 +207,8 @@ impl Stages<'_> {
             extern_ops: Vec::new(),
             cpp_source: None,
             report_path: None,
+            artifact: None,
+            artifact_path: String::new(),
         }
     }
 }
@@ -215,6 +222,8 @@ pub struct Generated {
     pub plan: HostPlan,
     pub module: String,
     pub language: KernelLanguage,
+    /// The compiled graph as one value: what the front, the cache and the report read.
+    pub artifact: CompiledGraph,
 }
 
 /// What generation made of a graph: code, or the reason it runs eagerly (a backend that cannot
@@ -308,13 +317,14 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         Err(e) if e.kind == CodegenErrorKind::Unsupported => return eager(e.to_string()),
         Err(e) => return Err(CompileError { stage: "codegen", message: e.to_string() }),
     };
-    let (plan, module) = st.time("wrapper", || {
+    let (plan, module, artifact) = st.time("wrapper", || {
         let plan = plan_host(&sched, &kernels);
         let module = render_module_with(&sched, &kernels, &plan, &graph.name, options.check_inputs);
-        (plan, module)
+        let artifact = artifact::build(&sched, &kernels, &plan, &graph.name, options.check_inputs);
+        (plan, module, artifact)
     });
     st.emit("output_code", || module.clone());
-    Ok((Generation::Code(Box::new(Generated { graph, schedule: sched, kernels, plan, module, language })), fallbacks))
+    Ok((Generation::Code(Box::new(Generated { graph, schedule: sched, kernels, plan, module, language, artifact })), fallbacks))
 }
 
 /// `compile_graph`, telling `progress` which stage it is in (for a progress line).
@@ -325,7 +335,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         Generation::Code(g) => g,
         Generation::Eager { graph, language, reason } => return Ok(st.eager(&graph, language.name(), fallbacks, reason)),
     };
-    let Generated { graph, schedule: sched, kernels, plan, module, language } = *g;
+    let Generated { graph, schedule: sched, kernels, plan, module, language, artifact } = *g;
     let mut cache_hit = false;
     let native = !kernels.launches.is_empty() && language == KernelLanguage::Cpp;
     let cpp_source = (native && options.skip_native_compile).then(|| kernels.source.clone());
@@ -343,8 +353,10 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
             .map_err(|e| CompileError { stage: "cpp_compile", message: e.to_string() })?;
         cache_hit = lib.cache_hit;
     }
-    let module_path =
-        store_module(&options.cache_dir, &graph.name, &module).map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
+    let module_path = store_text(&options.cache_dir, &graph.name, "py", &module)
+        .map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
+    let artifact_path = store_text(&options.cache_dir, &graph.name, "graph.json", &artifact.to_json())
+        .map_err(|e| CompileError { stage: "wrapper", message: e.to_string() })?;
     if let Some(d) = &st.dump_dir {
         let _ = runtime::write_atomic(&d.join("output_code.py"), module.as_bytes());
         let file = match language {
@@ -396,6 +408,8 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         extern_ops,
         cpp_source,
         report_path,
+        artifact: Some(artifact),
+        artifact_path: artifact_path.to_string_lossy().into_owned(),
     })
 }
 
@@ -411,15 +425,16 @@ fn file_component(name: &str) -> String {
     }
 }
 
-/// Writes the wrapper module into the cache unless a verified copy is there already (a copy
-/// that is missing, truncated, edited or planted is replaced). The front runs the source the
-/// CompileResult carries, never the file: the file is for tracebacks and for running by hand.
-fn store_module(cache_dir: &std::path::Path, graph_name: &str, module: &str) -> Result<PathBuf, runtime::RuntimeError> {
+/// Writes the wrapper module (`ext` py) or the serialized compiled graph (`graph.json`) into the
+/// cache unless a verified copy is there already (a copy that is missing, truncated, edited or
+/// planted is replaced). The front runs what the CompileResult carries, never the files: they
+/// are for tracebacks, for running by hand and for tools.
+fn store_text(cache_dir: &std::path::Path, graph_name: &str, ext: &str, text: &str) -> Result<PathBuf, runtime::RuntimeError> {
     let cache = runtime::Cache::open(cache_dir)?;
-    let key = runtime::sha256_hex(module.as_bytes());
-    let rel = format!("graphs/{}/{}_{}.py", &key[..2], file_component(graph_name), &key[..16]);
+    let key = runtime::sha256_hex(text.as_bytes());
+    let rel = format!("graphs/{}/{}_{}.{ext}", &key[..2], file_component(graph_name), &key[..16]);
     match cache.load(&rel)? {
-        Some(entry) if entry.bytes == module.as_bytes() => Ok(entry.path),
-        _ => cache.store(&rel, module.as_bytes()),
+        Some(entry) if entry.bytes == text.as_bytes() => Ok(entry.path),
+        _ => cache.store(&rel, text.as_bytes()),
     }
 }

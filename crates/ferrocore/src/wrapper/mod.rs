@@ -13,11 +13,6 @@ use std::fmt::Write;
 
 mod checks;
 
-/// The lines around a Triton module's kernels (`kernel_binaries.triton_unit` finds them): the
-/// part a compile worker runs without the wrapper, and so without importing torch.
-pub const TRITON_UNIT_BEGIN: &str = "# ---- ferrocore: Triton kernels ----\n";
-pub const TRITON_UNIT_END: &str = "# ---- ferrocore: end of Triton kernels ----\n";
-
 /// One step of the host plan.
 #[derive(Clone, Debug, PartialEq)]
 pub enum HostStep {
@@ -175,7 +170,7 @@ fn used_buffers(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
 }
 
 /// Buffers a kernel or an extern call reads (or writes in place).
-fn read_by_steps(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
+pub(crate) fn read_by_steps(s: &Schedule, kernels: &RenderedKernels) -> Vec<bool> {
     let p = &s.program;
     let mut used = vec![false; p.buffers.len()];
     for l in &kernels.launches {
@@ -325,53 +320,21 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
             // the kernels are defined here: Triton compiles them at their first launch
             m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, owned_storage, reinterpret, restride\n\n");
             if !kernels.launches.is_empty() {
-                // between the markers: the part a compile worker runs alone (no torch in it)
                 let nl = if kernels.source.ends_with('\n') { "" } else { "\n" };
-                let _ = write!(m, "{TRITON_UNIT_BEGIN}{}{nl}{TRITON_UNIT_END}", kernels.source);
+                let _ = write!(m, "{}{nl}", kernels.source);
             }
-            // each kernel with its signature and launch configuration (ahead-of-time compiles),
-            // and its launcher: precompile_triton binds the compiled binary to it, so a launch
+            // each kernel's launcher: precompile_triton binds the compiled binary to it (the
+            // compiled graph lists the kernels, signatures and configurations), so a launch
             // skips Triton's per-call argument inspection
             let mut listed = std::collections::HashSet::new();
-            let (mut entries, mut launchers, mut names) = (String::new(), String::new(), Vec::new());
+            m.push_str("\n\n");
             for l in kernels.launches.iter().filter(|l| listed.insert(l.name.clone())) {
-                let sig: Vec<String> = l.signature.iter().map(|(n, t)| format!("'{n}': '{t}'")).collect();
                 if let LaunchShape::Grid { grid, xblock, num_warps, num_stages } = &l.shape {
-                    // (grid, XBLOCK, num_warps, num_stages) an autotuner may time, heuristic first
-                    let cands: Vec<String> =
-                        l.candidates.iter().map(|c| format!("({}, {}, {}, {})", c.grid, c.xblock, c.num_warps, c.num_stages)).collect();
-                    let _ = writeln!(
-                        entries,
-                        "    ({}, {{{}}}, {{'XBLOCK': {xblock}}}, {{'grid': {grid}, 'num_warps': {num_warps}, 'num_stages': {num_stages}, 'candidates': [{}], 'arg_numel': {:?}}}),",
-                        l.name,
-                        sig.join(", "),
-                        cands.join(", "),
-                        l.arg_numel
-                    );
-                    let _ = writeln!(
-                        launchers,
-                        "launch_{0} = TritonLaunch({0}, {grid}, {{'XBLOCK': {xblock}}}, {num_warps}, {num_stages})",
-                        l.name
-                    );
-                    names.push(format!("'{0}': launch_{0}", l.name));
+                    let _ =
+                        writeln!(m, "launch_{0} = TritonLaunch({0}, {grid}, {{'XBLOCK': {xblock}}}, {num_warps}, {num_stages})", l.name);
                 }
             }
-            let _ = write!(m, "\n\nTRITON_KERNELS = [\n{entries}]\n{launchers}");
-            let _ = writeln!(m, "TRITON_LAUNCHERS = {{{}}}", names.join(", "));
         }
-    }
-    // what keeps a CUDA graph from recording this module: an index check reads its flag on the
-    // host after the launches; some library calls synchronize or have unknown capture safety
-    let mut hazards: Vec<String> = Vec::new();
-    for x in &p.externs {
-        if let Some(h) = &x.capture_hazard {
-            if !hazards.contains(h) {
-                hazards.push(h.clone());
-            }
-        }
-    }
-    if !hazards.is_empty() {
-        let _ = writeln!(m, "\nCUDAGRAPH_UNSAFE = {}", py_str(&hazards.join("; ")));
     }
     // Triton kernels raise a shared int32 flag on an out-of-range gather index. On the host
     // (the interpreter) it is read after the launches; on a GPU, by a later call without waiting
@@ -383,9 +346,8 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
         .find_map(|l| l.args.first().map(|b| p.buffer(*b).layout.device));
     let gpu_flag = matches!(flag_device, Some(crate::graph::Device::Cuda(_)));
     if let Some(d) = flag_device {
-        m.push_str("\n# call(args, index_flag) leaves reading the index-check flag to the caller\nINDEX_FLAG = True\n");
         if gpu_flag {
-            let _ = writeln!(m, "_INDEX_CHECK = GpuIndexCheck({})", py_str(&d.to_string()));
+            let _ = writeln!(m, "\n_INDEX_CHECK = GpuIndexCheck({})", py_str(&d.to_string()));
         }
     }
     // Triton launches on the current device: run CUDA graphs under their device
@@ -397,9 +359,6 @@ pub fn render_module_with(s: &Schedule, kernels: &RenderedKernels, plan: &HostPl
     // recordings hold (`runtime.owned_storage` discounts them where no result that outlives the
     // call takes the storage: it would keep the recording from replaying)
     let donated = p.donated_writes.iter().any(|w| !w.escapes);
-    if donated {
-        m.push_str("\n# call(args, held) writes results over donated inputs (see runtime.owned_storage)\nDONATED_WRITES = True\n");
-    }
     m.push_str(&checks::render_input_specs(p, &read_by_steps(s, kernels), check_inputs));
     let mut params = String::from("args");
     let mut inner = String::from("args");
