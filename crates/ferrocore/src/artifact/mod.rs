@@ -11,6 +11,7 @@ use crate::loop_ir::{BufferId, BufferSource, ExternArg, Literal, LoopProgram, Ou
 use crate::scheduler::{kernel_origins, Item, Schedule};
 use crate::wrapper::{HostPlan, HostStep};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// The format's name and version: a reader refuses any other (bumped on every incompatible
 /// change; docs/compiled_graph.md lists them).
@@ -45,6 +46,8 @@ pub struct CompiledGraph {
     /// Why the call must not be recorded in a CUDA graph (library calls that synchronize or
     /// whose capture safety is unknown); empty when recording is safe.
     pub cuda_graph_hazards: Vec<String>,
+    /// The model's source line of each graph node a kernel or library call names (provenance).
+    pub sources: BTreeMap<String, String>,
 }
 
 /// The language of the kernel unit.
@@ -182,8 +185,10 @@ pub struct LibraryCall {
     pub args: Vec<Arg>,
     pub kwargs: Vec<(String, Arg)>,
     pub outputs: Vec<u32>,
-    /// Why an op the compiler could not lower runs through ATen; None for a library call.
-    pub fallback: Option<String>,
+    /// Whether it is an op the compiler could not lower (not a deliberate library call).
+    pub fallback: bool,
+    /// Why it runs through ATen (fallbacks).
+    pub reason: Option<String>,
     pub origin: String,
     pub cuda_graph_hazard: Option<String>,
 }
@@ -253,6 +258,9 @@ impl CompiledGraph {
 pub fn build(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, name: &str, check_inputs: bool) -> CompiledGraph {
     let p = &s.program;
     let read = crate::wrapper::read_by_steps(s, kernels);
+    let kernels_entries = kernel_entries(s, kernels);
+    let named = kernels_entries.iter().flat_map(|k| &k.origins).chain(p.externs.iter().map(|x| &x.origin));
+    let sources = named.filter_map(|o| p.sources.get(o).map(|line| (o.clone(), line.clone()))).collect();
     CompiledGraph {
         format: FORMAT.to_string(),
         version: VERSION,
@@ -262,7 +270,7 @@ pub fn build(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, name: &st
             KernelLanguage::Triton => Language::Triton,
         },
         unit: unit(kernels),
-        kernels: kernel_entries(s, kernels),
+        kernels: kernels_entries,
         buffers: p.buffers.iter().map(buffer).collect(),
         inputs: p.inputs.iter().map(|b| Input { buf: b.0, read: read[b.0 as usize] }).collect(),
         input_storage_views: p
@@ -283,6 +291,7 @@ pub fn build(s: &Schedule, kernels: &RenderedKernels, plan: &HostPlan, name: &st
         donated_writes: p.donated_writes.iter().map(|w| DonatedWrite { buf: w.buffer.0, extent: w.extent, escapes: w.escapes }).collect(),
         index_check: index_check(p, kernels),
         cuda_graph_hazards: hazards(p),
+        sources,
     }
 }
 
@@ -355,7 +364,8 @@ fn library_call(x: &crate::loop_ir::ExternCall) -> LibraryCall {
         args: x.args.iter().map(arg).collect(),
         kwargs: x.kwargs.iter().map(|(k, v)| (k.clone(), arg(v))).collect(),
         outputs: x.outputs.iter().map(|b| b.0).collect(),
-        fallback: if x.fallback { Some(x.reason.clone().unwrap_or_default()) } else { None },
+        fallback: x.fallback,
+        reason: x.reason.clone(),
         origin: x.origin.clone(),
         cuda_graph_hazard: x.capture_hazard.clone(),
     }

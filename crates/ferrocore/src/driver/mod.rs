@@ -16,7 +16,7 @@ use crate::report::{self, ReportInput};
 use crate::runtime::{self, Progress};
 use crate::scheduler::schedule_for;
 use crate::scheduler::Schedule;
-use crate::wrapper::{plan_host, render_module_with, HostPlan};
+use crate::wrapper::{plan_host, print_module, HostPlan};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::os::unix::fs::DirBuilderExt;
@@ -319,8 +319,9 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     };
     let (plan, module, artifact) = st.time("wrapper", || {
         let plan = plan_host(&sched, &kernels);
-        let module = render_module_with(&sched, &kernels, &plan, &graph.name, options.check_inputs);
         let artifact = artifact::build(&sched, &kernels, &plan, &graph.name, options.check_inputs);
+        // the module is the compiled graph's printing: it reads nothing else
+        let module = print_module(&artifact);
         (plan, module, artifact)
     });
     st.emit("output_code", || module.clone());
