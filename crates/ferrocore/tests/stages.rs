@@ -1105,3 +1105,27 @@ fn wide_graphs_schedule_with_work_linear_in_their_width() {
     );
     assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
 }
+
+#[test]
+fn each_scheduler_pass_is_a_timed_and_dumped_stage() {
+    let doc = G::new()
+        .input("x", &[8, 32], "float32")
+        .call("s", "aten._softmax.default", &format!(r#"{},{{"int":1}},{{"bool":false}}"#, n("x")), &meta(&[8, 32], "float32"))
+        .output(&["s"]);
+    let dir = std::env::temp_dir().join(format!("ferrocore-pass-stages-{}", std::process::id()));
+    let opts = Options { cache_dir: dir.join("cache"), debug_dir: Some(dir.join("debug")), skip_native_compile: true, ..Options::default() };
+    let r = compile_graph(&doc, &opts).unwrap();
+    let passes: Vec<&str> = ferrocore::scheduler::program_passes(&ferrocore::scheduler::ScheduleOptions::CPP).iter().map(|p| p.name).collect();
+    assert!(passes.len() >= 4, "{passes:?}");
+    // in the order they run, between lowering and fusion
+    let stages: Vec<&str> = r.timings_ms.iter().map(|(s, _)| s.as_str()).collect();
+    let at = |s: &str| stages.iter().position(|t| *t == s).unwrap_or_else(|| panic!("no stage {s} in {stages:?}"));
+    let order: Vec<usize> = std::iter::once("lowering").chain(passes.iter().copied()).chain(["scheduling"]).map(at).collect();
+    assert!(order.windows(2).all(|w| w[0] < w[1]), "{stages:?}");
+    let dump = std::fs::read_dir(dir.join("debug")).unwrap().next().unwrap().unwrap().path();
+    for p in &passes {
+        let text = std::fs::read_to_string(dump.join(format!("ir_after_{p}.txt"))).unwrap_or_else(|_| panic!("no dump after {p}"));
+        assert!(text.contains("buf"), "{p}: {text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

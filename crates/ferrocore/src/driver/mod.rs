@@ -10,12 +10,13 @@ use crate::codegen::RenderedKernels;
 use crate::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage};
 use crate::graph::parse_graph;
 use crate::graph::Device;
+use crate::loop_ir::LoopProgram;
 use crate::loop_ir::OutputValue;
 use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
 use crate::report::{self, ReportInput};
 use crate::runtime::{self, Progress};
-use crate::scheduler::schedule_for;
 use crate::scheduler::Schedule;
+use crate::scheduler::{fuse, program_passes, ScheduleOptions};
 use crate::wrapper::{plan_host, print_module, HostPlan};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -173,6 +174,12 @@ impl Stages<'_> {
     fn wants(&self, channel: &str) -> bool {
         self.options.logs.iter().any(|c| c == channel || c == "all") || self.dump_dir.is_some()
     }
+    /// Writes `name`.txt where the stage dumps go (no log channel: a pass's program).
+    fn dump(&self, name: &str, text: impl FnOnce() -> String) {
+        if let Some(d) = &self.dump_dir {
+            let _ = runtime::write_atomic(&d.join(format!("{name}.txt")), text().as_bytes());
+        }
+    }
     fn emit(&mut self, channel: &str, text: impl FnOnce() -> String) {
         if !self.wants(channel) {
             return;
@@ -307,9 +314,7 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         }
         return eager(format!("node '{}' {}", e.node, e.why));
     }
-    let sched = st
-        .time("scheduling", || schedule_for(lowered.program, &backend.schedule_options()))
-        .map_err(|e| CompileError { stage: "scheduling", message: e.to_string() })?;
+    let sched = schedule_in_stages(st, lowered.program, &backend.schedule_options())?;
     st.emit("fusion", || sched.decisions.join("\n") + "\n");
     st.emit("ir_post_fusion", || sched.text());
     let kernels = match st.time("codegen", || backend.render(&sched)) {
@@ -326,6 +331,20 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     });
     st.emit("output_code", || module.clone());
     Ok((Generation::Code(Box::new(Generated { graph, schedule: sched, kernels, plan, module, language, artifact })), fallbacks))
+}
+
+/// The scheduler's rewrites, each a stage of its own (timed, dumped, verified in debug builds),
+/// then fusion (stage `scheduling`).
+fn schedule_in_stages(st: &mut Stages, mut program: LoopProgram, opts: &ScheduleOptions) -> Result<Schedule, CompileError> {
+    let mut decisions = Vec::new();
+    for pass in program_passes(opts) {
+        decisions.extend(st.time(pass.name, || (pass.run)(&mut program, opts)));
+        if cfg!(debug_assertions) {
+            program.verify().map_err(|m| CompileError { stage: pass.name, message: format!("loop IR verifier: {m}") })?;
+        }
+        st.dump(&format!("ir_after_{}", pass.name), || program.to_string());
+    }
+    st.time("scheduling", || fuse(program, opts, decisions)).map_err(|e| CompileError { stage: "scheduling", message: e.to_string() })
 }
 
 /// `compile_graph`, telling `progress` which stage it is in (for a progress line).

@@ -110,27 +110,62 @@ pub fn schedule(program: LoopProgram) -> Result<Schedule, SchedulerError> {
 /// Schedules `program` for a backend; apart from the options' rewrites, the schedule does not
 /// depend on the backend.
 pub fn schedule_for(mut program: LoopProgram, opts: &ScheduleOptions) -> Result<Schedule, SchedulerError> {
-    let prefix = opts.prefix;
     let mut decisions = Vec::new();
-    for name in simplify::eliminate_dead_nodes(&mut program) {
-        decisions.push(format!("dead: {name} is never read; removed"));
+    for pass in program_passes(opts) {
+        decisions.extend((pass.run)(&mut program, opts));
     }
+    fuse(program, opts, decisions)
+}
+
+/// A rewrite of the loop program before fusion. The driver runs each as a stage of its own:
+/// timed, its program dumped (`FERROCORE_DEBUG_DIR`: `ir_after_<name>.txt`) and verified (debug
+/// builds); it returns its decisions (the `fusion` log).
+pub struct ProgramPass {
+    pub name: &'static str,
+    pub run: fn(&mut LoopProgram, &ScheduleOptions) -> Vec<String>,
+}
+
+/// The rewrites before fusion that a backend's options ask for, in the order they run.
+pub fn program_passes(opts: &ScheduleOptions) -> Vec<ProgramPass> {
+    let mut passes = vec![ProgramPass {
+        name: "dead_nodes",
+        run: |p, _| simplify::eliminate_dead_nodes(p).into_iter().map(|name| format!("dead: {name} is never read; removed")).collect(),
+    }];
     if opts.complex_as_real {
-        decisions.extend(complex_as_real(&mut program));
+        passes.push(ProgramPass { name: "complex_as_real", run: |p, _| complex_as_real(p) });
     }
-    decisions.extend(concat::inline_concat_readers(&mut program));
-    for i in 0..program.nodes.len() {
-        program.nodes[i] = simplify::simplify_loops(&program.nodes[i]);
+    passes.push(ProgramPass { name: "inline_concat", run: |p, _| concat::inline_concat_readers(p) });
+    passes.push(ProgramPass {
+        name: "simplify_loops",
+        run: |p, _| {
+            for i in 0..p.nodes.len() {
+                p.nodes[i] = simplify::simplify_loops(&p.nodes[i]);
+            }
+            Vec::new()
+        },
+    });
+    if opts.welford_min_len.is_some() {
+        passes.push(ProgramPass { name: "welford", run: |p, o| welford_variances(p, o.welford_min_len.unwrap_or(0), o.split.as_ref()) });
     }
-    if let Some(min_len) = opts.welford_min_len {
-        decisions.extend(welford_variances(&mut program, min_len, opts.split.as_ref()));
-    }
-    if let Some(config) = &opts.split {
-        decisions.extend(split_reductions(&mut program, config));
+    if opts.split.is_some() {
+        passes.push(ProgramPass { name: "split", run: |p, o| o.split.as_ref().map(|c| split_reductions(p, c)).unwrap_or_default() });
     }
     // nodes with no output elements do no work
-    let empty: Vec<bool> = program.nodes.iter().map(|n| n.ranges.iter().product::<i64>() == 0).collect();
-    program.steps.retain(|s| !matches!(s, Step::Node(i) if empty[*i]));
+    passes.push(ProgramPass {
+        name: "drop_empty",
+        run: |p, _| {
+            let empty: Vec<bool> = p.nodes.iter().map(|n| n.ranges.iter().product::<i64>() == 0).collect();
+            p.steps.retain(|s| !matches!(s, Step::Node(i) if empty[*i]));
+            Vec::new()
+        },
+    });
+    passes
+}
+
+/// Fusion of a rewritten program into kernels, then their order, each buffer's storage and the
+/// in-place reuse of dying buffers (stage `scheduling`); `decisions`: the earlier passes'.
+pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, mut decisions: Vec<String>) -> Result<Schedule, SchedulerError> {
+    let prefix = opts.prefix;
 
     // Which item (by position in `slots`) produces each buffer.
     let mut producer: Vec<SlotList> = vec![SlotList::default(); program.buffers.len()];
