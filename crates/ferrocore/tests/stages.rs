@@ -1113,9 +1113,11 @@ fn each_scheduler_pass_is_a_timed_and_dumped_stage() {
         .call("s", "aten._softmax.default", &format!(r#"{},{{"int":1}},{{"bool":false}}"#, n("x")), &meta(&[8, 32], "float32"))
         .output(&["s"]);
     let dir = std::env::temp_dir().join(format!("ferrocore-pass-stages-{}", std::process::id()));
-    let opts = Options { cache_dir: dir.join("cache"), debug_dir: Some(dir.join("debug")), skip_native_compile: true, ..Options::default() };
+    let opts =
+        Options { cache_dir: dir.join("cache"), debug_dir: Some(dir.join("debug")), skip_native_compile: true, ..Options::default() };
     let r = compile_graph(&doc, &opts).unwrap();
-    let passes: Vec<&str> = ferrocore::scheduler::program_passes(&ferrocore::scheduler::ScheduleOptions::CPP).iter().map(|p| p.name).collect();
+    let passes: Vec<&str> =
+        ferrocore::scheduler::program_passes(&ferrocore::scheduler::ScheduleOptions::CPP).iter().map(|p| p.name).collect();
     assert!(passes.len() >= 4, "{passes:?}");
     // in the order they run, between lowering and fusion
     let stages: Vec<&str> = r.timings_ms.iter().map(|(s, _)| s.as_str()).collect();
