@@ -66,6 +66,10 @@ class FakeExtension:
                 "timings_ms": {"lowering": 1.0, "cpp_compile": 5.0},
                 "cpp_cache_hit": True,
                 "logs": [{"channel": "output_code", "text": "def call(args): ...\n"}],
+                # the compiled graph: two C++ kernels, no Triton flag, nothing donated
+                "artifact": {"language": "cpp", "unit": {"source": "// kernels", "prelude": {"start": 0, "end": 0}},
+                             "kernels": [], "index_check": None, "donated_writes": [], "cuda_graph_hazards": []},
+                "artifact_path": str(path.with_suffix(".graph.json")),
             }
         )
 
