@@ -29,6 +29,8 @@ def compile_graph(gm, example_inputs=None, options=None):
 
     Returns `f(*args) -> list of outputs`. See `ferrocore.backend.compile_graph`.
     """
+    # imported at the call, the one import of a ferrocore module inside a function: the backend
+    # imports torch, and importing this package must not (tests/test_front_imports.py allows it)
     from .backend import compile_graph as _compile_graph
 
     return _compile_graph(gm, example_inputs, options)

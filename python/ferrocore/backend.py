@@ -32,10 +32,12 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import cache as _cache
 from . import options as _options
-from . import (aliasing, aot_runtime, artifact, conv_layout, direct_trace, foreach, graph_cache, graph_names, joint_split,
-               kernel_binaries, padding, partition, progress, runtime, torch_logs)
+from . import (aliasing, aot_runtime, artifact, conv_layout, cudagraphs, direct_trace, foreach, graph_cache, graph_names,
+               joint_split, kernel_binaries, padding, partition, progress, runtime, torch_logs)
+from .extension import extension
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lend_forward_lines, lifted_constants, serialize_graph
+from .strides import is_dense
 
 
 
@@ -148,8 +150,6 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
             return direct[0]
     # a direct trace given up counts as tracing time
     state = _AotClock({"trace": (time.perf_counter() - start) * 1e3} if opts["direct_trace"] else {})
-    from . import cudagraphs  # (it imports this module)
-
     # the forward's and backward's CUDA-graph runners see each other's recordings
     family = cudagraphs.Family()
     # what the compiled-graph cache stores: the compiled graphs (inference, or forward and
@@ -261,8 +261,6 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
     first call (`LazyBackward`): a model called for inference without `torch.no_grad()` never
     compiles one. `spent_ms`: (tracing, splitting); `gemms`: the joint graph's GEMM timings, for
     both graphs' padding."""
-    from . import cudagraphs  # (it imports this module)
-
     traced_ms, split_ms = spent_ms
     static = direct_trace.static_inputs(gm)
     _log_trace(opts, f"{label} traced directly with its backward ({len(joint.graph.graph.nodes)} nodes, "
@@ -584,17 +582,6 @@ def _visible_output_strides(graph: torch.fx.GraphModule, user: list, *, inferenc
     return result
 
 
-def is_dense(shape, stride) -> bool:
-    """Non-overlapping and dense: some permutation of the dims is contiguous."""
-    dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
-
-
 def compile_graph(
     gm: torch.fx.GraphModule, example_inputs: Any = None, options: dict | None = None
 ) -> Callable:
@@ -808,7 +795,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         return make_boxed_func(gm.forward)
     timings["serialize"] = (time.perf_counter() - start) * 1e3
 
-    _ferrocore = _extension()
+    _ferrocore = extension()
     options = json.dumps(opts)
     native_progress = _ferrocore.CompileProgress()
     progress.current().watch(native_progress)
@@ -867,8 +854,6 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
                                kernels_later=kernels_later, cpp_source=result.get("cpp_source"),
                                **({"report_path": report_path} if report_path else {}))
     if opts["cudagraphs"]:
-        from . import cudagraphs
-
         inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         why = cudagraphs.blocker(graph.artifact, device, inputs_meta, bool(host_scalars))
         if why is not None:
@@ -1445,17 +1430,6 @@ def _entry(name: str, timings: dict, **fields) -> dict:
     return entry
 
 
-def _extension():
-    try:
-        from . import _ferrocore
-    except ImportError as e:
-        raise ImportError(
-            f"ferrocore's Rust extension cannot be imported ({e}); "
-            "build it with `bash scripts/setup.sh` or `maturin develop --release`"
-        ) from e
-    return _ferrocore
-
-
 def _module_code(source: str, path: str, cache_dir: str | None):
     """The module's code object, compiled once and then read back from the cache: `compile` of a
     GPU graph's module (thousands of lines) is a large part of a warm start. marshal's format,
@@ -1463,7 +1437,7 @@ def _module_code(source: str, path: str, cache_dir: str | None):
     tracebacks report and the interpreter's version."""
     if not cache_dir:
         return compile(source, path, "exec")
-    _ferrocore = _extension()
+    _ferrocore = extension()
     key = hashlib.sha256("\0".join((sys.version, path, source)).encode()).hexdigest()
     rel = f"bytecode/{key[:2]}/{key}.marshal"
     data = _ferrocore.cache_read(cache_dir, rel)

@@ -20,13 +20,13 @@ import struct
 import sys
 import types
 
+from .kernel_binaries import describe, jit_function, triton_options
+
 
 def compile_kernel(message: tuple, modules: dict) -> dict:
     _, source, name, signature, constexprs, num_warps, num_stages, arch, warp_size = message
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
-
-    from ferrocore.kernel_binaries import describe, jit_function, triton_options
 
     fn = jit_function(_module(source, modules)[name])
     target = GPUTarget("cuda", arch, warp_size)
@@ -59,8 +59,6 @@ def _warm_up() -> None:
     """What every compile needs, imported while the parent is still tracing."""
     from triton.compiler import compile  # noqa: F401
     from triton.runtime.cache import triton_key
-
-    from ferrocore import kernel_binaries  # noqa: F401
 
     triton_key()  # hashes Triton's installation once
     arch = os.environ.get("FERROCORE_COMPILE_ARCH")

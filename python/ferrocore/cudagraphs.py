@@ -38,8 +38,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import artifact
-from .backend import is_dense
 from .metrics import metrics
+from .strides import is_dense
 
 # How many tensors (and Python storage objects) reference a storage, through a weak reference.
 _use_count = torch._C._storage_Use_Count

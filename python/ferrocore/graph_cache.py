@@ -19,18 +19,17 @@ inputs; anything else is a logged bypass.
 from __future__ import annotations
 
 import base64
-import functools
 import hashlib
 import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from . import aliasing
+from .cache import read_cached_json, write_cached_json
 from .serialize import module_attr
+from .versions import versions
 
 # Bumped whenever an entry's layout or meaning changes: older entries are then misses.
 FORMAT = 4
@@ -246,37 +245,6 @@ def _functorch_config() -> list:
     return out
 
 
-@functools.lru_cache(None)
-def versions() -> tuple:
-    """ferrocore (a hash of its package files and extension), torch, Triton, and the C++
-    compiler's version line."""
-    h = hashlib.sha256()
-    package = os.path.dirname(os.path.abspath(__file__))
-    for root, dirs, files in os.walk(package):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        for name in sorted(files):
-            if name.endswith((".py", ".so", ".h")):
-                with open(os.path.join(root, name), "rb") as f:
-                    h.update(name.encode())
-                    h.update(f.read())
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return h.hexdigest(), torch.__version__, triton_version, _compiler_version()
-
-
-def _compiler_version() -> str:
-    cxx = os.environ.get("CXX") or "g++"
-    try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
-        return out.stdout.splitlines()[0] if out.stdout else f"{cxx}: no version"
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"{cxx}: {e}"
-
-
 # ---- storing and loading ----------------------------------------------------------------------
 
 
@@ -286,9 +254,7 @@ def _rel(k: str) -> str:
 
 def load(cache_dir: str, k: str) -> dict | None:
     """The verified entry for key `k`, or None (missing, corrupt, another format or key)."""
-    from . import runtime as _runtime
-
-    entry = _runtime.read_cached_json(cache_dir, _rel(k))
+    entry = read_cached_json(cache_dir, _rel(k))
     if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
         return None
     try:
@@ -299,11 +265,9 @@ def load(cache_dir: str, k: str) -> dict | None:
 
 
 def store(cache_dir: str, k: str, kind: str, runtime: dict, graphs: list) -> None:
-    from . import runtime as _runtime
-
     entry = {"format": FORMAT, "key": k, "kind": kind, "runtime": runtime,
              "graphs": [g.to_json() for g in graphs]}
-    _runtime.write_cached_json(cache_dir, _rel(k), entry)
+    write_cached_json(cache_dir, _rel(k), entry)
 
 
 def log(opts: dict, text: str) -> None:

@@ -25,6 +25,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .direct_trace import NeedsAot, graph_module, is_factory
+from .extension import extension
 
 aten = torch.ops.aten
 _INFINITE = (2 ** 63 - 1) // 4  # ferrocore::min_cut::INFINITE
@@ -138,8 +139,6 @@ def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, p
                   free_inputs: set, written: set) -> list:
     """The values the forward saves: the minimum cut between what the forward must compute and
     what the backward reads, over the values that do not depend on a tangent."""
-    from . import backend
-
     computable = [n for n in nodes if n not in backward and n.op != "output"
                   and not (n.op == "call_function" and n.target is aten.copy_.default)]
     index = {n: i for i, n in enumerate(computable)}
@@ -165,7 +164,7 @@ def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, p
             edges.append((source, vin(n), _INFINITE))
         if n in read_by_backward:
             edges.append((vout(n), sink, _INFINITE))
-    side = backend._extension().min_cut_source_side(2 + 2 * len(computable), edges, source, sink)
+    side = extension().min_cut_source_side(2 + 2 * len(computable), edges, source, sink)
     return [n for n in computable if side[vin(n)] and not side[vout(n)]]
 
 

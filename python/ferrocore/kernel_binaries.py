@@ -33,6 +33,10 @@ import threading
 import time
 from concurrent.futures import Future
 
+from .cache import read_cached_json, write_cached_json
+from .extension import extension
+from .versions import versions
+
 FORMAT = 2
 
 
@@ -58,8 +62,6 @@ JOB_TIMEOUT_S = 600
 def key(signature: dict, constexprs: dict, launch: dict, arch: int) -> str:
     """The cache key of a kernel's binary for its heuristic launch configuration (`launch`
     holds its definition's text)."""
-    from .graph_cache import versions
-
     text = json.dumps([FORMAT, launch.get("text", ""), signature, constexprs, launch["num_warps"],
                        launch["num_stages"], arch, versions()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -76,8 +78,6 @@ def _entry(k: str) -> str:
 
 def load(cache_dir, k: str) -> dict | None:
     """The binary stored under `k`, or None (missing, or an entry that fails verification)."""
-    from .runtime import read_cached_json
-
     data = read_cached_json(cache_dir, _entry(k))
     try:
         if data["format"] != FORMAT or data["key"] != k:
@@ -88,8 +88,6 @@ def load(cache_dir, k: str) -> dict | None:
 
 
 def store(cache_dir, k: str, binary: dict) -> None:
-    from .runtime import write_cached_json
-
     fields = {**binary, "cubin": base64.b64encode(binary["cubin"]).decode()}
     try:
         write_cached_json(cache_dir, _entry(k), {"format": FORMAT, "key": k, "binary": fields})
@@ -101,8 +99,6 @@ def describe(compiled, n_args: int) -> dict:
     """A Triton `CompiledKernel`'s binary and launch facts; `{"unlaunchable": why}` when its
     launch needs more than buffers on a 1-D grid (clusters, cooperative or dependent launches,
     tensor descriptors, scratch memory)."""
-    from . import _ferrocore
-
     md = compiled.metadata
     reasons = [
         name for name, bad in (
@@ -116,7 +112,7 @@ def describe(compiled, n_args: int) -> dict:
         ) if bad
     ]
     cubin, ptx = compiled.asm.get("cubin"), compiled.asm.get("ptx")
-    params = _ferrocore.ptx_param_count(ptx, md.name) if isinstance(ptx, str) else None
+    params = extension().ptx_param_count(ptx, md.name) if isinstance(ptx, str) else None
     if not isinstance(cubin, bytes):
         reasons.append("no cubin")
     if params is None or not 0 <= params - n_args <= 2:
@@ -129,9 +125,7 @@ def describe(compiled, n_args: int) -> dict:
 
 @functools.lru_cache(None)
 def _driver():
-    from . import _ferrocore
-
-    return _ferrocore.CudaDriver()
+    return extension().CudaDriver()
 
 
 def load_kernel(binary: dict, device_index: int):

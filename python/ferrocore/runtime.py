@@ -20,6 +20,10 @@ from pathlib import Path
 
 import torch
 
+from . import kernel_binaries
+from . import report as compile_report
+from .cache import read_cached_json, write_cached_json
+from .extension import extension
 from .options import options_json
 
 # library path -> the loaded library, while anything uses it: a wrapper module's kernels are
@@ -54,9 +58,7 @@ def load_kernels_reporting(source: str) -> tuple:
     """(`load_kernels(source)`, whether the library was in the cache). Rust verifies the cached
     library against its manifest and hands over an open file of the verified bytes; that file
     is what is loaded, whatever the path names by then. The compile runs without the GIL."""
-    from . import _ferrocore
-
-    path, fd, cache_hit = _ferrocore.load_cpp(source, getattr(_compile_options, "value", None) or options_json())
+    path, fd, cache_hit = extension().load_cpp(source, getattr(_compile_options, "value", None) or options_json())
     try:
         with _load_lock:
             lib = _libraries.get(path)
@@ -140,25 +142,6 @@ def _unload(handle: int) -> None:
     import _ctypes
 
     _ctypes.dlclose(handle)
-
-
-def read_cached_json(cache_dir, rel: str):
-    """The JSON value of cache entry `rel` (a relative path under `cache_dir`), or None when it
-    is missing, truncated, edited or not signed by this user's cache (then it is rebuilt)."""
-    from . import _ferrocore
-
-    data = _ferrocore.cache_read(str(cache_dir), rel)
-    try:
-        return json.loads(data) if data is not None else None
-    except ValueError:
-        return None
-
-
-def write_cached_json(cache_dir, rel: str, data) -> None:
-    """Writes cache entry `rel` whole, then its manifest (0600, atomically)."""
-    from . import _ferrocore
-
-    _ferrocore.cache_write(str(cache_dir), rel, json.dumps(data).encode())
 
 
 def cached_measurement(cache_dir, family: str, key: list, measure, errors=(RuntimeError,)) -> list | None:
@@ -249,8 +232,6 @@ def benchmark(call, args, reps: int = 100, report: str | None = None, module: di
     median = statistics.median(times)
     print(f"median {median:.4f} ms over {reps} runs")
     if report is not None:
-        from . import report as compile_report
-
         rows = compile_report.measure(call, args, module or {}, reps)
         compile_report.fill_runtime(report, compile_report.runtime_html(rows, median, "cuda" if cuda else "cpu"))
         print(f"runtime by kernel written into {report}")
@@ -391,16 +372,12 @@ class TritonLaunch:
         self._jit(args)
 
     def _jit(self, args) -> None:
-        from .kernel_binaries import triton_options
-
         self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages,
-                              **triton_options())
+                              **kernel_binaries.triton_options())
 
     def bind_binary(self, binary: dict, device_index: int) -> bool:
         """Launches `binary` (`kernel_binaries`) from now on; False when it cannot be loaded, or
         when a profiler's launch hook wants Triton's own launch path."""
-        from . import kernel_binaries
-
         if binary.get("num_warps") != self.num_warps or _launch_hooks_active():
             return False
         try:
@@ -541,8 +518,6 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
     """Binds what the binary cache holds, then what the worker processes compile, taking back
     (`compile_here`) jobs no worker has started until a worker is ready; returns the entries
     left to compile in this process."""
-    from . import kernel_binaries
-
     left, missing = [], []
     for e in entries:
         launcher = launchers.get(getattr(e[0], "__name__", None))
@@ -595,8 +570,6 @@ def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_
 def _store_binary(cache_dir: str, entry, arch: int, compiled) -> dict | None:
     """Stores the binary of a kernel Triton compiled in this process, for the next process to
     load; returns it (None when ferrocore's launcher cannot launch it)."""
-    from . import kernel_binaries
-
     k = _binary_key(entry, arch)
     if k is None:
         return None
@@ -610,8 +583,6 @@ def _store_binary(cache_dir: str, entry, arch: int, compiled) -> dict | None:
 def _binary_key(entry, arch: int) -> str | None:
     """The binary cache's key of a kernel entry; None when ferrocore's launcher cannot take its
     arguments (it passes pointers only)."""
-    from . import kernel_binaries
-
     _, signature, constexprs, launch = entry
     if not all(t.startswith("*") for t in signature.values()):
         return None
@@ -620,12 +591,10 @@ def _binary_key(entry, arch: int) -> str | None:
 
 def _warmup(fn, signature: dict, device, config):
     """Compiles `fn` for the launch configuration (grid, XBLOCK, num_warps, num_stages)."""
-    from .kernel_binaries import triton_options
-
     grid, xblock, warps, stages = config
     with torch.cuda.device(device):
         return fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
-                         num_warps=warps, num_stages=stages, XBLOCK=xblock, **triton_options())
+                         num_warps=warps, num_stages=stages, XBLOCK=xblock, **kernel_binaries.triton_options())
 
 
 class Autotuner:

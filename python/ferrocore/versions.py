@@ -1,0 +1,44 @@
+"""The versions of what compiled a cached artifact: part of the key of every cache entry that
+holds compiled code (`graph_cache`, `kernel_binaries`), so that an upgrade is a miss."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+
+
+@functools.lru_cache(None)
+def versions() -> tuple:
+    """ferrocore (a hash of its package files and extension), torch, Triton, and the C++
+    compiler's version line."""
+    # torch and Triton are imported here, not with this module: the compile workers import
+    # `kernel_binaries` (and so this module) without torch
+    import torch
+
+    h = hashlib.sha256()
+    package = os.path.dirname(os.path.abspath(__file__))
+    for root, dirs, files in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith((".py", ".so", ".h")):
+                with open(os.path.join(root, name), "rb") as f:
+                    h.update(name.encode())
+                    h.update(f.read())
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return h.hexdigest(), torch.__version__, triton_version, _compiler_version()
+
+
+def _compiler_version() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else f"{cxx}: no version"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cxx}: {e}"
