@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 import torch
 
 import ferrocore
-from ferrocore import options, runtime
+from ferrocore import artifact, options, runtime
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -24,15 +25,15 @@ def test_option_and_env(monkeypatch):
 
 
 def test_triton_kernels_list_valid_candidates(tmp_path, monkeypatch):
-    # the wrapper lists each kernel's candidates, heuristic first, with its buffers' sizes
+    # the compiled graph lists each kernel's candidates, heuristic first, with its buffers' sizes
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = make_fx(lambda x: torch.softmax(x, -1) + 1)(torch.randn(64, 300))
     ferrocore.compile_graph(gm, options={"backend": "triton", "cache_dir": str(tmp_path)})
-    src = open(ferrocore.metrics.last["module_path"]).read()
-    entry = next(line for line in src.splitlines() if "'candidates'" in line)
-    _, _, constexprs, launch = eval(entry.strip().rstrip(","), {"__builtins__": {}},
-                                    {"triton_red_fused_softmax_add_0": None})
+    compiled = json.loads(open(ferrocore.metrics.last["artifact_path"]).read())
+    names = {k["name"] for k in compiled["kernels"]}
+    module = types.SimpleNamespace(**{n: None for n in names}, **{"launch_" + n: None for n in names})
+    ((_, _, constexprs, launch),), _ = artifact.triton_kernels(compiled, module)
     cands = [tuple(c) for c in launch["candidates"]]
     assert cands[0] == (launch["grid"], constexprs["XBLOCK"], launch["num_warps"], launch["num_stages"])
     assert len(cands) > 1 and len(set(cands)) == len(cands)
