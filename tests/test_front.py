@@ -67,8 +67,8 @@ class FakeExtension:
                 "cpp_cache_hit": True,
                 "logs": [{"channel": "output_code", "text": "def call(args): ...\n"}],
                 # the compiled graph: two C++ kernels, no Triton flag, nothing donated
-                "artifact": {"language": "cpp", "unit": {"source": "// kernels", "prelude": {"start": 0, "end": 0}},
-                             "kernels": [], "index_check": None, "donated_writes": [], "cuda_graph_hazards": []},
+                "artifact": json.dumps({"language": "cpp", "unit": {"source": "// kernels", "prelude": {"start": 0, "end": 0}},
+                                        "kernels": [], "index_check": None, "donated_writes": [], "cuda_graph_hazards": []}),
                 "artifact_path": str(path.with_suffix(".graph.json")),
             }
         )

@@ -5,6 +5,15 @@ the wrapper module's text or its module-level names."""
 
 from __future__ import annotations
 
+import json
+
+
+def parse(text: str) -> dict:
+    """The compiled graph from its JSON text (kept as text by a compiled graph that lives on: a
+    parsed copy would be thousands of objects for the garbage collector to walk at every full
+    collection)."""
+    return json.loads(text)
+
 
 def unit_source(graph: dict) -> str | None:
     """The kernels' source unit (C++ or the Triton functions with their prelude), or None."""

@@ -855,13 +855,14 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
                                **({"report_path": report_path} if report_path else {}))
     if opts["cudagraphs"]:
         inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        why = cudagraphs.blocker(graph.artifact, device, inputs_meta, bool(host_scalars))
+        compiled = artifact.parse(graph.artifact)
+        why = cudagraphs.blocker(compiled, device, inputs_meta, bool(host_scalars))
         if why is not None:
             print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
         else:
-            call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=artifact.checks_indices_by_flag(graph.artifact),
+            call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=artifact.checks_indices_by_flag(compiled),
                                               copied=_copied_inputs(gm, backward, static_inputs), saved=saved or (),
-                                              donated_writes=artifact.holds_donated_inputs(graph.artifact), family=family)
+                                              donated_writes=artifact.holds_donated_inputs(compiled), family=family)
     if device is None and opts["backend"] == "triton" and not _triton_interpreted():
         call = _refusing_uninterpreted_triton(name)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
@@ -904,7 +905,7 @@ def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: 
 
         return _with_argument_moves(call, graph), None
     load.run_module(cpp_source)
-    if kernels_later is not None and load.device is not None and artifact.has_triton_kernels(graph.artifact):
+    if kernels_later is not None and load.device is not None and artifact.has_triton_kernels(artifact.parse(graph.artifact)):
         kernels_later.submit(load.compile_kernels)
     else:
         load.compile_kernels()
@@ -946,14 +947,15 @@ class _GraphLoad:
     def compile_kernels(self) -> None:
         graph, opts, module, timings = self.graph, self.opts, self.module, self.timings
         tuned = {}
-        if self.device is not None and artifact.has_triton_kernels(graph.artifact):
+        compiled = artifact.parse(graph.artifact) if self.device is not None else None
+        if compiled is not None and artifact.has_triton_kernels(compiled):
             start = time.perf_counter()
-            kernels, launchers = artifact.triton_kernels(graph.artifact, module)
+            kernels, launchers = artifact.triton_kernels(compiled, module)
             self.reporter.stage("Triton kernels", len(kernels))
             timeline: list = []
             tuned = runtime.precompile_triton(kernels, self.device, launchers,
                                               autotune=opts["autotune"], cache_dir=opts["cache_dir"],
-                                              unit=artifact.unit_source(graph.artifact), workers=opts.get("compile_workers", 0),
+                                              unit=artifact.unit_source(compiled), workers=opts.get("compile_workers", 0),
                                               on_kernel=self.reporter.advance, timeline=timeline)
             if "kernel_compile" in opts["logs"]:
                 text = kernel_binaries.timeline_text(graph.name, timeline, start, opts.get("compile_workers", 0))
@@ -1498,9 +1500,10 @@ def _release_source(path: str) -> None:
     linecache.cache.pop(path, None)
 
 
-def _print_logs(logs, name: str, module_path: str = "", compiled: dict | None = None) -> None:
+def _print_logs(logs, name: str, module_path: str = "", compiled: str | None = None) -> None:
     """Graph `name`'s channel texts on stderr, each block headed by its channel and graph (and
-    for output_code, the module's file); `compiled`: its compiled graph (for its C++ prelude)."""
+    for output_code, the module's file); `compiled`: its compiled graph's text (for its C++
+    prelude)."""
     channel = None
     for log in logs:
         if log["channel"] != channel:
@@ -1515,9 +1518,10 @@ def _print_logs(logs, name: str, module_path: str = "", compiled: dict | None = 
 _preludes_shown: dict = {}
 
 
-def _prelude_once(module_text: str, name: str, compiled: dict) -> str:
+def _prelude_once(module_text: str, name: str, compiled_text: str) -> str:
     """Graph `name`'s output_code module with its C++ prelude (some 200 lines, the same for every
     graph) cut to one line after the first graph that printed it; the debug dumps keep it."""
+    compiled = artifact.parse(compiled_text)
     prelude = artifact.prelude(compiled) if compiled["language"] == "cpp" else ""
     if not prelude or prelude not in module_text:
         return module_text

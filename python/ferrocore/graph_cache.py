@@ -53,7 +53,7 @@ class CompiledGraph:
     name: str
     module_path: str
     module_source: str
-    artifact: dict  # the compiled graph (`artifact.py`): what the runtime reads about it
+    artifact: str  # the compiled graph's JSON text (`artifact.py`): what the runtime reads about it
     artifact_path: str  # where the kernel cache holds it, serialized
     options: str  # the options JSON the module was compiled (and is imported) with
     device: str | None  # the graph's GPU device, None on the CPU

@@ -94,7 +94,9 @@ fn compile_graph_detached(graph_json: &str, options_json: &str, progress: &runti
             "extern_ops": r.extern_ops,
             "cpp_source": r.cpp_source,
             "report_path": r.report_path,
-            "artifact": r.artifact,
+            // as text: the front keeps it as one string and reads it where it needs a fact (a
+            // parsed copy of every graph's would be thousands of objects for the collector)
+            "artifact": r.artifact.as_ref().map(|a| a.to_json()),
             "artifact_path": r.artifact_path,
         });
         Ok(out.to_string())
