@@ -520,8 +520,10 @@ def main(out_path: str, shard: str = "0/1") -> None:
     results = {}
     for name in list(CASES)[index::count]:
         r = run_case(name)
-        modules = [(e["module_path"], e["artifact_path"]) for e in r.pop("entries") if e.get("module_path")]
-        results[name] = dict(ok=r["ok"], detail=r.get("detail"), modules=modules)
+        compiled = [e for e in r.pop("entries") if e.get("module_path")]
+        # each wrapper module, and beside it its compiled graph (what the ahead-of-time compile reads)
+        results[name] = dict(ok=r["ok"], detail=r.get("detail"), modules=[e["module_path"] for e in compiled],
+                             artifacts=[e["artifact_path"] for e in compiled])
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {name} {r.get('detail') or ''}", file=sys.stderr)
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)
@@ -544,7 +546,7 @@ def aot_main(results_path: str, out_path: str) -> None:
     with open(results_path) as f:
         cases = json.load(f)
     for name, r in cases.items():
-        for path, artifact_path in r["modules"]:
+        for path, artifact_path in zip(r["modules"], r["artifacts"]):
             spec = importlib.util.spec_from_file_location(f"aot_{len(results)}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
