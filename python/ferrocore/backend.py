@@ -905,10 +905,12 @@ def _load_graph(graph: graph_cache.CompiledGraph, timings: dict, cpp_cache_hit: 
 
         return _with_argument_moves(call, graph), None
     load.run_module(cpp_source)
-    if kernels_later is not None and load.device is not None and artifact.has_triton_kernels(artifact.parse(graph.artifact)):
-        kernels_later.submit(load.compile_kernels)
+    # parsed once here and passed on, never kept: the load outlives the compile
+    compiled = artifact.parse(graph.artifact) if load.device is not None else None
+    if kernels_later is not None and compiled is not None and artifact.has_triton_kernels(compiled):
+        kernels_later.submit(functools.partial(load.compile_kernels, compiled))
     else:
-        load.compile_kernels()
+        load.compile_kernels(compiled)
     return _with_argument_moves(load.module.call, graph), load.module
 
 
@@ -944,10 +946,11 @@ class _GraphLoad:
             del library  # the module holds it now
         self.timings["load"] = (time.perf_counter() - start) * 1e3
 
-    def compile_kernels(self) -> None:
+    def compile_kernels(self, compiled: dict | None = None) -> None:
+        """Compiles the GPU graph's Triton kernels (`compiled`: its compiled graph, parsed; None
+        on the CPU), then records the graph's metrics."""
         graph, opts, module, timings = self.graph, self.opts, self.module, self.timings
         tuned = {}
-        compiled = artifact.parse(graph.artifact) if self.device is not None else None
         if compiled is not None and artifact.has_triton_kernels(compiled):
             start = time.perf_counter()
             kernels, launchers = artifact.triton_kernels(compiled, module)

@@ -26,6 +26,14 @@ pub struct Layout {
     pub device: Device,
 }
 
+/// Elements a storage must hold for a view of these sizes, strides and offset (0 when empty).
+pub fn storage_numel(size: &[i64], stride: &[i64], offset: i64) -> i64 {
+    if size.contains(&0) {
+        return 0;
+    }
+    offset + size.iter().zip(stride).map(|(s, st)| (s - 1) * st).sum::<i64>() + 1
+}
+
 impl Layout {
     pub fn contiguous(size: &[i64], dtype: DType, device: Device) -> Layout {
         Layout { size: size.to_vec(), stride: contiguous_strides(size), offset: 0, dtype, device }
@@ -35,10 +43,7 @@ impl Layout {
     }
     /// Elements the storage must hold to back this layout.
     pub fn storage_numel(&self) -> i64 {
-        if self.size.contains(&0) {
-            return 0;
-        }
-        self.offset + self.size.iter().zip(&self.stride).map(|(s, st)| (s - 1) * st).sum::<i64>() + 1
+        storage_numel(&self.size, &self.stride, self.offset)
     }
     /// Index of element `idx` (one expression per dim).
     pub fn index_of(&self, idx: &[IndexExpr]) -> IndexExpr {

@@ -8,6 +8,7 @@ use super::checks;
 use crate::artifact::{Arg, BufferOrigin, CompiledGraph, Kernel, Language, LibraryCall, Output, Step};
 use crate::codegen::literal::{py_bool, py_comment, py_float, py_int, py_source_str, py_str};
 use crate::graph::{DType, Device};
+use crate::loop_ir::storage_numel;
 use std::fmt::Write;
 
 /// The module printing `g`.
@@ -345,13 +346,6 @@ pub(super) fn name(g: &CompiledGraph, buf: u32) -> &str {
 
 fn dtype_of(name: &str) -> DType {
     DType::parse(name).expect("a dtype the artifact wrote")
-}
-
-fn storage_numel(size: &[i64], stride: &[i64], offset: i64) -> i64 {
-    if size.contains(&0) {
-        return 0;
-    }
-    offset + size.iter().zip(stride).map(|(s, st)| (s - 1) * st).sum::<i64>() + 1
 }
 
 pub(super) fn py_tuple(v: &[i64]) -> String {
