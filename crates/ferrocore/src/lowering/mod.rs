@@ -1063,3 +1063,6 @@ pub fn norm_dim(d: i64, rank: usize) -> LResult<usize> {
     }
     Ok(d2 as usize)
 }
+
+#[cfg(test)]
+mod tests;

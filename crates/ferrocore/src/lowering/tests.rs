@@ -1,0 +1,708 @@
+//! Unit tests of the lowering, one group per op family (the files of this module): each builds a
+//! tiny exchange-format graph, lowers it, verifies the loop program and checks what it became.
+
+use super::*;
+use crate::graph::parse_graph;
+use crate::loop_ir::NodeKind;
+
+/// Exchange-format metadata of a tensor with `stride` (contiguous when None).
+fn strided_meta(shape: &[i64], stride: Option<&[i64]>, dtype: &str) -> String {
+    let stride = stride.map(<[i64]>::to_vec).unwrap_or_else(|| contiguous_strides(shape));
+    format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"{dtype}","device":"cpu"}}}}"#)
+}
+
+fn meta(shape: &[i64], dtype: &str) -> String {
+    strided_meta(shape, None, dtype)
+}
+
+fn f32(shape: &[i64]) -> String {
+    meta(shape, "float32")
+}
+
+fn tuple(items: &[String]) -> String {
+    format!(r#"{{"tuple":[{}]}}"#, items.join(","))
+}
+
+/// A reference to node `name`.
+fn n(name: &str) -> String {
+    format!(r#"{{"node":"{name}"}}"#)
+}
+
+fn int(i: i64) -> String {
+    format!(r#"{{"int":{i}}}"#)
+}
+
+fn ints(v: &[i64]) -> String {
+    let items: Vec<String> = v.iter().map(|&i| int(i)).collect();
+    format!(r#"{{"list":[{}]}}"#, items.join(","))
+}
+
+fn boolean(b: bool) -> String {
+    format!(r#"{{"bool":{b}}}"#)
+}
+
+fn float(x: f64) -> String {
+    format!(r#"{{"float":{x:?}}}"#)
+}
+
+/// A tiny graph builder: inputs, calls (positional args as exchange-format JSON), outputs.
+struct G {
+    nodes: Vec<String>,
+}
+
+impl G {
+    fn new() -> G {
+        G { nodes: Vec::new() }
+    }
+    fn input(self, name: &str, shape: &[i64], dtype: &str) -> G {
+        self.input_meta(name, &meta(shape, dtype))
+    }
+    fn input_meta(mut self, name: &str, meta: &str) -> G {
+        self.nodes.push(format!(r#"{{"name":"{name}","kind":"placeholder","meta":{meta}}}"#));
+        self
+    }
+    fn call(self, name: &str, target: &str, args: &[String], out_meta: &str) -> G {
+        self.call_kw(name, target, args, "", out_meta)
+    }
+    /// `kwargs`: the inside of the kwargs object (`"dtype":{"dtype":"float32"}`).
+    fn call_kw(mut self, name: &str, target: &str, args: &[String], kwargs: &str, out_meta: &str) -> G {
+        self.nodes.push(format!(
+            r#"{{"name":"{name}","kind":"call_function","target":"{target}","args":[{}],"kwargs":{{{kwargs}}},"meta":{out_meta}}}"#,
+            args.join(",")
+        ));
+        self
+    }
+    fn output(mut self, names: &[&str]) -> String {
+        let outs: Vec<String> = names.iter().map(|name| n(name)).collect();
+        self.nodes.push(format!(r#"{{"name":"output","kind":"output","args":[{}]}}"#, outs.join(",")));
+        format!(r#"{{"format":"ferrocore.graph","version":1,"name":"g","nodes":[{}]}}"#, self.nodes.join(","))
+    }
+}
+
+fn lower_with(doc: &str, options: &LowerOptions) -> LoweringResult {
+    let graph = parse_graph(doc).unwrap();
+    let lowered = lower_graph_with(&graph, options).unwrap();
+    lowered.program.verify().unwrap();
+    lowered
+}
+
+fn lower(doc: &str) -> LoopProgram {
+    let lowered = lower_with(doc, &LowerOptions::default());
+    assert!(lowered.fallbacks.is_empty(), "unexpected fallbacks: {:?}", lowered.fallbacks);
+    lowered.program
+}
+
+fn lower_error(doc: &str) -> LowerError {
+    let graph = parse_graph(doc).unwrap();
+    match lower_graph(&graph) {
+        Ok(l) => panic!("lowered a malformed graph:\n{}", l.program),
+        Err(e) => e,
+    }
+}
+
+/// The loop nodes in program order.
+fn nodes(p: &LoopProgram) -> Vec<&LoopNode> {
+    p.steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Node(i) => Some(&p.nodes[*i]),
+            Step::Extern(_) => None,
+        })
+        .collect()
+}
+
+fn kinds(p: &LoopProgram) -> Vec<NodeKind> {
+    nodes(p).iter().map(|n| n.kind()).collect()
+}
+
+/// The library calls in program order.
+fn externs(p: &LoopProgram) -> Vec<&ExternCall> {
+    p.steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Extern(i) => Some(&p.externs[*i]),
+            Step::Node(_) => None,
+        })
+        .collect()
+}
+
+fn output_layout(p: &LoopProgram, i: usize) -> &Layout {
+    match &p.outputs[i] {
+        OutputValue::Buffer(b) => &p.buffer(*b).layout,
+        other => panic!("output {i} is not a buffer: {other:?}"),
+    }
+}
+
+fn has_expr(node: &LoopNode, pred: impl Fn(&Expr) -> bool) -> bool {
+    node.body.exprs.iter().any(pred)
+}
+
+/// The text of every load index of `node`, in body order.
+fn load_indices(p: &LoopProgram, node: &LoopNode) -> Vec<String> {
+    node.body
+        .exprs
+        .iter()
+        .filter_map(|e| match e {
+            Expr::Load { buf, index } | Expr::LoadIndirect { buf, index, .. } => Some(format!("{}[{index}]", p.buffer(*buf).name)),
+            _ => None,
+        })
+        .collect()
+}
+
+// ----- pointwise -----
+
+#[test]
+fn pointwise_chain_is_one_node_reading_the_broadcast_operand_along_its_last_dim() {
+    let doc = G::new()
+        .input("x", &[4, 8], "float32")
+        .input("y", &[8], "float32")
+        .call("add", "aten.add.Tensor", &[n("x"), n("y")], &f32(&[4, 8]))
+        .call("relu", "aten.relu.default", &[n("add")], &f32(&[4, 8]))
+        .output(&["relu"]);
+    let p = lower(&doc);
+    assert_eq!(
+        p.to_string(),
+        "inputs: x: float32[4, 8]/[8, 1], y: float32[8]/[1]
+  buf2: Pointwise ranges=[4, 8] -> float32[4, 8]/[8, 1]  # add, relu
+    t0: float32 = load(x, 8*v0 + v1)
+    t1: float32 = load(y, v1)
+    t2: float32 = add(t0, t1)
+    t3: float32 = relu(t2)
+    store(buf2, 8*v0 + v1, t3)
+return (buf2)
+"
+    );
+}
+
+#[test]
+fn integer_tensor_times_float_scalar_casts_before_multiplying() {
+    let doc = G::new().input("i", &[6], "int64").call("mul", "aten.mul.Tensor", &[n("i"), float(0.5)], &f32(&[6])).output(&["mul"]);
+    let p = lower(&doc);
+    let body = &nodes(&p)[0].body;
+    assert_eq!(body.dtypes, [DType::I64, DType::F32, DType::F32, DType::F32]);
+    assert!(matches!(body.exprs[2], Expr::Cast(ValueId(0))), "{p}");
+    assert!(matches!(body.exprs[3], Expr::Binary(BinaryOp::Mul, ValueId(2), ValueId(1))), "{p}");
+    assert_eq!(output_layout(&p, 0).dtype, DType::F32);
+}
+
+#[test]
+fn a_comparison_read_by_where_stays_inline_as_a_bool() {
+    let doc = G::new()
+        .input("x", &[5], "float32")
+        .input("y", &[5], "float32")
+        .call("gt", "aten.gt.Tensor", &[n("x"), n("y")], &meta(&[5], "bool"))
+        .call("w", "aten.where.self", &[n("gt"), n("x"), n("y")], &f32(&[5]))
+        .output(&["w"]);
+    let p = lower(&doc);
+    assert_eq!(kinds(&p), [NodeKind::Pointwise], "the comparison is not stored:\n{p}");
+    let node = nodes(&p)[0];
+    assert_eq!(node.origins, ["gt", "w"]);
+    assert_eq!(node.body.exprs[2], Expr::Binary(BinaryOp::Gt, ValueId(0), ValueId(1)));
+    assert_eq!(node.body.dtypes[2], DType::Bool);
+    assert_eq!(node.body.exprs[3], Expr::Where(ValueId(2), ValueId(0), ValueId(1)));
+}
+
+// ----- reduction -----
+
+#[test]
+fn sum_over_the_last_dim_is_one_reduction_node() {
+    let doc = G::new().input("x", &[8, 32], "float32").call("s", "aten.sum.dim_IntList", &[n("x"), ints(&[-1])], &f32(&[8])).output(&["s"]);
+    let p = lower(&doc);
+    assert_eq!(
+        p.to_string(),
+        "inputs: x: float32[8, 32]/[32, 1]
+  buf1: Reduction ranges=[8] reduce=[32] -> float32[8]/[1]  # s
+    t0: float32 = load(x, 32*v0 + v1)
+    t1: float32 = reduce_sum(t0)
+    store(buf1, v0, t1)
+return (buf1)
+"
+    );
+}
+
+#[test]
+fn softmax_is_max_exp_sum_and_a_scaling_epilogue() {
+    let doc = G::new()
+        .input("x", &[4, 16], "float32")
+        .call("sm", "aten._softmax.default", &[n("x"), int(-1), boolean(false)], &f32(&[4, 16]))
+        .output(&["sm"]);
+    let p = lower(&doc);
+    assert_eq!(kinds(&p), [NodeKind::Reduction, NodeKind::Pointwise, NodeKind::Reduction, NodeKind::Pointwise], "{p}");
+    let ns = nodes(&p);
+    assert!(has_expr(ns[0], |e| matches!(e, Expr::Reduce(ReduceOp::Max, _))), "{p}");
+    assert!(has_expr(ns[1], |e| matches!(e, Expr::Unary(UnaryOp::Exp, _))), "{p}");
+    assert!(has_expr(ns[2], |e| matches!(e, Expr::Reduce(ReduceOp::Sum, _))), "{p}");
+    assert_eq!(ns[0].ranges, [4]);
+    assert_eq!(ns[0].reduction_ranges, [16]);
+    // the sum reads the stored exponentials, the epilogue the sum and the exponentials
+    assert_eq!(load_indices(&p, ns[2]), ["buf2[16*v0 + v1]"]);
+    assert_eq!(load_indices(&p, ns[3]), ["buf3[v0]", "buf2[16*v0 + v1]"]);
+}
+
+#[test]
+fn var_mean_is_a_mean_then_a_variance_reading_it() {
+    let doc = G::new()
+        .input("x", &[4, 16], "float32")
+        .call_kw("vm", "aten.var_mean.correction", &[n("x"), ints(&[1])], r#""correction":{"int":0}"#, &tuple(&[f32(&[4]), f32(&[4])]))
+        .call("v", "getitem", &[n("vm"), int(0)], &f32(&[4]))
+        .call("m", "getitem", &[n("vm"), int(1)], &f32(&[4]))
+        .output(&["v", "m"]);
+    let p = lower(&doc);
+    assert_eq!(kinds(&p), [NodeKind::Reduction, NodeKind::Reduction]);
+    let (mean, var) = (nodes(&p)[0], nodes(&p)[1]);
+    assert_eq!(load_indices(&p, var), ["x[16*v0 + v1]", "buf1[v0]"]);
+    // correction 0: both divide by 16
+    for node in [mean, var] {
+        assert!(has_expr(node, |e| *e == Expr::Constant(Scalar::Float(0.0625))), "{p}");
+    }
+    assert_eq!(p.outputs, [OutputValue::Buffer(var.output), OutputValue::Buffer(mean.output)]);
+}
+
+#[test]
+fn argmax_is_an_int64_reduction_over_the_reduction_index() {
+    let doc =
+        G::new().input("x", &[4, 16], "float32").call("am", "aten.argmax.default", &[n("x"), int(1)], &meta(&[4], "int64")).output(&["am"]);
+    let p = lower(&doc);
+    let node = nodes(&p)[0];
+    assert_eq!(node.kind(), NodeKind::Reduction);
+    assert_eq!(node.body.exprs[1], Expr::Index(IndexExpr::var(Var(1))));
+    assert_eq!(node.body.exprs[2], Expr::ArgReduce(ReduceOp::ArgMax, ValueId(0), ValueId(1)));
+    assert_eq!(output_layout(&p, 0).dtype, DType::I64);
+}
+
+#[test]
+fn cumsum_is_a_scan_storing_every_step() {
+    let doc = G::new().input("x", &[3, 10], "float32").call("c", "aten.cumsum.default", &[n("x"), int(1)], &f32(&[3, 10])).output(&["c"]);
+    let p = lower(&doc);
+    let node = nodes(&p)[0];
+    assert_eq!(node.kind(), NodeKind::Scan);
+    assert_eq!((node.ranges.as_slice(), node.reduction_ranges.as_slice()), ([3].as_slice(), [10].as_slice()));
+    assert_eq!(node.body.store.as_ref().map(|s| s.index.to_string()), Some("10*v0 + v1".into()));
+}
+
+// ----- views -----
+
+#[test]
+fn a_returned_transpose_of_an_input_is_a_view_without_a_node() {
+    let doc = G::new()
+        .input("x", &[4, 6], "float32")
+        .call("t", "aten.t.default", &[n("x")], &strided_meta(&[6, 4], Some(&[1, 6]), "float32"))
+        .output(&["t"]);
+    let p = lower(&doc);
+    assert!(p.steps.is_empty(), "{p}");
+    assert_eq!(p.outputs, [OutputValue::View { buf: p.inputs[0], size: vec![6, 4], stride: vec![1, 6], offset: 0 }]);
+}
+
+#[test]
+fn permute_then_clone_reads_the_base_at_permuted_strides() {
+    let doc = G::new()
+        .input("x", &[2, 3, 4], "float32")
+        .call("p", "aten.permute.default", &[n("x"), ints(&[2, 0, 1])], &strided_meta(&[4, 2, 3], Some(&[1, 12, 4]), "float32"))
+        .call("c", "aten.clone.default", &[n("p")], &f32(&[4, 2, 3]))
+        .output(&["c"]);
+    let p = lower(&doc);
+    let node = nodes(&p)[0];
+    assert_eq!(load_indices(&p, node), ["x[v0 + 12*v1 + 4*v2]"]);
+    assert_eq!(output_layout(&p, 0).stride, [6, 3, 1]);
+}
+
+#[test]
+fn slice_unsqueeze_and_expand_fold_into_one_affine_load() {
+    // x[2:8:2] broadcast over a new leading dim of 2
+    let doc = G::new()
+        .input("x", &[8, 5], "float32")
+        .call("s", "aten.slice.Tensor", &[n("x"), int(0), int(2), int(8), int(2)], &strided_meta(&[3, 5], Some(&[10, 1]), "float32"))
+        .call("u", "aten.unsqueeze.default", &[n("s"), int(0)], &strided_meta(&[1, 3, 5], Some(&[15, 10, 1]), "float32"))
+        .call("e", "aten.expand.default", &[n("u"), ints(&[2, 3, 5])], &strided_meta(&[2, 3, 5], Some(&[0, 10, 1]), "float32"))
+        .call("neg", "aten.neg.default", &[n("e")], &f32(&[2, 3, 5]))
+        .output(&["neg"]);
+    let p = lower(&doc);
+    let node = nodes(&p)[0];
+    assert_eq!(node.ranges, [2, 3, 5]);
+    assert_eq!(load_indices(&p, node), ["x[10*v1 + v2 + 10]"]);
+}
+
+// ----- indexing -----
+
+#[test]
+fn embedding_is_a_checked_indirect_load() {
+    let doc = G::new()
+        .input("w", &[10, 4], "float32")
+        .input("ids", &[3], "int64")
+        .call("e", "aten.embedding.default", &[n("w"), n("ids")], &f32(&[3, 4]))
+        .output(&["e"]);
+    let p = lower(&doc);
+    assert_eq!(
+        p.to_string(),
+        "inputs: w: float32[10, 4]/[4, 1], ids: int64[3]/[1]
+  buf2: Pointwise ranges=[3, 4] -> float32[3, 4]/[4, 1]  # e
+    t0: int64 = load(ids, v0)
+    t1: int64 = check_index(t0, 10)
+    t2: float32 = load(w, v1 + 4*t1)
+    store(buf2, 4*v0 + v1, t2)
+return (buf2)
+"
+    );
+}
+
+#[test]
+fn constant_pad_clamps_its_read_and_masks_the_border() {
+    let doc = G::new()
+        .input("x", &[3, 4], "float32")
+        .call("pad", "aten.constant_pad_nd.default", &[n("x"), ints(&[1, 2]), float(0.0)], &f32(&[3, 7]))
+        .output(&["pad"]);
+    let p = lower(&doc);
+    let node = nodes(&p)[0];
+    assert_eq!(node.ranges, [3, 7]);
+    assert_eq!(node.body.exprs[0], Expr::Index(IndexExpr::var(Var(1)).add_const(-1)), "the column shifted by the left pad");
+    assert_eq!(load_indices(&p, node), ["x[4*v0]"], "the column is a clamped term:\n{p}");
+    assert!(has_expr(node, |e| matches!(e, Expr::Where(..))), "{p}");
+}
+
+// ----- scatter -----
+
+#[test]
+fn scatter_add_copies_then_combines_into_the_same_buffer() {
+    let doc = G::new()
+        .input("x", &[10, 4], "float32")
+        .input("idx", &[6, 4], "int64")
+        .input("src", &[6, 4], "float32")
+        .call("s", "aten.scatter_add.default", &[n("x"), int(0), n("idx"), n("src")], &f32(&[10, 4]))
+        .output(&["s"]);
+    let p = lower(&doc);
+    let ns = nodes(&p);
+    assert_eq!(ns.len(), 2);
+    assert_eq!(ns[0].output, ns[1].output, "the scatter updates the copy");
+    assert!(!ns[0].is_scatter() && ns[1].is_scatter());
+    assert_eq!(ns[0].ranges, [10, 4]);
+    assert_eq!(ns[1].ranges, [6, 4]);
+    let store = ns[1].body.store.as_ref().unwrap();
+    assert_eq!(store.mode, StoreMode::Combine(ReduceOp::Sum));
+    assert_eq!(store.index, IndexExpr::var(Var(1)));
+    assert_eq!(store.terms.len(), 1);
+    assert_eq!(store.terms[0].1, 4, "the row index scales by the row stride");
+    assert_eq!(ns[1].body.expr(store.terms[0].0), &Expr::CheckIndex { value: ValueId(0), size: 10, wrap: false });
+}
+
+#[test]
+fn index_put_with_accumulate_is_a_summing_scatter_wrapping_negative_indices() {
+    let doc = G::new()
+        .input("x", &[8], "float32")
+        .input("idx", &[3], "int64")
+        .input("v", &[3], "float32")
+        .call("ip", "aten.index_put.default", &[n("x"), format!(r#"{{"list":[{}]}}"#, n("idx")), n("v"), boolean(true)], &f32(&[8]))
+        .output(&["ip"]);
+    let p = lower(&doc);
+    let ns = nodes(&p);
+    assert_eq!(ns.len(), 2);
+    let store = ns[1].body.store.as_ref().unwrap();
+    assert_eq!(store.mode, StoreMode::Combine(ReduceOp::Sum));
+    assert_eq!(ns[1].body.expr(store.terms[0].0), &Expr::CheckIndex { value: ValueId(0), size: 8, wrap: true });
+}
+
+// ----- pooling -----
+
+#[test]
+fn small_max_pool_is_unrolled_pointwise_with_its_indices() {
+    let doc = G::new()
+        .input("x", &[1, 2, 4, 4], "float32")
+        .call(
+            "mp",
+            "aten.max_pool2d_with_indices.default",
+            &[n("x"), ints(&[2, 2]), ints(&[2, 2])],
+            &tuple(&[f32(&[1, 2, 2, 2]), meta(&[1, 2, 2, 2], "int64")]),
+        )
+        .call("v", "getitem", &[n("mp"), int(0)], &f32(&[1, 2, 2, 2]))
+        .call("i", "getitem", &[n("mp"), int(1)], &meta(&[1, 2, 2, 2], "int64"))
+        .output(&["v", "i"]);
+    let p = lower(&doc);
+    assert_eq!(kinds(&p), [NodeKind::Pointwise, NodeKind::Pointwise], "a 2x2 window is unrolled:\n{p}");
+    for node in nodes(&p) {
+        assert_eq!(node.ranges, [1, 2, 2, 2]);
+        let taps = load_indices(&p, node);
+        assert_eq!(taps.len(), 4, "one load per tap:\n{p}");
+        assert!(taps.iter().all(|t| t.starts_with("x[32*v0 + 16*v1")), "{taps:?}");
+    }
+    assert_eq!(output_layout(&p, 0).dtype, DType::F32);
+    assert_eq!(output_layout(&p, 1).dtype, DType::I64);
+}
+
+#[test]
+fn large_avg_pool_window_is_a_reduction_over_the_window() {
+    let doc = G::new()
+        .input("x", &[1, 1, 12, 12], "float32")
+        .call("ap", "aten.avg_pool2d.default", &[n("x"), ints(&[6, 6]), ints(&[6, 6])], &f32(&[1, 1, 2, 2]))
+        .output(&["ap"]);
+    let p = lower(&doc);
+    let node = nodes(&p)[0];
+    assert_eq!(node.kind(), NodeKind::Reduction);
+    assert_eq!(node.ranges, [1, 1, 2, 2]);
+    assert_eq!(node.reduction_ranges, [6, 6], "36 taps are past the unrolling limit");
+    assert!(has_expr(node, |e| matches!(e, Expr::Reduce(ReduceOp::Sum, _))));
+    assert!(has_expr(node, |e| matches!(e, Expr::Binary(BinaryOp::TrueDiv, ..))), "divided by the window's size:\n{p}");
+}
+
+// ----- sampling -----
+
+#[test]
+fn bilinear_upsampling_reads_four_clamped_taps() {
+    let doc = G::new()
+        .input("x", &[1, 1, 2, 2], "float32")
+        .call("up", "aten.upsample_bilinear2d.vec", &[n("x"), ints(&[4, 4]), boolean(false), "null".into()], &f32(&[1, 1, 4, 4]))
+        .output(&["up"]);
+    let p = lower(&doc);
+    let node = nodes(&p)[0];
+    assert_eq!(node.kind(), NodeKind::Pointwise);
+    assert_eq!(node.ranges, [1, 1, 4, 4]);
+    let loads = node.body.exprs.iter().filter(|e| matches!(e, Expr::LoadIndirect { .. })).count();
+    assert_eq!(loads, 4, "{p}");
+    // each tap's row and column are clamped into the 2x2 input
+    let clamps = node.body.exprs.iter().filter(|e| matches!(e, Expr::Binary(BinaryOp::Minimum, ..))).count();
+    assert!(clamps >= 4, "{p}");
+    assert!(!node.checks_indices(), "computed positions need no user-index check");
+}
+
+// ----- creation -----
+
+#[test]
+fn arange_and_full_read_no_buffer() {
+    let doc = G::new()
+        .call("a", "aten.arange.start_step", &[int(2), int(12), int(3)], &meta(&[4], "int64"))
+        .call_kw("f", "aten.full.default", &[ints(&[4]), float(1.5)], r#""dtype":{"dtype":"float32"}"#, &f32(&[4]))
+        .call("add", "aten.add.Tensor", &[n("a"), n("f")], &f32(&[4]))
+        .output(&["add"]);
+    let p = lower(&doc);
+    assert_eq!(
+        p.to_string(),
+        "inputs: 
+  buf0: Pointwise ranges=[4] -> float32[4]/[1]  # a, f, add
+    t0: int64 = index_expr(v0)
+    t1: int64 = constant(3)
+    t2: int64 = constant(2)
+    t3: int64 = mul(t0, t1)
+    t4: int64 = add(t3, t2)
+    t5: float32 = constant(1.5)
+    t6: float32 = cast(t4, float32)
+    t7: float32 = add(t6, t5)
+    store(buf0, v0, t7)
+return (buf0)
+"
+    );
+}
+
+// ----- random -----
+
+#[test]
+fn rand_draws_its_seed_in_the_wrapper_and_philox_in_the_kernel() {
+    let doc = G::new().call_kw("r", "aten.rand.default", &[ints(&[16])], r#""dtype":{"dtype":"float32"}"#, &f32(&[16])).output(&["r"]);
+    let p = lower(&doc);
+    let calls = externs(&p);
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].callee, "torch.randint");
+    assert!(!calls[0].fallback);
+    assert_eq!(p.buffer(calls[0].outputs[0]).layout.dtype, DType::I64);
+    let node = nodes(&p)[0];
+    assert_eq!(load_indices(&p, node), [format!("{}[0]", p.buffer(calls[0].outputs[0]).name)], "every element reads the one seed");
+    assert!(has_expr(node, |e| matches!(e, Expr::Random { normal: false, .. })), "{p}");
+}
+
+// ----- matmul and externs -----
+
+#[test]
+fn mm_is_a_library_call_and_its_epilogue_a_loop_node() {
+    let doc = G::new()
+        .input("a", &[4, 8], "float32")
+        .input("b", &[8, 3], "float32")
+        .call("mm", "aten.mm.default", &[n("a"), n("b")], &f32(&[4, 3]))
+        .call("relu", "aten.relu.default", &[n("mm")], &f32(&[4, 3]))
+        .output(&["relu"]);
+    let p = lower(&doc);
+    assert_eq!(
+        p.to_string(),
+        "inputs: a: float32[4, 8]/[8, 1], b: float32[8, 3]/[3, 1]
+  buf2 = extern torch.ops.aten.mm.default(a, b)  # mm
+  buf3: Pointwise ranges=[4, 3] -> float32[4, 3]/[3, 1]  # relu
+    t0: float32 = load(buf2, 3*v0 + v1)
+    t1: float32 = relu(t0)
+    store(buf3, 3*v0 + v1, t1)
+return (buf3)
+"
+    );
+    let mm = externs(&p)[0];
+    assert_eq!(p.buffer(mm.outputs[0]).source, BufferSource::Extern { call: 0, item: None });
+    assert_eq!(p.buffer(mm.outputs[0]).layout.stride, [3, 1]);
+}
+
+#[test]
+fn sort_is_a_library_call_with_two_outputs() {
+    let doc = G::new()
+        .input("x", &[4, 8], "float32")
+        .call("s", "aten.sort.default", &[n("x"), int(-1)], &tuple(&[f32(&[4, 8]), meta(&[4, 8], "int64")]))
+        .call("v", "getitem", &[n("s"), int(0)], &f32(&[4, 8]))
+        .call("i", "getitem", &[n("s"), int(1)], &meta(&[4, 8], "int64"))
+        .output(&["v", "i"]);
+    let p = lower(&doc);
+    assert!(nodes(&p).is_empty(), "{p}");
+    let sort = externs(&p)[0];
+    assert_eq!(sort.callee, "torch.ops.aten.sort.default");
+    assert_eq!(sort.outputs.len(), 2);
+    let dtypes: Vec<DType> = sort.outputs.iter().map(|b| p.buffer(*b).layout.dtype).collect();
+    assert_eq!(dtypes, [DType::F32, DType::I64]);
+    assert_eq!(p.outputs, [OutputValue::Buffer(sort.outputs[0]), OutputValue::Buffer(sort.outputs[1])]);
+}
+
+#[test]
+fn cat_writes_each_piece_at_its_offset_in_one_buffer() {
+    let doc = G::new()
+        .input("x", &[2, 3], "float32")
+        .input("y", &[2, 5], "float32")
+        .call("c", "aten.cat.default", &[format!(r#"{{"list":[{},{}]}}"#, n("x"), n("y")), int(1)], &f32(&[2, 8]))
+        .output(&["c"]);
+    let p = lower(&doc);
+    let ns = nodes(&p);
+    assert_eq!(ns.len(), 2);
+    assert_eq!(ns[0].output, ns[1].output);
+    assert_eq!((ns[0].ranges.as_slice(), ns[1].ranges.as_slice()), ([2, 3].as_slice(), [2, 5].as_slice()));
+    let stores: Vec<String> = ns.iter().map(|n| n.body.store.as_ref().unwrap().index.to_string()).collect();
+    assert_eq!(stores, ["8*v0 + v1", "8*v0 + v1 + 3"]);
+    assert!(externs(&p).is_empty(), "cat is not a library call");
+}
+
+#[test]
+fn an_op_without_lowering_falls_back_to_its_aten_overload() {
+    let doc = G::new()
+        .input("x", &[4], "float32")
+        .call("sp", "prims.sinh.default", &[n("x")], &f32(&[4]))
+        .call("neg", "aten.neg.default", &[n("sp")], &f32(&[4]))
+        .output(&["neg"]);
+    let lowered = lower_with(&doc, &LowerOptions::default());
+    assert_eq!(lowered.fallbacks.len(), 1);
+    assert_eq!((lowered.fallbacks[0].node.as_str(), lowered.fallbacks[0].target.as_str()), ("sp", "prims.sinh.default"));
+    let p = &lowered.program;
+    let call = externs(p)[0];
+    assert!(call.fallback);
+    assert_eq!(call.callee, "torch.ops.prims.sinh.default");
+    assert_eq!(load_indices(p, nodes(p)[0]), ["buf1[v0]"], "the fallback's result is read from its buffer");
+}
+
+// ----- mutation -----
+
+#[test]
+fn copy_into_an_input_stores_into_the_input_after_everything_else() {
+    let doc = G::new()
+        .input("x", &[6], "float32")
+        .call("add", "aten.add.Tensor", &[n("x"), int(1)], &f32(&[6]))
+        .call("mul", "aten.mul.Tensor", &[n("x"), int(2)], &f32(&[6]))
+        .call("cp", "aten.copy_.default", &[n("x"), n("add")], &f32(&[6]))
+        .output(&["mul"]);
+    let p = lower(&doc);
+    let ns = nodes(&p);
+    assert_eq!(ns.len(), 2);
+    assert_eq!(ns[1].output, p.inputs[0], "the write goes into the input's memory");
+    assert_eq!(ns[1].origins, ["add", "cp"]);
+    assert_eq!(load_indices(&p, ns[0]), ["x[v0]"], "the output reads the input's old contents first");
+}
+
+// ----- layout -----
+
+fn conv_graph(input: &[i64], weight: &[i64], out: &[i64], pad: i64, groups: i64) -> String {
+    G::new()
+        .input("x", input, "float32")
+        .input("w", weight, "float32")
+        .call(
+            "conv",
+            "aten.convolution.default",
+            &[n("x"), n("w"), "null".into(), ints(&[1, 1]), ints(&[pad, pad]), ints(&[1, 1]), boolean(false), ints(&[0, 0]), int(groups)],
+            &f32(out),
+        )
+        .call("relu", "aten.relu.default", &[n("conv")], &f32(out))
+        .output(&["relu"])
+}
+
+#[test]
+fn channels_last_layout_hands_the_convolution_nhwc_operands() {
+    let doc = conv_graph(&[2, 8, 16, 16], &[16, 8, 3, 3], &[2, 16, 16, 16], 1, 1);
+    let lowered = lower_with(&doc, &LowerOptions { conv_layout: ConvLayout::ChannelsLast, ..LowerOptions::default() });
+    let p = &lowered.program;
+    let conv = externs(p)[0];
+    assert_eq!(conv.callee, "torch.ops.aten.convolution.default");
+    let strides: Vec<Vec<i64>> = conv.input_buffers().iter().map(|b| p.buffer(*b).layout.stride.clone()).collect();
+    assert_eq!(strides, [vec![2048, 1, 128, 8], vec![72, 1, 24, 8]], "input and weight copied channels-last:\n{p}");
+    assert_eq!(p.buffer(conv.outputs[0]).layout.stride, [4096, 1, 256, 16]);
+    // the graph output keeps eager's layout
+    assert_eq!(output_layout(p, 0).stride, [4096, 256, 16, 1]);
+}
+
+#[test]
+fn contiguous_layout_passes_the_convolution_its_inputs_as_they_are() {
+    let doc = conv_graph(&[2, 8, 16, 16], &[16, 8, 3, 3], &[2, 16, 16, 16], 1, 1);
+    let lowered = lower_with(&doc, &LowerOptions { conv_layout: ConvLayout::Contiguous, ..LowerOptions::default() });
+    let p = &lowered.program;
+    assert_eq!(externs(p)[0].input_buffers(), p.inputs, "{p}");
+    assert_eq!(kinds(p), [NodeKind::Pointwise], "only the relu:\n{p}");
+}
+
+// ----- cpu_conv -----
+
+#[test]
+fn small_pointwise_cpu_convolution_is_a_batched_gemm() {
+    let doc = conv_graph(&[2, 8, 4, 4], &[16, 8, 1, 1], &[2, 16, 4, 4], 0, 1);
+    let lowered = lower_with(&doc, &LowerOptions::default());
+    let p = &lowered.program;
+    assert_eq!(
+        p.extern_text(0),
+        "  buf2 = extern torch.ops.aten.bmm.default(reinterpret(w, [2, 16, 8], [0, 8, 1], 0), \
+         reinterpret(x, [2, 8, 16], [128, 16, 1], 0))  # conv\n"
+    );
+    assert_eq!(kinds(p), [NodeKind::Pointwise]);
+}
+
+#[test]
+fn small_depthwise_cpu_convolution_is_a_generated_kernel() {
+    let doc = conv_graph(&[1, 4, 6, 6], &[4, 1, 3, 3], &[1, 4, 6, 6], 1, 4);
+    let lowered = lower_with(&doc, &LowerOptions::default());
+    let p = &lowered.program;
+    assert!(externs(p).is_empty(), "no library call:\n{p}");
+    // padded input, weight copy, the unrolled 3x3 window, the relu
+    let ns = nodes(p);
+    assert_eq!(ns.len(), 4, "{p}");
+    assert_eq!(ns[0].ranges, [1, 8, 8, 4], "the input zero-padded by 1 on each side, channels innermost");
+    let window = ns[2];
+    assert_eq!(window.origins, ["conv"]);
+    let taps = load_indices(p, window);
+    assert_eq!(taps.len(), 18, "a load of input and weight per tap:\n{p}");
+    assert_eq!(taps[16], "buf2[256*v0 + 32*v1 + 4*v2 + v3 + 72]", "the last tap is two rows and two columns on");
+    assert_eq!(p.buffer(window.output).layout.stride, [144, 1, 24, 4]);
+}
+
+// ----- malformed input -----
+
+#[test]
+fn a_target_that_is_no_operator_name_is_an_import_error_naming_the_node() {
+    let doc = G::new().input("x", &[4], "float32").call("weird", "not_an_op", &[n("x")], &f32(&[4])).output(&["weird"]);
+    let e = parse_graph(&doc).unwrap_err().to_string();
+    assert_eq!(e, "graph import: node 'weird': target 'not_an_op' is not an operator name (namespace.op.overload)");
+}
+
+#[test]
+fn inconsistent_broadcast_shapes_are_a_malformed_error_naming_the_node() {
+    let doc = G::new()
+        .input("x", &[4, 4], "float32")
+        .input("y", &[3, 4], "float32")
+        .call("bad_add", "aten.add.Tensor", &[n("x"), n("y")], &f32(&[4, 4]))
+        .output(&["bad_add"]);
+    let e = lower_error(&doc);
+    assert_eq!((e.node.as_str(), e.target.as_str(), &e.kind), ("bad_add", "aten.add.Tensor", &LowerErrorKind::Malformed));
+    assert_eq!(e.to_string(), "lowering: node 'bad_add' (aten.add.Tensor): shapes [[4, 4], [3, 4]] do not broadcast");
+}
+
+#[test]
+fn a_view_to_a_size_of_different_numel_is_a_malformed_error_naming_the_node() {
+    let doc = G::new()
+        .input("x", &[4, 4], "float32")
+        .call("bad_view", "aten.view.default", &[n("x"), ints(&[5, 3])], &f32(&[5, 3]))
+        .output(&["bad_view"]);
+    let e = lower_error(&doc);
+    assert_eq!((e.node.as_str(), &e.kind), ("bad_view", &LowerErrorKind::Malformed));
+    assert_eq!(e.message, "cannot view [4, 4] as [5, 3]");
+}
