@@ -7,6 +7,7 @@
 pub mod cpp;
 pub mod literal;
 pub mod triton;
+pub mod writer;
 
 use crate::loop_ir::{BufferId, Expr};
 use crate::scheduler::{FusedKernel, LocalRead, Schedule, Storage};

@@ -355,53 +355,6 @@ pub fn gcd(a: i64, b: i64) -> i64 {
     a
 }
 
-/// Renders variables by a caller-chosen naming function.
-pub struct Printer<'a> {
-    pub var_name: &'a dyn Fn(Var) -> String,
-    pub ranges: &'a VarRanges,
-}
-
-impl Printer<'_> {
-    /// C-like rendering; `/` and `%` only where the operand is provably non-negative,
-    /// otherwise the floor-semantics helpers `ferro_floordiv` / `ferro_mod`.
-    pub fn c_expr(&self, e: &IndexExpr) -> String {
-        let mut parts: Vec<String> = Vec::new();
-        for (a, c) in &e.terms {
-            let atom = match a {
-                Atom::Var(v) => (self.var_name)(*v),
-                Atom::FloorDiv(inner, d) => {
-                    if inner.bounds(self.ranges).0 >= 0 {
-                        format!("(({}) / {}LL)", self.c_expr(inner), d)
-                    } else {
-                        format!("ferro_floordiv({}, {}LL)", self.c_expr(inner), d)
-                    }
-                }
-                Atom::Mod(inner, d) => {
-                    if inner.bounds(self.ranges).0 >= 0 {
-                        format!("(({}) % {}LL)", self.c_expr(inner), d)
-                    } else {
-                        format!("ferro_mod({}, {}LL)", self.c_expr(inner), d)
-                    }
-                }
-            };
-            parts.push(match *c {
-                1 => atom,
-                -1 => format!("-{atom}"),
-                c => format!("{c}LL*{atom}"),
-            });
-        }
-        if e.constant != 0 || parts.is_empty() {
-            parts.push(format!("{}LL", e.constant));
-        }
-        let mut s = parts.join(" + ");
-        s = s.replace("+ -", "- ");
-        if parts.len() > 1 {
-            s = format!("({s})");
-        }
-        s
-    }
-}
-
 impl IndexExpr {
     fn grouped(&self) -> String {
         let parts = self.terms.len() + usize::from(self.constant != 0);

@@ -1,22 +1,14 @@
-//! C++ rendering of loop-body expressions through the ops-handler interface. Values that depend
-//! on a reduction result are emitted after the loop ("post"), everything else inside it.
+//! The C++ dialect of the kernel writer: C++ types, casts, math, accumulators and stores of
+//! one loop group. Values that depend on a reduction result go after the group's loops,
+//! loop-invariant ones before every loop (`Section::Kernel`), everything else inside.
 
+use super::super::writer::{cast, math_name, Accumulator, CastRules, Dialect, IndexPrinter, IndexSyntax, NodeValue, Section, Values};
+use super::super::CodegenError;
 use crate::graph::DType;
 use crate::loop_ir::*;
-use crate::symbolic::{IndexExpr, Printer, Var};
-use std::collections::HashMap;
-
-/// Where a value is computed: once per kernel call, before every loop (it reads no loop
-/// variable and only buffers the kernel does not write: Adam's bias corrections, two `pow`s of
-/// the step count, ran per element before), before the group's loops (it depends on `x0` at
-/// most), inside them, or after them (it depends on a reduction result).
-#[derive(Clone, Copy, PartialEq, Eq, Debug, PartialOrd, Ord)]
-pub enum Section {
-    Kernel,
-    Pre,
-    Inner,
-    Post,
-}
+use crate::scheduler::Storage;
+use crate::symbolic::{IndexExpr, Var};
+use std::collections::{HashMap, HashSet};
 
 /// The C++ type a value of `dt` is computed in.
 pub fn c_type(dt: DType) -> &'static str {
@@ -47,51 +39,56 @@ pub fn storage_type(dt: DType) -> &'static str {
     }
 }
 
-pub fn cast_expr(v: &str, from: DType, to: DType) -> String {
-    if from == to {
-        return v.to_string();
-    }
-    if from.is_complex() && !to.is_complex() {
-        // complex -> real keeps the real part, as ATen's copy does
-        if to == DType::Bool {
-            return format!("({v} != {}(0))", c_type(from));
+/// C++'s conversions (see `writer::cast`).
+pub struct CppCasts;
+
+impl CastRules for CppCasts {
+    fn special(v: &str, from: DType, to: DType) -> Option<String> {
+        if from.is_complex() && !to.is_complex() {
+            // complex -> real keeps the real part, as ATen's copy does
+            if to == DType::Bool {
+                return Some(format!("({v} != {}(0))", c_type(from)));
+            }
+            return Some(cast::<CppCasts>(&format!("std::real({v})"), if from == DType::C128 { DType::F64 } else { DType::F32 }, to));
         }
-        return cast_expr(&format!("std::real({v})"), if from == DType::C128 { DType::F64 } else { DType::F32 }, to);
-    }
-    if to == DType::C32 {
-        return format!("ferro_round_chalf(static_cast<std::complex<float>>({v}))");
-    }
-    if from.is_float() {
-        // x86 CPU eager: int32 and int64 saturate to the minimum; int8/int16 keep the low bits
-        // of the int32 conversion and uint8 those of the int64 one (c10 casts to uint8 through
-        // int64)
-        match to {
-            DType::I64 => return format!("ferro_f2i<int64_t>({v})"),
-            DType::I32 => return format!("ferro_f2i<int32_t>({v})"),
-            DType::I16 | DType::I8 => return format!("static_cast<{}>(ferro_f2i<int32_t>({v}))", c_type(to)),
-            DType::U8 => return format!("static_cast<uint8_t>(ferro_f2i<int64_t>({v}))"),
-            _ => {}
+        if to == DType::C32 {
+            return Some(format!("ferro_round_chalf(static_cast<std::complex<float>>({v}))"));
         }
+        if from.is_float() {
+            // x86 CPU eager: int32 and int64 saturate to the minimum; int8/int16 keep the low bits
+            // of the int32 conversion and uint8 those of the int64 one (c10 casts to uint8 through
+            // int64)
+            match to {
+                DType::I64 => return Some(format!("ferro_f2i<int64_t>({v})")),
+                DType::I32 => return Some(format!("ferro_f2i<int32_t>({v})")),
+                DType::I16 | DType::I8 => return Some(format!("static_cast<{}>(ferro_f2i<int32_t>({v}))", c_type(to))),
+                DType::U8 => return Some(format!("static_cast<uint8_t>(ferro_f2i<int64_t>({v}))")),
+                _ => {}
+            }
+        }
+        if from.is_integral() && from != DType::Bool && to.is_float() {
+            // + a zero g++ cannot see (the prelude's weak `ferro_zero_*`): without trapping math it
+            // folds `(float)(int)x` into `trunc(x)`, which keeps the sign of a negative x truncated
+            // to zero (a literal `+ 0.0f` it drops first, knowing an integer is never -0.0)
+            let zero = if to == DType::F64 { "ferro_zero_d" } else { "ferro_zero_f" };
+            let wide = if to == DType::F64 { "double" } else { "float" };
+            let v = format!("(static_cast<{wide}>({v}) + {zero})");
+            return Some(match to {
+                DType::F16 => format!("ferro_round_half({v})"),
+                DType::BF16 => format!("ferro_round_bf16({v})"),
+                _ => v,
+            });
+        }
+        None
     }
-    if from.is_integral() && from != DType::Bool && to.is_float() {
-        // + a zero g++ cannot see (the prelude's weak `ferro_zero_*`): without trapping math it
-        // folds `(float)(int)x` into `trunc(x)`, which keeps the sign of a negative x truncated
-        // to zero (a literal `+ 0.0f` it drops first, knowing an integer is never -0.0)
-        let zero = if to == DType::F64 { "ferro_zero_d" } else { "ferro_zero_f" };
-        let wide = if to == DType::F64 { "double" } else { "float" };
-        let v = format!("(static_cast<{wide}>({v}) + {zero})");
-        return match to {
-            DType::F16 => format!("ferro_round_half({v})"),
-            DType::BF16 => format!("ferro_round_bf16({v})"),
-            _ => v,
-        };
+
+    fn plain(v: &str, to: DType) -> String {
+        format!("static_cast<{}>({v})", c_type(to))
     }
-    match to {
-        DType::Bool => format!("({v} != 0)"),
-        DType::F16 => format!("ferro_round_half(static_cast<float>({v}))"),
-        DType::BF16 => format!("ferro_round_bf16(static_cast<float>({v}))"),
-        DType::F32 if matches!(from, DType::F16 | DType::BF16) => v.to_string(),
-        _ => format!("static_cast<{}>({v})", c_type(to)),
+
+    fn round_half(v: &str, to: DType) -> String {
+        let f = if to == DType::F16 { "ferro_round_half" } else { "ferro_round_bf16" };
+        format!("{f}(static_cast<float>({v}))")
     }
 }
 
@@ -123,10 +120,7 @@ fn float_lit(f: f64, dt: DType) -> String {
 /// One accumulator of a reduction loop; arg reductions also carry the running best value.
 #[derive(Clone, Debug)]
 pub struct Acc {
-    pub name: String,
-    pub op: ReduceOp,
-    pub dtype: DType,
-    pub value_dtype: Option<DType>,
+    pub acc: Accumulator,
     /// An "any index out of range" flag rather than a value of the body.
     pub index_check: bool,
     /// A running scan value: the loop carries a dependence and must stay sequential.
@@ -137,9 +131,20 @@ pub struct Acc {
     pub chunked: bool,
 }
 
+impl std::ops::Deref for Acc {
+    type Target = Accumulator;
+    fn deref(&self) -> &Accumulator {
+        &self.acc
+    }
+}
+
 impl Acc {
     pub fn new(name: String, op: ReduceOp, dtype: DType) -> Acc {
-        Acc { name, op, dtype, value_dtype: None, index_check: false, scan: false, chunked: false }
+        Acc::of(Accumulator::new(name, op, dtype))
+    }
+
+    pub fn of(acc: Accumulator) -> Acc {
+        Acc { acc, index_check: false, scan: false, chunked: false }
     }
 
     /// The variable the loop body accumulates into.
@@ -290,107 +295,39 @@ pub fn combine(op: ReduceOp, dt: DType, acc: &str, v: &str) -> String {
     }
 }
 
+/// C++'s integer index syntax (64-bit literals; the prelude's floor helpers).
+const CPP_INDEX: IndexSyntax =
+    IndexSyntax { int_suffix: "LL", div: "/", rem: "%", paren_dividend: true, floor_div_helper: "ferro_floordiv", mod_helper: "ferro_mod" };
+
+/// An index expression in C++ over the loop variables `x0, x1, ...`.
+pub fn index(e: &IndexExpr, ranges: &[i64]) -> String {
+    let names = |v: Var| format!("x{}", v.0);
+    IndexPrinter { syntax: &CPP_INDEX, var_name: &names, ranges }.expr(e)
+}
+
 /// The chunk length of a float sum of one dtype (`Acc::chunked`).
 pub type ChunkLen = fn(DType) -> i64;
 
-pub struct BodyEmitter<'a> {
-    program: &'a LoopProgram,
-    ptr: &'a HashMap<BufferId, String>,
-    replace: &'a HashMap<BufferId, (String, Section)>,
-    ranges: &'a [i64],
-    tmp: &'a mut usize,
+/// One loop group of a C++ kernel, as the kernel writer's dialect.
+pub struct CppGroup<'a> {
+    pub program: &'a LoopProgram,
+    pub storage: &'a [Storage],
+    /// Each buffer's pointer (or scratch row) in the kernel.
+    pub ptr: &'a HashMap<BufferId, String>,
     /// Accumulate into thread-local copies (`<acc>_local`) of the accumulators.
-    split: bool,
+    pub split: bool,
     /// The group's reduction length and the chunk length per dtype: a float sum longer than
     /// its chunk accumulates per chunk (`Acc::chunked`).
     pub chunk_sums_above: Option<(i64, ChunkLen)>,
     /// Buffers in the kernel's scratch rows, and the current element's position in a row.
-    pub rows: Option<(&'a std::collections::HashSet<BufferId>, String)>,
+    pub rows: &'a HashSet<BufferId>,
+    pub row_position: String,
     /// Buffers the kernel only reads: a load of one at a fixed index is loop-invariant.
-    pub read_only: Option<&'a std::collections::HashSet<BufferId>>,
-    sections: HashMap<String, Section>,
-    pub kernel: String,
-    pub pre: String,
-    pub inner: String,
-    pub post: String,
+    pub read_only: &'a HashSet<BufferId>,
     pub accs: Vec<Acc>,
 }
 
-impl<'a> BodyEmitter<'a> {
-    pub fn new(
-        program: &'a LoopProgram,
-        _body: &LoopBody,
-        ptr: &'a HashMap<BufferId, String>,
-        replace: &'a HashMap<BufferId, (String, Section)>,
-        ranges: &'a [i64],
-        tmp: &'a mut usize,
-        split: bool,
-    ) -> Self {
-        BodyEmitter {
-            program,
-            ptr,
-            replace,
-            ranges,
-            tmp,
-            split,
-            chunk_sums_above: None,
-            rows: None,
-            read_only: None,
-            sections: HashMap::new(),
-            kernel: String::new(),
-            pre: String::new(),
-            inner: String::new(),
-            post: String::new(),
-            accs: Vec::new(),
-        }
-    }
-
-    /// The section of a value this emitter returned (names it did not make were computed
-    /// before this group: scalar locals of earlier groups).
-    pub fn section_of(&self, name: &str) -> Section {
-        self.sections.get(name).copied().unwrap_or(Section::Pre)
-    }
-
-    /// Inner when the index uses an inner loop variable, Kernel when it uses none, else
-    /// computable before the group's loops.
-    fn index_section(e: &IndexExpr) -> Section {
-        let mut vs = Vec::new();
-        e.vars(&mut vs);
-        if vs.iter().any(|v| v.0 != 0) {
-            Section::Inner
-        } else if vs.is_empty() {
-            Section::Kernel
-        } else {
-            Section::Pre
-        }
-    }
-
-    pub fn index(&self, e: &IndexExpr) -> String {
-        let names = |v: Var| format!("x{}", v.0);
-        Printer { var_name: &names, ranges: self.ranges }.c_expr(e)
-    }
-
-    fn fresh(&mut self) -> String {
-        let n = format!("tmp{}", *self.tmp);
-        *self.tmp += 1;
-        n
-    }
-
-    /// Emits `T tmpN = expr;` in the latest section of `at_least` and the operands' sections.
-    fn emit_in(&mut self, at_least: Section, dt: DType, expr: String, operands: &[&String]) -> String {
-        let section = operands.iter().map(|o| self.section_of(o)).fold(at_least, Section::max);
-        let name = self.fresh();
-        let line = format!("{} {name} = {expr};\n", c_type(dt));
-        match section {
-            Section::Kernel => self.kernel.push_str(&line),
-            Section::Pre => self.pre.push_str(&line),
-            Section::Inner => self.inner.push_str(&line),
-            Section::Post => self.post.push_str(&line),
-        }
-        self.sections.insert(name.clone(), section);
-        name
-    }
-
+impl CppGroup<'_> {
     /// The double total of a chunked float sum named `v`, where `op` may read it in place of
     /// the sum rounded to float (infix arithmetic, which C++ computes in double).
     fn wide_total(&self, v: &str, op: BinaryOp) -> Option<String> {
@@ -399,335 +336,250 @@ impl<'a> BodyEmitter<'a> {
         (infix && acc.chunked && acc.dtype != DType::F64).then(|| format!("{v}_w"))
     }
 
-    fn emit(&mut self, dt: DType, expr: String, operands: &[&String]) -> String {
-        self.emit_in(Section::Kernel, dt, expr, operands)
+    fn pointer(&self, buf: BufferId) -> String {
+        self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name))
+    }
+
+    /// Where a load of `buf` at `index` may be computed: a buffer the kernel writes may change
+    /// between iterations, so it is read in the loops.
+    fn load_section(&self, v: &Values, buf: BufferId, index: &IndexExpr) -> Section {
+        v.index_section(index).max(if self.read_only.contains(&buf) { Section::Kernel } else { Section::Pre })
+    }
+
+    /// An empty buffer is never read (its loop runs no iteration), but a load hoisted before
+    /// that loop would still run: it reads nothing.
+    fn empty_load(&self, v: &mut Values, buf: BufferId, dtype: DType) -> Option<String> {
+        (self.program.buffer(buf).layout.numel() == 0)
+            .then(|| v.emit_in(Section::Kernel, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]))
     }
 }
 
-impl OpsHandler for BodyEmitter<'_> {
-    type V = String;
+fn assign(name: &str, dtype: DType, expr: &str) -> String {
+    format!("{} {name} = {expr};\n", c_type(dtype))
+}
 
-    fn load(&mut self, buf: BufferId, index: &IndexExpr, dtype: DType) -> String {
-        if let Some((name, section)) = self.replace.get(&buf) {
-            // a scalar of an earlier group (Pre) or a value computed in this loop (Inner)
-            self.sections.insert(name.clone(), *section);
-            return name.clone();
-        }
-        if self.program.buffer(buf).layout.numel() == 0 {
-            // an empty buffer is never read (its loop runs no iteration), but a load hoisted
-            // before that loop would still run: it reads nothing
-            return self.emit_in(Section::Kernel, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
-        }
-        let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
-        let at = match &self.rows {
-            Some((rows, position)) if rows.contains(&buf) => position.clone(),
-            _ => self.index(index),
-        };
-        let e = load_conv(&format!("{p}[{at}]"), dtype);
-        let read_only = self.read_only.is_some_and(|r| r.contains(&buf));
-        // a buffer the kernel writes may change between iterations: read it in the loops
-        let section = Self::index_section(index).max(if read_only { Section::Kernel } else { Section::Pre });
-        self.emit_in(section, dtype, e, &[])
+impl Dialect for CppGroup<'_> {
+    const ASSIGN: super::super::writer::Assign = assign;
+    const LOGICAL: [&'static str; 3] = ["&&", "||", "!="];
+    const KERNEL_SECTION: bool = true;
+
+    fn index(&self, e: &IndexExpr, ranges: &[i64]) -> String {
+        index(e, ranges)
     }
 
-    fn constant(&mut self, value: Scalar, dtype: DType) -> String {
-        let e = match value {
+    fn load(&mut self, v: &mut Values, buf: BufferId, ix: &IndexExpr, dtype: DType) -> String {
+        if let Some(nothing) = self.empty_load(v, buf, dtype) {
+            return nothing;
+        }
+        let at = if self.rows.contains(&buf) { self.row_position.clone() } else { index(ix, v.ranges) };
+        let e = load_conv(&format!("{}[{at}]", self.pointer(buf)), dtype);
+        let section = self.load_section(v, buf, ix);
+        v.emit_in(section, dtype, e, &[])
+    }
+
+    fn load_indirect(&mut self, v: &mut Values, buf: BufferId, ix: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
+        if let Some(nothing) = self.empty_load(v, buf, dtype) {
+            return nothing;
+        }
+        let mut addr = index(ix, v.ranges);
+        for (t, c) in terms {
+            addr.push_str(&format!(" + {c}LL*{t}"));
+        }
+        let e = load_conv(&format!("{}[{addr}]", self.pointer(buf)), dtype);
+        let section = self.load_section(v, buf, ix);
+        let ops: Vec<&String> = terms.iter().map(|(t, _)| t).collect();
+        v.emit_in(section, dtype, e, &ops)
+    }
+
+    fn constant(&self, value: Scalar, dtype: DType) -> String {
+        match value {
             Scalar::Bool(b) => b.to_string(),
             Scalar::Int(i) => crate::codegen::literal::cpp_int(i, c_type(dtype)),
             Scalar::Float(f) => float_lit(f, dtype),
-        };
-        self.emit(dtype, e, &[])
+        }
     }
 
-    fn index_expr(&mut self, e: &IndexExpr, dtype: DType) -> String {
-        let ix = self.index(e);
-        self.emit_in(Self::index_section(e), dtype, format!("static_cast<{}>({ix})", c_type(dtype)), &[])
+    fn index_value(&self, v: &Values, e: &IndexExpr, dtype: DType) -> String {
+        format!("static_cast<{}>({})", c_type(dtype), index(e, v.ranges))
     }
 
-    fn unary(&mut self, op: UnaryOp, x: &String, xd: DType, dtype: DType) -> String {
-        let fl = xd.is_float();
+    fn unary(&self, op: UnaryOp, x: &str, xd: DType, dtype: DType) -> Result<String, String> {
         let ty = c_type(dtype);
         let m = math_namespace(xd);
-        let e = match op {
-            UnaryOp::Abs => {
-                if fl {
-                    format!("{m}::abs({x})")
-                } else if xd == DType::Bool {
-                    x.clone()
-                } else {
-                    format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})")
-                }
-            }
+        let fast_float = ty == "float";
+        Ok(match op {
+            UnaryOp::Abs if !xd.is_float() => format!("static_cast<{ty}>({x} < 0 ? -{x} : {x})"),
+            UnaryOp::IsNan | UnaryOp::IsInf if !xd.is_float() => "false".into(),
             UnaryOp::Neg => format!("static_cast<{ty}>(-{x})"),
-            UnaryOp::Exp if ty == "float" => format!("ferro_expf({x})"),
-            UnaryOp::Exp => format!("{m}::exp({x})"),
-            UnaryOp::Exp2 => format!("{m}::exp2({x})"),
-            UnaryOp::Expm1 => format!("{m}::expm1({x})"),
-            UnaryOp::Log => format!("{m}::log({x})"),
-            UnaryOp::Log2 => format!("{m}::log2({x})"),
-            UnaryOp::Log10 => format!("{m}::log10({x})"),
-            UnaryOp::Log1p => format!("{m}::log1p({x})"),
-            UnaryOp::Sqrt => format!("{m}::sqrt({x})"),
-            UnaryOp::Rsqrt => format!("static_cast<{ty}>(1) / {m}::sqrt({x})"),
-            UnaryOp::Sin => format!("{m}::sin({x})"),
-            UnaryOp::Cos => format!("{m}::cos({x})"),
-            UnaryOp::Tan => format!("{m}::tan({x})"),
-            UnaryOp::Asin => format!("{m}::asin({x})"),
-            UnaryOp::Acos => format!("{m}::acos({x})"),
-            UnaryOp::Atan => format!("{m}::atan({x})"),
-            UnaryOp::Sinh => format!("{m}::sinh({x})"),
-            UnaryOp::Cosh => format!("{m}::cosh({x})"),
-            UnaryOp::Tanh => format!("{m}::tanh({x})"),
-            UnaryOp::Asinh => format!("{m}::asinh({x})"),
-            UnaryOp::Acosh => format!("{m}::acosh({x})"),
-            UnaryOp::Atanh => format!("{m}::atanh({x})"),
-            UnaryOp::Sigmoid if ty == "float" => format!("1.0f / (1.0f + ferro_expf(-{x}))"),
+            UnaryOp::Exp if fast_float => format!("ferro_expf({x})"),
+            UnaryOp::Sigmoid if fast_float => format!("1.0f / (1.0f + ferro_expf(-{x}))"),
             UnaryOp::Sigmoid => format!("static_cast<{ty}>(1) / (static_cast<{ty}>(1) + {m}::exp(-{x}))"),
+            UnaryOp::Rsqrt => format!("static_cast<{ty}>(1) / {m}::sqrt({x})"),
+            UnaryOp::Reciprocal => format!("static_cast<{ty}>(1) / {x}"),
             UnaryOp::Relu => format!("({x} < 0 ? static_cast<{ty}>(0) : {x})"),
-            UnaryOp::Erf => format!("{m}::erf({x})"),
-            UnaryOp::Erfc => format!("{m}::erfc({x})"),
-            UnaryOp::Lgamma => format!("{m}::lgamma({x})"),
+            UnaryOp::Erfcx => format!("static_cast<{ty}>(ferro_erfcx(static_cast<double>({x})))"),
+            UnaryOp::Sign => format!("ferro_sign({x})"),
+            UnaryOp::BitwiseNot => format!("static_cast<{ty}>(~{x})"),
+            UnaryOp::LogicalNot => format!("!{x}"),
             UnaryOp::Conj => format!("std::conj({x})"),
             UnaryOp::Real => format!("std::real({x})"),
             UnaryOp::Imag => format!("std::imag({x})"),
-            UnaryOp::Erfcx => format!("static_cast<{ty}>(ferro_erfcx(static_cast<double>({x})))"),
-            UnaryOp::Floor => {
-                if fl {
-                    format!("{m}::floor({x})")
-                } else {
-                    x.clone()
-                }
-            }
-            UnaryOp::Ceil => {
-                if fl {
-                    format!("{m}::ceil({x})")
-                } else {
-                    x.clone()
-                }
-            }
-            UnaryOp::Round => {
-                if fl {
-                    format!("{m}::nearbyint({x})")
-                } else {
-                    x.clone()
-                }
-            }
-            UnaryOp::Trunc => {
-                if fl {
-                    format!("{m}::trunc({x})")
-                } else {
-                    x.clone()
-                }
-            }
-            UnaryOp::Sign => {
-                if xd == DType::Bool {
-                    x.clone()
-                } else {
-                    format!("ferro_sign({x})")
-                }
-            }
-            UnaryOp::Reciprocal => format!("static_cast<{ty}>(1) / {x}"),
-            UnaryOp::BitwiseNot => {
-                if xd == DType::Bool {
-                    format!("!{x}")
-                } else {
-                    format!("static_cast<{ty}>(~{x})")
-                }
-            }
-            UnaryOp::LogicalNot => format!("!{x}"),
-            UnaryOp::IsNan => {
-                if fl {
-                    format!("{m}::isnan({x})")
-                } else {
-                    "false".into()
-                }
-            }
-            UnaryOp::IsInf => {
-                if fl {
-                    format!("{m}::isinf({x})")
-                } else {
-                    "false".into()
-                }
-            }
-        };
-        self.emit(dtype, e, &[x])
+            _ => format!("{m}::{}({x})", math_name(op).ok_or_else(|| format!("{op:?}"))?),
+        })
     }
 
-    fn binary(&mut self, op: BinaryOp, a: &String, b: &String, od: DType, dtype: DType) -> String {
+    fn binary(&self, op: BinaryOp, a: &str, b: &str, od: DType, dtype: DType) -> String {
         let fl = od.is_float();
-        let ty = c_type(dtype);
         let m = math_namespace(od);
         // a long float sum's mean (or any +-*/ of it) reads the double total: one rounding
-        let operands = [a, b];
         let (wa, wb) = (self.wide_total(a, op), self.wide_total(b, op));
-        let (a, b) = (wa.as_ref().unwrap_or(a), wb.as_ref().unwrap_or(b));
-        let e = match op {
+        let (a, b) = (wa.as_deref().unwrap_or(a), wb.as_deref().unwrap_or(b));
+        let helper = |f: &str| format!("{f}({a}, {b})");
+        match op {
             BinaryOp::Add => format!("{a} + {b}"),
             BinaryOp::Sub => format!("{a} - {b}"),
-            BinaryOp::Mul => {
-                if od == DType::Bool {
-                    format!("{a} && {b}")
-                } else {
-                    format!("{a} * {b}")
-                }
-            }
+            BinaryOp::Mul if od == DType::Bool => format!("{a} && {b}"),
+            BinaryOp::Mul => format!("{a} * {b}"),
             BinaryOp::TrueDiv => format!("{a} / {b}"),
-            BinaryOp::FloorDiv => {
-                if fl {
-                    format!("ferro_floordiv_f({a}, {b})")
-                } else {
-                    format!("ferro_floordiv_i({a}, {b})")
-                }
-            }
-            BinaryOp::TruncDiv => {
-                if fl {
-                    format!("{m}::trunc({a} / {b})")
-                } else {
-                    format!("ferro_truncdiv_i({a}, {b})")
-                }
-            }
-            BinaryOp::Remainder => {
-                if fl {
-                    format!("ferro_remainder({a}, {b})")
-                } else {
-                    format!("ferro_mod_i({a}, {b})")
-                }
-            }
-            BinaryOp::Fmod => {
-                if fl {
-                    format!("{m}::fmod({a}, {b})")
-                } else {
-                    format!("ferro_fmod_i({a}, {b})")
-                }
-            }
-            BinaryOp::Pow => {
-                if fl {
-                    format!("{m}::pow({a}, {b})")
-                } else {
-                    format!("ferro_ipow<{ty}>({a}, {b})")
-                }
-            }
-            BinaryOp::Maximum => {
-                if fl {
-                    format!("ferro_max({a}, {b})")
-                } else {
-                    format!("ferro::max({a}, {b})")
-                }
-            }
-            BinaryOp::Minimum => {
-                if fl {
-                    format!("ferro_min({a}, {b})")
-                } else {
-                    format!("ferro::min({a}, {b})")
-                }
-            }
+            BinaryOp::TruncDiv if fl => format!("{m}::trunc({a} / {b})"),
+            BinaryOp::Pow if !fl => format!("ferro_ipow<{}>({a}, {b})", c_type(dtype)),
+            BinaryOp::Pow if fl => format!("{m}::pow({a}, {b})"),
+            BinaryOp::Fmod if fl => format!("{m}::fmod({a}, {b})"),
             BinaryOp::Atan2 => format!("{m}::atan2({a}, {b})"),
-            BinaryOp::Eq => format!("{a} == {b}"),
-            BinaryOp::Ne => format!("{a} != {b}"),
-            BinaryOp::Lt => format!("{a} < {b}"),
-            BinaryOp::Le => format!("{a} <= {b}"),
-            BinaryOp::Gt => format!("{a} > {b}"),
-            BinaryOp::Ge => format!("{a} >= {b}"),
-            BinaryOp::LogicalAnd => format!("static_cast<bool>({a}) && static_cast<bool>({b})"),
-            BinaryOp::LogicalOr => format!("static_cast<bool>({a}) || static_cast<bool>({b})"),
-            BinaryOp::LogicalXor => format!("static_cast<bool>({a}) != static_cast<bool>({b})"),
-            BinaryOp::BitAnd => format!("{a} & {b}"),
-            BinaryOp::BitOr => format!("{a} | {b}"),
-            BinaryOp::BitXor => format!("{a} ^ {b}"),
-            BinaryOp::LShift => format!("ferro_lshift({a}, {b})"),
-            BinaryOp::RShift => format!("ferro_rshift({a}, {b})"),
-        };
-        let e = if dtype == DType::Bool || op.is_comparison() { e } else { format!("static_cast<{ty}>({e})") };
-        self.emit(dtype, e, &operands)
+            BinaryOp::Remainder if fl => helper("ferro_remainder"),
+            BinaryOp::Maximum if !fl => helper("ferro::max"),
+            BinaryOp::Minimum if !fl => helper("ferro::min"),
+            _ => helper(&prelude_helper(op, fl)),
+        }
     }
 
-    fn where_(&mut self, c: &String, a: &String, b: &String, dtype: DType) -> String {
-        self.emit(dtype, format!("{c} ? {a} : {b}"), &[c, a, b])
+    fn truth(&self, x: &str) -> String {
+        format!("static_cast<bool>({x})")
     }
 
-    fn cast(&mut self, x: &String, from: DType, to: DType) -> String {
-        let e = cast_expr(x, from, to);
-        self.emit(to, e, &[x])
+    fn convert(&self, e: &str, dtype: DType) -> String {
+        format!("static_cast<{}>({e})", c_type(dtype))
     }
 
-    fn reduce(&mut self, op: ReduceOp, x: &String, dtype: DType, _id: ValueId) -> String {
-        let acc = self.fresh().replace("tmp", "acc");
+    fn select(&self, c: &str, a: &str, b: &str) -> String {
+        format!("{c} ? {a} : {b}")
+    }
+
+    fn cast(&self, x: &str, from: DType, to: DType) -> Option<String> {
+        Some(cast::<CppCasts>(x, from, to))
+    }
+
+    fn random(&self, normal: bool, seed: &str, offset: &str) -> String {
+        let f = if normal { "ferro_randn" } else { "ferro_rand" };
+        format!("{f}(static_cast<uint64_t>({seed}), static_cast<uint64_t>({offset}))")
+    }
+
+    fn reduce(&mut self, v: &mut Values, op: ReduceOp, x: &str, dtype: DType) -> String {
+        let acc = v.fresh("acc");
         let mut a = Acc::new(acc.clone(), op, dtype);
         a.chunked = op == ReduceOp::Sum && dtype.is_float() && self.chunk_sums_above.is_some_and(|(len, chunk)| len > chunk(dtype));
         let target = a.target(self.split);
-        let line = format!("{target} = {};\n", combine(op, dtype, &target, x));
-        self.inner.push_str(&line);
+        v.push(Section::Inner, &format!("{target} = {};\n", combine(op, dtype, &target, x)));
         self.accs.push(a);
-        self.sections.insert(acc.clone(), Section::Post);
+        v.place(&acc, Section::Post);
         acc
     }
 
-    fn arg_reduce(&mut self, op: ReduceOp, value: &String, index: &String, vd: DType) -> String {
-        let acc = self.fresh().replace("tmp", "acc");
+    fn arg_reduce(&mut self, v: &mut Values, op: ReduceOp, value: &str, index: &str, vd: DType) -> String {
+        let acc = v.fresh("acc");
         let t = if self.split { format!("{acc}_local") } else { acc.clone() };
         let better = if op == ReduceOp::ArgMax { ">" } else { "<" };
         let nan = if vd.is_float() { format!(" || ({value} != {value} && {t}_v == {t}_v)") } else { String::new() };
-        self.inner.push_str(&format!("if (({value} {better} {t}_v){nan} || {t} == INT64_MAX) {{ {t}_v = {value}; {t} = {index}; }}\n"));
-        self.accs.push(Acc { value_dtype: Some(vd), ..Acc::new(acc.clone(), op, DType::I64) });
-        self.sections.insert(acc.clone(), Section::Post);
+        v.push(Section::Inner, &format!("if (({value} {better} {t}_v){nan} || {t} == INT64_MAX) {{ {t}_v = {value}; {t} = {index}; }}\n"));
+        self.accs.push(Acc::of(Accumulator::arg(acc.clone(), op, vd)));
+        v.place(&acc, Section::Post);
         acc
     }
 
-    fn random(&mut self, normal: bool, seed: &String, offset: &String) -> String {
-        let f = if normal { "ferro_randn" } else { "ferro_rand" };
-        self.emit(DType::F32, format!("{f}(static_cast<uint64_t>({seed}), static_cast<uint64_t>({offset}))"), &[seed, offset])
-    }
-
-    fn scan(&mut self, op: ReduceOp, x: &String, dtype: DType) -> String {
-        let acc = self.fresh().replace("tmp", "acc");
-        self.inner.push_str(&format!("{acc} = {};\n", combine(op, dtype, &acc, x)));
+    fn scan(&mut self, v: &mut Values, op: ReduceOp, x: &str, dtype: DType) -> String {
+        let acc = v.fresh("acc");
+        v.push(Section::Inner, &format!("{acc} = {};\n", combine(op, dtype, &acc, x)));
         self.accs.push(Acc { scan: true, ..Acc::new(acc.clone(), op, dtype) });
-        self.emit_in(Section::Inner, dtype, acc, &[x])
+        let x = x.to_string();
+        v.emit_in(Section::Inner, dtype, acc, &[&x])
     }
 
-    fn load_indirect(&mut self, buf: BufferId, index: &IndexExpr, terms: &[(String, i64)], dtype: DType) -> String {
-        if self.program.buffer(buf).layout.numel() == 0 {
-            return self.emit_in(Section::Kernel, dtype, format!("static_cast<{}>(0)", c_type(dtype)), &[]);
-        }
-        let p = self.ptr.get(&buf).cloned().unwrap_or_else(|| format!("/*missing {}*/nullptr", self.program.buffer(buf).name));
-        let mut addr = self.index(index);
-        for (v, c) in terms {
-            addr.push_str(&format!(" + {c}LL*{v}"));
-        }
-        let raw = format!("{p}[{addr}]");
-        let read_only = self.read_only.is_some_and(|r| r.contains(&buf));
-        let at = Self::index_section(index).max(if read_only { Section::Kernel } else { Section::Pre });
-        let e = match dtype {
-            DType::F16 => format!("ferro_h2f({raw})"),
-            DType::C32 => format!("ferro_chalf2c({raw})"),
-            DType::BF16 => format!("ferro_bf2f({raw})"),
-            DType::Bool => format!("({raw} != 0)"),
-            _ => raw,
-        };
-        let ops: Vec<&String> = terms.iter().map(|(v, _)| v).collect();
-        self.emit_in(at, dtype, e, &ops)
-    }
-
-    fn check_index(&mut self, value: &String, size: i64, wrap: bool) -> String {
+    fn check_index(&mut self, v: &mut Values, value: &str, size: i64, wrap: bool) -> String {
+        let value = value.to_string();
         let w = if wrap { format!("({value} < 0 ? {value} + {size}LL : {value})") } else { value.clone() };
-        let wrapped = self.emit(DType::I64, w, &[value]);
-        let flag = self.fresh().replace("tmp", "bad");
+        let wrapped = v.emit(DType::I64, w, &[&value]);
+        let flag = v.fresh("bad");
         let target = if self.split { format!("{flag}_local") } else { flag.clone() };
         let line = format!("{target} = {target} || ({wrapped} < 0) || ({wrapped} >= {size}LL);\n");
         // an index fixed across the inner loop (an embedding row) is checked once, before it:
         // an `||` accumulated in the loop kept GCC from vectorizing GPT-2's embedding + LayerNorm
-        if self.section_of(&wrapped) <= Section::Pre && !self.split {
-            self.pre.push_str(&line);
-        } else {
-            self.inner.push_str(&line);
-        }
+        let once = v.section_of(&wrapped) <= Section::Pre && !self.split;
+        v.push(if once { Section::Pre } else { Section::Inner }, &line);
         self.accs.push(Acc { index_check: true, ..Acc::new(flag, ReduceOp::Any, DType::Bool) });
         // clamped, so that the load stays inside the buffer whatever the input
         let clamped = format!("({wrapped} < 0 ? 0LL : ({wrapped} >= {size}LL ? {}LL : {wrapped}))", size - 1);
-        self.emit(DType::I64, clamped, &[&wrapped])
+        v.emit(DType::I64, clamped, &[&wrapped])
     }
 
-    fn store(&mut self, _index: &IndexExpr, _terms: &[(String, i64)], _mode: StoreMode, _value: &String, _dtype: DType) {
-        // the kernel writer places the store: it knows the buffer's storage and local name
+    fn local_name(&self, pos: usize) -> String {
+        format!("loc_{pos}")
+    }
+
+    fn node_section(&self, n: &NodeValue, v: &Values) -> Section {
+        if n.node.kind() == NodeKind::Reduction || v.section_of(&n.value) == Section::Post {
+            Section::Post
+        } else {
+            Section::Inner
+        }
+    }
+
+    fn store(&mut self, n: &NodeValue, v: &Values) -> Result<String, CodegenError> {
+        let out = n.node.output;
+        if !matches!(self.storage[out.0 as usize], Storage::Allocated | Storage::Row) {
+            return Ok(String::new());
+        }
+        let mut idx = if self.rows.contains(&out) { self.row_position.clone() } else { index(&n.store.index, v.ranges) };
+        for (t, c) in n.store_terms() {
+            idx = format!("{idx} + {c}LL * {t}");
+        }
+        let dst = self.ptr.get(&out).ok_or_else(|| CodegenError::internal(n.kernel, "output without a pointer"))?;
+        let odt = n.out_dtype;
+        let local = &n.local;
+        Ok(match n.store.mode {
+            StoreMode::Set => format!("{dst}[{idx}] = {};\n", store_conv(local, odt)),
+            StoreMode::Combine(op) if super::atomic_scatter(op, odt) => format!("#pragma omp atomic\n{dst}[{idx}] += {local};\n"),
+            StoreMode::Combine(op) => {
+                // a read-modify-write; the kernel runs sequentially (see `scatter_parallel`)
+                let old = load_conv(&format!("{dst}[{idx}]"), odt);
+                let new = if odt == DType::Bool {
+                    let c = if matches!(op, ReduceOp::Sum | ReduceOp::Max) { "||" } else { "&&" };
+                    format!("({old} {c} {local})")
+                } else {
+                    combine(op, odt, &old, local)
+                };
+                format!("{dst}[{idx}] = {};\n", store_conv(&new, odt))
+            }
+        })
+    }
+}
+
+/// The prelude's helper for a binary operation C++ has no operator for (`ferro_<op>_f` on
+/// floats, `ferro_<op>_i` on integers, where the two differ).
+fn prelude_helper(op: BinaryOp, fl: bool) -> String {
+    let (name, typed) = match op {
+        BinaryOp::FloorDiv => ("floordiv", true),
+        BinaryOp::TruncDiv => ("truncdiv", true),
+        BinaryOp::Remainder => ("mod", true),
+        BinaryOp::Fmod => ("fmod", true),
+        BinaryOp::Maximum => ("max", false),
+        BinaryOp::Minimum => ("min", false),
+        BinaryOp::LShift => ("lshift", false),
+        BinaryOp::RShift => ("rshift", false),
+        _ => ("unreachable", false),
+    };
+    match (typed, fl) {
+        (false, _) => format!("ferro_{name}"),
+        (true, true) => format!("ferro_{name}_f"),
+        (true, false) => format!("ferro_{name}_i"),
     }
 }

@@ -2,16 +2,17 @@
 //! (`runtime::CPP_UNIT_MARK`) so that a large source can be compiled as parallel units. The flattened outer loop is OpenMP-parallel; innermost loops carry `omp simd` (with
 //! reduction clauses) so the C++ compiler vectorizes them. Half types compute in float.
 
-mod expr;
+mod dialect;
 
+use super::writer::{local_reads_by_node, write_group, Locals};
 use super::{
     kernel_buffers, kernel_numel, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels,
 };
 use crate::graph::DType;
 use crate::loop_ir::*;
-use crate::scheduler::{FusedKernel, Item, KernelPlan, LocalRead, Schedule, Storage};
-use expr::{c_type, storage_type, Acc, BodyEmitter, Section};
-use std::collections::HashMap;
+use crate::scheduler::{FusedKernel, Item, KernelPlan, Schedule, Storage};
+use dialect::{storage_type, Acc, CppGroup};
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 pub const PRELUDE: &str = include_str!("prelude.h");
@@ -98,156 +99,160 @@ pub fn prelude(complex: bool) -> String {
 }
 
 fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>), CodegenError> {
-    let p = &s.program;
-    let plan = &k.plan;
-    let err = |m: String| CodegenError::internal(&k.name, m);
-
-    // Parameters: buffers read from memory first, then buffers written.
-    let (read, written) = kernel_buffers(s, k);
-    let mut ptr: HashMap<BufferId, String> = HashMap::new();
-    let mut params = Vec::new();
-    for (i, b) in read.iter().enumerate() {
-        let name = format!("in_ptr{i}");
-        params.push(format!("const {}* __restrict__ {name}", storage_type(p.buffer(*b).layout.dtype)));
-        ptr.insert(*b, name);
-    }
-    for (i, b) in written.iter().enumerate() {
-        let name = format!("out_ptr{i}");
-        params.push(format!("{}* __restrict__ {name}", storage_type(p.buffer(*b).layout.dtype)));
-        ptr.insert(*b, name);
-    }
-
-    let n = plan.outer;
-    let work: i64 = kernel_numel(k);
-    // a scatter kernel holds one node (the scheduler never fuses one): its stores may collide
-    let scatter = plan.nodes.iter().find_map(|kn| kn.body.store.as_ref().filter(|st| st.is_scatter()));
-    let scatter_dtype = plan.nodes.first().map(|kn| p.buffer(p.nodes[kn.node].output).layout.dtype);
-    let parallel = work >= PARALLEL_THRESHOLD && scatter.is_none_or(|st| scatter_parallel(st.mode, scatter_dtype));
-    let vectorize = scatter.is_none();
-    let outer_parallel = parallel && n > 1;
+    let mut params = Params::of(s, k);
+    let (rows, row_decls) = scratch_rows(s, k, &mut params.ptr);
+    let threads = Threads::of(s, k);
+    let (hoisted, codes) = write_groups(s, k, &params, &rows, &threads)?;
     let mut out = String::new();
     // kernels return nonzero when a gathered index was out of range (the wrapper raises)
-    let _ = writeln!(out, "extern \"C\" int {}({}) {{", k.name, params.join(", "));
+    let _ = writeln!(out, "extern \"C\" int {}({}) {{", k.name, params.decls.join(", "));
     out.push_str("  int ferro_err = 0;\n");
-    // buffers kept in a scratch row (Storage::Row): one array per outer iteration, indexed by
-    // the position in the writing group's loops (readers read back at the same positions)
-    let mut rows: std::collections::HashSet<BufferId> = std::collections::HashSet::new();
-    let mut row_decls = String::new();
-    for kn in &plan.nodes {
+    let tile = if rows.is_empty() && threads.vectorize { column_tile(&k.plan, &codes) } else { None };
+    let region = open_parallel_region(&mut out, k, &threads, &hoisted);
+    let n = k.plan.outer;
+    if let Some(t) = tile {
+        let _ = writeln!(out, "  for (int64_t x0t = 0; x0t < {n}LL; x0t += {t}LL) {{");
+        let _ = writeln!(out, "    const int64_t x0n = ferro::min<int64_t>({t}LL, {n}LL - x0t);");
+        let mut codes = codes.into_iter().map(|(c, _)| c);
+        let mut code = codes.next().ok_or_else(|| CodegenError::internal(&k.name, "a tiled kernel without groups"))?;
+        for (gi, later) in codes.enumerate() {
+            let _ = writeln!(code.post, "// group {}: loop []", gi + 1);
+            code.post.push_str(&later.pre);
+            code.post.push_str(&later.inner);
+            code.post.push_str(&later.post);
+        }
+        emit_column_tiled_group(&mut out, &k.plan.groups[0], code, t);
+    } else {
+        let _ = writeln!(out, "  for (int64_t x0 = 0; x0 < {n}LL; ++x0) {{");
+        out.push_str(&row_decls);
+        for (gi, (code, split)) in codes.into_iter().enumerate() {
+            emit_group(&mut out, gi, &k.plan.groups[gi], code, split, threads.vectorize);
+        }
+    }
+    out.push_str(if region { "  }\n  }\n" } else { "  }\n" });
+    out.push_str("  return ferro_err;\n}\n");
+    let mut args = params.read;
+    args.extend(params.written);
+    Ok((out, args))
+}
+
+/// A kernel's buffer parameters: buffers read from memory first, then buffers written; and the
+/// name its code uses for each buffer.
+struct Params {
+    read: Vec<BufferId>,
+    written: Vec<BufferId>,
+    ptr: HashMap<BufferId, String>,
+    /// The C++ parameter declarations, in order.
+    decls: Vec<String>,
+}
+
+impl Params {
+    fn of(s: &Schedule, k: &FusedKernel) -> Params {
+        let p = &s.program;
+        let (read, written) = kernel_buffers(s, k);
+        let mut ptr: HashMap<BufferId, String> = HashMap::new();
+        let mut decls = Vec::new();
+        for (i, b) in read.iter().enumerate() {
+            let name = format!("in_ptr{i}");
+            decls.push(format!("const {}* __restrict__ {name}", storage_type(p.buffer(*b).layout.dtype)));
+            ptr.insert(*b, name);
+        }
+        for (i, b) in written.iter().enumerate() {
+            let name = format!("out_ptr{i}");
+            decls.push(format!("{}* __restrict__ {name}", storage_type(p.buffer(*b).layout.dtype)));
+            ptr.insert(*b, name);
+        }
+        Params { read, written, ptr, decls }
+    }
+}
+
+/// How a kernel spreads over the CPU's threads and vector lanes.
+struct Threads {
+    parallel: bool,
+    /// Threads split the outer loop (else, when parallel, each group's inner loops).
+    outer_parallel: bool,
+    vectorize: bool,
+}
+
+impl Threads {
+    fn of(s: &Schedule, k: &FusedKernel) -> Threads {
+        let p = &s.program;
+        let plan = &k.plan;
+        // a scatter kernel holds one node (the scheduler never fuses one): its stores may collide
+        let scatter = plan.nodes.iter().find_map(|kn| kn.body.store.as_ref().filter(|st| st.is_scatter()));
+        let scatter_dtype = plan.nodes.first().map(|kn| p.buffer(p.nodes[kn.node].output).layout.dtype);
+        let parallel = kernel_numel(k) >= PARALLEL_THRESHOLD && scatter.is_none_or(|st| scatter_parallel(st.mode, scatter_dtype));
+        Threads { parallel, outer_parallel: parallel && plan.outer > 1, vectorize: scatter.is_none() }
+    }
+}
+
+/// Buffers kept in a scratch row (`Storage::Row`): one array per outer iteration, indexed by
+/// the position in the writing group's loops (readers read back at the same positions). Returns
+/// them and their declarations; each is named in `ptr`.
+fn scratch_rows(s: &Schedule, k: &FusedKernel, ptr: &mut HashMap<BufferId, String>) -> (HashSet<BufferId>, String) {
+    let p = &s.program;
+    let mut rows: HashSet<BufferId> = HashSet::new();
+    let mut decls = String::new();
+    for kn in &k.plan.nodes {
         let b = p.nodes[kn.node].output;
         if s.storage[b.0 as usize] == Storage::Row && rows.insert(b) {
-            let len: i64 = plan.groups[kn.group].inner.iter().product();
+            let len: i64 = k.plan.groups[kn.group].inner.iter().product();
             let name = format!("row{}", rows.len() - 1);
-            let _ = writeln!(row_decls, "    {} {name}[{len}];", storage_type(p.buffer(b).layout.dtype));
+            let _ = writeln!(decls, "    {} {name}[{len}];", storage_type(p.buffer(b).layout.dtype));
             ptr.insert(b, name);
         }
     }
+    (rows, decls)
+}
 
+/// Writes each loop group's code through the kernel writer: the loop-invariant code of the
+/// whole kernel, and per group its code and whether its loops split across threads.
+fn write_groups(
+    s: &Schedule,
+    k: &FusedKernel,
+    params: &Params,
+    rows: &HashSet<BufferId>,
+    threads: &Threads,
+) -> Result<(String, Vec<(GroupCode, bool)>), CodegenError> {
+    let p = &s.program;
     // loop-invariant values are computed once, before every loop, from buffers only read here
-    let read_only: std::collections::HashSet<BufferId> =
-        read.iter().filter(|b| !written.contains(b) && !rows.contains(b)).copied().collect();
-    let mut hoisted = String::new();
-    // names of in-kernel values: buffer -> C++ variable
-    let mut locals: HashMap<BufferId, String> = HashMap::new();
+    let read_only: HashSet<BufferId> = params.read.iter().filter(|b| !params.written.contains(b) && !rows.contains(b)).copied().collect();
+    let reads_at = local_reads_by_node(k);
+    let mut locals = Locals::new();
     let mut tmp = 0usize;
-    // each node's reads of in-kernel values (looked up per node: kernels of thousands of nodes)
-    let mut local_reads_at: HashMap<usize, Vec<(BufferId, LocalRead)>> = HashMap::new();
-    for (r, b, kind) in &plan.local_reads {
-        local_reads_at.entry(*r).or_default().push((*b, *kind));
-    }
-    let mut codes: Vec<(GroupCode, bool)> = Vec::new();
-    for g in &plan.groups {
-        let mut pre = String::new();
-        let mut inner = String::new();
-        let mut post = String::new();
-        let mut accs: Vec<Acc> = Vec::new();
+    let mut hoisted = String::new();
+    let mut codes = Vec::new();
+    for g in &k.plan.groups {
         // a scan carries a dependence along its loop: that loop never splits across threads
-        let has_scan = g.nodes.iter().any(|&pos| p.nodes[plan.nodes[pos].node].kind() == NodeKind::Scan);
-        let split = parallel && !outer_parallel && !g.inner.is_empty() && !has_scan;
+        let has_scan = g.nodes.iter().any(|&pos| p.nodes[k.plan.nodes[pos].node].kind() == NodeKind::Scan);
+        let split = threads.parallel && !threads.outer_parallel && !g.inner.is_empty() && !has_scan;
         let reduction_len = (g.reduction && !has_scan).then(|| g.inner.iter().product::<i64>());
-        for &pos in &g.nodes {
-            let kn = &plan.nodes[pos];
-            let node = &p.nodes[kn.node];
-            let out_buf = node.output;
-            let mut replace: HashMap<BufferId, (String, Section)> = HashMap::new();
-            for (b, kind) in local_reads_at.get(&pos).into_iter().flatten() {
-                let section = match kind {
-                    LocalRead::Scalar => Section::Pre,
-                    LocalRead::Forwarded => Section::Inner,
-                    LocalRead::Stored => continue,
-                };
-                let name = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
-                replace.insert(*b, (name, section));
-            }
-            let out_layout = &p.buffer(out_buf).layout;
-            let is_red = node.kind() == NodeKind::Reduction;
-            let mut em = BodyEmitter::new(p, &kn.body, &ptr, &replace, &kn.ranges, &mut tmp, split);
-            em.rows = Some((&rows, row_position(&g.inner)));
-            em.chunk_sums_above = reduction_len.map(|r| (r, sum_chunk as expr::ChunkLen));
-            em.read_only = Some(&read_only);
-            let vals = kn.body.visit(&mut em);
-            let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
-            let value = vals[store.value.0 as usize].clone();
-            let section = em.section_of(&value);
-            let vdt = kn.body.dtype(store.value);
-            // the value as a reader of the buffer sees it: rounded to the buffer's type
-            // by position, not buffer name: kernels that differ only in buffers share one definition
-            let local = format!("loc_{pos}");
-            let conv = expr::cast_expr(&value, vdt, out_layout.dtype);
-            let ct = c_type(out_layout.dtype);
-            let line = format!("{ct} {local} = {conv};\n");
-            let allocated = matches!(s.storage[out_buf.0 as usize], Storage::Allocated | Storage::Row);
-            let mut idx = if rows.contains(&out_buf) { row_position(&g.inner) } else { em.index(&store.index) };
-            for (v, c) in &store.terms {
-                idx = format!("{idx} + {c}LL * {}", vals[v.0 as usize]);
-            }
-            let store_line = if allocated {
-                let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
-                let odt = out_layout.dtype;
-                match store.mode {
-                    StoreMode::Set => format!("{dst}[{idx}] = {};\n", expr::store_conv(&local, odt)),
-                    StoreMode::Combine(op) if atomic_scatter(op, odt) => {
-                        format!("#pragma omp atomic\n{dst}[{idx}] += {local};\n")
-                    }
-                    StoreMode::Combine(op) => {
-                        // a read-modify-write; the kernel runs sequentially (see `scatter_parallel`)
-                        let old = expr::load_conv(&format!("{dst}[{idx}]"), odt);
-                        let new = if odt == DType::Bool {
-                            let c = if matches!(op, ReduceOp::Sum | ReduceOp::Max) { "||" } else { "&&" };
-                            format!("({old} {c} {local})")
-                        } else {
-                            expr::combine(op, odt, &old, &local)
-                        };
-                        format!("{dst}[{idx}] = {};\n", expr::store_conv(&new, odt))
-                    }
-                }
-            } else {
-                String::new()
-            };
-            hoisted.push_str(&em.kernel);
-            pre.push_str(&em.pre);
-            inner.push_str(&em.inner);
-            post.push_str(&em.post);
-            accs.append(&mut em.accs);
-            match (is_red, section) {
-                (true, _) | (false, Section::Post) => {
-                    post.push_str(&line);
-                    post.push_str(&store_line);
-                }
-                (false, Section::Kernel | Section::Pre | Section::Inner) => {
-                    inner.push_str(&line);
-                    inner.push_str(&store_line);
-                }
-            }
-            locals.insert(out_buf, local);
-        }
-        codes.push((GroupCode { pre, inner, post, accs }, split));
+        let mut group = CppGroup {
+            program: p,
+            storage: &s.storage,
+            ptr: &params.ptr,
+            split,
+            chunk_sums_above: reduction_len.map(|r| (r, sum_chunk as dialect::ChunkLen)),
+            rows,
+            row_position: row_position(&g.inner),
+            read_only: &read_only,
+            accs: Vec::new(),
+        };
+        let text = write_group(&mut group, s, k, g, &mut locals, &reads_at, &mut tmp, None)?;
+        hoisted.push_str(&text.kernel);
+        codes.push((GroupCode { pre: text.pre, inner: text.inner, post: text.post, accs: group.accs }, split));
     }
-    let tile = if rows.is_empty() && vectorize { column_tile(plan, &codes) } else { None };
-    let single_flat = plan.groups.len() == 1 && plan.groups[0].inner.is_empty() && !plan.groups[0].reduction;
-    let worksharing = if single_flat && parallel {
-        Some(if vectorize { "for simd" } else { "for" })
-    } else if !single_flat && outer_parallel {
+    Ok((hoisted, codes))
+}
+
+/// Opens the kernel's OpenMP region, if it runs on several threads, with the loop-invariant
+/// code; returns whether a `{` region was opened (closed after the loops).
+fn open_parallel_region(out: &mut String, k: &FusedKernel, threads: &Threads, hoisted: &str) -> bool {
+    let groups = &k.plan.groups;
+    let single_flat = groups.len() == 1 && groups[0].inner.is_empty() && !groups[0].reduction;
+    let worksharing = if single_flat && threads.parallel {
+        Some(if threads.vectorize { "for simd" } else { "for" })
+    } else if !single_flat && threads.outer_parallel {
         Some("for")
     } else {
         None
@@ -257,43 +262,16 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     let region = worksharing.is_some() && !hoisted.is_empty();
     match worksharing {
         Some(w) if region => {
-            out.push_str(
-                "  #pragma omp parallel
-  {
-",
-            );
-            out.push_str(&indent(&hoisted, 2));
+            out.push_str("  #pragma omp parallel\n  {\n");
+            out.push_str(&indent(hoisted, 2));
             let _ = writeln!(out, "  #pragma omp {w}");
         }
         Some(w) => {
             let _ = writeln!(out, "  #pragma omp parallel {w}");
         }
-        None => out.push_str(&indent(&hoisted, 2)),
+        None => out.push_str(&indent(hoisted, 2)),
     }
-    if let Some(t) = tile {
-        let _ = writeln!(out, "  for (int64_t x0t = 0; x0t < {n}LL; x0t += {t}LL) {{");
-        let _ = writeln!(out, "    const int64_t x0n = ferro::min<int64_t>({t}LL, {n}LL - x0t);");
-        let mut codes = codes.into_iter().map(|(c, _)| c);
-        let mut code = codes.next().ok_or_else(|| err("a tiled kernel without groups".into()))?;
-        for (gi, later) in codes.enumerate() {
-            let _ = writeln!(code.post, "// group {}: loop []", gi + 1);
-            code.post.push_str(&later.pre);
-            code.post.push_str(&later.inner);
-            code.post.push_str(&later.post);
-        }
-        emit_column_tiled_group(&mut out, &plan.groups[0], code, t);
-    } else {
-        let _ = writeln!(out, "  for (int64_t x0 = 0; x0 < {n}LL; ++x0) {{");
-        out.push_str(&row_decls);
-        for (gi, (code, split)) in codes.into_iter().enumerate() {
-            emit_group(&mut out, gi, &plan.groups[gi], code, split, vectorize);
-        }
-    }
-    out.push_str(if region { "  }\n  }\n" } else { "  }\n" });
-    out.push_str("  return ferro_err;\n}\n");
-    let mut args = read;
-    args.extend(written);
-    Ok((out, args))
+    region
 }
 
 /// The position of the current element in a group's loops (`x1..`, row-major): where a scratch

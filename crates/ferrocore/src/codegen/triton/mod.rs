@@ -9,18 +9,19 @@
 //! Index math is int32 only where every index of the kernel provably fits, int64 otherwise.
 //! What this backend cannot render yet is a typed `Unsupported` error, never a wrong kernel.
 
-mod expr;
+mod dialect;
 
+use super::writer::{local_reads_by_node, write_group, Computed, Locals, Section, SectionText};
 use super::{
     kernel_buffers, kernel_numel, next_power_of_two, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape,
     RenderedKernels, TuneConfig,
 };
 use crate::graph::{DType, Device};
 use crate::loop_ir::*;
-use crate::scheduler::{FusedKernel, Item, LocalRead, Schedule, Storage};
+use crate::scheduler::{FusedKernel, Item, LocalRead, LoopGroup, Schedule};
 use crate::symbolic::{IndexExpr, Var};
-use expr::{cast_expr, compute_type, fits_i32, reduction_init, signature_type, store_conv, BodyEmitter, Section};
-use std::collections::HashMap;
+use dialect::{compute_type, fits_i32, reduction_init, signature_type, Acc, TritonGroup};
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 pub const PRELUDE: &str = include_str!("prelude.py");
@@ -319,87 +320,135 @@ fn indent(text: &str, n: usize) -> String {
 }
 
 fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch), CodegenError> {
-    let p = &s.program;
-    let plan = &k.plan;
-    let err = |m: String| CodegenError::internal(&k.name, m);
-    let (read, written) = kernel_buffers(s, k);
-    let mut ptr: HashMap<BufferId, String> = HashMap::new();
-    let mut params = Vec::new();
-    let mut signature = Vec::new();
-    for (prefix, bufs) in [("in_ptr", &read), ("out_ptr", &written)] {
-        for (i, b) in bufs.iter().enumerate() {
-            let name = format!("{prefix}{i}");
-            let dt = element_type(p.buffer(*b).layout.dtype);
-            let sig = signature_type(dt).ok_or_else(|| CodegenError::unsupported(&k.name, format!("{} values", dt.torch_name())))?;
-            params.push(name.clone());
-            signature.push((name.clone(), sig.to_string()));
-            ptr.insert(*b, name);
-        }
-    }
-    let checks_indices = plan.nodes.iter().any(|kn| p.nodes[kn.node].checks_indices());
-    if checks_indices {
-        params.push("err_ptr".into());
-        signature.push(("err_ptr".into(), "*i32".into()));
-    }
+    let params = Params::of(s, k)?;
+    let geo = Geometry::of(s, k, &params);
+    let mut out = String::new();
+    write_header(&mut out, k, &params, &geo);
+    write_groups(&mut out, s, k, &params, &geo)?;
+    Ok((out, launch(s, k, params, &geo)))
+}
 
-    let flat = plan.groups.len() == 1 && !plan.groups[0].reduction;
-    let outer = plan.outer;
-    let x_itemsize = if flat { None } else { x_contiguous_itemsize(k) };
-    let x_contiguous = x_itemsize.is_some();
-    let wide_stores = written.iter().any(|b| element_type(p.buffer(*b).layout.dtype).itemsize() == 8);
-    let block_max = if wide_stores { WIDE_STORE_BLOCK_MAX } else { i64::MAX };
-    let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner, x_itemsize, block_max)).collect();
-    // (a TILE x TILE tile is a block of 4096)
-    let tiled = flat && !wide_stores && transposed_access(k);
-    let (xnumel, xblock, warps) = if tiled {
-        // programs cover TILE x TILE tiles: grid = row tiles x column tiles
-        let cols = shapes[0].numel;
-        (outer * cols, TILE, num_warps(TILE * TILE))
-    } else if flat {
-        let total = outer * shapes[0].numel;
-        let xblock = next_power_of_two(total).min(MAX_XBLOCK);
-        (total, xblock, num_warps(xblock))
-    } else {
-        let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
-        let mut xblock = next_power_of_two(outer).min((MAX_BLOCK_ELEMENTS.min(block_max) / rmax).max(1)).min(MAX_XBLOCK);
-        if x_contiguous {
-            // a reduction over an outer dim loops over its rows in every program: narrower
-            // column tiles give more programs to fill the GPU (16 floats still fill a sector)
-            while xblock > MIN_X_CONTIGUOUS_XBLOCK && outer / xblock < TARGET_PROGRAMS {
-                xblock /= 2;
+/// A kernel's parameters: buffers read from memory, then buffers written, then the error flag of
+/// a kernel that checks gathered indices; and the name its code uses for each buffer.
+struct Params {
+    read: Vec<BufferId>,
+    written: Vec<BufferId>,
+    ptr: HashMap<BufferId, String>,
+    names: Vec<String>,
+    signature: Vec<(String, String)>,
+    checks_indices: bool,
+}
+
+impl Params {
+    fn of(s: &Schedule, k: &FusedKernel) -> Result<Params, CodegenError> {
+        let p = &s.program;
+        let (read, written) = kernel_buffers(s, k);
+        let mut ptr: HashMap<BufferId, String> = HashMap::new();
+        let mut names = Vec::new();
+        let mut signature = Vec::new();
+        for (prefix, bufs) in [("in_ptr", &read), ("out_ptr", &written)] {
+            for (i, b) in bufs.iter().enumerate() {
+                let name = format!("{prefix}{i}");
+                let dt = element_type(p.buffer(*b).layout.dtype);
+                let sig = signature_type(dt).ok_or_else(|| CodegenError::unsupported(&k.name, format!("{} values", dt.torch_name())))?;
+                names.push(name.clone());
+                signature.push((name.clone(), sig.to_string()));
+                ptr.insert(*b, name);
             }
         }
-        (outer, xblock, num_warps(xblock * rmax))
-    };
-    let grid = if tiled {
-        let cols = shapes[0].numel;
-        ((outer + TILE - 1) / TILE) * ((cols + TILE - 1) / TILE)
-    } else {
-        (xnumel + xblock - 1) / xblock
-    };
-
-    // int32 index math only where every index and every buffer provably fits
-    let limit = (i32::MAX / 2) as i64;
-    // the largest flat index a (masked) lane computes: a tile's rows and columns may overhang
-    let reach = if tiled { (outer + TILE) * (shapes[0].numel + TILE) } else { xnumel + xblock };
-    let mut idx32 = reach < limit && kernel_numel(k) < limit;
-    for b in read.iter().chain(&written) {
-        idx32 &= p.buffer(*b).layout.storage_numel() < limit;
-    }
-    for kn in &plan.nodes {
-        for e in kn.body.indices() {
-            idx32 &= fits_i32(e, &kn.ranges);
+        let checks_indices = k.plan.nodes.iter().any(|kn| p.nodes[kn.node].checks_indices());
+        if checks_indices {
+            names.push("err_ptr".into());
+            signature.push(("err_ptr".into(), "*i32".into()));
         }
+        Ok(Params { read, written, ptr, names, signature, checks_indices })
     }
+}
 
-    let mut out = String::new();
-    let mut all_params = params.clone();
+/// How a kernel's iterations map onto programs and blocks.
+struct Geometry {
+    /// One pointwise group over the whole iteration space, in 1-D blocks.
+    flat: bool,
+    /// A flat kernel whose programs cover TILE x TILE tiles (a transposing copy).
+    tiled: bool,
+    /// A reduction over an outer dim: programs cover column tiles of its rows.
+    x_contiguous: bool,
+    shapes: Vec<GroupShape>,
+    /// Iterations the grid covers, and per program.
+    xnumel: i64,
+    xblock: i64,
+    warps: u32,
+    grid: i64,
+    block_max: i64,
+    /// Index math in int32: every index and every buffer provably fits.
+    idx32: bool,
+}
+
+/// Flat indices an int32 kernel may compute, at most.
+const IDX32_LIMIT: i64 = (i32::MAX / 2) as i64;
+
+impl Geometry {
+    fn of(s: &Schedule, k: &FusedKernel, params: &Params) -> Geometry {
+        let p = &s.program;
+        let plan = &k.plan;
+        let flat = plan.groups.len() == 1 && !plan.groups[0].reduction;
+        let outer = plan.outer;
+        let x_itemsize = if flat { None } else { x_contiguous_itemsize(k) };
+        let x_contiguous = x_itemsize.is_some();
+        let wide_stores = params.written.iter().any(|b| element_type(p.buffer(*b).layout.dtype).itemsize() == 8);
+        let block_max = if wide_stores { WIDE_STORE_BLOCK_MAX } else { i64::MAX };
+        let shapes: Vec<GroupShape> = plan.groups.iter().map(|g| group_shape(&g.inner, x_itemsize, block_max)).collect();
+        // (a TILE x TILE tile is a block of 4096)
+        let tiled = flat && !wide_stores && transposed_access(k);
+        let cols = shapes[0].numel;
+        let (xnumel, xblock, warps) = if tiled {
+            // programs cover TILE x TILE tiles: grid = row tiles x column tiles
+            (outer * cols, TILE, num_warps(TILE * TILE))
+        } else if flat {
+            let total = outer * cols;
+            let xblock = next_power_of_two(total).min(MAX_XBLOCK);
+            (total, xblock, num_warps(xblock))
+        } else {
+            let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
+            let mut xblock = next_power_of_two(outer).min((MAX_BLOCK_ELEMENTS.min(block_max) / rmax).max(1)).min(MAX_XBLOCK);
+            if x_contiguous {
+                // a reduction over an outer dim loops over its rows in every program: narrower
+                // column tiles give more programs to fill the GPU (16 floats still fill a sector)
+                while xblock > MIN_X_CONTIGUOUS_XBLOCK && outer / xblock < TARGET_PROGRAMS {
+                    xblock /= 2;
+                }
+            }
+            (outer, xblock, num_warps(xblock * rmax))
+        };
+        let grid = if tiled { ((outer + TILE - 1) / TILE) * ((cols + TILE - 1) / TILE) } else { (xnumel + xblock - 1) / xblock };
+        // the largest flat index a (masked) lane computes: a tile's rows and columns may overhang
+        let reach = if tiled { (outer + TILE) * (cols + TILE) } else { xnumel + xblock };
+        let mut idx32 = reach < IDX32_LIMIT && kernel_numel(k) < IDX32_LIMIT;
+        for b in params.read.iter().chain(&params.written) {
+            idx32 &= p.buffer(*b).layout.storage_numel() < IDX32_LIMIT;
+        }
+        for kn in &plan.nodes {
+            for e in kn.body.indices() {
+                idx32 &= fits_i32(e, &kn.ranges);
+            }
+        }
+        Geometry { flat, tiled, x_contiguous, shapes, xnumel, xblock, warps, grid, block_max, idx32 }
+    }
+}
+
+/// The kernel's signature and the program's position: `x0` (and a flat kernel's inner
+/// variables), `xmask`, `xzero`.
+fn write_header(out: &mut String, k: &FusedKernel, params: &Params, geo: &Geometry) {
+    let plan = &k.plan;
+    let outer = plan.outer;
+    let mut all_params = params.names.clone();
     all_params.push("XBLOCK: tl.constexpr".into());
     let _ = writeln!(out, "@ferro_jit\ndef {}({}):", k.name, all_params.join(", "));
-    let pid = if idx32 { "tl.program_id(0)" } else { "tl.program_id(0).to(tl.int64)" };
-    if tiled {
+    let pid = if geo.idx32 { "tl.program_id(0)" } else { "tl.program_id(0).to(tl.int64)" };
+    let xnumel = geo.xnumel;
+    if geo.tiled {
         // XBLOCK columns of the inner variable by TILE rows of x0 (XBLOCK == TILE)
-        let cols = shapes[0].numel;
+        let cols = geo.shapes[0].numel;
         let col_tiles = (cols + TILE - 1) / TILE;
         let _ = writeln!(out, "    pid = {pid}");
         let _ = writeln!(out, "    yoffset = (pid // {col_tiles}) * {TILE}");
@@ -408,16 +457,16 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
         let _ = writeln!(out, "    x1 = xoffset + tl.arange(0, XBLOCK)[None, :]");
         let _ = writeln!(out, "    xmask = (x0 < {outer}) & (x1 < {cols})");
         let _ = writeln!(out, "    xindex = x0 * {cols} + x1");
-    } else if flat {
+    } else if geo.flat {
         let _ = writeln!(out, "    xoffset = {pid} * XBLOCK");
         let _ = writeln!(out, "    xindex = xoffset + tl.arange(0, XBLOCK)");
         let _ = writeln!(out, "    xmask = xindex < {xnumel}");
         let inner = &plan.groups[0].inner;
-        let r = shapes[0].numel;
+        let r = geo.shapes[0].numel;
         let _ = writeln!(out, "    x0 = {}", if r > 1 { format!("xindex // {r}") } else { "xindex".into() });
         if !inner.is_empty() {
             let _ = writeln!(out, "    xinner = xindex % {r}");
-            decompose(&mut out, "    ", "xinner", inner, &|k| format!("x{k}"));
+            decompose(out, "    ", "xinner", inner, &|k| format!("x{k}"));
         }
     } else {
         let _ = writeln!(out, "    xoffset = {pid} * XBLOCK");
@@ -426,20 +475,31 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
         out.push_str("    x0 = xindex\n");
     }
     out.push_str("    xzero = xindex * 0\n");
+}
 
-    // in-kernel values: buffer -> (variable, section within its group)
-    let mut locals: HashMap<BufferId, (String, Section)> = HashMap::new();
+/// Writes each loop group through the kernel writer, then lays it out (persistent, looped or
+/// flat).
+fn write_groups(out: &mut String, s: &Schedule, k: &FusedKernel, params: &Params, geo: &Geometry) -> Result<(), CodegenError> {
+    let p = &s.program;
+    let plan = &k.plan;
+    let reads_at = local_reads_by_node(k);
+    let mut locals = Locals::new();
     let mut tmp = 0usize;
+    let empty: HashSet<BufferId> = params.read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect();
     // values computed at the kernel's top level by earlier groups (persistent groups, and what
     // looped groups compute outside their loop): later groups reuse them, loads included (their
     // buffers are read-only in the kernel), except loads of buffers the kernel writes
-    let mut shared: HashMap<String, (String, Section)> = HashMap::new();
+    let mut shared: Computed = HashMap::new();
     for (gi, g) in plan.groups.iter().enumerate() {
-        let shape = &shapes[gi];
+        let shape = &geo.shapes[gi];
         // persistent groups over the same inner loops share their inner variables' names (so
         // that their loads are the same expressions); looped ones bind theirs inside the loop
-        let rp =
-            if flat || shape.looped { gi } else { (0..gi).find(|&h| !shapes[h].looped && plan.groups[h].inner == g.inner).unwrap_or(gi) };
+        let rp = if geo.flat || shape.looped {
+            gi
+        } else {
+            (0..gi).find(|&h| !geo.shapes[h].looped && plan.groups[h].inner == g.inner).unwrap_or(gi)
+        };
+        let flat = geo.flat;
         let var_name = move |v: Var| -> String {
             match (v.0, flat) {
                 (0, _) => "x0".to_string(),
@@ -448,201 +508,128 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             }
         };
         // a group without inner loops needs no second axis
-        let no_inner = g.inner.is_empty();
-        let full_mask = if flat || no_inner { "xmask".to_string() } else { format!("xmask & r{rp}mask") };
-        // computed before this group: available from its start, like a per-row scalar
-        let mut cse: HashMap<String, (String, Section)> = shared.iter().map(|(k, (v, _))| (k.clone(), (v.clone(), Section::Pre))).collect();
-        let mut pre = String::new();
-        let mut inner = String::new();
-        let mut post = String::new();
-        let mut accs = Vec::new();
-        let stored_read = g.nodes.iter().any(|&pos| plan.local_reads.iter().any(|(r, _, kind)| *r == pos && *kind == LocalRead::Stored));
-        for &pos in &g.nodes {
-            let kn = &plan.nodes[pos];
-            let node = &p.nodes[kn.node];
-            let out_buf = node.output;
-            let mut replace: HashMap<BufferId, (String, Section)> = HashMap::new();
-            for (r, b, kind) in &plan.local_reads {
-                if *r != pos {
-                    continue;
-                }
-                let (name, section) = match kind {
-                    LocalRead::Scalar => {
-                        let (name, _) = locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?;
-                        (name, Section::Pre)
-                    }
-                    LocalRead::Forwarded => {
-                        locals.get(b).cloned().ok_or_else(|| err(format!("no local value for {}", p.buffer(*b).name)))?
-                    }
-                    LocalRead::Stored => continue,
-                };
-                replace.insert(*b, (name, section));
-            }
-            let err_ptr = if checks_indices { Some("err_ptr") } else { None };
-            let mut em = BodyEmitter::new(
-                &ptr,
-                &replace,
-                &kn.ranges,
-                &var_name,
-                &mut tmp,
-                !flat,
-                shape.looped,
-                shape.rblock,
-                full_mask.clone(),
-                err_ptr,
-                &mut cse,
-            );
-            em.empty = read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect();
+        let full_mask = if flat || g.inner.is_empty() { "xmask".to_string() } else { format!("xmask & r{rp}mask") };
+        let mut group = TritonGroup {
+            storage: &s.storage,
+            ptr: &params.ptr,
+            var_name: &var_name,
+            two_d: !flat,
+            looped: shape.looped,
             // a reduction over an outer dim (column tiles: a float64 tile doubles its registers,
             // and its speed fell by 40%) adds along columns as CUDA eager does: float32
-            em.terms_per_lane = if shape.looped && !x_contiguous { (shape.numel + shape.rblock - 1) / shape.rblock } else { 1 };
-            let vals = kn.body.visit(&mut em);
-            if let Some(why) = em.unsupported.take() {
-                return Err(CodegenError::unsupported(&k.name, why));
-            }
-            let store = kn.body.store.as_ref().ok_or_else(|| err("node without a store".into()))?;
-            let value = vals[store.value.0 as usize].clone();
-            let vdt = kn.body.dtype(store.value);
-            let out_layout = &p.buffer(out_buf).layout;
-            let out_dtype = element_type(out_layout.dtype);
-            let section = if node.kind() == NodeKind::Reduction {
-                Section::Post
-            } else {
-                let terms = store.terms.iter().map(|(v, _)| em.section_of(&vals[v.0 as usize]));
-                terms.fold(em.section_of(&value).max(BodyEmitter::index_section(&store.index)), Section::max)
-            };
-            // the value as a reader of the buffer sees it: rounded to the buffer's type
-            // named by position only: kernels that differ only in buffers stay identical text
-            let local = format!("loc{pos}");
-            let mut lines = format!("{local} = {}\n", cast_expr(&value, vdt, out_dtype));
-            if s.storage[out_buf.0 as usize] == Storage::Allocated {
-                let dst = ptr.get(&out_buf).ok_or_else(|| err("output without a pointer".into()))?;
-                // a float32 value stored to a half buffer is rounded once, by the store (rounding
-                // to the half type first, in the body or for the local, gives the same bits)
-                let odt = out_dtype;
-                let half = matches!(odt, DType::F16 | DType::BF16);
-                let unrounded = match kn.body.expr(store.value) {
-                    Expr::Cast(x) if half && vdt == odt && kn.body.dtype(*x) == DType::F32 => Some(vals[x.0 as usize].clone()),
-                    _ if half && matches!(vdt, DType::F32 | DType::F16 | DType::BF16) => Some(value.clone()),
-                    _ => None,
-                };
-                let stored = store_conv(unrounded.as_ref().unwrap_or(&local), odt);
-                let mut address = em.address(dst, &store.index);
-                for (v, c) in &store.terms {
-                    let _ = write!(address, " + {c}*{}", vals[v.0 as usize]);
-                }
-                let mask = em.mask(section);
-                match store.mode {
-                    StoreMode::Set => {
-                        let _ = writeln!(lines, "tl.store({address}, {stored}, {mask})");
-                    }
-                    StoreMode::Combine(op) if cas_combine(op, odt) => {
-                        let bits = match odt.itemsize() {
-                            8 => "tl.int64",
-                            2 => "tl.int16",
-                            _ => "tl.int32",
-                        };
-                        let code = match op {
-                            ReduceOp::Max => 1,
-                            ReduceOp::Min => 2,
-                            _ => 0,
-                        };
-                        let _ = writeln!(lines, "ferro_atomic_combine({dst}, {address}, {stored}, {mask}, {bits}, {code})");
-                    }
-                    StoreMode::Combine(op) => {
-                        // `check_supported` admits only these, of atomic types
-                        let f = match op {
-                            ReduceOp::Max => "tl.atomic_max",
-                            ReduceOp::Min => "tl.atomic_min",
-                            _ => "tl.atomic_add",
-                        };
-                        let _ = writeln!(lines, "{f}({address}, {stored}, {mask})");
-                    }
-                }
-            }
-            pre.push_str(&em.pre);
-            inner.push_str(&em.inner);
-            post.push_str(&em.post);
-            accs.append(&mut em.accs);
-            match section {
-                Section::Pre => pre.push_str(&lines),
-                Section::Inner => inner.push_str(&lines),
-                Section::Post => post.push_str(&lines),
-            }
-            locals.insert(out_buf, (local, section));
-        }
-        for (text, (name, section)) in cse {
+            terms_per_lane: if shape.looped && !geo.x_contiguous { (shape.numel + shape.rblock - 1) / shape.rblock } else { 1 },
+            rblock: shape.rblock,
+            full_mask,
+            err_ptr: params.checks_indices.then_some("err_ptr"),
+            empty: empty.clone(),
+            accs: Vec::new(),
+        };
+        // computed before this group: available from its start, like a per-row scalar
+        let mut computed: Computed = shared.iter().map(|(k, (v, _))| (k.clone(), (v.clone(), Section::Pre))).collect();
+        let code = write_group(&mut group, s, k, g, &mut locals, &reads_at, &mut tmp, Some(&mut computed))?;
+        for (text, (name, section)) in computed {
             let visible = !shape.looped || section != Section::Inner;
             if visible && !text.starts_with("tl.load(out_ptr") {
                 shared.insert(text, (name, section));
             }
         }
-        let kind = if g.reduction { "reduction" } else { "loop" };
-        let how = if flat {
-            "flat"
-        } else if shape.looped {
-            "looped"
-        } else {
-            "persistent"
-        };
-        let _ = writeln!(out, "    # group {gi}: {kind} over {:?} ({how})", g.inner);
-        if stored_read {
-            // reads what an earlier group of this program stored: other threads wrote it
-            out.push_str("    tl.debug_barrier()\n");
+        let stored_read = g.nodes.iter().any(|&pos| plan.local_reads.iter().any(|(r, _, kind)| *r == pos && *kind == LocalRead::Stored));
+        lay_out_group(out, gi, g, rp, geo, stored_read, &code, &group.accs);
+    }
+    Ok(())
+}
+
+/// Writes one group's code: a flat or persistent group in one step, a looped one as its
+/// accumulators, a loop of `RBLOCK`-wide steps, and the code after the loop.
+#[allow(clippy::too_many_arguments)]
+fn lay_out_group(
+    out: &mut String,
+    gi: usize,
+    g: &LoopGroup,
+    rp: usize,
+    geo: &Geometry,
+    stored_read: bool,
+    code: &SectionText,
+    accs: &[Acc],
+) {
+    let shape = &geo.shapes[gi];
+    let kind = if g.reduction { "reduction" } else { "loop" };
+    let how = if geo.flat {
+        "flat"
+    } else if shape.looped {
+        "looped"
+    } else {
+        "persistent"
+    };
+    let _ = writeln!(out, "    # group {gi}: {kind} over {:?} ({how})", g.inner);
+    if stored_read {
+        // reads what an earlier group of this program stored: other threads wrote it
+        out.push_str("    tl.debug_barrier()\n");
+    }
+    let rbase = format!("tl.arange(0, {})[None, :]{}", shape.rblock, if geo.idx32 { "" } else { ".to(tl.int64)" });
+    let rvar = |k: usize| format!("r{rp}_{k}");
+    if geo.flat || !shape.looped {
+        if !geo.flat && !g.inner.is_empty() && rp == gi {
+            let _ = writeln!(out, "    r{rp}index = {rbase}");
+            let _ = writeln!(out, "    r{rp}mask = r{rp}index < {}", shape.numel);
+            decompose(out, "    ", &format!("r{rp}index"), &g.inner, &rvar);
         }
-        let rbase = format!("tl.arange(0, {})[None, :]{}", shape.rblock, if idx32 { "" } else { ".to(tl.int64)" });
-        let rvar = |k: usize| format!("r{rp}_{k}");
-        if flat {
-            out.push_str(&indent(&pre, 4));
-            out.push_str(&indent(&inner, 4));
-            out.push_str(&indent(&post, 4));
-        } else if !shape.looped {
-            if !no_inner && rp == gi {
-                let _ = writeln!(out, "    r{rp}index = {rbase}");
-                let _ = writeln!(out, "    r{rp}mask = r{rp}index < {}", shape.numel);
-                decompose(&mut out, "    ", &format!("r{rp}index"), &g.inner, &rvar);
-            }
-            out.push_str(&indent(&pre, 4));
-            out.push_str(&indent(&inner, 4));
-            out.push_str(&indent(&post, 4));
-        } else {
-            out.push_str(&indent(&pre, 4));
-            let rb = shape.rblock;
-            for a in &accs {
-                let t = compute_type(a.dtype).unwrap_or("tl.float32");
-                match a.value_dtype {
-                    None if a.op == ReduceOp::WelfordM2 => {
-                        for part in ["mean", "m2", "w"] {
-                            let _ = writeln!(out, "    {}_{part} = tl.zeros([XBLOCK, {rb}], {t})", a.name);
-                        }
-                    }
-                    Some(vd) => {
-                        let vt = compute_type(vd).unwrap_or("tl.float32");
-                        let _ = writeln!(out, "    {}_val = tl.full([XBLOCK, {rb}], {}, {vt})", a.name, reduction_init(a.op, vd));
-                        let _ = writeln!(out, "    {} = tl.full([XBLOCK, {rb}], {}, tl.int64)", a.name, i64::MAX);
-                    }
-                    None => {
-                        let width = if a.carry { 1 } else { rb };
-                        let t = if a.wide { "tl.float64" } else { t };
-                        let _ = writeln!(out, "    {} = tl.full([XBLOCK, {width}], {}, {t})", a.name, reduction_init(a.op, a.dtype));
-                    }
+        out.push_str(&indent(&code.pre, 4));
+        out.push_str(&indent(&code.inner, 4));
+        out.push_str(&indent(&code.post, 4));
+        return;
+    }
+    out.push_str(&indent(&code.pre, 4));
+    declare_accumulators(out, accs, shape.rblock);
+    let _ = writeln!(out, "    r{gi}base = {rbase}");
+    let _ = writeln!(out, "    for r{gi}offset in range(0, {}, {}):", shape.numel, shape.rblock);
+    let _ = writeln!(out, "        r{gi}index = r{gi}offset + r{gi}base");
+    let _ = writeln!(out, "        r{gi}mask = r{gi}index < {}", shape.numel);
+    decompose(out, "        ", &format!("r{gi}index"), &g.inner, &rvar);
+    out.push_str(&indent(&code.inner, 8));
+    out.push_str(&indent(&code.post, 4));
+}
+
+/// A looped group's accumulators, one lane per block column, at their identity.
+fn declare_accumulators(out: &mut String, accs: &[Acc], rb: i64) {
+    for Acc { acc: a, carry, wide } in accs {
+        let t = compute_type(a.dtype).unwrap_or("tl.float32");
+        match a.value_dtype {
+            None if a.op == ReduceOp::WelfordM2 => {
+                for part in ["mean", "m2", "w"] {
+                    let _ = writeln!(out, "    {}_{part} = tl.zeros([XBLOCK, {rb}], {t})", a.name);
                 }
             }
-            let _ = writeln!(out, "    r{gi}base = {rbase}");
-            let _ = writeln!(out, "    for r{gi}offset in range(0, {}, {rb}):", shape.numel);
-            let _ = writeln!(out, "        r{gi}index = r{gi}offset + r{gi}base");
-            let _ = writeln!(out, "        r{gi}mask = r{gi}index < {}", shape.numel);
-            decompose(&mut out, "        ", &format!("r{gi}index"), &g.inner, &rvar);
-            out.push_str(&indent(&inner, 8));
-            out.push_str(&indent(&post, 4));
+            Some(vd) => {
+                let vt = compute_type(vd).unwrap_or("tl.float32");
+                let _ = writeln!(out, "    {}_val = tl.full([XBLOCK, {rb}], {}, {vt})", a.name, reduction_init(a.op, vd));
+                let _ = writeln!(out, "    {} = tl.full([XBLOCK, {rb}], {}, tl.int64)", a.name, i64::MAX);
+            }
+            None => {
+                let width = if *carry { 1 } else { rb };
+                let t = if *wide { "tl.float64" } else { t };
+                let _ = writeln!(out, "    {} = tl.full([XBLOCK, {width}], {}, {t})", a.name, reduction_init(a.op, a.dtype));
+            }
         }
     }
-    let numel = kernel_numel(k);
-    let looped = shapes.iter().any(|g| g.looped);
-    let rmax = shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
-    let space = Space { tiled, flat, looped, xnumel, rmax, block_max, idx32_reach: if idx32 { Some(limit) } else { None } };
-    let base = TuneConfig { grid, xblock, num_warps: warps, num_stages: 1 };
-    let args: Vec<BufferId> = read.into_iter().chain(written).collect();
+}
+
+/// The kernel's launch: its grid, the configurations an autotuner may try, its arguments.
+fn launch(s: &Schedule, k: &FusedKernel, params: Params, geo: &Geometry) -> KernelLaunch {
+    let p = &s.program;
+    let looped = geo.shapes.iter().any(|g| g.looped);
+    let rmax = geo.shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
+    let space = Space {
+        tiled: geo.tiled,
+        flat: geo.flat,
+        looped,
+        xnumel: geo.xnumel,
+        rmax,
+        block_max: geo.block_max,
+        idx32_reach: geo.idx32.then_some(IDX32_LIMIT),
+    };
+    let base = TuneConfig { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1 };
+    let args: Vec<BufferId> = params.read.into_iter().chain(params.written).collect();
     let mut arg_numel: Vec<i64> = args
         .iter()
         .map(|b| {
@@ -650,21 +637,20 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch)
             l.storage_numel().max(1) * if l.dtype.is_complex() { 2 } else { 1 }
         })
         .collect();
-    if checks_indices {
+    if params.checks_indices {
         arg_numel.push(1);
     }
-    let launch = KernelLaunch {
+    KernelLaunch {
         name: k.name.clone(),
         args,
-        checks_indices,
-        numel,
-        shape: LaunchShape::Grid { grid, xblock, num_warps: warps, num_stages: 1 },
-        signature,
+        checks_indices: params.checks_indices,
+        numel: kernel_numel(k),
+        shape: LaunchShape::Grid { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1 },
+        signature: params.signature,
         candidates: candidates(&space, base),
         arg_numel,
         text: 0..0, // placed by `render`
-    };
-    Ok((out, launch))
+    }
 }
 
 /// What bounds a kernel's launch configurations.
