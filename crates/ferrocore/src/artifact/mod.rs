@@ -26,7 +26,7 @@ pub struct CompiledGraph {
     pub language: Language,
     /// The kernels' source unit; None when the graph has no kernel.
     pub unit: Option<KernelUnit>,
-    /// One per launch, in launch order (kernels that differ only in name share a definition).
+    /// One per launch, in launch order (kernels of one structure share a definition).
     pub kernels: Vec<Kernel>,
     /// Every buffer of the program, by id (`buf` fields index it).
     pub buffers: Vec<Buffer>,

@@ -182,34 +182,110 @@ pub fn next_power_of_two(n: i64) -> i64 {
     p
 }
 
-/// A source's kernel definitions, each written once: kernels that differ only in name (the same
+/// A kernel's structure without its name and its buffers' identities: the loop plan, each node's
+/// body over buffers numbered by first use, and what the code reads of each buffer (dtype, size,
+/// where it is stored). Kernels of equal structure render to the same text but for their names.
+pub fn kernel_structure(s: &Schedule, k: &FusedKernel) -> String {
+    let p = &s.program;
+    let mut numbered: HashMap<BufferId, usize> = HashMap::new();
+    let mut number = |b: BufferId| {
+        let next = numbered.len();
+        *numbered.entry(b).or_insert(next)
+    };
+    let mut text = format!("outer {}\n", k.plan.outer);
+    for g in &k.plan.groups {
+        text.push_str(&format!("group {:?} {} {:?}\n", g.inner, g.reduction, g.nodes));
+    }
+    let mut order = Vec::new();
+    for kn in &k.plan.nodes {
+        let node = &p.nodes[kn.node];
+        let out = number(node.output);
+        order.push(node.output);
+        let exprs: Vec<Expr> = kn
+            .body
+            .exprs
+            .iter()
+            .map(|e| match e {
+                Expr::Load { buf, index } => Expr::Load { buf: BufferId(number(*buf) as u32), index: index.clone() },
+                Expr::LoadIndirect { buf, index, terms } => {
+                    Expr::LoadIndirect { buf: BufferId(number(*buf) as u32), index: index.clone(), terms: terms.clone() }
+                }
+                other => other.clone(),
+            })
+            .collect();
+        for e in &kn.body.exprs {
+            if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
+                order.push(*buf);
+            }
+        }
+        text.push_str(&format!(
+            "node group {} out {out} {:?} checks {} ranges {:?}\n  {exprs:?}\n  {:?}\n  {:?}\n",
+            kn.group,
+            node.kind(),
+            node.checks_indices(),
+            kn.ranges,
+            kn.body.dtypes,
+            kn.body.store
+        ));
+    }
+    for (r, b, kind) in &k.plan.local_reads {
+        text.push_str(&format!("local {r} {} {kind:?}\n", number(*b)));
+    }
+    let mut seen = HashSet::new();
+    for b in order.into_iter().filter(|b| seen.insert(*b)) {
+        let l = &p.buffer(b).layout;
+        text.push_str(&format!("buffer {:?} {} {} {:?}\n", l.dtype, l.numel(), l.storage_numel(), s.storage[b.0 as usize]));
+    }
+    text
+}
+
+/// A source's kernel definitions, each written once: kernels of the same structure (the same
 /// layer repeated through a model, the same normalization after every convolution) share the
-/// first one's definition, so the compiler (g++, Triton) builds each body once.
+/// first one's definition, so the compiler (g++, Triton) builds each body once and the backend
+/// writes it once.
 #[derive(Default)]
 pub struct Definitions {
-    /// (the text with its kernel's name taken out, the launch's signature) -> (that kernel's
-    /// name, its span in the source)
-    by_body: HashMap<DefinitionKey, (String, std::ops::Range<usize>)>,
+    /// (the kernel's structure, the launch's signature) -> (that kernel's name, its span in the
+    /// source)
+    by_structure: HashMap<DefinitionKey, (String, std::ops::Range<usize>)>,
 }
 
 type DefinitionKey = (String, Vec<(String, String)>);
 
 impl Definitions {
-    /// Points `launch` at the definition of a kernel with the same body as `text` (the kernel
-    /// `launch.name`'s) and the same signature, or appends `text` after `separator` to `source`
-    /// as a new one. A Triton kernel's text names no types: one binary serves one signature, so
-    /// a copy of uint8 values and one of floats must not share a name (and its binary).
-    pub fn define(&mut self, source: &mut String, separator: &str, text: &str, launch: &mut KernelLaunch) {
-        // the name's first occurrence is the definition's own (`def name(`, `int name(`)
-        let body = (text.replacen(&launch.name, "", 1), launch.signature.clone());
-        if let Some((first, span)) = self.by_body.get(&body) {
+    /// Points `launch` at the definition of a kernel of the same structure as `k` and the same
+    /// signature, or appends the text `write` renders after `separator` to `source` as a new
+    /// one. A Triton kernel's text names no types: one binary serves one signature, so a copy of
+    /// uint8 values and one of floats must not share a name (and its binary).
+    pub fn define(
+        &mut self,
+        source: &mut String,
+        separator: &str,
+        structure: String,
+        launch: &mut KernelLaunch,
+        write: impl FnOnce() -> Result<String, CodegenError>,
+    ) -> Result<(), CodegenError> {
+        let key = (structure, launch.signature.clone());
+        if let Some((first, span)) = self.by_structure.get(&key) {
+            if cfg!(debug_assertions) {
+                // the structure must decide the text: a kernel it pairs wrongly would run another's code
+                let own = write()?.replacen(&launch.name, "", 1);
+                assert_eq!(
+                    own,
+                    source[span.clone()].replacen(first.as_str(), "", 1),
+                    "kernels {first} and {} share a structure",
+                    launch.name
+                );
+            }
             launch.name = first.clone();
             launch.text = span.clone();
-            return;
+            return Ok(());
         }
+        let text = write()?;
         source.push_str(separator);
         launch.text = source.len()..source.len() + text.len();
-        source.push_str(text);
-        self.by_body.insert(body, (launch.name.clone(), launch.text.clone()));
+        source.push_str(&text);
+        self.by_structure.insert(key, (launch.name.clone(), launch.text.clone()));
+        Ok(())
     }
 }

@@ -225,7 +225,7 @@ fn steps(h: &mut String, r: &ReportInput) {
                 let _ =
                     writeln!(h, "<div class=\"step\" id=\"kernel-{}\"><h3>kernel {}</h3>\n<p class=\"note\">{shape}</p>", k.name, k.name);
                 if launch.name != k.name {
-                    // (kernels that differ only in name are defined once: `codegen::Definitions`)
+                    // (kernels of one structure are defined once: `codegen::Definitions`)
                     let _ = writeln!(h, "<p class=\"note\">Launched as {}: the same code.</p>", kernel_link(&launch.name));
                 }
                 origins_html(h, g, &index, p, &kernel_origins(p, k.plan.nodes.iter().map(|kn| kn.node)));

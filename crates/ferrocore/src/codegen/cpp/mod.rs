@@ -6,7 +6,8 @@ mod dialect;
 
 use super::writer::{local_reads_by_node, write_group, Locals};
 use super::{
-    kernel_buffers, kernel_numel, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape, RenderedKernels,
+    kernel_buffers, kernel_numel, kernel_structure, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape,
+    RenderedKernels,
 };
 use crate::graph::DType;
 use crate::loop_ir::*;
@@ -66,7 +67,8 @@ impl KernelBackend for CppBackend {
         let separator = format!("{}\n", crate::runtime::CPP_UNIT_MARK);
         for it in &s.items {
             if let Item::Kernel(k) = it {
-                let (text, args) = render_kernel(s, k)?;
+                let (read, written) = kernel_buffers(s, k);
+                let args = read.into_iter().chain(written).collect();
                 let checks_indices = k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].checks_indices());
                 let mut launch = KernelLaunch {
                     name: k.name.clone(),
@@ -79,7 +81,7 @@ impl KernelBackend for CppBackend {
                     arg_numel: Vec::new(),
                     text: 0..0,
                 };
-                definitions.define(&mut source, &separator, &text, &mut launch);
+                definitions.define(&mut source, &separator, kernel_structure(s, k), &mut launch, || render_kernel(s, k))?;
                 launches.push(launch);
             }
         }
@@ -98,7 +100,7 @@ pub fn prelude(complex: bool) -> String {
     source
 }
 
-fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>), CodegenError> {
+fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenError> {
     let mut params = Params::of(s, k);
     let (rows, row_decls) = scratch_rows(s, k, &mut params.ptr);
     let threads = Threads::of(s, k);
@@ -131,9 +133,7 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, Vec<BufferId>
     }
     out.push_str(if region { "  }\n  }\n" } else { "  }\n" });
     out.push_str("  return ferro_err;\n}\n");
-    let mut args = params.read;
-    args.extend(params.written);
-    Ok((out, args))
+    Ok(out)
 }
 
 /// A kernel's buffer parameters: buffers read from memory first, then buffers written; and the

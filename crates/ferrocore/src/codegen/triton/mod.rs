@@ -13,8 +13,8 @@ mod dialect;
 
 use super::writer::{local_reads_by_node, write_group, Computed, Locals, Section, SectionText};
 use super::{
-    kernel_buffers, kernel_numel, next_power_of_two, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape,
-    RenderedKernels, TuneConfig,
+    kernel_buffers, kernel_numel, kernel_structure, next_power_of_two, CodegenError, Definitions, KernelBackend, KernelLanguage,
+    KernelLaunch, LaunchShape, RenderedKernels, TuneConfig,
 };
 use crate::graph::{DType, Device};
 use crate::loop_ir::*;
@@ -90,8 +90,10 @@ impl KernelBackend for TritonBackend {
         for it in &s.items {
             if let Item::Kernel(k) = it {
                 check_supported(s, k, self.cpu_tensors)?;
-                let (text, mut launch) = render_kernel(s, k)?;
-                definitions.define(&mut source, "\n\n", &text, &mut launch);
+                let params = Params::of(s, k)?;
+                let geo = Geometry::of(s, k, &params);
+                let mut launch = launch(s, k, &params, &geo);
+                definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, || write_kernel(s, k, &params, &geo))?;
                 launches.push(launch);
             }
         }
@@ -319,13 +321,12 @@ fn indent(text: &str, n: usize) -> String {
     text.lines().map(|l| format!("{pad}{l}\n")).collect()
 }
 
-fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<(String, KernelLaunch), CodegenError> {
-    let params = Params::of(s, k)?;
-    let geo = Geometry::of(s, k, &params);
+/// The kernel's definition.
+fn write_kernel(s: &Schedule, k: &FusedKernel, params: &Params, geo: &Geometry) -> Result<String, CodegenError> {
     let mut out = String::new();
-    write_header(&mut out, k, &params, &geo);
-    write_groups(&mut out, s, k, &params, &geo)?;
-    Ok((out, launch(s, k, params, &geo)))
+    write_header(&mut out, k, params, geo);
+    write_groups(&mut out, s, k, params, geo)?;
+    Ok(out)
 }
 
 /// A kernel's parameters: buffers read from memory, then buffers written, then the error flag of
@@ -615,7 +616,7 @@ fn declare_accumulators(out: &mut String, accs: &[Acc], rb: i64) {
 }
 
 /// The kernel's launch: its grid, the configurations an autotuner may try, its arguments.
-fn launch(s: &Schedule, k: &FusedKernel, params: Params, geo: &Geometry) -> KernelLaunch {
+fn launch(s: &Schedule, k: &FusedKernel, params: &Params, geo: &Geometry) -> KernelLaunch {
     let p = &s.program;
     let looped = geo.shapes.iter().any(|g| g.looped);
     let rmax = geo.shapes.iter().map(|g| g.rblock).max().unwrap_or(1);
@@ -629,7 +630,7 @@ fn launch(s: &Schedule, k: &FusedKernel, params: Params, geo: &Geometry) -> Kern
         idx32_reach: geo.idx32.then_some(IDX32_LIMIT),
     };
     let base = TuneConfig { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1 };
-    let args: Vec<BufferId> = params.read.into_iter().chain(params.written).collect();
+    let args: Vec<BufferId> = params.read.iter().chain(&params.written).copied().collect();
     let mut arg_numel: Vec<i64> = args
         .iter()
         .map(|b| {
@@ -646,7 +647,7 @@ fn launch(s: &Schedule, k: &FusedKernel, params: Params, geo: &Geometry) -> Kern
         checks_indices: params.checks_indices,
         numel: kernel_numel(k),
         shape: LaunchShape::Grid { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1 },
-        signature: params.signature,
+        signature: params.signature.clone(),
         candidates: candidates(&space, base),
         arg_numel,
         text: 0..0, // placed by `render`
