@@ -31,7 +31,7 @@ fn stage_texts(case: &str, graph_json: &str) -> Vec<(String, String)> {
         texts.push((format!("{case}.after_{}.txt", pass.name), program.to_string()));
     }
     let schedule = fuse(program, &opts, decisions).unwrap_or_else(|e| panic!("{case}: {e}"));
-    texts.push((format!("{case}.after_fuse.txt"), format!("{}\ndecisions:\n{}\n", schedule.text(), schedule.decisions.join("\n"))));
+    texts.push((format!("{case}.after_fuse.txt"), format!("{}\ndecisions:\n{}\n", schedule.text(), schedule.decision_texts().join("\n"))));
     let source = CppBackend.render(&schedule).unwrap_or_else(|e| panic!("{case}: {e}")).source;
     let kernels = source.split(PRELUDE).nth(1).unwrap_or(&source).to_string();
     texts.push((format!("{case}.kernels.cpp"), kernels));

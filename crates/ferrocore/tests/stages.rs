@@ -7,7 +7,7 @@ use ferrocore::codegen::{CodegenErrorKind, KernelBackend, LaunchShape};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::parse_graph;
 use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
-use ferrocore::scheduler::{schedule, schedule_for, Item, ScheduleOptions};
+use ferrocore::scheduler::{schedule, schedule_for, Decision, Item, KernelId, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
 const TRITON_WHOLE: ScheduleOptions =
@@ -282,11 +282,15 @@ fn fusion_decisions_name_kernels_as_the_generated_code_does() {
     let doc = gemm_then_large_output();
     let s = schedule(lower_graph(&parse_graph(&doc).unwrap()).unwrap().program).unwrap();
     let names: Vec<&str> = s.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k.name.as_str()) } else { None }).collect();
-    assert_eq!(names.len(), 2, "{:?}", s.decisions);
-    assert!(s.decisions.iter().all(|d| !d.contains('#')), "{:?}", s.decisions);
-    let refused = s.decisions.iter().find(|d| d.starts_with("no fusion: ")).expect("a refused fusion");
+    assert_eq!(names.len(), 2, "{:?}", s.decision_texts());
+    assert!(s.decision_texts().iter().all(|d| !d.contains('#')), "{:?}", s.decision_texts());
+    let refused = s.decision_texts().into_iter().find(|d| d.starts_with("no fusion: ")).expect("a refused fusion");
     assert!(refused.contains(&format!("into kernel {}", names[0])), "{refused}");
-    assert!(s.decisions.iter().any(|d| d.starts_with(&format!("new kernel {}: ", names[1]))), "{:?}", s.decisions);
+    assert!(s.decision_texts().iter().any(|d| d.starts_with(&format!("new kernel {}: ", names[1]))), "{:?}", s.decision_texts());
+    // the records themselves: kernels by their position among the kernels, not the slots
+    let refused = s.decisions.iter().find_map(|d| if let Decision::NoFusion { kernel, .. } = d { Some(*kernel) } else { None });
+    assert_eq!(refused, Some(KernelId(0)));
+    assert!(s.decisions.iter().any(|d| matches!(d, Decision::NewKernel { kernel: KernelId(1), .. })), "{:?}", s.decisions);
 }
 
 /// The `href="#..."` targets of an HTML page that no element's `id` names.
@@ -570,7 +574,7 @@ fn triton_moves_complex_values_as_pairs_of_reals() {
         .output(&["c", "z"]);
     let g = parse_graph(&doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
-    assert_eq!(s.decisions.iter().filter(|d| d.starts_with("complex:")).count(), 2, "{:?}", s.decisions);
+    assert_eq!(s.decision_texts().iter().filter(|d| d.starts_with("complex:")).count(), 2, "{:?}", s.decision_texts());
     let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     let opts = Options { backend: BackendChoice::Triton, skip_native_compile: true, ..Options::default() };
@@ -628,8 +632,8 @@ fn narrow_reductions_split_in_two_stages_for_the_gpu() {
         .output(&["mean", "sum_1"]);
     let g = parse_graph(&doc).unwrap();
     let s = gpu_schedule(&doc);
-    let decisions: Vec<&String> = s.decisions.iter().filter(|d| d.starts_with("split")).collect();
-    assert_eq!(decisions.len(), 2, "{:?}", s.decisions);
+    let decisions: Vec<String> = s.decision_texts().into_iter().filter(|d| d.starts_with("split")).collect();
+    assert_eq!(decisions.len(), 2, "{:?}", s.decision_texts());
     assert_eq!(s.kernel_count(), 4, "{}", s.text());
     let src = triton_source(&s);
     // no split without a GPU's split config (the C++ backend's rows are whole)
@@ -670,7 +674,7 @@ fn split_column_sums_read_along_the_columns() {
         .call("s", "aten.sum.dim_IntList", &over("y", 0, false), &meta(&[64], "bfloat16"))
         .output(&["s"]);
     let s = gpu_schedule(&doc);
-    assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("outer dim")), "{:?}", s.decisions);
+    assert!(s.decision_texts().iter().any(|d| d.starts_with("split:") && d.contains("outer dim")), "{:?}", s.decision_texts());
     let src = triton_source(&s);
     let first = src.split("@ferro_jit").find(|k| k.contains("range(0, ")).unwrap_or_else(|| panic!("no looped first stage:\n{src}"));
     // 1024 chunks of 256 rows, each read by column tiles of XBLOCK outputs by 64 rows (128 bytes
@@ -691,21 +695,26 @@ fn column_sums_of_a_few_thousand_outputs_are_split_to_fill_the_gpu() {
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[4096], "float32"))
         .output(&["s"]);
     let s = gpu_schedule(&doc);
-    let split = s.decisions.iter().find(|d| d.starts_with("split:")).unwrap_or_else(|| panic!("not split: {:?}", s.decisions));
+    let split =
+        s.decision_texts().into_iter().find(|d| d.starts_with("split:")).unwrap_or_else(|| panic!("not split: {:?}", s.decision_texts()));
     assert!(split.contains("outer dim") && split.contains(": 4 partial reductions each"), "{split}");
     // 16384 outputs are 512 tiles of 32 already
     let doc = G::new()
         .input("x", &[16384, 16384], "float32")
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[16384], "float32"))
         .output(&["s"]);
-    assert!(!gpu_schedule(&doc).decisions.iter().any(|d| d.starts_with("split:")));
+    assert!(!gpu_schedule(&doc).decision_texts().iter().any(|d| d.starts_with("split:")));
     // bfloat16 tiles hold as many bytes in twice the outputs, and twice as many are wanted
     let doc = G::new()
         .input("x", &[16384, 16384], "bfloat16")
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[16384], "bfloat16"))
         .output(&["s"]);
     let s = gpu_schedule(&doc);
-    assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains(": 4 partial reductions each")), "{:?}", s.decisions);
+    assert!(
+        s.decision_texts().iter().any(|d| d.starts_with("split:") && d.contains(": 4 partial reductions each")),
+        "{:?}",
+        s.decision_texts()
+    );
 }
 
 #[test]
@@ -720,7 +729,7 @@ fn long_variances_take_one_pass_for_the_gpu() {
     let lower = || lower_graph_with(&g, &LowerOptions { triton_cpu: true, ..Default::default() }).unwrap().program;
     let s = schedule_for(lower(), &opts).unwrap();
     s.program.verify().unwrap();
-    assert!(s.decisions.iter().any(|d| d.starts_with("welford:")), "{:?}", s.decisions);
+    assert!(s.decision_texts().iter().any(|d| d.starts_with("welford:")), "{:?}", s.decision_texts());
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
     let text = s.text();
     assert!(!text.contains("group 1"), "mean and M2 share one loop group:\n{text}");
@@ -728,7 +737,7 @@ fn long_variances_take_one_pass_for_the_gpu() {
     let two = schedule_for(lower(), &TRITON_WHOLE).unwrap();
     assert!(two.text().contains("group 1"), "{}", two.text());
     // the C++ backend never schedules a Welford reduction
-    assert!(schedule(lower_graph(&g).unwrap().program).unwrap().decisions.iter().all(|d| !d.starts_with("welford:")));
+    assert!(schedule(lower_graph(&g).unwrap().program).unwrap().decision_texts().iter().all(|d| !d.starts_with("welford:")));
 }
 
 #[test]
@@ -743,9 +752,9 @@ fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
     let s = schedule(lower_graph(&parse_graph(&doc).unwrap()).unwrap().program).unwrap();
     assert_eq!(s.kernel_count(), 2, "{}", s.text());
     assert!(
-        s.decisions.iter().any(|d| d.contains("would loop over 65536 elements in each of the kernel's 1 programs")),
+        s.decision_texts().iter().any(|d| d.contains("would loop over 65536 elements in each of the kernel's 1 programs")),
         "{:?}",
-        s.decisions
+        s.decision_texts()
     );
     let rows = G::new()
         .input("y", &[256, 256], "float32")
@@ -798,7 +807,7 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
         .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dw")), &meta(&[100, 32], "float32"))
         .output(&["dx", "dw2"]);
     let (s, module) = wrapper_module(&doc);
-    assert!(s.decisions.iter().any(|d| d.starts_with("order: ") && d.contains("runs 1 steps later")), "{:?}", s.decisions);
+    assert!(s.decision_texts().iter().any(|d| d.starts_with("order: ") && d.contains("runs 1 steps later")), "{:?}", s.decision_texts());
     let relu = module.find("(g.data_ptr()").unwrap_or(usize::MAX);
     let dw = module.find("torch.mm(reinterpret(g").or_else(|| module.find("torch.mm(g")).unwrap_or(0);
     assert!(relu < dw, "relu(g) runs before the weight gradient:\n{module}");
@@ -821,7 +830,7 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
         .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dw")), &meta(&[100, 32], "float32"))
         .output(&["dx2", "dw2"]);
     let (s, _) = wrapper_module(&stay);
-    assert!(!s.decisions.iter().any(|d| d.starts_with("order: ")), "{:?}", s.decisions);
+    assert!(!s.decision_texts().iter().any(|d| d.starts_with("order: ")), "{:?}", s.decision_texts());
 }
 
 /// The schedule and wrapper module of a graph (C++ kernels) lowered with `opts`.
@@ -847,7 +856,7 @@ fn a_pointwise_result_takes_the_storage_of_the_buffer_it_consumes() {
         .call("r", "aten.relu.default", &n("c"), &meta(&[16, 8], "float32"))
         .output(&["r"]);
     let (s, module) = wrapper_module(&doc);
-    assert!(s.decisions.iter().any(|d| d.starts_with("in place:")), "{:?}", s.decisions);
+    assert!(s.decision_texts().iter().any(|d| d.starts_with("in place:")), "{:?}", s.decision_texts());
     assert_eq!(module.matches("empty_strided").count(), 1, "one allocation for both:\n{module}");
     // the input is dropped after its last reader and the argument list is cleared
     assert!(module.contains("args.clear()") && module.contains("del x"), "{module}");
@@ -880,7 +889,7 @@ fn no_in_place_result_over_a_transposed_read_a_returned_buffer_or_an_input() {
         G::new().input("x", &[16, 16], "float32").call("r", "aten.relu.default", &n("x"), &meta(&[16, 16], "float32")).output(&["r"]);
     for doc in [transposed, returned, input] {
         let (s, _) = wrapper_module(&doc);
-        assert!(s.decisions.iter().all(|d| !d.starts_with("in place:")), "{:?}", s.decisions);
+        assert!(s.decision_texts().iter().all(|d| !d.starts_with("in place:")), "{:?}", s.decision_texts());
     }
 }
 
@@ -1004,7 +1013,7 @@ fn a_split_variance_reads_its_input_once() {
         .output(&["v"])
         .replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
     let s = gpu_schedule(&doc);
-    assert!(s.decisions.iter().any(|d| d.starts_with("split:") && d.contains("Welford M2")), "{:?}", s.decisions);
+    assert!(s.decision_texts().iter().any(|d| d.starts_with("split:") && d.contains("Welford M2")), "{:?}", s.decision_texts());
     let src = triton_source(&s);
     // one kernel reads x: the chunks' M2s and the mean's and the variance's chunk sums together
     let over_x: Vec<&str> = src.split("@ferro_jit").filter(|k| k.contains("in_ptr0 + (") && k.contains("for r0offset in range(")).collect();
@@ -1029,7 +1038,11 @@ fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() 
         .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
         .output(&["db", "dw"]);
     let (s, module) = wrapper_module(&doc);
-    assert!(s.decisions.iter().any(|d| d.starts_with("order: ") && d.contains("(a kernel) runs 1 steps later")), "{:?}", s.decisions);
+    assert!(
+        s.decision_texts().iter().any(|d| d.starts_with("order: ") && d.contains("(a kernel) runs 1 steps later")),
+        "{:?}",
+        s.decision_texts()
+    );
     let sum = module.find("(g.data_ptr()").unwrap_or(0);
     let dw = module.find("torch.mm(").unwrap_or(usize::MAX);
     assert!(dw < sum, "the weight gradient runs before the bias gradient's kernel:\n{module}");
@@ -1099,9 +1112,9 @@ fn wide_graphs_schedule_with_work_linear_in_their_width() {
     let s = schedule_of(&wide_graph(N, 4, cat, &["relu".to_string()]));
     assert_eq!(s.kernel_count(), N);
     assert!(
-        s.decisions.iter().any(|d| d.starts_with("cat read in place:") && d.contains("computed by the 10000 writers")),
+        s.decision_texts().iter().any(|d| d.starts_with("cat read in place:") && d.contains("computed by the 10000 writers")),
         "{:?}",
-        &s.decisions[..4]
+        &s.decision_texts()[..4]
     );
     assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
 }

@@ -315,7 +315,7 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         return eager(format!("node '{}' {}", e.node, e.why));
     }
     let sched = schedule_in_stages(st, lowered.program, &backend.schedule_options())?;
-    st.emit("fusion", || sched.decisions.join("\n") + "\n");
+    st.emit("fusion", || sched.decision_texts().join("\n") + "\n");
     st.emit("ir_post_fusion", || sched.text());
     let kernels = match st.time("codegen", || backend.render(&sched)) {
         Ok(k) => k,

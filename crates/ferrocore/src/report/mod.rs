@@ -13,7 +13,7 @@ mod memory;
 use crate::codegen::{LaunchShape, RenderedKernels};
 use crate::graph::{fmt_meta, names::printable, Arg, Graph, NodeKind};
 use crate::loop_ir::LoopProgram;
-use crate::scheduler::{kernel_origins, Item, Schedule};
+use crate::scheduler::{kernel_origins, Item, KernelId, Schedule};
 use crate::wrapper::{HostPlan, HostStep};
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -229,10 +229,16 @@ fn steps(h: &mut String, r: &ReportInput) {
                     let _ = writeln!(h, "<p class=\"note\">Launched as {}: the same code.</p>", kernel_link(&launch.name));
                 }
                 origins_html(h, g, &index, p, &kernel_origins(p, k.plan.nodes.iter().map(|kn| kn.node)));
-                let why: Vec<&String> = r.schedule.decisions.iter().filter(|d| mentions(d, &k.name)).collect();
+                let why: Vec<String> = r
+                    .schedule
+                    .decisions
+                    .iter()
+                    // launch l is kernel l
+                    .filter(|d| d.kernel() == Some(KernelId(*l)))
+                    .map(|d| format!("<li>{}</li>", esc(&d.describe(&|_| k.name.clone()))))
+                    .collect();
                 if !why.is_empty() {
-                    let _ =
-                        writeln!(h, "<ul class=\"why\">{}</ul>", why.iter().map(|d| format!("<li>{}</li>", esc(d))).collect::<String>());
+                    let _ = writeln!(h, "<ul class=\"why\">{}</ul>", why.concat());
                 }
                 let text = r.kernels.source.get(launch.text.clone()).unwrap_or("");
                 let _ = writeln!(h, "<details><summary>code</summary><pre>{}</pre></details></div>", esc(text));
@@ -262,19 +268,16 @@ fn whole_words<'t>(text: &'t str, name: &'t str) -> impl Iterator<Item = usize> 
     })
 }
 
-fn mentions(text: &str, name: &str) -> bool {
-    whole_words(text, name).next().is_some()
-}
-
 /// Every decision, in the order the scheduler made them, kernel names linked.
 fn fusion(h: &mut String, s: &Schedule) {
-    let names: Vec<&str> = s.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k.name.as_str()) } else { None }).collect();
+    let names = s.kernel_names();
     let _ = writeln!(h, "<section id=\"fusion\"><h2>Fusion decisions</h2>\n<ol>");
     for d in &s.decisions {
-        let mut text = esc(d);
-        // kernel names are identifiers: escaping leaves them as they are
-        for name in names.iter().filter(|n| mentions(d, n)) {
-            text = link_word(&text, name);
+        // a kernel name is an identifier: escaping leaves it as it is, and its link is written whole
+        let name = |k: KernelId| names.get(k.0).map_or_else(|| format!("#{}", k.0), |n| n.to_string());
+        let mut text = esc(&d.describe(&name));
+        if let Some(k) = d.kernel().and_then(|k| names.get(k.0)) {
+            text = link_word(&text, k);
         }
         let _ = writeln!(h, "<li>{text}</li>");
     }

@@ -6,11 +6,14 @@
 
 mod complex;
 mod concat;
+mod decision;
+pub use decision::{Decision, KernelId, NewKernelReason, Rejection};
 mod inplace;
 mod order;
 mod plan;
 pub mod simplify;
 mod split;
+mod variance;
 mod welford;
 
 pub use complex::{complex_as_real, component_type};
@@ -53,7 +56,7 @@ pub struct Schedule {
     pub program: LoopProgram,
     pub items: Vec<Item>,
     pub storage: Vec<Storage>,
-    pub decisions: Vec<String>,
+    pub decisions: Vec<Decision>,
     /// How many times fusion placed a node into a kernel plan, tried or kept: its work, which
     /// grows with the nodes and their candidates, not with the size of the kernels they join
     /// (tests pin it on wide graphs).
@@ -164,8 +167,9 @@ pub fn program_passes(opts: &ScheduleOptions) -> Vec<ProgramPass> {
 
 /// Fusion of a rewritten program into kernels, then their order, each buffer's storage and the
 /// in-place reuse of dying buffers (stage `scheduling`); `decisions`: the earlier passes'.
-pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, mut decisions: Vec<String>) -> Result<Schedule, SchedulerError> {
+pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, rewrites: Vec<String>) -> Result<Schedule, SchedulerError> {
     let prefix = opts.prefix;
+    let mut decisions: Vec<Decision> = rewrites.into_iter().map(Decision::Rewrite).collect();
 
     // Which item (by position in `slots`) produces each buffer.
     let mut producer: Vec<SlotList> = vec![SlotList::default(); program.buffers.len()];
@@ -195,7 +199,7 @@ pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, mut decisions: Vec<Str
                 let node = &program.nodes[n];
                 let out_name = program.buffer(node.output).name.clone();
                 if node.is_scatter() {
-                    decisions.push(format!("scatter: {out_name} updates its buffer at computed indices; a kernel of its own"));
+                    decisions.push(Decision::Scatter { buffer: out_name.clone() });
                 }
                 let near = Neighbours { producer: &producer, input_readers: &input_readers, readers: &readers, placed: &placed };
                 let (best, rejected) = choose_kernel(&program, &slots, &near, &returned, n, &mut decisions);
@@ -210,19 +214,15 @@ pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, mut decisions: Vec<Str
                     Some(Choice { slot: si, score, joined }) => {
                         if let Slot::Kernel(k) = &mut slots[si] {
                             let with = member_names(&program, &k.members);
-                            decisions.push(if score > 0 {
-                                format!("fuse: {out_name} into kernel #{si} with {with} (shares {score} bytes)")
-                            } else {
-                                format!("fuse: {out_name} into kernel #{si} with {with} (small kernels side by side: one launch)")
-                            });
+                            decisions.push(Decision::Fuse { buffer: out_name, kernel: KernelId(si), with, shared_bytes: score });
                             k.add(&program, &returned, n, joined);
                         }
                         producer[node.output.0 as usize].add(si);
                     }
                     None => match PlanBuilder::build(&program, &[n], &placed) {
                         Ok(plan) => {
-                            let why = if rejected { "every fusion was rejected" } else { "shares no data with an earlier kernel" };
-                            decisions.push(format!("new kernel #{}: {out_name} ({why})", slots.len()));
+                            let reason = if rejected { NewKernelReason::EveryFusionRejected } else { NewKernelReason::SharesNothing };
+                            decisions.push(Decision::NewKernel { buffer: out_name.clone(), kernel: KernelId(slots.len()), reason });
                             producer[node.output.0 as usize].add(slots.len());
                             slots.push(Slot::Kernel(Box::new(KernelSlot::new(&program, &returned, n, plan))));
                         }
@@ -235,53 +235,27 @@ pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, mut decisions: Vec<Str
 
     let mut items = Vec::new();
     let mut kernel_index = 0;
-    let mut slot_names = Vec::new();
+    // each slot's position among the kernels (fusion decided about slots)
+    let mut kernel_of_slot = Vec::new();
     for slot in slots {
+        kernel_of_slot.push(kernel_index);
         match slot {
-            Slot::Extern(e) => {
-                items.push(Item::Extern(e));
-                slot_names.push(String::new());
-            }
+            Slot::Extern(e) => items.push(Item::Extern(e)),
             Slot::Kernel(k) => {
                 let plan = k.plan.into_plan();
                 let name = kernel_name(&program, &k.members, &plan, prefix, kernel_index);
                 kernel_index += 1;
-                slot_names.push(name.clone());
                 items.push(Item::Kernel(FusedKernel { name, plan }));
             }
         }
     }
-    for d in &mut decisions {
-        *d = with_kernel_names(d, &slot_names);
-    }
-    decisions.extend(order::sink_steps(&program, &mut items));
+    let mut decisions: Vec<Decision> = decisions.into_iter().map(|d| d.renumbered(|KernelId(si)| KernelId(kernel_of_slot[si]))).collect();
+    decisions.extend(order::sink_steps(&program, &mut items).into_iter().map(Decision::Placement));
     let storage = plan_storage(&program, &items, opts.row_scratch, &mut decisions);
     let mut schedule = Schedule { program, items, storage, decisions, placements: placed.get() };
     let reused = inplace::reuse_dying_buffers(&mut schedule);
-    schedule.decisions.extend(reused);
+    schedule.decisions.extend(reused.into_iter().map(Decision::Placement));
     Ok(schedule)
-}
-
-/// A decision as fusion wrote it (`kernel #3`: the slot it was deciding on) with the kernel's
-/// final name, the one the generated code and the compile report use.
-fn with_kernel_names(decision: &str, slot_names: &[String]) -> String {
-    const MARK: &str = "kernel #";
-    let mut out = String::with_capacity(decision.len() + 32);
-    let mut rest = decision;
-    while let Some(at) = rest.find(MARK) {
-        let digits = rest[at + MARK.len()..].bytes().take_while(u8::is_ascii_digit).count();
-        let number = rest[at + MARK.len()..at + MARK.len() + digits].parse::<usize>().ok();
-        match number.and_then(|n| slot_names.get(n)).filter(|n| !n.is_empty()) {
-            Some(name) => {
-                out.push_str(&rest[..at + "kernel ".len()]);
-                out.push_str(name);
-            }
-            None => out.push_str(&rest[..at + MARK.len() + digits]),
-        }
-        rest = &rest[at + MARK.len() + digits..];
-    }
-    out.push_str(rest);
-    out
 }
 
 #[derive(Debug, Clone)]
@@ -423,7 +397,7 @@ fn choose_kernel(
     near: &Neighbours,
     returned: &[bool],
     n: usize,
-    decisions: &mut Vec<String>,
+    decisions: &mut Vec<Decision>,
 ) -> (Option<Choice>, bool) {
     let node = &p.nodes[n];
     if node.is_scatter() {
@@ -491,19 +465,18 @@ fn choose_kernel(
         fresh.insert(node.output);
         fresh
     };
-    let mut try_join = |si: usize, k: &KernelSlot, score: i64, decisions: &mut Vec<String>| -> Option<Joined> {
+    let mut try_join = |si: usize, k: &KernelSlot, score: i64, decisions: &mut Vec<Decision>| -> Option<Joined> {
         let joined = if k.touched.len() + new_buffers.iter().filter(|b| !k.touched.contains(b)).count() > MAX_KERNEL_BUFFERS {
-            Err(format!("the kernel would take more than {MAX_KERNEL_BUFFERS} buffers"))
+            Err(Rejection::TooManyBuffers(MAX_KERNEL_BUFFERS))
         } else {
-            k.plan.join(p, &k.members, n, near.placed)
+            k.plan.join(p, &k.members, n, near.placed).map_err(Rejection::Plan)
         };
         match joined {
             Ok(joined) => Some(joined),
-            Err(why) => {
+            Err(reason) => {
                 rejected = true;
-                let name = &p.buffer(node.output).name;
-                let how = if score > 0 { "" } else { " (side by side)" };
-                decisions.push(format!("no fusion: {name} into kernel #{si}{how}: {why}"));
+                let buffer = p.buffer(node.output).name.clone();
+                decisions.push(Decision::NoFusion { buffer, kernel: KernelId(si), side_by_side: score == 0, reason });
                 None
             }
         }
@@ -522,8 +495,8 @@ fn choose_kernel(
             b > 0 && freed <= b
         };
         if apart {
-            let name = &p.buffer(node.output).name;
-            decisions.push(format!("no fusion: {name} into kernel #{si}: a large output beside a large temporary (peak memory)"));
+            let buffer = p.buffer(node.output).name.clone();
+            decisions.push(Decision::NoFusion { buffer, kernel: KernelId(si), side_by_side: false, reason: Rejection::PeakMemory });
             continue;
         }
         if let Some(joined) = try_join(si, k, score, decisions) {
@@ -597,7 +570,7 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &s
     format!("{prefix}_{kind}_fused_{}_{index}", words.join("_"))
 }
 
-fn plan_storage(p: &LoopProgram, items: &[Item], row_scratch: Option<i64>, decisions: &mut Vec<String>) -> Vec<Storage> {
+fn plan_storage(p: &LoopProgram, items: &[Item], row_scratch: Option<i64>, decisions: &mut Vec<Decision>) -> Vec<Storage> {
     let mut storage = vec![Storage::Allocated; p.buffers.len()];
     let returned = returned_buffers(p);
     // reads of each buffer from outside the kernel that writes it, and the local-read kinds
@@ -645,7 +618,7 @@ fn plan_storage(p: &LoopProgram, items: &[Item], row_scratch: Option<i64>, decis
             && !stored_reads.contains(&id)
         {
             storage[i] = Storage::Local;
-            decisions.push(format!("local: {} lives in registers of its kernel; not allocated", b.name));
+            decisions.push(Decision::Placement(format!("local: {} lives in registers of its kernel; not allocated", b.name)));
         } else if b.source == BufferSource::Computed && !scattered && !returned[i] && !outside.contains(&id) {
             let row = writer_kernel[i].and_then(|ki| match &items[ki] {
                 Item::Kernel(k) => scratch_row(p, k, id, row_scratch?),
@@ -653,7 +626,10 @@ fn plan_storage(p: &LoopProgram, items: &[Item], row_scratch: Option<i64>, decis
             });
             if let Some(n) = row {
                 storage[i] = Storage::Row;
-                decisions.push(format!("row: {} lives in a scratch row of {n} elements in its kernel; not allocated", b.name));
+                decisions.push(Decision::Placement(format!(
+                    "row: {} lives in a scratch row of {n} elements in its kernel; not allocated",
+                    b.name
+                )));
             }
         }
     }
@@ -691,6 +667,18 @@ impl Schedule {
     }
 
     /// Text form: kernels with their loop groups and nodes, and extern calls, in order.
+    /// The kernels' names, by `KernelId`.
+    pub fn kernel_names(&self) -> Vec<&str> {
+        self.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k.name.as_str()) } else { None }).collect()
+    }
+
+    /// Each decision as one line (the `fusion` log), kernels by name.
+    pub fn decision_texts(&self) -> Vec<String> {
+        let names = self.kernel_names();
+        let name = |k: KernelId| names.get(k.0).map_or_else(|| format!("#{}", k.0), |n| n.to_string());
+        self.decisions.iter().map(|d| d.describe(&name)).collect()
+    }
+
     pub fn text(&self) -> String {
         let p = &self.program;
         let mut s = String::new();

@@ -174,7 +174,7 @@ fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> 
 fn plan_welford_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> {
     // the split's shape first (cheap, and the same for the one-pass form: same loops and loads)
     let shape = SplitShape::of(&p.nodes[n], config, true)?;
-    let (mean_buf, mean_index, body, shift) = super::welford::one_pass_form(p, n)?;
+    let (mean_buf, mean_index, body, shift) = super::variance::one_pass_form(p, n)?;
     let node = LoopNode { body, ..p.nodes[n].clone() };
     let (rid, _, operand) = single_reduction(&node.body)?;
     let (m2s, part) = first_stage(&node, rid, ReduceOp::WelfordM2, operand, &shape)?;
@@ -189,7 +189,7 @@ fn plan_welford_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option
     let (kept, ranges) = (node.ranges.len(), node.var_ranges());
     if let Some(v) = shift {
         // the combine recomputes the shift: it must be recomputable there
-        super::welford::row_first(&old, v, kept, &ranges, &mut LoopBody::default())?;
+        super::variance::row_first(&old, v, kept, &ranges, &mut LoopBody::default())?;
     }
     let second: SecondStage = Box::new(move |partials: &[BufferId]| {
         second_stage(&old, &live, rid, |sb| {
@@ -199,7 +199,7 @@ fn plan_welford_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option
             let mean = sb.load(mean_buf, mean_index, mean_dtype);
             let mean = sb.cast(mean, dtype);
             // the chunks summed the shifted terms: the mean they deviate from is shifted alike
-            let first = shift.and_then(|v| super::welford::row_first(&old, v, kept, &ranges, sb));
+            let first = shift.and_then(|v| super::variance::row_first(&old, v, kept, &ranges, sb));
             let mean = match first {
                 Some(first) => sb.binary(BinaryOp::Sub, mean, first),
                 None => mean,

@@ -357,7 +357,7 @@ fn fuse_puts_two_reductions_of_one_pointwise_value_in_one_kernel() {
     assert_eq!(k.plan.outer, 8);
     assert!(k.plan.groups.iter().all(|g| g.reduction), "{}", s.text());
     assert_eq!(
-        s.decisions,
+        s.decision_texts(),
         [
             "new kernel cpp_red_fused_add_e_s_m_0: buf2 (shares no data with an earlier kernel)",
             "fuse: buf3 into kernel cpp_red_fused_add_e_s_m_0 with buf2 (shares 2048 bytes)"
@@ -376,7 +376,7 @@ fn fuse_keeps_large_unrelated_nodes_in_kernels_of_their_own() {
     let s = schedule_cpp(&doc);
     assert_eq!(kernel_members(&s), [["buf2"], ["buf3"]]);
     assert_eq!(
-        s.decisions,
+        s.decision_texts(),
         [
             "new kernel cpp_poi_fused_a_0: buf2 (shares no data with an earlier kernel)",
             "new kernel cpp_poi_fused_b_1: buf3 (shares no data with an earlier kernel)"
@@ -394,7 +394,7 @@ fn fuse_puts_small_unrelated_nodes_side_by_side_in_one_launch() {
         .output(&["a", "b"]);
     let s = schedule_cpp(&doc);
     assert_eq!(kernel_members(&s), [["buf2", "buf3"]]);
-    assert_eq!(s.decisions[1], "fuse: buf3 into kernel cpp_poi_fused_a_b_0 with buf2 (small kernels side by side: one launch)");
+    assert_eq!(s.decision_texts()[1], "fuse: buf3 into kernel cpp_poi_fused_a_b_0 with buf2 (small kernels side by side: one launch)");
 }
 
 #[test]
@@ -409,7 +409,10 @@ fn fuse_does_not_fuse_across_a_library_call() {
     let s = schedule_cpp(&doc);
     assert_eq!(kernel_members(&s), [vec!["buf2"], vec!["torch.ops.aten.mm.default"], vec!["buf3"]]);
     // the exp (buf4) writes into the GEMM's result, which nothing reads after it
-    assert_eq!(s.decisions.last().map(String::as_str), Some("in place: buf4 is written into buf3 (its last reader, element for element)"));
+    assert_eq!(
+        s.decision_texts().last().map(String::as_str),
+        Some("in place: buf4 is written into buf3 (its last reader, element for element)")
+    );
 }
 
 #[test]
@@ -425,9 +428,9 @@ fn fuse_gives_a_scatter_a_kernel_of_its_own() {
     // the copy, the scatter into it, and the relu, written in place into the dying buf3
     assert_eq!(kernel_members(&s), [["buf3"], ["buf3"], ["buf3"]]);
     assert!(
-        s.decisions.contains(&"scatter: buf3 updates its buffer at computed indices; a kernel of its own".to_string()),
+        s.decision_texts().contains(&"scatter: buf3 updates its buffer at computed indices; a kernel of its own".to_string()),
         "{:#?}",
-        s.decisions
+        s.decision_texts()
     );
 }
 
@@ -438,10 +441,10 @@ fn fuse_keeps_the_two_stages_of_a_split_reduction_apart() {
     let s = schedule_for(lowered(&doc), &ALL_PASSES).unwrap();
     assert_eq!(kernel_members(&s), [["buf2"], ["buf1"]]);
     assert!(
-        s.decisions.contains(
+        s.decision_texts().contains(
             &"no fusion: buf1 into kernel test_red_fused_s_0: reduction buf1 has 2 outputs, the kernel's outer size is 64".to_string()
         ),
         "{:#?}",
-        s.decisions
+        s.decision_texts()
     );
 }
