@@ -3,7 +3,7 @@
 
 use ferrocore::codegen::cpp::CppBackend;
 use ferrocore::codegen::triton::TritonBackend;
-use ferrocore::codegen::{CodegenErrorKind, KernelBackend, LaunchShape};
+use ferrocore::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage, LaunchShape};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::parse_graph;
 use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
@@ -401,7 +401,7 @@ fn triton_source(s: &ferrocore::scheduler::Schedule) -> String {
 
 fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) {
     let g = parse_graph(doc).unwrap();
-    let lowered = lower_graph_with(&g, &LowerOptions { triton_cpu: true, ..Default::default() }).unwrap();
+    let lowered = lower_graph_with(&g, &LowerOptions { kernels: KernelLanguage::Triton, ..Default::default() }).unwrap();
     let s = schedule_for(lowered.program, &TRITON_WHOLE).unwrap();
     let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
@@ -726,7 +726,7 @@ fn long_variances_take_one_pass_for_the_gpu() {
         .output(&["v"]);
     let g = parse_graph(&doc).unwrap();
     let opts = (TritonBackend { cpu_tensors: true }).schedule_options();
-    let lower = || lower_graph_with(&g, &LowerOptions { triton_cpu: true, ..Default::default() }).unwrap().program;
+    let lower = || lower_graph_with(&g, &LowerOptions { kernels: KernelLanguage::Triton, ..Default::default() }).unwrap().program;
     let s = schedule_for(lower(), &opts).unwrap();
     s.program.verify().unwrap();
     assert!(s.decision_texts().iter().any(|d| d.starts_with("welford:")), "{:?}", s.decision_texts());

@@ -15,9 +15,10 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 /// The language of a rendered source unit; the wrapper loads each differently.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum KernelLanguage {
     /// One C++ translation unit of `extern "C"` functions, compiled to a shared library.
+    #[default]
     Cpp,
     /// Python source of `@triton.jit` functions, defined inside the wrapper module.
     Triton,

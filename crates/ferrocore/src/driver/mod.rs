@@ -275,8 +275,9 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         st.dump_dir = Some(dir);
     }
     st.emit("graph", || graph.to_string());
-    let lower_options =
-        LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm, triton_cpu: options.backend == BackendChoice::Triton };
+    // the backend first: lowering writes reductions and scatters for the language it is told
+    let language = options.backend.resolve(graph.devices().iter());
+    let lower_options = LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm, kernels: language };
     let lowered = st
         .time("lowering", || lower_graph_with(&graph, &lower_options))
         .map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
@@ -298,7 +299,6 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     if !fallbacks.is_empty() {
         st.emit("fallback", || fallbacks.iter().map(|f| format!("{} ({}) runs through ATen: {}\n", f.node, f.target, f.reason)).collect());
     }
-    let language = options.backend.resolve(lowered.program.buffers.iter().map(|b| &b.layout.device));
     let triton = TritonBackend { cpu_tensors: options.backend == BackendChoice::Triton };
     let backend: &dyn KernelBackend = match language {
         KernelLanguage::Cpp => &CppBackend,

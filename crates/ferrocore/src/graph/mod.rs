@@ -145,6 +145,19 @@ impl Graph {
     pub fn node(&self, id: NodeId) -> &Node {
         &self.nodes[id.0 as usize]
     }
+    /// The device of every tensor the graph's nodes produce.
+    pub fn devices(&self) -> Vec<Device> {
+        fn visit(m: &Meta, out: &mut Vec<Device>) {
+            match m {
+                Meta::Tensor(t) => out.push(t.device),
+                Meta::Tuple(items) => items.iter().flatten().for_each(|i| visit(i, out)),
+                Meta::Scalar(_) | Meta::None => {}
+            }
+        }
+        let mut out = Vec::new();
+        self.nodes.iter().for_each(|n| visit(&n.meta, &mut out));
+        out
+    }
     pub fn ids(&self) -> impl Iterator<Item = NodeId> {
         (0..self.nodes.len() as u32).map(NodeId)
     }

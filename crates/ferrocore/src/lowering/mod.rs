@@ -19,6 +19,7 @@ mod sampling;
 mod scatter;
 mod views;
 
+use crate::codegen::KernelLanguage;
 use crate::graph::{Arg, AtenOp, DType, Device, Graph, Meta, NodeId, NodeKind, Target, TensorMeta};
 use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Var};
@@ -172,8 +173,8 @@ pub struct LoweringResult {
 pub struct LowerOptions {
     pub conv_layout: ConvLayout,
     pub pad_mm: PadMm,
-    /// CPU tensors get Triton programs (the interpreter backend), not C++ loops.
-    pub triton_cpu: bool,
+    /// The language the driver chose for the graph's kernels.
+    pub kernels: KernelLanguage,
 }
 
 // Recompute a lazy value in each consumer unless it is expensive (Inductor's thresholds).
@@ -194,8 +195,8 @@ pub struct Ctx<'g> {
     /// 4-D buffers are laid out channels-last (see `layout`).
     pub channels_last: bool,
     pub pad_mm: PadMm,
-    /// See `LowerOptions::triton_cpu`.
-    pub triton_cpu: bool,
+    /// See `LowerOptions::kernels`.
+    pub kernels: KernelLanguage,
     /// The device the graph's kernels run on where its tensors are on several (a GPU).
     pub kernel_device: Option<Device>,
     /// Zero-padded GEMM operands made so far (see `matmul::zero_padded`).
@@ -222,7 +223,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         current: NodeId(0),
         channels_last,
         pad_mm: options.pad_mm,
-        triton_cpu: options.triton_cpu,
+        kernels: options.kernels,
         kernel_device: graph.nodes.iter().find_map(|n| match &n.meta {
             Meta::Tensor(t) if t.device != Device::Cpu => Some(t.device),
             _ => None,
@@ -369,10 +370,10 @@ pub fn view_of_layout(buf: BufferId, l: &Layout) -> TensorValue {
 }
 
 impl<'g> Ctx<'g> {
-    /// Whether work on `device` runs in Triton kernels (a GPU, or CPU tensors under Triton's
+    /// Whether the graph's loops run in Triton kernels (on a GPU, or CPU tensors under Triton's
     /// interpreter) rather than C++ loops.
-    pub fn triton_kernels(&self, device: &Device) -> bool {
-        *device != Device::Cpu || self.triton_cpu
+    pub fn triton_kernels(&self) -> bool {
+        self.kernels == KernelLanguage::Triton
     }
 
     pub fn node_name(&self) -> String {

@@ -46,7 +46,7 @@ impl Ctx<'_> {
     /// atomic instruction or compare-and-swap loop of Triton's combines (an int8 sum): the node
     /// then runs in ATen, not its whole graph.
     pub(super) fn scatter_into(&mut self, init: &TensorValue, dtype: DType, passes: Vec<ScatterPass>) -> LResult<TensorValue> {
-        if self.triton_kernels(&init.device) {
+        if self.triton_kernels() {
             let on_gpu = init.device != Device::Cpu;
             if let Some(p) = passes.iter().find(|p| !crate::codegen::triton::atomic_scatter(p.mode, dtype, on_gpu)) {
                 return unsupported(format!(

@@ -36,5 +36,5 @@ pub fn welford_variances(p: &mut LoopProgram, min_len: i64, split: Option<&Split
 fn takes_one_pass(node: &LoopNode, min_len: i64, split: Option<&SplitConfig>) -> bool {
     let len: i64 = node.reduction_ranges.iter().product();
     let rows: i64 = node.ranges.iter().product();
-    len > min_len && !split.is_some_and(|c| c.splits(rows, len, outer_reduction_itemsize(node)).is_some())
+    len > min_len && split.is_none_or(|c| c.splits(rows, len, outer_reduction_itemsize(node)).is_none())
 }
