@@ -38,6 +38,9 @@ class FakeExtension:
     class FerrocoreError(Exception):
         pass
 
+    def default_cache_dir(self) -> str:
+        return os.environ["FERROCORE_CACHE_DIR"]  # (the fixture sets it)
+
     def cache_read(self, cache_dir: str, rel: str):
         return None  # (the module's bytecode: compiled each time)
 

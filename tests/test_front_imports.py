@@ -15,13 +15,16 @@ dodged:
 
 (The module-level graph alone had no cycle then: the imports inside functions hid them.)
 
-Imports of heavy optional third-party packages (triton, torch._dynamo, ...) may stay inside
-functions; they are not ferrocore modules and are not looked at here.
+`test_no_function_imports_anything` holds every other import to module level too (stdlib, torch,
+Triton): 45 sat inside functions before. Triton, optional, is imported in one module,
+`triton_support`, and nowhere else (`test_only_triton_support_imports_triton`).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = "ferrocore"
@@ -233,3 +236,58 @@ def test_the_check_finds_what_it_forbids():
     ]
     # an import under `if TYPE_CHECKING:` is never run
     assert ("ferrocore.graph_cache", "ferrocore.backend") not in {(a, b) for a, b, *_ in found}
+
+
+# (file, function): the only functions that may import anything; the package's lazy backend
+FUNCTION_IMPORTS = {(filename, function) for filename, function, _ in LAZY}
+
+
+def function_imports(sources: dict) -> list:
+    """(file, line, function, statement) for every import statement inside a function (those
+    under `if TYPE_CHECKING:` included: they are never run, but nothing here needs one)."""
+    found = []
+    for filename, text in sorted(sources.items()):
+        for fn in ast.walk(ast.parse(text, filename)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)):
+                        found.append((filename, node.lineno, fn.name, ast.unparse(node)))
+    return found
+
+
+def test_no_function_imports_anything():
+    found = [f"python/ferrocore/{filename}:{line}: in {function}(): {statement}"
+             for filename, line, function, statement in function_imports(_front())
+             if (filename, function) not in FUNCTION_IMPORTS]
+    assert not found, "imports inside functions (import at the top of the module):\n" + "\n".join(found)
+
+
+def _imports_triton(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name.split(".")[0] == "triton" for a in node.names)
+    return isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "triton"
+
+
+def test_only_triton_support_imports_triton():
+    found = [f"python/ferrocore/{filename}:{node.lineno}: {ast.unparse(node)}"
+             for filename, text in _front().items() if filename != "triton_support.py"
+             for node in ast.walk(ast.parse(text, filename)) if _imports_triton(node)]
+    assert not found, "Triton imported outside triton_support.py:\n" + "\n".join(found)
+
+
+def test_the_function_import_check_finds_what_it_forbids():
+    old = {"metrics.py": "import itertools\ndef seconds():\n    import sys\n",
+           "runtime.py": "class A:\n    def key(self):\n        import triton\n",
+           "__init__.py": "def compile_graph():\n    from .backend import compile_graph\n"}
+    assert function_imports(old) == [("__init__.py", 2, "compile_graph", "from .backend import compile_graph"),
+                                     ("metrics.py", 3, "seconds", "import sys"),
+                                     ("runtime.py", 3, "key", "import triton")]
+    assert not any(_imports_triton(n) for n in ast.walk(ast.parse(old["metrics.py"])))
+    assert any(_imports_triton(n) for n in ast.walk(ast.parse(old["runtime.py"])))
+
+
+def test_the_compile_worker_imports_no_torch():
+    # the worker processes start while the parent traces: torch would cost them seconds each
+    code = "import sys, ferrocore.compile_worker; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out

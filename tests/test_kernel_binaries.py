@@ -162,7 +162,7 @@ def test_kernels_go_to_the_workers_dearest_first():
 def test_a_module_import_makes_no_jit_function_until_one_is_needed(cache_dir):
     """`triton.jit` tokenizes each function's source: a wrapper module defers it, and a warm start
     (cached binaries) never needs it; the cache key is the same before and after."""
-    from ferrocore import artifact, kernel_binaries
+    from ferrocore import artifact, kernel_binaries, triton_support
 
     compiled, module = _wrapper_module(cache_dir)
     fn, signature, constexprs, launch = artifact.triton_kernels(compiled, module)[0][0]
@@ -170,7 +170,7 @@ def test_a_module_import_makes_no_jit_function_until_one_is_needed(cache_dir):
     before = kernel_binaries.key(signature, constexprs, launch, 90)
     source = launch["text"]
     assert source.startswith("@ferro_jit\ndef " + fn.__name__ + "(") and "tl.store(" in source
-    jit = kernel_binaries.jit_function(fn)
+    jit = triton_support.jit_function(fn)
     assert isinstance(jit, triton.runtime.jit.JITFunction) and jit.__name__ == fn.__name__
     # the callees too, where Triton's compiler looks them up
     assert isinstance(module.ferro_max, triton.runtime.jit.JITFunction)

@@ -19,6 +19,7 @@ compiled backward.
 from __future__ import annotations
 
 import torch
+from torch._dynamo import disable
 
 from .graph_cache import Bypass
 
@@ -201,8 +202,6 @@ def add_backward(runtime: dict, bw_graph: torch.fx.GraphModule, bw_inputs, donat
 def training_call(fw_call, bw_call, runtime: dict, boxed: bool):
     """The callable Dynamo gets for a cached or directly traced training graph. Neither it nor
     the backward is Dynamo's to trace (a backward run from a compiled frame would be)."""
-    from torch._dynamo import disable
-
     bw_call = disable(bw_call, reason="do not trace the compiled backward")
     function = _autograd_function(fw_call, bw_call, runtime)
     detached, bumped = runtime["detached_inputs"], runtime["bumped_inputs"]

@@ -7,6 +7,7 @@ logged, counted graph fallback); an error raised by Rust is a bug and propagates
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -20,15 +21,23 @@ import math
 import operator
 import os
 import sys
+import threading
 import time
 import types
 import weakref
 from typing import Any, Callable
 
 import torch
+import torch._decomp as decomp
+import torch._inductor.inductor_prims  # noqa: F401 - registers the prims `_max_pool_saving_offsets` calls
+from torch._decomp import get_decompositions
+from torch._dynamo import disable
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.aot_autograd import make_boxed_func
+from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import cache as _cache
 from . import options as _options
@@ -301,8 +310,6 @@ class LazyBackward:
     compiles one graph. Called with the boxed argument list."""
 
     def __init__(self, compile_backward: Callable[[], Callable]) -> None:
-        import threading
-
         self._compile = compile_backward
         self._call: Callable | None = None
         self._lock = threading.Lock()
@@ -322,8 +329,6 @@ class KernelsLater:
     batches. `wait()` before a launch."""
 
     def __init__(self) -> None:
-        import concurrent.futures
-
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ferrocore-kernels")
         self._pending: list = []
 
@@ -363,10 +368,6 @@ def _aot_autograd(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callabl
     debug = os.environ.get("TORCH_COMPILE_DEBUG", "0") not in ("", "0") or "torch._inductor.debug" in sys.modules
     if debug or any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
         return aot_autograd(**kwargs)(gm, example_inputs)
-    from torch._dynamo import disable
-    from torch._dynamo.utils import counters
-    from torch._functorch.aot_autograd import aot_module_simplified
-
     bw_compiler = kwargs["bw_compiler"]
 
     def hidden_bw_compiler(*args, **kw):
@@ -531,8 +532,6 @@ def _partition(joint, joint_inputs, **kwargs):
     rematerialization partitioner, in its fusing-compiler setting (as Inductor does): the
     backward recomputes cheap pointwise chains from a few saved tensors instead of saving every
     intermediate, since ferrocore fuses the recomputation into the backward's kernels."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
     lend_forward_lines(joint.graph)
     return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
@@ -646,8 +645,6 @@ def decompositions(training: bool = False) -> dict:
     treats these as opaque, so it would save their full-size outputs beside their inputs; taken
     apart, it saves the input and the per-row statistics, and the backward recomputes the rest
     in its kernels (as Inductor's table does)."""
-    from torch._decomp import get_decompositions
-
     table = _core_aten_table()
     # Lowered natively as a gather; torch's decomposition is a scatter-add (index_put).
     table.pop(torch.ops.aten.col2im.default, None)
@@ -683,8 +680,6 @@ def _core_aten_table() -> dict:
     above the dispatcher; AOT autograd traces below it, where those ops have decomposed already.
     Listing them costs 0.14 s per process; the graphs of the model benchmark's 16 models,
     inference and training, are identical without them."""
-    import torch._decomp as decomp
-
     post_autograd = getattr(decomp, "_core_aten_decompositions_post_autograd", None)
     if post_autograd is None:  # (another torch): the whole table
         return dict(decomp.core_aten_decompositions().items())
@@ -695,8 +690,6 @@ def _max_pool_saving_offsets(x, kernel_size, stride=(), padding=0, dilation=1, c
     """Max pooling whose argmax is the int8 offset of the tap within its window, turned into
     ATen's indices by a separate op the partitioner may recompute: the forward of a training
     graph then saves a byte per pooled element instead of an int64 (ResNet's stem pool)."""
-    import torch._inductor.inductor_prims  # noqa: F401  registers the two prims
-
     def spread(v, default):
         v = [v] if isinstance(v, int) else list(v)
         return default if not v else v * dims if len(v) == 1 else v
@@ -1284,8 +1277,6 @@ def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: 
     """One static compilation of `gm` for `args`. `output_strides` ({output node name: eager's
     stride}) carries over to the re-traced graph's outputs by position (the trace names its
     nodes anew)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     scalars = {i: a for i, a in enumerate(args) if i not in tensor_pos}
 

@@ -20,23 +20,20 @@ import struct
 import sys
 import types
 
-from .kernel_binaries import describe, jit_function, triton_options
+from .triton_support import describe, jit_function, triton, triton_options
 
 
 def compile_kernel(message: tuple, modules: dict) -> dict:
     _, source, name, signature, constexprs, num_warps, num_stages, arch, warp_size = message
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile, make_backend
-
     fn = jit_function(_module(source, modules)[name])
-    target = GPUTarget("cuda", arch, warp_size)
-    backend = make_backend(target)
+    target = triton.backends.compiler.GPUTarget("cuda", arch, warp_size)
+    backend = triton.compiler.make_backend(target)
     names = list(fn.arg_names)
     full_signature = {n: signature.get(n, "constexpr") for n in names}
     constants = {(names.index(k),): v for k, v in constexprs.items()}
     aligned = backend.parse_attr("D")  # 16-byte aligned buffers, as the JIT specializes them
     attrs = {(i,): aligned for i, n in enumerate(names) if full_signature[n].startswith("*")}
-    compiled = triton_compile(ASTSource(fn, full_signature, constants, attrs), target=target,
+    compiled = triton.compiler.compile(triton.compiler.ASTSource(fn, full_signature, constants, attrs), target=target,
                               options={"num_warps": num_warps, "num_stages": num_stages, **triton_options()})
     return describe(compiled, len(signature))
 
@@ -56,11 +53,9 @@ def _module(source: str, modules: dict) -> dict:
 
 
 def _warm_up() -> None:
-    """What every compile needs, imported while the parent is still tracing."""
-    from triton.compiler import compile  # noqa: F401
-    from triton.runtime.cache import triton_key
-
-    triton_key()  # hashes Triton's installation once
+    """What every compile needs, done while the parent is still tracing (the imports: with this
+    module's, through `triton_support`)."""
+    triton.runtime.cache.triton_key()  # hashes Triton's installation once
     arch = os.environ.get("FERROCORE_COMPILE_ARCH")
     if arch:  # a first compile loads the backend's libraries and asks ptxas its version
         compile_kernel(("compile", _WARM_UP_SOURCE, "ferrocore_warm_up", {"out": "*fp32"}, {"XBLOCK": 128}, 4, 1,

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from .extension import extension
 from .runtime import cached_measurement
 
 _CONVOLUTION = torch.ops.aten.convolution.default
@@ -87,29 +88,16 @@ def _signature(n: torch.fx.Node) -> dict | None:
             "groups": int(groups), "backward": n.target is _CONVOLUTION_BACKWARD}
 
 
-# the compiler's bounds for convolutions it runs itself (`lowering/cpu_conv.rs`)
-MAX_GEMM_MACS = 1 << 25
-MAX_DEPTHWISE_TAPS = 49
-MAX_DEPTHWISE_MACS = 1 << 19
-
-
 def _compiled(sig: dict) -> bool:
     """Whether the compiler runs the forward convolution `sig` as a GEMM (1x1) or a generated
     kernel (depthwise) instead of oneDNN: those run about as fast in either layout, so they do
-    not take part in the choice. The rule mirrors `cpu_conv.rs`; a test holds them together."""
+    not take part in the choice. Rust decides (`lowering/cpu_conv.rs`, `runs_compiled`)."""
     if sig["transposed"] or sig.get("backward"):
         return False
-    (n, c, h, w), (o, _, kh, kw) = sig["x"], sig["w"]
-    groups, stride, padding = sig["groups"], sig["stride"], sig["padding"]
-    dilation = sig["dilation"]
+    stride, padding, dilation = sig["stride"], sig["padding"], sig["dilation"]
     if len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
         return False
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    if groups == 1 and (kh, kw) == (1, 1) and list(stride) == [1, 1] and list(padding) == [0, 0]:
-        return n * h * w * c * o <= MAX_GEMM_MACS
-    depthwise = groups > 1 and groups == c and o == groups
-    return depthwise and kh * kw <= MAX_DEPTHWISE_TAPS and n * o * oh * ow * kh * kw <= MAX_DEPTHWISE_MACS
+    return extension().cpu_conv_runs_compiled(sig["x"], sig["w"], stride, padding, dilation, sig["groups"])
 
 
 def _timings(sig: dict, cache_dir) -> list | None:

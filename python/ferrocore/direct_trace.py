@@ -30,6 +30,10 @@ import functools
 import operator
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
+from torch._dynamo.utils import preserve_rng_state
+from torch._functorch.aot_autograd import aot_autograd_decompositions
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -159,10 +163,6 @@ def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) 
 @contextlib.contextmanager
 def _tracing(example_inputs, decompositions: dict, writable_inputs: bool = False):
     """The recorder and Dynamo's fake inputs, with the modes a trace runs under."""
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch._dynamo.utils import preserve_rng_state
-    from torch._functorch.aot_autograd import aot_autograd_decompositions
-
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     if fake_mode is None:
         raise NeedsAot("Dynamo's fake mode is not active")
@@ -513,8 +513,6 @@ def _explicit(func, kwargs: dict) -> dict:
 def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """A graph module whose Python code is generated at its first call, if any: ferrocore
     compiles the graph and never runs it (0.1 s a graph for a full-size model)."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
-
     return _LazyGraphModule(root, graph)
 
 

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+from torch._functorch import config as functorch_config
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import aliasing
 from .cache import read_cached_json, write_cached_json
@@ -143,8 +145,6 @@ def key(gm: torch.fx.GraphModule, example_inputs, opts: dict) -> str:
 
 
 def _is_fake(x) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(x, FakeTensor)
 
 
@@ -233,10 +233,8 @@ def global_state() -> tuple:
 def _functorch_config() -> list:
     """AOT autograd's settings (partitioner, donated buffers, tangent layouts): a training
     graph's forward and backward depend on them."""
-    from torch._functorch import config
-
     out = []
-    for name, value in sorted(config.get_config_copy().items()):
+    for name, value in sorted(functorch_config.get_config_copy().items()):
         if name.startswith("_"):
             continue
         if value is not None and not isinstance(value, (bool, int, float, str)):

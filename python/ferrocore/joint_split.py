@@ -28,7 +28,6 @@ from .direct_trace import NeedsAot, graph_module, is_factory
 from .extension import extension
 
 aten = torch.ops.aten
-_INFINITE = (2 ** 63 - 1) // 4  # ferrocore::min_cut::INFINITE
 # ops that are neither pointwise nor views but cost no more to recompute than to load
 _CHEAP = {aten.clone.default, aten._to_copy.default, aten.cat.default, aten.constant_pad_nd.default,
           aten.index.Tensor, aten.gather.default, aten.embedding.default, aten.where.self,
@@ -153,17 +152,18 @@ def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, p
         raise NeedsAot("the backward reads an input the forward writes into")
     banned = _banned(computable, forward_needs)
     distance = _distances(nodes, forward_needs)
+    infinite = extension().MIN_CUT_INFINITE  # (an edge the cut never takes)
     edges = []
     for n in computable:
-        weight = _INFINITE if n in overwritten else 0 if n in free else _weight(n, distance[n])
+        weight = infinite if n in overwritten else 0 if n in free else _weight(n, distance[n])
         edges.append((vin(n), vout(n), weight))
         for a in n.all_input_nodes:
             if a in index:
-                edges.append((vout(a), vin(n), _INFINITE))
+                edges.append((vout(a), vin(n), infinite))
         if n.op in ("placeholder", "get_attr") or n in banned:
-            edges.append((source, vin(n), _INFINITE))
+            edges.append((source, vin(n), infinite))
         if n in read_by_backward:
-            edges.append((vout(n), sink, _INFINITE))
+            edges.append((vout(n), sink, infinite))
     side = extension().min_cut_source_side(2 + 2 * len(computable), edges, source, sink)
     return [n for n in computable if side[vin(n)] and not side[vout(n)]]
 
@@ -231,12 +231,12 @@ def _weight(node: torch.fx.Node, distance: int) -> int:
     views and non-tensors are never saved."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or _is_view(node.target):
-        return _INFINITE
+        return extension().MIN_CUT_INFINITE
     size = max(val.numel() * val.element_size(), 1)
     size = int(size * _DISTANCE_COST ** max(min(distance, _FARTHEST), 1))
     materialized = node.op == "placeholder" or not _recomputable(node) or any(
         u.op == "output" or not _fusible(u) for u in node.users)
-    return min(size if materialized else 2 * size, _INFINITE // 1024)
+    return min(size if materialized else 2 * size, extension().MIN_CUT_INFINITE // 1024)
 
 
 def _fusible(node: torch.fx.Node) -> bool:

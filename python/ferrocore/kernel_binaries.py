@@ -19,6 +19,7 @@ whose binary needs more than a plain launch (`runtime.precompile_triton`).
 
 from __future__ import annotations
 
+import atexit
 import base64
 import functools
 import hashlib
@@ -40,21 +41,6 @@ from .versions import versions
 FORMAT = 2
 
 
-@functools.cache
-def triton_options() -> dict:
-    """Triton's compile options beside the launch configuration. No FMA contraction: each
-    operation rounds as eager's kernels do (a contracted `x * y - mean` in a fused variance gave
-    the deviation of a one-element row a nonzero value: inf where eager gives NaN). libdevice
-    keeps denormals where this Triton lets it (its default flushes them: `lgamma` of a denormal
-    `erfc` was inf where eager gives 102.6)."""
-    options = {"enable_fp_fusion": False}
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return options
-    if "enable_reflect_ftz" in CUDAOptions.__dataclass_fields__:
-        options["enable_reflect_ftz"] = False
-    return options
 # a compile that takes longer is given up and redone in this process
 JOB_TIMEOUT_S = 600
 
@@ -65,11 +51,6 @@ def key(signature: dict, constexprs: dict, launch: dict, arch: int) -> str:
     text = json.dumps([FORMAT, launch.get("text", ""), signature, constexprs, launch["num_warps"],
                        launch["num_stages"], arch, versions()], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def jit_function(fn):
-    """The `triton.jit` object of a wrapper module's kernel (made now if it was deferred)."""
-    return fn.jit_function() if hasattr(type(fn), "jit_function") else fn
 
 
 def _entry(k: str) -> str:
@@ -93,34 +74,6 @@ def store(cache_dir, k: str, binary: dict) -> None:
         write_cached_json(cache_dir, _entry(k), {"format": FORMAT, "key": k, "binary": fields})
     except Exception as e:  # noqa: BLE001 - a binary that cannot be stored is compiled again next time
         print(f"[ferrocore] kernel binary {k[:16]} not stored: {type(e).__name__}: {e}", file=sys.stderr)
-
-
-def describe(compiled, n_args: int) -> dict:
-    """A Triton `CompiledKernel`'s binary and launch facts; `{"unlaunchable": why}` when its
-    launch needs more than buffers on a 1-D grid (clusters, cooperative or dependent launches,
-    tensor descriptors, scratch memory)."""
-    md = compiled.metadata
-    reasons = [
-        name for name, bad in (
-            ("num_ctas", (getattr(md, "num_ctas", 1) or 1) != 1),
-            ("cluster_dims", any(d != 1 for d in (getattr(md, "cluster_dims", None) or ()))),
-            ("launch_cooperative_grid", bool(getattr(md, "launch_cooperative_grid", False))),
-            ("launch_pdl", bool(getattr(md, "launch_pdl", False))),
-            ("tensordesc_meta", bool(getattr(md, "tensordesc_meta", None))),
-            ("global_scratch_size", bool(getattr(md, "global_scratch_size", 0))),
-            ("profile_scratch_size", bool(getattr(md, "profile_scratch_size", 0))),
-        ) if bad
-    ]
-    cubin, ptx = compiled.asm.get("cubin"), compiled.asm.get("ptx")
-    params = extension().ptx_param_count(ptx, md.name) if isinstance(ptx, str) else None
-    if not isinstance(cubin, bytes):
-        reasons.append("no cubin")
-    if params is None or not 0 <= params - n_args <= 2:
-        reasons.append(f"{params} parameters for {n_args} buffers")
-    if reasons:
-        return {"unlaunchable": ", ".join(reasons)}
-    return {"name": md.name, "cubin": cubin, "num_warps": int(md.num_warps), "shared": int(md.shared),
-            "trailing_nulls": params - n_args}
 
 
 @functools.lru_cache(None)
@@ -242,8 +195,6 @@ def compile_pool(workers: int, arch: int | None = None) -> CompilePool | None:
                 print(f"[ferrocore] compile workers cannot start ({e}); compiling in this process", file=sys.stderr)
                 return None
             if len(_pools) == 1:
-                import atexit
-
                 atexit.register(lambda: [p.close() for p in _pools.values()])
     return pool
 

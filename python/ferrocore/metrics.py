@@ -7,6 +7,7 @@ separate graphs); `metrics.total` sums every graph since the last `reset()`.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 
 # (GPU kernels: binaries loaded from the cache, and compiled by worker processes)
@@ -128,8 +129,6 @@ class Metrics:
 def _dynamo_seconds() -> float:
     """Dynamo's compile time in this process so far, less the time its backends took (torch's
     `compilation_time_metrics`); 0 before torch is imported."""
-    import sys
-
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return 0.0

@@ -12,7 +12,13 @@ import json
 import os
 import warnings
 
+try:
+    from torch._dynamo.exc import ShortenTraceback
+except ImportError:  # a torch without it: Dynamo wraps an OptionError like any other error
+    ShortenTraceback = None
+
 from . import torch_logs
+from .extension import extension
 
 LOG_CHANNELS = (
     "graph",
@@ -57,9 +63,7 @@ def through_dynamo(error: OptionError) -> OptionError:
 
 @functools.cache
 def _option_error_through_dynamo():
-    try:
-        from torch._dynamo.exc import ShortenTraceback
-    except ImportError:
+    if ShortenTraceback is None:
         return None
 
     class OptionErrorThroughDynamo(OptionError, ShortenTraceback):
@@ -208,21 +212,11 @@ def _count(variable: str, text: str, expected: str) -> int:
 
 
 def default_cache_dir() -> str:
-    """The cache directory, as Rust's `runtime::default_cache_dir` chooses it: one per user,
-    never a shared one (`FERROCORE_CACHE_DIR`, else `$XDG_CACHE_HOME/ferrocore`, else
-    `~/.cache/ferrocore`). Rust checks on every use that it is the user's and private."""
-    explicit = os.environ.get("FERROCORE_CACHE_DIR")
-    if explicit:
-        return _abspath(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):
-        return os.path.join(xdg, "ferrocore")
-    home = os.environ.get("HOME")
-    if home and os.path.isabs(home):
-        return os.path.join(home, ".cache", "ferrocore")
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), f"ferrocore-cache-{os.geteuid()}")
+    """The cache directory as Rust's `runtime::default_cache_dir` chooses it (asked through the
+    extension): one per user, never a shared one (`FERROCORE_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/ferrocore`, else `~/.cache/ferrocore`, else one in the temporary folder).
+    Rust checks on every use that it is the user's and private."""
+    return _abspath(extension().default_cache_dir())
 
 
 def options_json(overrides: dict | None = None) -> str:

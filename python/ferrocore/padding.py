@@ -17,9 +17,9 @@ import statistics
 
 import torch
 
+from .extension import extension
 from .runtime import cached_measurement
 
-ALIGN = 8
 # padding must beat the GEMM as traced by this much to be worth its copies
 MIN_GAIN = 0.97
 _GEMMS = {
@@ -118,7 +118,8 @@ def _unaligned_operands(n: torch.fx.Node):
         return None
     # cuBLAS reads the operands and writes the (row-major) result along their leading
     # dimensions: only those must be aligned (a row-major [M, K] operand's M is not one)
-    if all(d is not None and d % ALIGN == 0 for d in (_leading_dim(a), _leading_dim(b), nn)):
+    align = extension().GEMM_ALIGN  # (Rust's `lowering/matmul.rs` pads to it)
+    if all(d is not None and d % align == 0 for d in (_leading_dim(a), _leading_dim(b), nn)):
         return None
     return a, b
 
@@ -155,7 +156,8 @@ def _measure(target, A: torch.Tensor, B: torch.Tensor) -> tuple:
     """(ms as traced, ms padded) on the operands `A`, `B`: medians of CUDA-event timings, the
     copies included."""
     m, k, n = A.shape[-2], A.shape[-1], B.shape[-1]
-    up = lambda d: (d + ALIGN - 1) // ALIGN * ALIGN  # noqa: E731
+    align = extension().GEMM_ALIGN
+    up = lambda d: (d + align - 1) // align * align  # noqa: E731
     gemm = torch.bmm if A.dim() == 3 else torch.mm
 
     def plain():

@@ -11,7 +11,9 @@ from __future__ import annotations
 import ctypes
 import html
 import os
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +76,6 @@ def _measure_host(call, args, module: dict, reps: int) -> list:
     library call's and allocation's host time under torch.profiler in separate runs, and what
     neither covers (the wrapper's own Python) as one row, so that the rows add up to the
     median wall time."""
-    import time
-
     kernels = [k for k in kernel_names(module) if isinstance(module.get(k), ctypes._CFuncPtr)]
     spent = {k: [0, 0] for k in kernels}  # ns, calls
 
@@ -129,8 +129,6 @@ class _without_profiler_noise:
     NOISE = ("gpuGetDeviceCount", "profiler_start", "profiler_stop")
 
     def __enter__(self):
-        import sys
-
         sys.stderr.flush()
         self._file = tempfile.TemporaryFile(mode="w+b")
         self._saved = os.dup(2)
@@ -138,8 +136,6 @@ class _without_profiler_noise:
         return self
 
     def __exit__(self, *exc):
-        import sys
-
         sys.stderr.flush()
         os.dup2(self._saved, 2)
         os.close(self._saved)

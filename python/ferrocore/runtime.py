@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import _ctypes
+import argparse
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -10,8 +13,10 @@ import itertools
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -19,9 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import kernel_binaries
 from . import report as compile_report
+from . import triton_support
 from .cache import read_cached_json, write_cached_json
 from .extension import extension
 from .options import options_json
@@ -129,18 +136,12 @@ def _load_open_file(path: str, fd: int) -> ctypes.CDLL:
 def _private_load_dir() -> str:
     """A directory only this process's user can write (0700, made by `mkdtemp`), removed at
     exit: where libraries of a read-only cache are loaded from."""
-    import atexit
-    import shutil
-    import tempfile
-
     path = tempfile.mkdtemp(prefix="ferrocore-load-")
     atexit.register(shutil.rmtree, path, True)
     return path
 
 
 def _unload(handle: int) -> None:
-    import _ctypes
-
     _ctypes.dlclose(handle)
 
 
@@ -154,8 +155,6 @@ def cached_measurement(cache_dir, family: str, key: list, measure, errors=(Runti
     cached = read_cached_json(cache_dir, entry) if cache_dir else None
     if isinstance(cached, dict) and cached.get("key") == key_text and isinstance(cached.get("ms"), list):
         return cached["ms"]
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     try:
         with unset_fake_temporarily():
             ms = list(measure())
@@ -240,8 +239,6 @@ def benchmark(call, args, reps: int = 100, report: str | None = None, module: di
 
 def benchmark_main(benchmark_compiled_module) -> None:
     """A compiled module's `__main__`: `python MODULE.py [--reps N] [--report REPORT.html]`."""
-    import argparse
-
     parser = argparse.ArgumentParser(description="Times the compiled graph on random inputs.")
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--report", help="a compile report of this module: fill in its runtime section")
@@ -373,12 +370,12 @@ class TritonLaunch:
 
     def _jit(self, args) -> None:
         self.fn[(self.grid,)](*args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages,
-                              **kernel_binaries.triton_options())
+                              **triton_support.triton_options())
 
     def bind_binary(self, binary: dict, device_index: int) -> bool:
         """Launches `binary` (`kernel_binaries`) from now on; False when it cannot be loaded, or
         when a profiler's launch hook wants Triton's own launch path."""
-        if binary.get("num_warps") != self.num_warps or _launch_hooks_active():
+        if binary.get("num_warps") != self.num_warps or triton_support.launch_hooks_active():
             return False
         try:
             kernel = kernel_binaries.load_kernel(binary, device_index)
@@ -392,7 +389,7 @@ class TritonLaunch:
         return True
 
     def bind(self, compiled, device_index: int) -> None:
-        if _launch_hooks_active(compiled):
+        if triton_support.launch_hooks_active(compiled):
             return  # a profiler hook wants Triton's own launch path
         compiled._init_handles()
         run, function = compiled.run, compiled.function
@@ -406,19 +403,6 @@ class TritonLaunch:
 
         self._direct = None
         self._fast = fast
-
-
-def _launch_hooks_active(compiled=None) -> bool:
-    """Whether a Triton launch hook (a profiler's) is installed: then launches go through Triton."""
-    try:
-        from triton import knobs
-
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    except ImportError:
-        hooks = (getattr(type(compiled), "launch_enter_hook", None),
-                 getattr(type(compiled), "launch_exit_hook", None))
-    # (newer Triton keeps a chain of hooks, often empty)
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
 def precompile_triton(kernels, device, launchers: dict | None = None, autotune: bool = False,
@@ -472,7 +456,7 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
             if launcher is not None and len(e[3].get("candidates") or ()) > 1:
                 tunable[id(e)] = (launcher, *tuner.lookup(e))
     rest = [e for e in kernels if id(e) not in tunable]
-    if arch is not None and cache_dir is not None and not _launch_hooks_active():
+    if arch is not None and cache_dir is not None and not triton_support.launch_hooks_active():
         rest = _bind_binaries(rest, launchers, index, arch, cache_dir, unit, workers, stats, compile_one, tick,
                               timeline)
     # what is timed below is compiled first, several kernels at a time, like the rest
@@ -485,8 +469,6 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
         with ThreadPoolExecutor(max_workers=min(len(work), os.cpu_count() or 4)) as pool:
             list(pool.map(lambda w: w[0](w[1]), work))
     if tunable:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         with unset_fake_temporarily():  # compiles run under dynamo's fake mode: time real buffers
             for e in kernels:
                 if id(e) not in tunable:
@@ -573,7 +555,7 @@ def _store_binary(cache_dir: str, entry, arch: int, compiled) -> dict | None:
     k = _binary_key(entry, arch)
     if k is None:
         return None
-    binary = kernel_binaries.describe(compiled, len(entry[1]))
+    binary = triton_support.describe(compiled, len(entry[1]))
     if "unlaunchable" in binary:
         return None
     kernel_binaries.store(cache_dir, k, binary)
@@ -594,7 +576,7 @@ def _warmup(fn, signature: dict, device, config):
     grid, xblock, warps, stages = config
     with torch.cuda.device(device):
         return fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
-                         num_warps=warps, num_stages=stages, XBLOCK=xblock, **kernel_binaries.triton_options())
+                         num_warps=warps, num_stages=stages, XBLOCK=xblock, **triton_support.triton_options())
 
 
 class Autotuner:
@@ -610,10 +592,8 @@ class Autotuner:
         self.device_name = device_name
 
     def key(self, fn, signature: dict, launch: dict) -> str:
-        import triton
-
         text = json.dumps([launch.get("text") or getattr(fn, "__name__", ""), signature, launch.get("arg_numel"),
-                           [list(c) for c in launch["candidates"]], self.device_name, triton.__version__])
+                           [list(c) for c in launch["candidates"]], self.device_name, triton_support.triton.__version__])
         return hashlib.sha256(text.encode()).hexdigest()
 
     def lookup(self, entry) -> tuple:

@@ -16,6 +16,14 @@ from __future__ import annotations
 import logging
 import os
 
+from torch._dynamo import config as dynamo_config
+from torch._dynamo.utils import get_debug_dir
+
+try:
+    from torch._logging import _internal, trace_structured
+except ImportError:  # a torch without structured logging: no artifacts turned on, no trace
+    _internal = trace_structured = None
+
 # ferrocore's channels that torch's logging names too
 ARTIFACTS = ("output_code", "fusion", "ir_pre_fusion", "ir_post_fusion", "recompiles")
 # `TORCH_LOGS=ferrocore` (INFO): what went wrong or was redone, no code
@@ -26,9 +34,8 @@ TRACED = ("graph", "ir_pre_fusion", "fusion", "ir_post_fusion", "output_code")
 
 def channels() -> list:
     """The ferrocore channels torch's logging turns on now; "all" for `+ferrocore`."""
-    try:
-        from torch._logging._internal import log_state
-    except ImportError:
+    log_state = getattr(_internal, "log_state", None)
+    if log_state is None:
         return []
     level = logging.getLogger("ferrocore").level  # NOTSET (0) unless someone set it
     if level and level <= logging.DEBUG:
@@ -49,10 +56,7 @@ def compile_debug_dir() -> str | None:
     folder (`torch._dynamo.config.debug_dir_root`), one run folder per process; None when off."""
     if os.environ.get("TORCH_COMPILE_DEBUG", "0") != "1":
         return None
-    from torch._dynamo import config
-    from torch._dynamo.utils import get_debug_dir
-
-    run = _run_dirs.setdefault(config.debug_dir_root, get_debug_dir())
+    run = _run_dirs.setdefault(dynamo_config.debug_dir_root, get_debug_dir())
     return os.path.join(run, "ferrocore")
 
 
@@ -60,9 +64,7 @@ def tracing() -> bool:
     """Whether torch's structured trace is written (TORCH_TRACE, or TORCH_COMPILE_DEBUG's tlparse
     folder). Only torch's own trace handler counts: its lazy form without a folder drops itself at
     the first record, and pytest's capture handlers sit on every logger."""
-    try:
-        from torch._logging import _internal
-    except ImportError:
+    if _internal is None:
         return False
     handler = getattr(_internal, "LOG_TRACE_HANDLER", None)
     return (handler is not None and handler in _internal.trace_log.handlers
@@ -73,8 +75,6 @@ def trace_graph(name: str, module_path: str, logs, note: str | None = None) -> N
     """Records graph `name`'s stages (`logs`: the compile's channel texts) as structured-trace
     artifacts, one per stage, and where its module was written; `note` (a cache hit's) as
     `ferrocore_<name>_graph_cache`."""
-    from torch._logging import trace_structured
-
     def artifact(what: str, text: str) -> None:
         trace_structured("artifact", metadata_fn=lambda: {"name": f"ferrocore_{name}_{what}", "encoding": "string"},
                          payload_fn=lambda: text)

@@ -8,15 +8,15 @@ import hashlib
 import os
 import subprocess
 
+import torch
+
+from . import triton_support
+
 
 @functools.lru_cache(None)
 def versions() -> tuple:
     """ferrocore (a hash of its package files and extension), torch, Triton, and the C++
     compiler's version line."""
-    # torch and Triton are imported here, not with this module: the compile workers import
-    # `kernel_binaries` (and so this module) without torch
-    import torch
-
     h = hashlib.sha256()
     package = os.path.dirname(os.path.abspath(__file__))
     for root, dirs, files in os.walk(package):
@@ -26,13 +26,7 @@ def versions() -> tuple:
                 with open(os.path.join(root, name), "rb") as f:
                     h.update(name.encode())
                     h.update(f.read())
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return h.hexdigest(), torch.__version__, triton_version, _compiler_version()
+    return h.hexdigest(), torch.__version__, triton_support.version(), _compiler_version()
 
 
 def _compiler_version() -> str:

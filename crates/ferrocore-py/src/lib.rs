@@ -248,8 +248,31 @@ fn min_cut_source_side(vertices: usize, edges: Vec<(u32, u32, i64)>, source: usi
     guarded("min_cut_source_side", || ferrocore::min_cut::source_side(vertices, &edges, source, sink))
 }
 
+/// Whether the compiler runs a forward 2-D CPU convolution as a GEMM or a generated kernel
+/// instead of oneDNN (`lowering::cpu_conv_runs_compiled`): input (n, c, h, w), weight
+/// (o, c / groups, kh, kw).
+#[pyfunction]
+fn cpu_conv_runs_compiled(
+    input: [i64; 4],
+    weight: [i64; 4],
+    stride: [i64; 2],
+    padding: [i64; 2],
+    dilation: [i64; 2],
+    groups: i64,
+) -> PyResult<bool> {
+    guarded("cpu_conv_runs_compiled", || {
+        if stride.contains(&0) {
+            return Err(format!("cpu_conv_runs_compiled: stride {stride:?} has a zero"));
+        }
+        Ok(ferrocore::lowering::cpu_conv_runs_compiled(input, weight, stride, padding, dilation, groups))
+    })
+}
+
 #[pymodule]
 fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // the constants the front needs, from the one place each is defined
+    m.add("MIN_CUT_INFINITE", ferrocore::min_cut::INFINITE)?;
+    m.add("GEMM_ALIGN", ferrocore::lowering::GEMM_ALIGN)?;
     m.add("FerrocoreError", m.py().get_type::<FerrocoreError>())?;
     m.add_function(wrap_pyfunction!(compile_graph, m)?)?;
     m.add_function(wrap_pyfunction!(compile_cpp, m)?)?;
@@ -261,6 +284,7 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_cache_dir, m)?)?;
     m.add_function(wrap_pyfunction!(ptx_param_count, m)?)?;
     m.add_function(wrap_pyfunction!(min_cut_source_side, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_conv_runs_compiled, m)?)?;
     m.add_class::<CudaDriver>()?;
     m.add_class::<CudaKernel>()?;
     Ok(())

@@ -51,6 +51,23 @@ impl Conv2d {
     fn is_depthwise(&self) -> bool {
         self.groups > 1 && self.groups == self.input[1] && self.out[1] == self.groups
     }
+
+    fn runs_as_gemm(&self) -> bool {
+        self.is_pointwise() && self.macs() <= MAX_GEMM_MACS
+    }
+
+    fn runs_as_depthwise_kernel(&self) -> bool {
+        self.is_depthwise() && self.kernel[0] * self.kernel[1] <= MAX_DEPTHWISE_TAPS && self.macs() <= MAX_DEPTHWISE_MACS
+    }
+}
+
+/// Whether the forward 2-D CPU convolution of input `input` (n, c, h, w) and weight `weight`
+/// (o, c / groups, kh, kw) runs as a GEMM or a generated kernel instead of oneDNN (the rules
+/// above): `python/ferrocore/conv_layout.py` asks this through the extension.
+pub fn runs_compiled(input: [i64; 4], weight: [i64; 4], stride: [i64; 2], pad: [i64; 2], dilation: [i64; 2], groups: i64) -> bool {
+    let side = |i: usize| (input[2 + i] + 2 * pad[i] - dilation[i] * (weight[2 + i] - 1) - 1).div_euclid(stride[i]) + 1;
+    let g = Conv2d { input, out: [input[0], weight[0], side(0), side(1)], kernel: [weight[2], weight[3]], stride, pad, dilation, groups };
+    g.runs_as_gemm() || g.runs_as_depthwise_kernel()
 }
 
 impl Ctx<'_> {
@@ -59,13 +76,13 @@ impl Ctx<'_> {
     pub(super) fn cpu_convolution(&mut self) -> LResult<Option<Lowered>> {
         let Some(g) = self.conv2d()? else { return Ok(None) };
         let name = self.node_name();
-        if g.is_pointwise() && g.macs() <= MAX_GEMM_MACS {
+        if g.runs_as_gemm() {
             let how = if g.out[2] * g.out[3] == 1 || self.channels_last { "mm" } else { "bmm per image" };
             self.decisions
                 .push(("layout", format!("convolution: {name} 1x1 {:?} -> {} channels runs as a GEMM ({how})", g.input, g.out[1])));
             return self.conv_as_gemm(&g).map(Some);
         }
-        if g.is_depthwise() && g.kernel[0] * g.kernel[1] <= MAX_DEPTHWISE_TAPS && g.macs() <= MAX_DEPTHWISE_MACS {
+        if g.runs_as_depthwise_kernel() {
             self.decisions.push((
                 "layout",
                 format!("convolution: {name} depthwise {:?} {}x{} runs as a generated kernel", g.input, g.kernel[0], g.kernel[1]),

@@ -24,8 +24,9 @@ pub enum PadMm {
     Never,
 }
 
-/// Elements of a 16-bit float in 16 bytes: cuBLAS's fast kernels want rows aligned to this.
-const ALIGN: i64 = 8;
+/// Elements of a 16-bit float in 16 bytes: cuBLAS's fast kernels want rows aligned to this
+/// (`python/ferrocore/padding.py` reads it through the extension, `GEMM_ALIGN`).
+pub const ALIGN: i64 = 8;
 
 fn round_up(x: i64) -> i64 {
     (x + ALIGN - 1) / ALIGN * ALIGN

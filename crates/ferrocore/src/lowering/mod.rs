@@ -23,9 +23,10 @@ use crate::codegen::KernelLanguage;
 use crate::graph::{Arg, AtenOp, DType, Device, Graph, Meta, NodeId, NodeKind, Target, TensorMeta};
 use crate::loop_ir::*;
 use crate::symbolic::{IndexExpr, Var};
+pub use cpu_conv::runs_compiled as cpu_conv_runs_compiled;
 use externs::{is_custom_op, ExternKind};
 pub use layout::{channels_last_strides, ConvLayout};
-pub use matmul::PadMm;
+pub use matmul::{PadMm, ALIGN as GEMM_ALIGN};
 use std::fmt;
 use std::rc::Rc;
 
