@@ -246,38 +246,63 @@ impl Ctx<'_> {
     }
 
     pub(super) fn lower_binary(&mut self, op: AtenOp) -> LResult<TensorValue> {
-        use AtenOp as A;
-        let mut a = self.pw_arg(0, "self")?;
-        let mut b = self.pw_arg(1, "other")?;
-        if matches!(op, A::PowTensorScalar) {
-            b = self.pw_arg(1, "exponent")?;
-        }
-        if matches!(op, A::PowScalar) {
-            a = self.pw_arg(0, "self")?;
-            b = self.pw_arg(1, "exponent")?;
-        }
+        let (a, b) = self.binary_operands(op)?;
         let out = self.out_meta()?.clone();
         let size = self.out_shape_of(&[a.clone(), b.clone()])?;
         let rt = result_type(&[a.operand(), b.operand()]);
         check_binary_dtype(op, rt, &[a.operand(), b.operand()], out.dtype)?;
-        // Comparisons and logical ops compute in the promoted type; the rest in the result type.
-        let compute = match op {
-            A::EqTensor
-            | A::EqScalar
-            | A::NeTensor
-            | A::NeScalar
-            | A::LtTensor
-            | A::LtScalar
-            | A::LeTensor
-            | A::LeScalar
-            | A::GtTensor
-            | A::GtScalar
-            | A::GeTensor
-            | A::GeScalar => rt, // a half-typed scalar is rounded first
-            A::LogicalAnd | A::LogicalOr | A::LogicalXor => DType::Bool,
-            _ => out.dtype.compute(),
+        let compute = binary_compute_dtype(op, rt, out.dtype);
+        let alpha = self.binary_alpha(op)?;
+        let bop = self.binary_op_of(op)?;
+        check_binary_op_dtype(bop, compute)?;
+        // ATen's CPU mul/div read a Python scalar (or a 0-dim tensor of a wider float type) as a
+        // float; its other CPU binary kernels first convert it to the tensor's half type
+        // (measured against eager): round those scalars the same. Its CUDA kernels keep every
+        // scalar in float (opmath).
+        let half = out.dtype.compute() != out.dtype && out.dtype.is_float() && out.device == Device::Cpu;
+        let scalar_like = |p: &PwIn| match p {
+            PwIn::Scalar(_) => true,
+            PwIn::Tensor(t) => t.size.is_empty() && t.dtype.is_float() && t.dtype != out.dtype,
         };
-        let alpha = match op {
+        let round = |p: &PwIn| half && scalar_like(p) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
+        // an integer tensor meeting a half-typed one is converted to the half type first (ATen
+        // casts every operand to the common dtype): 32767 is 32768 in bfloat16
+        let through_half = |p: &PwIn| rt.is_float() && rt.compute() != rt && matches!(p, PwIn::Tensor(t) if t.dtype.is_integral());
+        let body = BinaryBody {
+            bop,
+            compute,
+            promoted: rt,
+            half_dtype: out.dtype,
+            alpha,
+            rsub: matches!(op, AtenOp::RsubScalar),
+            round_scalar: [round(&a), round(&b)],
+            through_half: [through_half(&a), through_half(&b)],
+            special_pow: special_pow_exponent(op, &b, compute, &out),
+            round_square: out.dtype == DType::BF16 || (out.dtype == DType::F16 && out.device != Device::Cpu),
+        };
+        // scalars enter in the computation type; comparisons then round them to a half type
+        // like ATen's common-dtype cast, arithmetic keeps them exact like ATen's opmath
+        Ok(pointwise(vec![a, b], size, out.dtype, out.device, compute.compute(), move |bx, v| body.emit(bx, v)))
+    }
+
+    /// The (self, other) operands of a binary op; pow names its second one `exponent`.
+    fn binary_operands(&self, op: AtenOp) -> LResult<(PwIn, PwIn)> {
+        let mut a = self.pw_arg(0, "self")?;
+        let mut b = self.pw_arg(1, "other")?;
+        if matches!(op, AtenOp::PowTensorScalar) {
+            b = self.pw_arg(1, "exponent")?;
+        }
+        if matches!(op, AtenOp::PowScalar) {
+            a = self.pw_arg(0, "self")?;
+            b = self.pw_arg(1, "exponent")?;
+        }
+        Ok((a, b))
+    }
+
+    /// add/sub/rsub's `alpha`, None where it is absent or 1.
+    fn binary_alpha(&self, op: AtenOp) -> LResult<Option<Scalar>> {
+        use AtenOp as A;
+        Ok(match op {
             A::AddTensor | A::AddScalar | A::SubTensor | A::SubScalar | A::RsubScalar => match self.arg(2, "alpha") {
                 None | Some(Arg::None) => None,
                 Some(Arg::Int(1)) | Some(Arg::Bool(true)) => None,
@@ -287,7 +312,12 @@ impl Ctx<'_> {
                 other => return malformed(format!("alpha must be a number, got {other:?}")),
             },
             _ => None,
-        };
+        })
+    }
+
+    /// The loop-IR operation of a binary op (div.Tensor_mode's by its `rounding_mode`).
+    fn binary_op_of(&self, op: AtenOp) -> LResult<BinaryOp> {
+        use AtenOp as A;
         let mode = match op {
             A::DivTensorMode | A::DivScalarMode => match self.arg(2, "rounding_mode") {
                 None | Some(Arg::None) => None,
@@ -296,7 +326,7 @@ impl Ctx<'_> {
             },
             _ => None,
         };
-        let bop = match op {
+        Ok(match op {
             A::AddTensor | A::AddScalar => BinaryOp::Add,
             A::SubTensor | A::SubScalar | A::RsubScalar => BinaryOp::Sub,
             A::MulTensor | A::MulScalar => BinaryOp::Mul,
@@ -327,99 +357,7 @@ impl Ctx<'_> {
             A::LshiftTensor | A::LshiftScalar | A::BitwiseLeftShift => BinaryOp::LShift,
             A::RshiftTensor | A::RshiftScalar | A::BitwiseRightShift => BinaryOp::RShift,
             _ => return malformed("not a binary op"),
-        };
-        if matches!(bop, BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::LShift | BinaryOp::RShift) && compute.is_float()
-        {
-            return malformed("bitwise op on floating-point values");
-        }
-        if matches!(bop, BinaryOp::LShift | BinaryOp::RShift) && compute == DType::Bool {
-            return unsupported("shift of bool values");
-        }
-        let rsub = matches!(op, A::RsubScalar);
-        // ATen's CPU mul/div read a Python scalar (or a 0-dim tensor of a wider float type) as a
-        // float; its other CPU binary kernels first convert it to the tensor's half type
-        // (measured against eager): round those scalars the same. Its CUDA kernels keep every
-        // scalar in float (opmath).
-        let half = out.dtype.compute() != out.dtype && out.dtype.is_float() && out.device == Device::Cpu;
-        let scalar_like = |p: &PwIn| match p {
-            PwIn::Scalar(_) => true,
-            PwIn::Tensor(t) => t.size.is_empty() && t.dtype.is_float() && t.dtype != out.dtype,
-        };
-        let round = |p: &PwIn| half && scalar_like(p) && !matches!(bop, BinaryOp::Mul | BinaryOp::TrueDiv);
-        let (round_a, round_b, half_dt) = (round(&a), round(&b), out.dtype);
-        // an integer tensor meeting a half-typed one is converted to the half type first (ATen
-        // casts every operand to the common dtype): 32767 is 32768 in bfloat16
-        let through_half = |p: &PwIn| rt.is_float() && rt.compute() != rt && matches!(p, PwIn::Tensor(t) if t.dtype.is_integral());
-        let (half_a, half_b) = (through_half(&a), through_half(&b));
-        // ATen's pow(tensor, scalar) computes a square and a cube as products and -1 as a
-        // reciprocal; also far cheaper than a general pow (GPT-2's tanh GELU cubes its input: 3x
-        // the time of a memory-bound kernel). Its cube multiplies in the tensor's type: the
-        // square is rounded in bfloat16, and in float16 on the GPU (its CPU float16 kernel
-        // computes in float). 0.5 and -0.5 are a square root and its reciprocal (NaN at -inf,
-        // -0.0 and -inf at -0.0, where C's pow gives +inf and +0.0), -2 the reciprocal of the
-        // square, except in CPU float16, which calls `pow` for every exponent but 2, 3 and -1
-        let round_square = out.dtype == DType::BF16 || (out.dtype == DType::F16 && out.device != Device::Cpu);
-        let special_pow = match (&b, op) {
-            (PwIn::Scalar(Scalar::Float(e)), A::PowTensorScalar) if compute.is_float() => Some(*e),
-            (PwIn::Scalar(Scalar::Int(e)), A::PowTensorScalar) if compute.is_float() => Some(*e as f64),
-            _ => None,
-        }
-        .filter(|e| {
-            [2.0, 3.0, -1.0].contains(e) || (!(out.dtype == DType::F16 && out.device == Device::Cpu) && [0.5, -0.5, -2.0].contains(e))
-        });
-        // sub: self - alpha*other; rsub: other - alpha*self.
-        let f = move |bx: &mut Bx, v: &[ValueId]| {
-            if let Some(e) = special_pow {
-                let x = bx.body.cast(v[0], compute);
-                match e {
-                    -1.0 => return bx.body.unary(UnaryOp::Reciprocal, x),
-                    0.5 => return bx.body.unary(UnaryOp::Sqrt, x),
-                    -0.5 => return bx.body.unary(UnaryOp::Rsqrt, x),
-                    _ => {}
-                }
-                let square = bx.body.binary(BinaryOp::Mul, x, x);
-                if e == 2.0 {
-                    return square;
-                }
-                let square = if round_square {
-                    let rounded = bx.body.cast(square, half_dt);
-                    bx.body.cast(rounded, compute)
-                } else {
-                    square
-                };
-                if e == -2.0 {
-                    return bx.body.unary(UnaryOp::Reciprocal, square);
-                }
-                return bx.body.binary(BinaryOp::Mul, square, x);
-            }
-            let (mut va, mut vb) = (v[0], v[1]);
-            if round_a {
-                va = bx.body.cast(va, half_dt);
-            }
-            if round_b {
-                vb = bx.body.cast(vb, half_dt);
-            }
-            if half_a {
-                va = bx.body.cast(va, rt);
-            }
-            if half_b {
-                vb = bx.body.cast(vb, rt);
-            }
-            let x = bx.body.cast(va, compute);
-            let y = bx.body.cast(vb, compute);
-            let (l, r) = if rsub { (y, x) } else { (x, y) };
-            let r = match alpha {
-                Some(al) => {
-                    let c = bx.body.constant(al, compute);
-                    bx.body.binary(BinaryOp::Mul, r, c)
-                }
-                None => r,
-            };
-            bx.body.binary(bop, l, r)
-        };
-        // scalars enter in the computation type; comparisons then round them to a half type
-        // like ATen's common-dtype cast, arithmetic keeps them exact like ATen's opmath
-        Ok(pointwise(vec![a, b], size, out.dtype, out.device, compute.compute(), f))
+        })
     }
 
     /// A pointwise op of the node's first arguments `keys` (tensors or numbers), `f` of their
@@ -636,6 +574,136 @@ fn int_bound_beyond(bound: &PwIn, dtype: DType, is_max: bool) -> bool {
         v > max as f64
     } else {
         v < min as f64
+    }
+}
+
+/// The type a binary op computes in: comparisons and logical ops the promoted type, the rest
+/// the result's compute type.
+fn binary_compute_dtype(op: AtenOp, promoted: DType, out: DType) -> DType {
+    use AtenOp as A;
+    match op {
+        A::EqTensor
+        | A::EqScalar
+        | A::NeTensor
+        | A::NeScalar
+        | A::LtTensor
+        | A::LtScalar
+        | A::LeTensor
+        | A::LeScalar
+        | A::GtTensor
+        | A::GtScalar
+        | A::GeTensor
+        | A::GeScalar => promoted, // a half-typed scalar is rounded first
+        A::LogicalAnd | A::LogicalOr | A::LogicalXor => DType::Bool,
+        _ => out.compute(),
+    }
+}
+
+/// Bitwise ops take no floats, and shifts no bools.
+fn check_binary_op_dtype(bop: BinaryOp, compute: DType) -> LResult<()> {
+    if matches!(bop, BinaryOp::BitAnd | BinaryOp::BitOr | BinaryOp::BitXor | BinaryOp::LShift | BinaryOp::RShift) && compute.is_float() {
+        return malformed("bitwise op on floating-point values");
+    }
+    if matches!(bop, BinaryOp::LShift | BinaryOp::RShift) && compute == DType::Bool {
+        return unsupported("shift of bool values");
+    }
+    Ok(())
+}
+
+/// The exponent of a pow(tensor, scalar) computed without a general pow.
+///
+/// ATen's pow(tensor, scalar) computes a square and a cube as products and -1 as a
+/// reciprocal; also far cheaper than a general pow (GPT-2's tanh GELU cubes its input: 3x
+/// the time of a memory-bound kernel). Its cube multiplies in the tensor's type: the
+/// square is rounded in bfloat16, and in float16 on the GPU (its CPU float16 kernel
+/// computes in float). 0.5 and -0.5 are a square root and its reciprocal (NaN at -inf,
+/// -0.0 and -inf at -0.0, where C's pow gives +inf and +0.0), -2 the reciprocal of the
+/// square, except in CPU float16, which calls `pow` for every exponent but 2, 3 and -1
+fn special_pow_exponent(op: AtenOp, exponent: &PwIn, compute: DType, out: &TensorMeta) -> Option<f64> {
+    match (exponent, op) {
+        (PwIn::Scalar(Scalar::Float(e)), AtenOp::PowTensorScalar) if compute.is_float() => Some(*e),
+        (PwIn::Scalar(Scalar::Int(e)), AtenOp::PowTensorScalar) if compute.is_float() => Some(*e as f64),
+        _ => None,
+    }
+    .filter(|e| [2.0, 3.0, -1.0].contains(e) || (!(out.dtype == DType::F16 && out.device == Device::Cpu) && [0.5, -0.5, -2.0].contains(e)))
+}
+
+/// The loop body of one binary op: how its operands are rounded and combined.
+#[derive(Clone, Copy)]
+struct BinaryBody {
+    bop: BinaryOp,
+    compute: DType,
+    /// the operands' promoted type
+    promoted: DType,
+    /// the result's type, which rounded scalars and pow's square pass through
+    half_dtype: DType,
+    alpha: Option<Scalar>,
+    /// rsub: other - alpha*self
+    rsub: bool,
+    /// per operand: a scalar rounded to the result's half type first
+    round_scalar: [bool; 2],
+    /// per operand: an integer tensor converted to the promoted half type first
+    through_half: [bool; 2],
+    special_pow: Option<f64>,
+    /// pow's square is rounded to the result type before a cube or reciprocal
+    round_square: bool,
+}
+
+impl BinaryBody {
+    fn emit(&self, bx: &mut Bx, v: &[ValueId]) -> ValueId {
+        if let Some(e) = self.special_pow {
+            return self.emit_special_pow(bx, v[0], e);
+        }
+        let (mut va, mut vb) = (v[0], v[1]);
+        if self.round_scalar[0] {
+            va = bx.body.cast(va, self.half_dtype);
+        }
+        if self.round_scalar[1] {
+            vb = bx.body.cast(vb, self.half_dtype);
+        }
+        if self.through_half[0] {
+            va = bx.body.cast(va, self.promoted);
+        }
+        if self.through_half[1] {
+            vb = bx.body.cast(vb, self.promoted);
+        }
+        let x = bx.body.cast(va, self.compute);
+        let y = bx.body.cast(vb, self.compute);
+        // sub: self - alpha*other; rsub: other - alpha*self.
+        let (l, r) = if self.rsub { (y, x) } else { (x, y) };
+        let r = match self.alpha {
+            Some(al) => {
+                let c = bx.body.constant(al, self.compute);
+                bx.body.binary(BinaryOp::Mul, r, c)
+            }
+            None => r,
+        };
+        bx.body.binary(self.bop, l, r)
+    }
+
+    /// `base` to the power `e`, one of the exponents `special_pow_exponent` accepts.
+    fn emit_special_pow(&self, bx: &mut Bx, base: ValueId, e: f64) -> ValueId {
+        let x = bx.body.cast(base, self.compute);
+        match e {
+            -1.0 => return bx.body.unary(UnaryOp::Reciprocal, x),
+            0.5 => return bx.body.unary(UnaryOp::Sqrt, x),
+            -0.5 => return bx.body.unary(UnaryOp::Rsqrt, x),
+            _ => {}
+        }
+        let square = bx.body.binary(BinaryOp::Mul, x, x);
+        if e == 2.0 {
+            return square;
+        }
+        let square = if self.round_square {
+            let rounded = bx.body.cast(square, self.half_dtype);
+            bx.body.cast(rounded, self.compute)
+        } else {
+            square
+        };
+        if e == -2.0 {
+            return bx.body.unary(UnaryOp::Reciprocal, square);
+        }
+        bx.body.binary(BinaryOp::Mul, square, x)
     }
 }
 

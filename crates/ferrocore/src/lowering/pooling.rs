@@ -161,154 +161,38 @@ impl Ctx<'_> {
     /// avg_pool2d/3d, max_pool2d/3d_with_indices, _adaptive_avg_pool2d/3d, adaptive_max_pool2d/3d.
     pub(super) fn lower_pool(&mut self, op: AtenOp) -> LResult<Lowered> {
         let x = self.tensor_arg(0, "self")?;
-        let metas: Vec<TensorMeta> = match self.meta() {
-            Meta::Tensor(t) => vec![t.clone()],
-            Meta::Tuple(items) => items.iter().filter_map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),
-            _ => return malformed("pooling without tensor metadata"),
-        };
+        let metas = self.pool_output_metas()?;
         let Some(out) = metas.first().cloned() else { return malformed("pooling without output metadata") };
         let pool = self.pool_geometry(op, &x.size, &out.shape, 1)?;
         if x.dtype == DType::Bool {
             return unsupported("pooling of a bool tensor");
         }
-        let rank = x.size.len();
-        let sp = rank - pool.nd;
-        let (buf, xs, xoff) = strided_base(self, &x)?;
-        let acc = out.dtype.compute();
-        let dims: Vec<i64> = out.shape.clone();
-        let in_size = x.size.clone();
-        let xdt = x.dtype;
+        let (buf, in_strides, in_offset) = strided_base(self, &x)?;
         // small fixed windows are unrolled: a pointwise kernel over the outputs, one load per tap,
         // so lanes run along the output (channels in a channels-last graph) instead of along
         // a window of a few taps; larger, adaptive and fractional windows are reductions over
         // the window dims, appended after the output dims
         let taps: i64 = pool.kernel().iter().product();
         let unroll = taps <= MAX_UNROLLED_TAPS && matches!(pool.kind, PoolKind::Max | PoolKind::Avg { .. });
-        let index_dtype = metas.get(1).map_or(DType::I64, |m| m.dtype);
-        let build = |cx: &mut Self, what: Reduce| -> TensorValue {
-            let reduction_ranges = if unroll { Vec::new() } else { pool.kernel() };
-            // computed in the accumulation type, stored in the result's (a bfloat16 pool writes
-            // bfloat16, not a float32 buffer and a conversion of it)
-            let dtype = if matches!(what, Reduce::ArgMax(_)) { index_dtype } else { out.dtype };
-            let layout = cx.fresh_layout(&dims, dtype, x.device);
-            // the output loops follow the layout (channels innermost in a channels-last graph)
-            let order = loop_order(&layout);
-            let ranges: Vec<i64> = order.iter().map(|&d| dims[d]).collect();
-            let obuf = cx.prog.add_buffer(layout.clone(), BufferSource::Computed);
-            let mut body = LoopBody::default();
-            {
-                let all: Vec<i64> = ranges.iter().chain(&reduction_ranges).copied().collect();
-                let mut bx = Bx { body: &mut body, ranges: all };
-                let mut out_idx = vec![IndexExpr::zero(); rank];
-                for (i, &d) in order.iter().enumerate() {
-                    out_idx[d] = IndexExpr::var(Var(i as u32));
-                }
-                let mut base = IndexExpr::constant(xoff);
-                for d in 0..sp {
-                    base = base.add(&out_idx[d].scale(xs[d]));
-                }
-                // one tap: (in-window, value in the accumulation type, the argmax's index of
-                // the tap: within the input plane (volume) or within the window, row-major)
-                let tap = |bx: &mut Bx, k: &[IndexExpr]| -> (ValueId, ValueId, ValueId) {
-                    let (valid, positions) = pool.taps(bx, &out_idx[..sp], &out_idx[sp..], k);
-                    let terms = positions.iter().enumerate().map(|(k, p)| (*p, xs[sp + k])).collect();
-                    let v = bx.body.load_indirect(buf, base.clone(), terms, xdt);
-                    let v = bx.body.cast(v, acc);
-                    let index = match what {
-                        Reduce::ArgMax(ArgIndex::Plane) => {
-                            let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
-                            for (k, p) in positions.iter().enumerate() {
-                                let inner: i64 = in_size[sp + k + 1..].iter().product();
-                                let c = bx.body.constant(Scalar::Int(inner), DType::I64);
-                                let t = bx.body.binary(BinaryOp::Mul, *p, c);
-                                flat = bx.body.binary(BinaryOp::Add, flat, t);
-                            }
-                            flat
-                        }
-                        Reduce::ArgMax(ArgIndex::Window) => bx.body.index(window_offset(k, &pool.kernel()), DType::I64),
-                        _ => bx.body.constant(Scalar::Int(0), DType::I64),
-                    };
-                    (valid, v, index)
-                };
-                let lowest = if acc.is_float() { Scalar::Float(f64::NEG_INFINITY) } else { Scalar::Int(acc.int_range().0) };
-                let result = if unroll {
-                    let offsets = window_offsets(&pool.kernel());
-                    match what {
-                        Reduce::Max | Reduce::ArgMax(_) => {
-                            // ATen's scan: a tap replaces the best when greater or NaN; the
-                            // argmax starts at the window's first valid tap (a window of -inf)
-                            let argmax = matches!(what, Reduce::ArgMax(_));
-                            let mut best = bx.body.constant(lowest, acc);
-                            let mut arg = bx.body.constant(Scalar::Int(0), DType::I64);
-                            let mut seen = bx.body.constant(Scalar::Bool(false), DType::Bool);
-                            for k in &offsets {
-                                let (valid, v, index) = tap(&mut bx, k);
-                                let mut better = bx.body.binary(BinaryOp::Gt, v, best);
-                                if acc.is_float() {
-                                    let nan = bx.body.unary(UnaryOp::IsNan, v);
-                                    better = bx.body.binary(BinaryOp::LogicalOr, better, nan);
-                                }
-                                if argmax {
-                                    let first = bx.body.unary(UnaryOp::LogicalNot, seen);
-                                    better = bx.body.binary(BinaryOp::LogicalOr, better, first);
-                                    seen = bx.body.binary(BinaryOp::LogicalOr, seen, valid);
-                                }
-                                let take = bx.body.binary(BinaryOp::LogicalAnd, valid, better);
-                                best = bx.body.where_(take, v, best);
-                                if argmax {
-                                    arg = bx.body.where_(take, index, arg);
-                                }
-                            }
-                            if argmax {
-                                arg
-                            } else {
-                                best
-                            }
-                        }
-                        Reduce::Mean => {
-                            let z = bx.body.constant(Scalar::Int(0), acc);
-                            let mut sum = z;
-                            for k in &offsets {
-                                let (valid, v, _) = tap(&mut bx, k);
-                                let m = bx.body.where_(valid, v, z);
-                                sum = bx.body.binary(BinaryOp::Add, sum, m);
-                            }
-                            mean_of(&mut bx, &pool, &out_idx[sp..], sum, acc)
-                        }
-                    }
-                } else {
-                    let kvars: Vec<IndexExpr> = (0..pool.nd).map(|k| IndexExpr::var(Var((rank + k) as u32))).collect();
-                    let (valid, v, index) = tap(&mut bx, &kvars);
-                    match what {
-                        Reduce::ArgMax(_) => {
-                            let low = bx.body.constant(lowest, acc);
-                            let m = bx.body.where_(valid, v, low);
-                            bx.body.arg_reduce(ReduceOp::ArgMax, m, index)
-                        }
-                        Reduce::Max => {
-                            let low = bx.body.constant(lowest, acc);
-                            let m = bx.body.where_(valid, v, low);
-                            bx.body.reduce(ReduceOp::Max, m)
-                        }
-                        Reduce::Mean => {
-                            let z = bx.body.constant(Scalar::Int(0), acc);
-                            let m = bx.body.where_(valid, v, z);
-                            let s = bx.body.reduce(ReduceOp::Sum, m);
-                            mean_of(&mut bx, &pool, &out_idx[sp..], s, acc)
-                        }
-                    }
-                };
-                let r = bx.body.cast(result, dtype);
-                bx.body.set_store(layout.index_of(&out_idx), r);
-            }
-            cx.push_node(LoopNode { output: obuf, ranges, reduction_ranges, body, origins: vec![cx.node_name()] });
-            view_of_layout(obuf, &layout)
+        let kernel = PoolKernel {
+            pool: &pool,
+            buf,
+            in_strides,
+            in_offset,
+            in_size: x.size.clone(),
+            in_dtype: x.dtype,
+            acc: out.dtype.compute(),
+            out_shape: out.shape.clone(),
+            out_dtype: out.dtype,
+            index_dtype: metas.get(1).map_or(DType::I64, |m| m.dtype),
+            device: x.device,
+            unroll,
         };
         match pool.kind {
             PoolKind::Max | PoolKind::Adaptive { max: true } | PoolKind::Fractional => {
                 let arg = if op == AtenOp::MaxPoolWithOffsets { ArgIndex::Window } else { ArgIndex::Plane };
-                let vals = build(self, Reduce::Max);
-                let idx = build(self, Reduce::ArgMax(arg));
+                let vals = kernel.lower(self, Reduce::Max);
+                let idx = kernel.lower(self, Reduce::ArgMax(arg));
                 let v = self.cast_to(vals, &out);
                 let i = match metas.get(1) {
                     Some(im) => self.cast_to(idx, im),
@@ -317,10 +201,19 @@ impl Ctx<'_> {
                 Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(v)), Some(Lowered::Tensor(i))]))
             }
             _ => {
-                let r = build(self, Reduce::Mean);
+                let r = kernel.lower(self, Reduce::Mean);
                 Ok(Lowered::Tensor(self.cast_to(r, &out)))
             }
         }
+    }
+
+    /// A pool's output metadata: the values, then (max pools) the indices.
+    fn pool_output_metas(&self) -> LResult<Vec<TensorMeta>> {
+        Ok(match self.meta() {
+            Meta::Tensor(t) => vec![t.clone()],
+            Meta::Tuple(items) => items.iter().filter_map(|m| m.as_ref().and_then(|m| m.tensor().cloned())).collect(),
+            _ => return malformed("pooling without tensor metadata"),
+        })
     }
 
     /// avg_pool2d_backward / _adaptive_avg_pool2d_backward: each output gradient, divided as the
@@ -524,6 +417,178 @@ impl Ctx<'_> {
         super::pointwise::pointwise(vec![super::pointwise::PwIn::Tensor(tv)], m.shape.clone(), dt, m.device, dt, move |bx, v| {
             bx.body.cast(v[0], dt)
         })
+    }
+}
+
+/// One pooling node's kernels (values, or argmax indices): the input they read and the output
+/// they write.
+struct PoolKernel<'p> {
+    pool: &'p Pool,
+    buf: BufferId,
+    in_strides: Vec<i64>,
+    in_offset: i64,
+    in_size: Vec<i64>,
+    in_dtype: DType,
+    /// the accumulation type
+    acc: DType,
+    out_shape: Vec<i64>,
+    out_dtype: DType,
+    index_dtype: DType,
+    device: Device,
+    /// one load per window tap, no reduction loops
+    unroll: bool,
+}
+
+impl PoolKernel<'_> {
+    /// Leading (batch, channel) dims: the spatial dims start here.
+    fn spatial_start(&self) -> usize {
+        self.in_size.len() - self.pool.nd
+    }
+
+    /// The loop node computing `what` for every output element, as a view of its buffer.
+    fn lower(&self, cx: &mut Ctx<'_>, what: Reduce) -> TensorValue {
+        let rank = self.in_size.len();
+        let sp = self.spatial_start();
+        let reduction_ranges = if self.unroll { Vec::new() } else { self.pool.kernel() };
+        // computed in the accumulation type, stored in the result's (a bfloat16 pool writes
+        // bfloat16, not a float32 buffer and a conversion of it)
+        let dtype = if matches!(what, Reduce::ArgMax(_)) { self.index_dtype } else { self.out_dtype };
+        let layout = cx.fresh_layout(&self.out_shape, dtype, self.device);
+        // the output loops follow the layout (channels innermost in a channels-last graph)
+        let order = loop_order(&layout);
+        let ranges: Vec<i64> = order.iter().map(|&d| self.out_shape[d]).collect();
+        let obuf = cx.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let mut body = LoopBody::default();
+        {
+            let all: Vec<i64> = ranges.iter().chain(&reduction_ranges).copied().collect();
+            let mut bx = Bx { body: &mut body, ranges: all };
+            let mut out_idx = vec![IndexExpr::zero(); rank];
+            for (i, &d) in order.iter().enumerate() {
+                out_idx[d] = IndexExpr::var(Var(i as u32));
+            }
+            let mut base = IndexExpr::constant(self.in_offset);
+            for (i, &s) in out_idx[..sp].iter().zip(&self.in_strides) {
+                base = base.add(&i.scale(s));
+            }
+            let result = if self.unroll {
+                self.unrolled_window(&mut bx, &out_idx, &base, what)
+            } else {
+                self.window_reduction(&mut bx, &out_idx, &base, what)
+            };
+            let r = bx.body.cast(result, dtype);
+            bx.body.set_store(layout.index_of(&out_idx), r);
+        }
+        cx.push_node(LoopNode { output: obuf, ranges, reduction_ranges, body, origins: vec![cx.node_name()] });
+        view_of_layout(obuf, &layout)
+    }
+
+    /// The smallest value of the accumulation type: a max's identity.
+    fn lowest(&self) -> Scalar {
+        if self.acc.is_float() {
+            Scalar::Float(f64::NEG_INFINITY)
+        } else {
+            Scalar::Int(self.acc.int_range().0)
+        }
+    }
+
+    /// One tap at window offsets `k`: (in-window, value in the accumulation type, the argmax's
+    /// index of the tap: within the input plane (volume) or within the window, row-major).
+    fn tap(&self, bx: &mut Bx, out_idx: &[IndexExpr], base: &IndexExpr, what: Reduce, k: &[IndexExpr]) -> (ValueId, ValueId, ValueId) {
+        let sp = self.spatial_start();
+        let (valid, positions) = self.pool.taps(bx, &out_idx[..sp], &out_idx[sp..], k);
+        let terms = positions.iter().enumerate().map(|(k, p)| (*p, self.in_strides[sp + k])).collect();
+        let v = bx.body.load_indirect(self.buf, base.clone(), terms, self.in_dtype);
+        let v = bx.body.cast(v, self.acc);
+        let index = match what {
+            Reduce::ArgMax(ArgIndex::Plane) => {
+                let mut flat = bx.body.constant(Scalar::Int(0), DType::I64);
+                for (k, p) in positions.iter().enumerate() {
+                    let inner: i64 = self.in_size[sp + k + 1..].iter().product();
+                    let c = bx.body.constant(Scalar::Int(inner), DType::I64);
+                    let t = bx.body.binary(BinaryOp::Mul, *p, c);
+                    flat = bx.body.binary(BinaryOp::Add, flat, t);
+                }
+                flat
+            }
+            Reduce::ArgMax(ArgIndex::Window) => bx.body.index(window_offset(k, &self.pool.kernel()), DType::I64),
+            _ => bx.body.constant(Scalar::Int(0), DType::I64),
+        };
+        (valid, v, index)
+    }
+
+    /// An unrolled window: every tap loaded and combined in turn.
+    fn unrolled_window(&self, bx: &mut Bx, out_idx: &[IndexExpr], base: &IndexExpr, what: Reduce) -> ValueId {
+        let acc = self.acc;
+        let offsets = window_offsets(&self.pool.kernel());
+        match what {
+            Reduce::Max | Reduce::ArgMax(_) => {
+                // ATen's scan: a tap replaces the best when greater or NaN; the
+                // argmax starts at the window's first valid tap (a window of -inf)
+                let argmax = matches!(what, Reduce::ArgMax(_));
+                let mut best = bx.body.constant(self.lowest(), acc);
+                let mut arg = bx.body.constant(Scalar::Int(0), DType::I64);
+                let mut seen = bx.body.constant(Scalar::Bool(false), DType::Bool);
+                for k in &offsets {
+                    let (valid, v, index) = self.tap(bx, out_idx, base, what, k);
+                    let mut better = bx.body.binary(BinaryOp::Gt, v, best);
+                    if acc.is_float() {
+                        let nan = bx.body.unary(UnaryOp::IsNan, v);
+                        better = bx.body.binary(BinaryOp::LogicalOr, better, nan);
+                    }
+                    if argmax {
+                        let first = bx.body.unary(UnaryOp::LogicalNot, seen);
+                        better = bx.body.binary(BinaryOp::LogicalOr, better, first);
+                        seen = bx.body.binary(BinaryOp::LogicalOr, seen, valid);
+                    }
+                    let take = bx.body.binary(BinaryOp::LogicalAnd, valid, better);
+                    best = bx.body.where_(take, v, best);
+                    if argmax {
+                        arg = bx.body.where_(take, index, arg);
+                    }
+                }
+                if argmax {
+                    arg
+                } else {
+                    best
+                }
+            }
+            Reduce::Mean => {
+                let z = bx.body.constant(Scalar::Int(0), acc);
+                let mut sum = z;
+                for k in &offsets {
+                    let (valid, v, _) = self.tap(bx, out_idx, base, what, k);
+                    let m = bx.body.where_(valid, v, z);
+                    sum = bx.body.binary(BinaryOp::Add, sum, m);
+                }
+                mean_of(bx, self.pool, &out_idx[self.spatial_start()..], sum, acc)
+            }
+        }
+    }
+
+    /// A window as reduction loops over its offsets, after the output loops.
+    fn window_reduction(&self, bx: &mut Bx, out_idx: &[IndexExpr], base: &IndexExpr, what: Reduce) -> ValueId {
+        let acc = self.acc;
+        let rank = self.in_size.len();
+        let kvars: Vec<IndexExpr> = (0..self.pool.nd).map(|k| IndexExpr::var(Var((rank + k) as u32))).collect();
+        let (valid, v, index) = self.tap(bx, out_idx, base, what, &kvars);
+        match what {
+            Reduce::ArgMax(_) => {
+                let low = bx.body.constant(self.lowest(), acc);
+                let m = bx.body.where_(valid, v, low);
+                bx.body.arg_reduce(ReduceOp::ArgMax, m, index)
+            }
+            Reduce::Max => {
+                let low = bx.body.constant(self.lowest(), acc);
+                let m = bx.body.where_(valid, v, low);
+                bx.body.reduce(ReduceOp::Max, m)
+            }
+            Reduce::Mean => {
+                let z = bx.body.constant(Scalar::Int(0), acc);
+                let m = bx.body.where_(valid, v, z);
+                let s = bx.body.reduce(ReduceOp::Sum, m);
+                mean_of(bx, self.pool, &out_idx[self.spatial_start()..], s, acc)
+            }
+        }
     }
 }
 

@@ -303,6 +303,151 @@ fn cubic_sum(
     weighted_sum(bx, &parts, &weights[j])
 }
 
+/// A grid sampler's checked arguments.
+struct GridSamplerArgs {
+    /// spatial dims: 2 or 3
+    k: usize,
+    x: TensorValue,
+    grid: TensorValue,
+    out: TensorMeta,
+    /// 0 bilinear (trilinear in 3-D), 1 nearest, 2 bicubic
+    mode: i64,
+    padding: Padding,
+    align_corners: bool,
+}
+
+/// One output element of a grid sampler, in the loop body being built: where its input plane
+/// starts and the grid coordinates it samples at.
+struct GridSite<'a> {
+    buf: BufferId,
+    /// the (n, c) plane's first element
+    base: IndexExpr,
+    stride: &'a [i64],
+    dt: DType,
+    ct: DType,
+    /// the spatial axes, input order
+    axes: &'a [GridAxis],
+    /// the grid coordinates, one per axis (input order), in the compute type
+    coords: Vec<ValueId>,
+}
+
+impl GridSite<'_> {
+    /// (the input at one tap per axis, whether every tap lies inside)
+    fn sample(&self, bx: &mut Bx, taps: &[Tap]) -> (ValueId, ValueId) {
+        let terms = taps.iter().enumerate().map(|(j, t)| (t.0, self.stride[2 + j])).collect();
+        let v = bx.body.load_indirect(self.buf, self.base.clone(), terms, self.dt);
+        let v = bx.body.cast(v, self.ct);
+        let ok = taps.iter().skip(1).fold(taps[0].1, |a, t| bx.body.binary(BinaryOp::LogicalAnd, a, t.1));
+        (v, ok)
+    }
+
+    /// The input at the taps, zero where one lies outside.
+    fn masked(&self, bx: &mut Bx, taps: &[Tap]) -> ValueId {
+        let (v, ok) = self.sample(bx, taps);
+        let zero = fconst(bx, 0.0, self.ct);
+        bx.body.where_(ok, v, zero)
+    }
+
+    /// The point after unnormalizing and padding, per axis.
+    fn points(&self, bx: &mut Bx) -> Vec<ValueId> {
+        (0..self.axes.len())
+            .map(|j| {
+                let u = self.axes[j].unnormalize(bx, self.coords[j]);
+                self.axes[j].pad(bx, u)
+            })
+            .collect()
+    }
+
+    /// Nearest: the point rounded half to even, like ATen's nearbyint.
+    fn nearest(&self, bx: &mut Bx) -> ValueId {
+        let p = self.points(bx);
+        let taps: Vec<_> = (0..self.axes.len())
+            .map(|j| {
+                let r = bx.body.unary(UnaryOp::Round, p[j]);
+                self.axes[j].tap(bx, r)
+            })
+            .collect();
+        self.masked(bx, &taps)
+    }
+
+    /// 2-D bilinear: the four surrounding taps weighted by the opposite areas.
+    fn bilinear(&self, bx: &mut Bx) -> ValueId {
+        let axes = self.axes;
+        let p = self.points(bx);
+        let (py, px) = (p[0], p[1]);
+        let (west, north) = (bx.body.unary(UnaryOp::Floor, px), bx.body.unary(UnaryOp::Floor, py));
+        let one = fconst(bx, 1.0, self.ct);
+        let east = bx.body.binary(BinaryOp::Add, west, one);
+        let south = bx.body.binary(BinaryOp::Add, north, one);
+        // distances to the west / north taps, and their complements
+        let dw = bx.body.binary(BinaryOp::Sub, px, west);
+        let de = bx.body.binary(BinaryOp::Sub, one, dw);
+        let dn = bx.body.binary(BinaryOp::Sub, py, north);
+        let ds = bx.body.binary(BinaryOp::Sub, one, dn);
+        let weights = [
+            bx.body.binary(BinaryOp::Mul, ds, de),
+            bx.body.binary(BinaryOp::Mul, ds, dw),
+            bx.body.binary(BinaryOp::Mul, dn, de),
+            bx.body.binary(BinaryOp::Mul, dn, dw),
+        ];
+        let (tw, te) = (axes[1].tap(bx, west), axes[1].tap(bx, east));
+        let (tn, ts) = (axes[0].tap(bx, north), axes[0].tap(bx, south));
+        let values = [self.masked(bx, &[tn, tw]), self.masked(bx, &[tn, te]), self.masked(bx, &[ts, tw]), self.masked(bx, &[ts, te])];
+        weighted_sum(bx, &values, &weights)
+    }
+
+    /// Bicubic: padding applies to each integral tap, not to the point; the cubic runs along x
+    /// first, then y (then z).
+    fn bicubic(&self, bx: &mut Bx) -> ValueId {
+        let k = self.axes.len();
+        let mut taps = Vec::with_capacity(k);
+        let mut weights = Vec::with_capacity(k);
+        for (j, a) in self.axes.iter().enumerate() {
+            let u = a.unnormalize(bx, self.coords[j]);
+            let fl = bx.body.unary(UnaryOp::Floor, u);
+            let t = bx.body.binary(BinaryOp::Sub, u, fl);
+            weights.push(cubic_weights(bx, t, self.ct));
+            let axis_taps: Vec<Tap> = (-1..3)
+                .map(|d| {
+                    let dc = fconst(bx, d as f64, self.ct);
+                    let p = if d == 0 { fl } else { bx.body.binary(BinaryOp::Add, fl, dc) };
+                    let p = a.pad(bx, p);
+                    a.tap(bx, p)
+                })
+                .collect();
+            taps.push(axis_taps);
+        }
+        cubic_sum(bx, &mut Vec::with_capacity(k), &taps, &weights, &|bx: &mut Bx, t: &[Tap]| self.masked(bx, t))
+    }
+
+    /// 3-D trilinear, as ATen's scalar kernel: in-bounds taps add value · weight.
+    fn trilinear(&self, bx: &mut Bx) -> ValueId {
+        let k = self.axes.len();
+        let p = self.points(bx);
+        let one = fconst(bx, 1.0, self.ct);
+        let mut taps = Vec::with_capacity(k);
+        let mut factors = Vec::with_capacity(k);
+        for (&pj, axis) in p.iter().zip(self.axes) {
+            let lo = bx.body.unary(UnaryOp::Floor, pj);
+            let hi = bx.body.binary(BinaryOp::Add, lo, one);
+            factors.push([bx.body.binary(BinaryOp::Sub, hi, pj), bx.body.binary(BinaryOp::Sub, pj, lo)]);
+            taps.push([axis.tap(bx, lo), axis.tap(bx, hi)]);
+        }
+        let zero = fconst(bx, 0.0, self.ct);
+        let mut acc = zero;
+        for corner in 0..8usize {
+            let side = [(corner >> 2) & 1, (corner >> 1) & 1, corner & 1]; // (z, y, x)
+            let w = bx.body.binary(BinaryOp::Mul, factors[2][side[2]], factors[1][side[1]]);
+            let w = bx.body.binary(BinaryOp::Mul, w, factors[0][side[0]]);
+            let (v, ok) = self.sample(bx, &[taps[0][side[0]], taps[1][side[1]], taps[2][side[2]]]);
+            let t = bx.body.binary(BinaryOp::Mul, v, w);
+            let t = bx.body.where_(ok, t, zero);
+            acc = bx.body.binary(BinaryOp::Add, acc, t);
+        }
+        acc
+    }
+}
+
 /// col2im's block coordinate along one axis for output position `o` and kernel offset `k`:
 /// (block index clamped into [0, blocks), whether the kernel tap really lands on `o`).
 fn fold_block(bx: &mut Bx, o: &IndexExpr, k: i64, pad: i64, dil: i64, stride: i64, blocks: i64) -> Tap {
@@ -390,6 +535,49 @@ impl Ctx<'_> {
     /// grid_sampler_2d / grid_sampler_3d: input [N, C, (D,) H, W] sampled at a grid
     /// [N, (Do,) Ho, Wo, k] whose last dim holds (x, y(, z)) in [-1, 1].
     pub(super) fn lower_grid_sampler(&mut self, op: AtenOp) -> LResult<TensorValue> {
+        let GridSamplerArgs { k, x, grid, out, mode, padding, align_corners } = self.grid_sampler_args(op)?;
+        let ct = x.dtype.compute();
+        // input order (D,) H, W; the grid lists the same axes reversed (x first)
+        let flavor = match (&x.device, k) {
+            (Device::Cuda(_), _) => Flavor::Cuda,
+            (_, 3) => Flavor::CpuScalar,
+            _ => Flavor::CpuVector,
+        };
+        let axes: Vec<GridAxis> = (0..k).map(|j| GridAxis { size: x.size[2 + j], align_corners, padding, ct, flavor }).collect();
+        let (buf, stride, offset) = strided_base(self, &x)?;
+        let dt = x.dtype;
+        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+            let base = IndexExpr::constant(offset).add(&idx[0].scale(stride[0])).add(&idx[1].scale(stride[1]));
+            let coords: Vec<ValueId> = (0..k)
+                .map(|j| {
+                    let mut gi = vec![idx[0].clone()];
+                    gi.extend_from_slice(&idx[2..2 + k]);
+                    gi.push(IndexExpr::constant((k - 1 - j) as i64));
+                    let g = grid.load(bx, &gi);
+                    bx.body.cast(g, ct)
+                })
+                .collect();
+            let site = GridSite { buf, base, stride: &stride, dt, ct, axes: &axes, coords };
+            let r = match (k, mode) {
+                (_, 1) => site.nearest(bx),
+                (2, 0) => site.bilinear(bx),
+                (_, 2) => site.bicubic(bx),
+                _ => site.trilinear(bx),
+            };
+            bx.body.cast(r, dt)
+        });
+        let (reads, ops) = match (k, mode) {
+            (_, 1) => (1 + k, 15 * k),
+            (2, 0) => (6, 60),
+            (2, 2) => (18, 300),
+            (_, 2) => (67, 1100),
+            _ => (11, 120),
+        };
+        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads, ops } })
+    }
+
+    /// Reads a grid sampler's arguments and checks them against its input, grid and output.
+    fn grid_sampler_args(&self, op: AtenOp) -> LResult<GridSamplerArgs> {
         let k = if op == AtenOp::GridSampler3d { 3 } else { 2 };
         let x = self.tensor_arg(0, "input")?;
         let grid = self.tensor_arg(1, "grid")?;
@@ -422,142 +610,7 @@ impl Ctx<'_> {
         if x.size[2..].contains(&0) {
             return unsupported("grid sampling of an empty input (ATen raises)");
         }
-        let ct = x.dtype.compute();
-        // input order (D,) H, W; the grid lists the same axes reversed (x first)
-        let flavor = match (&x.device, k) {
-            (Device::Cuda(_), _) => Flavor::Cuda,
-            (_, 3) => Flavor::CpuScalar,
-            _ => Flavor::CpuVector,
-        };
-        let axes: Vec<GridAxis> = (0..k).map(|j| GridAxis { size: x.size[2 + j], align_corners, padding, ct, flavor }).collect();
-        let (buf, stride, offset) = strided_base(self, &x)?;
-        let dt = x.dtype;
-        let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-            let base = IndexExpr::constant(offset).add(&idx[0].scale(stride[0])).add(&idx[1].scale(stride[1]));
-            let coords: Vec<ValueId> = (0..k)
-                .map(|j| {
-                    let mut gi = vec![idx[0].clone()];
-                    gi.extend_from_slice(&idx[2..2 + k]);
-                    gi.push(IndexExpr::constant((k - 1 - j) as i64));
-                    let g = grid.load(bx, &gi);
-                    bx.body.cast(g, ct)
-                })
-                .collect();
-            // (the input at one tap per axis, whether every tap lies inside)
-            let sample = |bx: &mut Bx, taps: &[Tap]| -> (ValueId, ValueId) {
-                let terms = taps.iter().enumerate().map(|(j, t)| (t.0, stride[2 + j])).collect();
-                let v = bx.body.load_indirect(buf, base.clone(), terms, dt);
-                let v = bx.body.cast(v, ct);
-                let ok = taps.iter().skip(1).fold(taps[0].1, |a, t| bx.body.binary(BinaryOp::LogicalAnd, a, t.1));
-                (v, ok)
-            };
-            let masked = |bx: &mut Bx, taps: &[Tap]| {
-                let (v, ok) = sample(bx, taps);
-                let zero = fconst(bx, 0.0, ct);
-                bx.body.where_(ok, v, zero)
-            };
-            // the point after unnormalizing and padding, per axis
-            let points = |bx: &mut Bx| -> Vec<ValueId> {
-                (0..k)
-                    .map(|j| {
-                        let u = axes[j].unnormalize(bx, coords[j]);
-                        axes[j].pad(bx, u)
-                    })
-                    .collect()
-            };
-            let r = match (k, mode) {
-                (_, 1) => {
-                    // round half to even, like ATen's nearbyint
-                    let p = points(bx);
-                    let taps: Vec<_> = (0..k)
-                        .map(|j| {
-                            let r = bx.body.unary(UnaryOp::Round, p[j]);
-                            axes[j].tap(bx, r)
-                        })
-                        .collect();
-                    masked(bx, &taps)
-                }
-                (2, 0) => {
-                    let p = points(bx);
-                    let (py, px) = (p[0], p[1]);
-                    let (west, north) = (bx.body.unary(UnaryOp::Floor, px), bx.body.unary(UnaryOp::Floor, py));
-                    let one = fconst(bx, 1.0, ct);
-                    let east = bx.body.binary(BinaryOp::Add, west, one);
-                    let south = bx.body.binary(BinaryOp::Add, north, one);
-                    // distances to the west / north taps, and their complements
-                    let dw = bx.body.binary(BinaryOp::Sub, px, west);
-                    let de = bx.body.binary(BinaryOp::Sub, one, dw);
-                    let dn = bx.body.binary(BinaryOp::Sub, py, north);
-                    let ds = bx.body.binary(BinaryOp::Sub, one, dn);
-                    let weights = [
-                        bx.body.binary(BinaryOp::Mul, ds, de),
-                        bx.body.binary(BinaryOp::Mul, ds, dw),
-                        bx.body.binary(BinaryOp::Mul, dn, de),
-                        bx.body.binary(BinaryOp::Mul, dn, dw),
-                    ];
-                    let (tw, te) = (axes[1].tap(bx, west), axes[1].tap(bx, east));
-                    let (tn, ts) = (axes[0].tap(bx, north), axes[0].tap(bx, south));
-                    let values = [masked(bx, &[tn, tw]), masked(bx, &[tn, te]), masked(bx, &[ts, tw]), masked(bx, &[ts, te])];
-                    weighted_sum(bx, &values, &weights)
-                }
-                (_, 2) => {
-                    // bicubic: padding applies to each integral tap, not to the point; the
-                    // cubic runs along x first, then y (then z)
-                    let mut taps = Vec::with_capacity(k);
-                    let mut weights = Vec::with_capacity(k);
-                    for (j, a) in axes.iter().enumerate() {
-                        let u = a.unnormalize(bx, coords[j]);
-                        let fl = bx.body.unary(UnaryOp::Floor, u);
-                        let t = bx.body.binary(BinaryOp::Sub, u, fl);
-                        weights.push(cubic_weights(bx, t, ct));
-                        let axis_taps: Vec<Tap> = (-1..3)
-                            .map(|d| {
-                                let dc = fconst(bx, d as f64, ct);
-                                let p = if d == 0 { fl } else { bx.body.binary(BinaryOp::Add, fl, dc) };
-                                let p = a.pad(bx, p);
-                                a.tap(bx, p)
-                            })
-                            .collect();
-                        taps.push(axis_taps);
-                    }
-                    cubic_sum(bx, &mut Vec::with_capacity(k), &taps, &weights, &masked)
-                }
-                _ => {
-                    // trilinear, as ATen's scalar kernel: in-bounds taps add value · weight
-                    let p = points(bx);
-                    let one = fconst(bx, 1.0, ct);
-                    let mut taps = Vec::with_capacity(k);
-                    let mut factors = Vec::with_capacity(k);
-                    for j in 0..k {
-                        let lo = bx.body.unary(UnaryOp::Floor, p[j]);
-                        let hi = bx.body.binary(BinaryOp::Add, lo, one);
-                        factors.push([bx.body.binary(BinaryOp::Sub, hi, p[j]), bx.body.binary(BinaryOp::Sub, p[j], lo)]);
-                        taps.push([axes[j].tap(bx, lo), axes[j].tap(bx, hi)]);
-                    }
-                    let zero = fconst(bx, 0.0, ct);
-                    let mut acc = zero;
-                    for corner in 0..8usize {
-                        let side = [(corner >> 2) & 1, (corner >> 1) & 1, corner & 1]; // (z, y, x)
-                        let w = bx.body.binary(BinaryOp::Mul, factors[2][side[2]], factors[1][side[1]]);
-                        let w = bx.body.binary(BinaryOp::Mul, w, factors[0][side[0]]);
-                        let (v, ok) = sample(bx, &[taps[0][side[0]], taps[1][side[1]], taps[2][side[2]]]);
-                        let t = bx.body.binary(BinaryOp::Mul, v, w);
-                        let t = bx.body.where_(ok, t, zero);
-                        acc = bx.body.binary(BinaryOp::Add, acc, t);
-                    }
-                    acc
-                }
-            };
-            bx.body.cast(r, dt)
-        });
-        let (reads, ops) = match (k, mode) {
-            (_, 1) => (1 + k, 15 * k),
-            (2, 0) => (6, 60),
-            (2, 2) => (18, 300),
-            (_, 2) => (67, 1100),
-            _ => (11, 120),
-        };
-        Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads, ops } })
+        Ok(GridSamplerArgs { k, x, grid, out, mode, padding, align_corners })
     }
 
     /// col2im (F.fold): [N?, C·kh·kw, L] -> [N?, C, H, W]; each output pixel sums, in kernel

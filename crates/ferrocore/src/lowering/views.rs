@@ -177,147 +177,169 @@ impl Ctx<'_> {
                 reshape(&x, out_shape.clone())?
             }
             A::Alias => x,
-            A::Permute => {
-                let dims = self.ints_arg(1, "dims")?.unwrap_or_default();
-                let perm = dims.iter().map(|&d| norm_dim(d, rank)).collect::<LResult<Vec<_>>>()?;
-                let mut seen = perm.clone();
-                seen.sort();
-                if seen != (0..rank).collect::<Vec<_>>() {
-                    return malformed(format!("{dims:?} is not a permutation of {rank} dims"));
-                }
-                permute(&x, &perm)
-            }
+            A::Permute => self.permute_view(&x)?,
             A::TransposeInt | A::T if rank == 0 => x,
-            A::TransposeInt | A::T => {
-                let (a, b) = if op == A::T {
-                    if rank < 2 {
-                        return Ok(x);
-                    }
-                    (0, 1)
-                } else {
-                    (norm_dim(self.int_arg(1, "dim0")?.unwrap_or(0), rank)?, norm_dim(self.int_arg(2, "dim1")?.unwrap_or(0), rank)?)
-                };
-                let mut perm: Vec<usize> = (0..rank).collect();
-                perm.swap(a, b);
-                permute(&x, &perm)
-            }
+            // t() of a vector is the vector itself, returned as it is
+            A::T if rank < 2 => return Ok(x),
+            A::TransposeInt | A::T => self.transpose_view(op, &x)?,
             A::Expand => expand(&x, self.ints_arg(1, "size")?.unwrap_or_default())?,
             A::Unsqueeze | A::SqueezeDim | A::SqueezeDims | A::Squeeze => reshape(&x, out_shape.clone())?,
-            A::SliceTensor => {
-                let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
-                let n = x.size[dim];
-                let step = self.int_arg(4, "step")?.unwrap_or(1);
-                if step <= 0 {
-                    return malformed(format!("slice step must be positive, got {step}"));
-                }
-                let clampi = |v: i64| -> i64 {
-                    let v = if v < 0 { v + n } else { v };
-                    v.clamp(0, n)
-                };
-                let start = clampi(self.int_arg(2, "start")?.unwrap_or(0));
-                let end = clampi(self.int_arg(3, "end")?.unwrap_or(i64::MAX).min(i64::MAX / 2)).max(start);
-                let len = if end > start { (end - start - 1) / step + 1 } else { 0 };
-                // one element: the step never multiplies an index (and cannot overflow one)
-                let step = if len <= 1 { 1 } else { step };
-                let mut size = x.size.clone();
-                size[dim] = len;
-                apply_view(
-                    &x,
-                    size,
-                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
-                        let mut out = idx.to_vec();
-                        out[dim] = idx[dim].scale(step).add_const(start);
-                        out
-                    }),
-                )
-            }
-            A::SelectInt => {
-                let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
-                let n = x.size[dim];
-                let mut i = self.int_arg(2, "index")?.unwrap_or(0);
-                if i < 0 {
-                    i += n;
-                }
-                if i < 0 || i >= n {
-                    return malformed(format!("select index out of range for size {n}"));
-                }
-                let mut size = x.size.clone();
-                size.remove(dim);
-                apply_view(
-                    &x,
-                    size,
-                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
-                        let mut out = idx.to_vec();
-                        out.insert(dim, IndexExpr::constant(i));
-                        out
-                    }),
-                )
-            }
-            A::Diagonal => {
-                let offset = self.int_arg(1, "offset")?.unwrap_or(0);
-                let d1 = norm_dim(self.int_arg(2, "dim1")?.unwrap_or(0), rank)?;
-                let d2 = norm_dim(self.int_arg(3, "dim2")?.unwrap_or(1), rank)?;
-                if d1 == d2 {
-                    return malformed("diagonal dims must differ");
-                }
-                let n = if offset >= 0 { x.size[d1].min(x.size[d2] - offset) } else { (x.size[d1] + offset).min(x.size[d2]) }.max(0);
-                let mut size: Vec<i64> = (0..rank).filter(|&d| d != d1 && d != d2).map(|d| x.size[d]).collect();
-                size.push(n);
-                let (r1, r2) = if offset >= 0 { (0, offset) } else { (-offset, 0) };
-                apply_view(
-                    &x,
-                    size,
-                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
-                        let diag = idx[idx.len() - 1].clone();
-                        let mut rest = idx[..idx.len() - 1].iter();
-                        (0..rank)
-                            .map(|d| {
-                                if d == d1 {
-                                    diag.add_const(r1)
-                                } else if d == d2 {
-                                    diag.add_const(r2)
-                                } else {
-                                    rest.next().cloned().unwrap_or_else(IndexExpr::zero)
-                                }
-                            })
-                            .collect()
-                    }),
-                )
-            }
-            A::Unfold => {
-                // windows of `size` every `step` along `dim`, as a new last dim
-                let dim = if rank == 0 { 0 } else { norm_dim(self.int_arg(1, "dimension")?.unwrap_or(0), rank)? };
-                let size = self.int_arg(2, "size")?.unwrap_or(1);
-                let step = self.int_arg(3, "step")?.unwrap_or(1);
-                let n = if rank == 0 { 1 } else { x.size[dim] };
-                if step <= 0 || size < 0 || size > n {
-                    return malformed(format!("unfold of size {size} step {step} over a dim of {n}"));
-                }
-                let count = (n - size) / step + 1;
-                let mut shape = x.size.clone();
-                if rank > 0 {
-                    shape[dim] = count;
-                }
-                shape.push(size);
-                apply_view(
-                    &x,
-                    shape,
-                    Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
-                        let within = idx[idx.len() - 1].clone();
-                        let mut out = idx[..idx.len() - 1].to_vec();
-                        if rank > 0 {
-                            out[dim] = idx[dim].scale(step).add(&within);
-                        }
-                        out
-                    }),
-                )
-            }
+            A::SliceTensor => self.slice_view(&x)?,
+            A::SelectInt => self.select_view(&x)?,
+            A::Diagonal => self.diagonal_view(&x)?,
+            A::Unfold => self.unfold_view(&x)?,
             _ => return malformed("not a view op"),
         };
         if tv.size != out_shape {
             return malformed(format!("view produced shape {:?}, metadata says {out_shape:?}", tv.size));
         }
         Ok(tv)
+    }
+
+    /// permute: the `dims` argument must name every dim once.
+    fn permute_view(&self, x: &TensorValue) -> LResult<TensorValue> {
+        let rank = x.size.len();
+        let dims = self.ints_arg(1, "dims")?.unwrap_or_default();
+        let perm = dims.iter().map(|&d| norm_dim(d, rank)).collect::<LResult<Vec<_>>>()?;
+        let mut seen = perm.clone();
+        seen.sort();
+        if seen != (0..rank).collect::<Vec<_>>() {
+            return malformed(format!("{dims:?} is not a permutation of {rank} dims"));
+        }
+        Ok(permute(x, &perm))
+    }
+
+    /// transpose.int, or t() of a matrix: a permutation swapping two dims.
+    fn transpose_view(&self, op: AtenOp, x: &TensorValue) -> LResult<TensorValue> {
+        let rank = x.size.len();
+        let (a, b) = if op == AtenOp::T {
+            (0, 1)
+        } else {
+            (norm_dim(self.int_arg(1, "dim0")?.unwrap_or(0), rank)?, norm_dim(self.int_arg(2, "dim1")?.unwrap_or(0), rank)?)
+        };
+        let mut perm: Vec<usize> = (0..rank).collect();
+        perm.swap(a, b);
+        Ok(permute(x, &perm))
+    }
+
+    /// slice.Tensor: `start` and `end` clamped into the dim as Python slicing does, a positive step.
+    fn slice_view(&self, x: &TensorValue) -> LResult<TensorValue> {
+        let rank = x.size.len();
+        let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+        let n = x.size[dim];
+        let step = self.int_arg(4, "step")?.unwrap_or(1);
+        if step <= 0 {
+            return malformed(format!("slice step must be positive, got {step}"));
+        }
+        let clampi = |v: i64| -> i64 {
+            let v = if v < 0 { v + n } else { v };
+            v.clamp(0, n)
+        };
+        let start = clampi(self.int_arg(2, "start")?.unwrap_or(0));
+        let end = clampi(self.int_arg(3, "end")?.unwrap_or(i64::MAX).min(i64::MAX / 2)).max(start);
+        let len = if end > start { (end - start - 1) / step + 1 } else { 0 };
+        // one element: the step never multiplies an index (and cannot overflow one)
+        let step = if len <= 1 { 1 } else { step };
+        let mut size = x.size.clone();
+        size[dim] = len;
+        Ok(apply_view(
+            x,
+            size,
+            Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                let mut out = idx.to_vec();
+                out[dim] = idx[dim].scale(step).add_const(start);
+                out
+            }),
+        ))
+    }
+
+    /// select.int: one index of `dim` (negative counts from the end), the dim removed.
+    fn select_view(&self, x: &TensorValue) -> LResult<TensorValue> {
+        let rank = x.size.len();
+        let dim = norm_dim(self.int_arg(1, "dim")?.unwrap_or(0), rank)?;
+        let n = x.size[dim];
+        let mut i = self.int_arg(2, "index")?.unwrap_or(0);
+        if i < 0 {
+            i += n;
+        }
+        if i < 0 || i >= n {
+            return malformed(format!("select index out of range for size {n}"));
+        }
+        let mut size = x.size.clone();
+        size.remove(dim);
+        Ok(apply_view(
+            x,
+            size,
+            Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                let mut out = idx.to_vec();
+                out.insert(dim, IndexExpr::constant(i));
+                out
+            }),
+        ))
+    }
+
+    /// diagonal: dims `dim1` and `dim2` replaced by their (offset) diagonal as a new last dim.
+    fn diagonal_view(&self, x: &TensorValue) -> LResult<TensorValue> {
+        let rank = x.size.len();
+        let offset = self.int_arg(1, "offset")?.unwrap_or(0);
+        let d1 = norm_dim(self.int_arg(2, "dim1")?.unwrap_or(0), rank)?;
+        let d2 = norm_dim(self.int_arg(3, "dim2")?.unwrap_or(1), rank)?;
+        if d1 == d2 {
+            return malformed("diagonal dims must differ");
+        }
+        let n = if offset >= 0 { x.size[d1].min(x.size[d2] - offset) } else { (x.size[d1] + offset).min(x.size[d2]) }.max(0);
+        let mut size: Vec<i64> = (0..rank).filter(|&d| d != d1 && d != d2).map(|d| x.size[d]).collect();
+        size.push(n);
+        let (r1, r2) = if offset >= 0 { (0, offset) } else { (-offset, 0) };
+        Ok(apply_view(
+            x,
+            size,
+            Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                let diag = idx[idx.len() - 1].clone();
+                let mut rest = idx[..idx.len() - 1].iter();
+                (0..rank)
+                    .map(|d| {
+                        if d == d1 {
+                            diag.add_const(r1)
+                        } else if d == d2 {
+                            diag.add_const(r2)
+                        } else {
+                            rest.next().cloned().unwrap_or_else(IndexExpr::zero)
+                        }
+                    })
+                    .collect()
+            }),
+        ))
+    }
+
+    /// unfold: windows of `size` every `step` along `dim`, as a new last dim.
+    fn unfold_view(&self, x: &TensorValue) -> LResult<TensorValue> {
+        let rank = x.size.len();
+        let dim = if rank == 0 { 0 } else { norm_dim(self.int_arg(1, "dimension")?.unwrap_or(0), rank)? };
+        let size = self.int_arg(2, "size")?.unwrap_or(1);
+        let step = self.int_arg(3, "step")?.unwrap_or(1);
+        let n = if rank == 0 { 1 } else { x.size[dim] };
+        if step <= 0 || size < 0 || size > n {
+            return malformed(format!("unfold of size {size} step {step} over a dim of {n}"));
+        }
+        let count = (n - size) / step + 1;
+        let mut shape = x.size.clone();
+        if rank > 0 {
+            shape[dim] = count;
+        }
+        shape.push(size);
+        Ok(apply_view(
+            x,
+            shape,
+            Rc::new(move |idx: &[IndexExpr], _r: &[i64]| {
+                let within = idx[idx.len() - 1].clone();
+                let mut out = idx[..idx.len() - 1].to_vec();
+                if rank > 0 {
+                    out[dim] = idx[dim].scale(step).add(&within);
+                }
+                out
+            }),
+        ))
     }
 }
 
