@@ -21,6 +21,9 @@ if importlib.util.find_spec("ferrocore") is None:  # not installed: use the sour
 import ferrocore  # noqa: E402
 from ferrocore import options, runtime  # noqa: E402
 from ferrocore.backend import ferrocore_backend  # noqa: E402
+from ferrocore.extension import extension  # noqa: E402
+
+_COMPILER = extension()  # the real extension, before a test stands in for it
 
 
 class FakeExtension:
@@ -40,6 +43,9 @@ class FakeExtension:
 
     def default_cache_dir(self) -> str:
         return os.environ["FERROCORE_CACHE_DIR"]  # (the fixture sets it)
+
+    def option_schema(self) -> str:
+        return _COMPILER.option_schema()  # the options as the compiler states them
 
     def cache_read(self, cache_dir: str, rel: str):
         return None  # (the module's bytecode: compiled each time)
@@ -371,7 +377,7 @@ def test_options_read_env_at_each_call(monkeypatch, tmp_path):
     opts = json.loads(options.options_json())
     assert opts["logs"] == ["graph", "fusion"]
     assert opts["debug_dir"] == str(tmp_path / "dbg") and opts["cxx"] == "clang++"
-    assert options.parse_logs("all") == list(options.LOG_CHANNELS)
+    assert options.parse_logs("all") == list(options.log_channels())
     with pytest.warns(UserWarning, match="unknown channel"):
         assert options.parse_logs("graph,nope") == ["graph"]
 

@@ -20,20 +20,8 @@ except ImportError:  # a torch without it: Dynamo wraps an OptionError like any 
 from . import torch_logs
 from .extension import extension
 
-LOG_CHANNELS = (
-    "graph",
-    "ir_pre_fusion",
-    "ir_post_fusion",
-    "fusion",
-    "output_code",
-    "fallback",
-    "layout",
-    "padding",
-    "graph_cache",
-    "kernel_compile",
-    "trace",
-    "recompiles",
-)
+# the front's own log channels, beside the compiler's (`log_channels`)
+_FRONT_CHANNELS = ("graph_cache", "kernel_compile", "trace", "recompiles")
 _PATH = (str, os.PathLike)
 # each key `options=` may set, and the types it takes
 _TYPES = {"cache_dir": _PATH, "logs": (str, list, tuple), "debug_dir": (*_PATH, type(None)), "cxx": (str,),
@@ -76,15 +64,33 @@ def _option_error_through_dynamo():
 # The size the cache is trimmed to (least recently used entries first) by the compiles of a
 # process: at its first compile and every CACHE_TRIM_EVERY compiles that write new entries.
 DEFAULT_CACHE_MAX_BYTES = 10 << 30
-# Layouts of convolution graphs' activations: "auto" (channels-last on a GPU), "channels_last",
-# "contiguous" (eager's).
-CONV_LAYOUTS = ("auto", "channels_last", "contiguous")
-# Unaligned 16-bit GEMMs on padded operands: "measured" (those measured faster on the GPU),
-# "always", "never".
-PAD_MM = ("measured", "always", "never")
-# Kernel backends: "auto" picks by the graph's device (CUDA -> Triton, CPU -> C++); "triton" on
-# CPU tensors runs the Triton kernels under Triton's interpreter (set TRITON_INTERPRET=1).
-BACKENDS = ("auto", "cpp", "triton")
+# Choices among the compiler's options (`choices`): "backend": "auto" picks by the graph's device
+# (CUDA -> Triton, CPU -> C++), "triton" on CPU tensors runs the Triton kernels under Triton's
+# interpreter (set TRITON_INTERPRET=1); "conv_layout": the layout of convolution graphs'
+# activations, "auto" (channels-last on a GPU), "channels_last", "contiguous" (eager's);
+# "pad_mm": unaligned 16-bit GEMMs on padded operands, "measured" (those measured faster on the
+# GPU), "always", "never".
+
+
+@functools.cache
+def _schema() -> dict:
+    """The compiler's options as Rust states them (`driver::option_schema`): defaults, choices,
+    log channels."""
+    return json.loads(extension().option_schema())
+
+
+def log_channels() -> tuple:
+    """Every log channel: the compiler's, then the front's."""
+    return (*_schema()["log_channels"], *_FRONT_CHANNELS)
+
+
+def choices(key: str) -> tuple:
+    """The values compiler option `key` takes."""
+    return tuple(_schema()["choices"][key])
+
+
+def _default(key: str):
+    return _schema()["defaults"][key]
 
 
 def build_options(overrides: dict | None = None) -> dict:
@@ -93,17 +99,18 @@ def build_options(overrides: dict | None = None) -> dict:
         "cache_dir": default_cache_dir(),
         "logs": parse_logs(os.environ.get("FERROCORE_LOGS", "")),
         "debug_dir": _abspath(debug_dir) if debug_dir else None,
-        "cxx": os.environ.get("CXX") or "g++",
-        "backend": (os.environ.get("FERROCORE_BACKEND") or "auto").strip().lower(),
+        "cxx": os.environ.get("CXX") or _default("cxx"),
+        "backend": (os.environ.get("FERROCORE_BACKEND") or _default("backend")).strip().lower(),
         # CUDA graphs for GPU graphs (mode="reduce-overhead"); read by the front only
         "cudagraphs": _flag(os.environ.get("FERROCORE_CUDAGRAPHS", "")),
         # time each Triton kernel's candidate configurations (mode="max-autotune"); front only
         "autotune": _flag(os.environ.get("FERROCORE_AUTOTUNE", "")),
-        "conv_layout": (os.environ.get("FERROCORE_CONV_LAYOUT") or "auto").strip().lower(),
-        "pad_mm": (os.environ.get("FERROCORE_PAD_MM") or "measured").strip().lower(),
+        "conv_layout": (os.environ.get("FERROCORE_CONV_LAYOUT") or _default("conv_layout")).strip().lower(),
+        "pad_mm": (os.environ.get("FERROCORE_PAD_MM") or _default("pad_mm")).strip().lower(),
         # compiled modules check their inputs' sizes, strides, dtypes and devices at each call
         # (measured: about 0.1 us per input); "0" turns the check off
-        "check_inputs": _flag(os.environ.get("FERROCORE_CHECK_INPUTS") or "1"),
+        "check_inputs": _flag(os.environ["FERROCORE_CHECK_INPUTS"]) if os.environ.get("FERROCORE_CHECK_INPUTS")
+        else _default("check_inputs"),
         # bytes the cache is kept under ("unlimited": no trimming); front only
         "cache_max_bytes": _cache_limit(os.environ.get("FERROCORE_CACHE_MAX_BYTES", "")),
         # the compiled-graph cache (a warm start skips AOT autograd and compiling); front only
@@ -117,7 +124,7 @@ def build_options(overrides: dict | None = None) -> dict:
         "direct_trace": _flag(os.environ.get("FERROCORE_DIRECT_TRACE") or "1"),
         # C++ translation units one graph's compile runs at once (0: one per CPU, at most 8); a
         # training graph's forward and backward compile side by side with half the CPUs each
-        "cpp_jobs": int(os.environ.get("FERROCORE_CPP_JOBS") or 0),
+        "cpp_jobs": int(os.environ.get("FERROCORE_CPP_JOBS") or _default("cpp_jobs")),
     }
     for key, value in (overrides or {}).items():
         opts[key] = _checked(key, value)
@@ -126,7 +133,8 @@ def build_options(overrides: dict | None = None) -> dict:
     if opts["debug_dir"] is not None:
         _writable_dir("debug_dir", opts["debug_dir"])
     opts["progress"] = _progress_mode(opts["progress"])
-    for key, allowed in (("backend", BACKENDS), ("pad_mm", PAD_MM), ("conv_layout", CONV_LAYOUTS)):
+    for key in ("backend", "pad_mm", "conv_layout"):
+        allowed = choices(key)
         if opts[key] not in allowed:  # (from options= or the FERROCORE_ variable)
             raise OptionError(f"ferrocore option {key!r}: {opts[key]!r} is not one of {', '.join(allowed)}")
     return opts
@@ -234,16 +242,17 @@ def parse_logs(spec: str, option: bool = False) -> list:
         name = name.strip().lower().lstrip("+")  # TORCH_LOGS habit: "+name" means verbose
         if not name:
             continue
+        channels = log_channels()
         if name == "all":
-            return list(LOG_CHANNELS)
-        if name not in LOG_CHANNELS and option:
+            return list(channels)
+        if name not in channels and option:
             raise OptionError(f"ferrocore option 'logs': unknown channel {name!r}; the channels are "
-                              f"{', '.join(LOG_CHANNELS)}")
-        if name not in LOG_CHANNELS:
+                              f"{', '.join(channels)}")
+        if name not in channels:
             # once per process: the variable is read again at every compile
             if name not in _WARNED_CHANNELS:
                 _WARNED_CHANNELS.add(name)
-                warnings.warn(f"FERROCORE_LOGS: unknown channel {name!r}; known: {LOG_CHANNELS}")
+                warnings.warn(f"FERROCORE_LOGS: unknown channel {name!r}; known: {channels}")
             continue
         if name not in logs:
             logs.append(name)

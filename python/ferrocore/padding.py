@@ -72,7 +72,7 @@ class Measurements:
 
 
 def _measuring(opts: dict) -> bool:
-    return opts.get("pad_mm", "measured") == "measured" and torch.cuda.is_available()
+    return opts["pad_mm"] == "measured" and torch.cuda.is_available()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -168,6 +168,12 @@ fn evict_cache(py: Python<'_>, cache_dir: &str, max_bytes: u64, stale_after_s: f
 }
 
 /// The default cache directory (what `Options::default` uses).
+/// The compiler's options for the front: defaults, choices, log channels (JSON).
+#[pyfunction]
+fn option_schema() -> String {
+    ferrocore::driver::option_schema()
+}
+
 #[pyfunction]
 fn default_cache_dir() -> String {
     runtime::default_cache_dir().to_string_lossy().into_owned()
@@ -282,6 +288,7 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cache_write, m)?)?;
     m.add_function(wrap_pyfunction!(evict_cache, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(option_schema, m)?)?;
     m.add_function(wrap_pyfunction!(ptx_param_count, m)?)?;
     m.add_function(wrap_pyfunction!(min_cut_source_side, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_conv_runs_compiled, m)?)?;

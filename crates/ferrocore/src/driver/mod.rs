@@ -52,7 +52,7 @@ pub struct Options {
 /// The kernel backend: by the graph's device (CUDA tensors -> Triton, CPU -> C++), or forced.
 /// Forcing Triton on CPU tensors is for Triton's interpreter (`TRITON_INTERPRET=1`), how tests
 /// without a GPU run Triton kernels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendChoice {
     #[default]
@@ -62,6 +62,7 @@ pub enum BackendChoice {
 }
 
 impl BackendChoice {
+    pub const ALL: [BackendChoice; 3] = [BackendChoice::Auto, BackendChoice::Cpp, BackendChoice::Triton];
     /// The kernel language for a program whose buffers live on `devices`.
     pub fn resolve<'d>(self, mut devices: impl Iterator<Item = &'d Device>) -> KernelLanguage {
         match self {
@@ -76,6 +77,34 @@ impl BackendChoice {
             }
         }
     }
+}
+
+/// The log channels the compiler writes (`Options::logs`); the front adds channels of its own.
+pub const LOG_CHANNELS: &[&str] = &["graph", "ir_pre_fusion", "ir_post_fusion", "fusion", "output_code", "fallback", "layout", "padding"];
+
+/// What the front needs to know of the compiler's options, as JSON: each option's default, the
+/// values of those that are a choice, and the compiler's log channels. The front holds none of
+/// these itself (it adds the options only it reads).
+pub fn option_schema() -> String {
+    let d = Options::default();
+    serde_json::json!({
+        "defaults": {
+            "cxx": d.cxx,
+            "skip_native_compile": d.skip_native_compile,
+            "cpp_jobs": d.cpp_jobs,
+            "backend": d.backend,
+            "conv_layout": d.conv_layout,
+            "pad_mm": d.pad_mm,
+            "check_inputs": d.check_inputs,
+        },
+        "choices": {
+            "backend": BackendChoice::ALL,
+            "conv_layout": ConvLayout::ALL,
+            "pad_mm": PadMm::ALL,
+        },
+        "log_channels": LOG_CHANNELS,
+    })
+    .to_string()
 }
 
 impl Default for Options {
@@ -181,6 +210,7 @@ impl Stages<'_> {
         }
     }
     fn emit(&mut self, channel: &str, text: impl FnOnce() -> String) {
+        debug_assert!(LOG_CHANNELS.contains(&channel), "log channel {channel} is not in LOG_CHANNELS");
         if !self.wants(channel) {
             return;
         }

@@ -21,10 +21,10 @@
 //! 1.3 ms NCHW against 6.3 ms NHWC).
 
 use super::*;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// How convolution graphs lay out their 4-D activations (`Options::conv_layout`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum ConvLayout {
     /// Channels-last for GPU graphs with enough convolutions, eager's layout otherwise.
@@ -34,6 +34,10 @@ pub enum ConvLayout {
     ChannelsLast,
     /// Eager's layout: buffers contiguous, convolutions as traced.
     Contiguous,
+}
+
+impl ConvLayout {
+    pub const ALL: [ConvLayout; 3] = [ConvLayout::Auto, ConvLayout::ChannelsLast, ConvLayout::Contiguous];
 }
 
 /// A graph with fewer than one convolution per this many nodes keeps eager's layout: converting

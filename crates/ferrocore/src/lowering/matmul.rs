@@ -10,10 +10,10 @@ use super::externs::{capture_hazard, ExternKind};
 use super::indexing::{and_in_range, clamp_index, strided_base};
 use super::pointwise::{pointwise, PwIn};
 use super::*;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Which unaligned GEMMs are padded (`Options::pad_mm`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum PadMm {
     /// Those the graph names in `padded_matmuls` (measured faster padded).
@@ -22,6 +22,10 @@ pub enum PadMm {
     /// Every GEMM of 16-bit floats with a dim that is not a multiple of `ALIGN`.
     Always,
     Never,
+}
+
+impl PadMm {
+    pub const ALL: [PadMm; 3] = [PadMm::Measured, PadMm::Always, PadMm::Never];
 }
 
 /// Elements of a 16-bit float in 16 bytes: cuBLAS's fast kernels want rows aligned to this
