@@ -89,7 +89,8 @@ def choices(key: str) -> tuple:
     return tuple(_schema()["choices"][key])
 
 
-def _default(key: str):
+def compiler_default(key: str):
+    """The compiler's default for option `key`."""
     return _schema()["defaults"][key]
 
 
@@ -99,18 +100,18 @@ def build_options(overrides: dict | None = None) -> dict:
         "cache_dir": default_cache_dir(),
         "logs": parse_logs(os.environ.get("FERROCORE_LOGS", "")),
         "debug_dir": _abspath(debug_dir) if debug_dir else None,
-        "cxx": os.environ.get("CXX") or _default("cxx"),
-        "backend": (os.environ.get("FERROCORE_BACKEND") or _default("backend")).strip().lower(),
+        "cxx": os.environ.get("CXX") or compiler_default("cxx"),
+        "backend": (os.environ.get("FERROCORE_BACKEND") or compiler_default("backend")).strip().lower(),
         # CUDA graphs for GPU graphs (mode="reduce-overhead"); read by the front only
         "cudagraphs": _flag(os.environ.get("FERROCORE_CUDAGRAPHS", "")),
         # time each Triton kernel's candidate configurations (mode="max-autotune"); front only
         "autotune": _flag(os.environ.get("FERROCORE_AUTOTUNE", "")),
-        "conv_layout": (os.environ.get("FERROCORE_CONV_LAYOUT") or _default("conv_layout")).strip().lower(),
-        "pad_mm": (os.environ.get("FERROCORE_PAD_MM") or _default("pad_mm")).strip().lower(),
+        "conv_layout": (os.environ.get("FERROCORE_CONV_LAYOUT") or compiler_default("conv_layout")).strip().lower(),
+        "pad_mm": (os.environ.get("FERROCORE_PAD_MM") or compiler_default("pad_mm")).strip().lower(),
         # compiled modules check their inputs' sizes, strides, dtypes and devices at each call
         # (measured: about 0.1 us per input); "0" turns the check off
         "check_inputs": _flag(os.environ["FERROCORE_CHECK_INPUTS"]) if os.environ.get("FERROCORE_CHECK_INPUTS")
-        else _default("check_inputs"),
+        else compiler_default("check_inputs"),
         # bytes the cache is kept under ("unlimited": no trimming); front only
         "cache_max_bytes": _cache_limit(os.environ.get("FERROCORE_CACHE_MAX_BYTES", "")),
         # the compiled-graph cache (a warm start skips AOT autograd and compiling); front only
@@ -124,7 +125,7 @@ def build_options(overrides: dict | None = None) -> dict:
         "direct_trace": _flag(os.environ.get("FERROCORE_DIRECT_TRACE") or "1"),
         # C++ translation units one graph's compile runs at once (0: one per CPU, at most 8); a
         # training graph's forward and backward compile side by side with half the CPUs each
-        "cpp_jobs": int(os.environ.get("FERROCORE_CPP_JOBS") or _default("cpp_jobs")),
+        "cpp_jobs": int(os.environ.get("FERROCORE_CPP_JOBS") or compiler_default("cpp_jobs")),
     }
     for key, value in (overrides or {}).items():
         opts[key] = _checked(key, value)

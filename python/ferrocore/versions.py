@@ -11,6 +11,7 @@ import subprocess
 import torch
 
 from . import triton_support
+from .options import compiler_default
 
 
 @functools.lru_cache(None)
@@ -30,7 +31,7 @@ def versions() -> tuple:
 
 
 def _compiler_version() -> str:
-    cxx = os.environ.get("CXX") or "g++"
+    cxx = os.environ.get("CXX") or compiler_default("cxx")
     try:
         out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
         return out.stdout.splitlines()[0] if out.stdout else f"{cxx}: no version"
