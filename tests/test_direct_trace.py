@@ -403,9 +403,9 @@ def test_training_forward_cpp_compiles_on_a_thread_of_its_own(capfd, monkeypatch
     on_main_thread = []  # of each C++ library compiled (or found cached) and loaded
     load = runtime.load_kernels_reporting
 
-    def recording(source):
+    def recording(source, options=None):
         on_main_thread.append(threading.current_thread() is threading.main_thread())
-        return load(source)
+        return load(source, options)
 
     monkeypatch.setattr(runtime, "load_kernels_reporting", recording)
     _training_step_against_eager(7, capfd)

@@ -928,15 +928,14 @@ class _GraphLoad:
         loaded first, timed on its own."""
         graph = self.graph
         self.reporter.stage("loading")
-        with runtime.compile_options(graph.options):
-            library = None
-            if cpp_source is not None:
-                start = time.perf_counter()
-                library, self.cpp_cache_hit = runtime.load_kernels_reporting(cpp_source)
-                self.timings["cpp_compile"] = (time.perf_counter() - start) * 1e3
+        library = None
+        if cpp_source is not None:
             start = time.perf_counter()
-            self.module = _import_module(graph.module_path, graph.name, graph.module_source, self.opts.get("cache_dir"))
-            del library  # the module holds it now
+            library, self.cpp_cache_hit = runtime.load_kernels_reporting(cpp_source, graph.options)
+            self.timings["cpp_compile"] = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        self.module = _import_module(graph.module_path, graph.name, graph.module_source, graph.options, self.opts.get("cache_dir"))
+        del library  # the module holds it now
         self.timings["load"] = (time.perf_counter() - start) * 1e3
 
     def compile_kernels(self, compiled: dict | None = None) -> None:
@@ -1450,15 +1449,18 @@ def _module_code(source: str, path: str, cache_dir: str | None):
     return code
 
 
-def _import_module(path: str, name: str, source: str, cache_dir: str | None = None):
+def _import_module(path: str, name: str, source: str, options: str, cache_dir: str | None = None):
     """Runs the wrapper module's source as the compiler returned it, never what the cached file
     holds by now (an edited or planted file runs nothing; Rust rewrites it). The file name is
     the cached path, for tracebacks; `linecache` holds this very source under it, so tracebacks
     and `inspect` (Triton reads its kernels' source) see what runs. The module is not kept in
-    `sys.modules`: it lives as long as the graph's callable, and its kernel library with it."""
+    `sys.modules`: it lives as long as the graph's callable, and its kernel library with it.
+    `options` (the compile's options JSON) reach the module as `__ferrocore_options__`: its C++
+    library is looked up in that compile's cache, with its compiler."""
     mod_name = f"ferrocore_output_code_{name}"
     module = types.ModuleType(mod_name)
     module.__file__ = path
+    module.__ferrocore_options__ = options
     code = _module_code(source, path, cache_dir)
     _hold_source(path, source, module.__dict__)
     sys.modules[mod_name] = module  # while it runs: a module may look itself up

@@ -5,7 +5,6 @@ from __future__ import annotations
 import _ctypes
 import argparse
 import atexit
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -40,32 +39,19 @@ from .options import options_json
 _libraries: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _load_ids = itertools.count()
 _load_lock = threading.Lock()
-# Options of the compile that is importing a wrapper module, so its kernels are looked up in the
-# same cache with the same compiler; unset outside the backend (e.g. running output_code.py).
-# Per thread: a training graph's forward may be imported on a thread while its backward is.
-_compile_options = threading.local()
+def load_kernels(source: str, options: str | None = None) -> ctypes.CDLL:
+    """Compiles (or finds cached) the C++ translation unit `source` and loads it, under the
+    options JSON of the compile that made it (its cache and compiler; the wrapper module's
+    loader hands them over), else the environment's (a module run on its own)."""
+    return load_kernels_reporting(source, options)[0]
 
 
-@contextlib.contextmanager
-def compile_options(options: str):
-    saved = getattr(_compile_options, "value", None)
-    _compile_options.value = options
-    try:
-        yield
-    finally:
-        _compile_options.value = saved
-
-
-def load_kernels(source: str) -> ctypes.CDLL:
-    """Compiles (or finds cached) the C++ translation unit `source` and loads it."""
-    return load_kernels_reporting(source)[0]
-
-
-def load_kernels_reporting(source: str) -> tuple:
-    """(`load_kernels(source)`, whether the library was in the cache). Rust verifies the cached
-    library against its manifest and hands over an open file of the verified bytes; that file
-    is what is loaded, whatever the path names by then. The compile runs without the GIL."""
-    path, fd, cache_hit = extension().load_cpp(source, getattr(_compile_options, "value", None) or options_json())
+def load_kernels_reporting(source: str, options: str | None = None) -> tuple:
+    """(`load_kernels(source, options)`, whether the library was in the cache). Rust verifies
+    the cached library against its manifest and hands over an open file of the verified bytes;
+    that file is what is loaded, whatever the path names by then. The compile runs without the
+    GIL."""
+    path, fd, cache_hit = extension().load_cpp(source, options or options_json())
     try:
         with _load_lock:
             lib = _libraries.get(path)

@@ -100,7 +100,9 @@ fn kernel_bindings(g: &CompiledGraph) -> String {
         Language::Cpp => {
             // the string must equal the compiled source byte for byte: it is the cache key
             let _ = writeln!(m, "KERNEL_SOURCE = {}", py_source_str(&unit.source));
-            m.push_str("\n_lib = load_kernels(KERNEL_SOURCE)\n");
+            // the options of the compile that loads the module (its cache, its compiler), else
+            // the environment's (the module run on its own)
+            m.push_str("\n_lib = load_kernels(KERNEL_SOURCE, globals().get(\"__ferrocore_options__\"))\n");
             // declared pointer arguments: a call passes `data_ptr()` ints, no ctypes objects
             for k in g.kernels.iter().filter(|k| bound.insert(k.name.as_str())) {
                 let _ = writeln!(m, "{0} = host_kernel(_lib, {1}, {2})", k.name, py_str(&k.name), k.args.len());
