@@ -334,7 +334,7 @@ fn kernel_entries(s: &Schedule, kernels: &RenderedKernels) -> Vec<Kernel> {
 fn buffer(b: &crate::loop_ir::Buffer) -> Buffer {
     let l = &b.layout;
     Buffer {
-        name: b.name.clone(),
+        name: crate::wrapper::names::module_name(b),
         size: l.size.clone(),
         stride: l.stride.clone(),
         offset: l.offset,

@@ -2,7 +2,7 @@
 //! Python (the wrapper module and Triton kernels, which are Python source) and C++. Whatever
 //! the graph says, the text they write parses back to exactly that value and cannot end the
 //! literal or comment early. Names are not written here: buffer and kernel names are made
-//! identifiers where they are created (`loop_ir::input_buffer_name`, the scheduler's
+//! identifiers where they are created (`loop_ir::input_buffer_name` and `wrapper::names`, the scheduler's
 //! `kernel_name`).
 
 use std::fmt::Write;

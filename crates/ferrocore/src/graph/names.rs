@@ -1,8 +1,8 @@
 //! What the importer accepts as a name: the graph's name, node names, kwarg keys, layout and
 //! memory-format names. Every one of them may reach generated source or a file path later, so
 //! each is checked here against a strict rule; anything else is an `ImportError` naming the node.
-//! The renderers still never paste graph text: they map names (`loop_ir::input_buffer_name`)
-//! and write literals through `codegen::literal`.
+//! The renderers still never paste graph text: they map names (`loop_ir::input_buffer_name`,
+//! `wrapper::names`) and write literals through `codegen::literal`.
 
 use super::{schema, Arg, Graph, ImportError, NodeKind, Target};
 

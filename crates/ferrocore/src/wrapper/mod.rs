@@ -10,6 +10,7 @@ use crate::scheduler::{Item, Schedule, Storage};
 use std::collections::HashMap;
 
 mod checks;
+pub mod names;
 pub mod python;
 
 pub use python::print_module;
