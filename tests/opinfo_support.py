@@ -361,11 +361,11 @@ def observe_ferrocore():
             reasons.append(str(getattr(e, "reason", e)).splitlines()[0][:120])
             raise
 
-    def compile_(gm, *args, **kwargs):
-        for node in gm.graph.nodes:
+    def compile_(request):
+        for node in request.gm.graph.nodes:
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
                 observed.overloads.add(str(node.target))
-        return original_compile(gm, *args, **kwargs)
+        return original_compile(request)
 
     try:
         from ferrocore import _ferrocore as extension

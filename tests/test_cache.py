@@ -45,7 +45,7 @@ def _compile(f=_f):
     """The graph's boxed call (its `__globals__` are the wrapper module's), named as in a fresh
     process (the name is part of the wrapper's text and file name)."""
     graph_names._counter = itertools.count()
-    return backend._compile(make_fx(f)(X), {}, {})
+    return backend._compile(backend.CompileRequest(make_fx(f)(X), {}, {}))
 
 
 def _check(call, f=_f):

@@ -32,7 +32,7 @@ def test_compiled_call_takes_over_its_argument_list():
     torch.testing.assert_close(fn(a, b)[0], f(a, b))
     from ferrocore import backend
 
-    boxed = backend._compile(gm, {}, {})
+    boxed = backend._compile(backend.CompileRequest(gm, {}, {}))
     args = [a, b]
     boxed(args)
     assert args == [], "the boxed call clears the list so that inputs can be freed early"
@@ -46,9 +46,9 @@ def compiled_graphs(monkeypatch) -> list:
     graphs = []
     compile_graph = backend._compile
 
-    def spy(gm, *args, **kwargs):
-        graphs.append(gm)
-        return compile_graph(gm, *args, **kwargs)
+    def spy(request):
+        graphs.append(request.gm)
+        return compile_graph(request)
 
     monkeypatch.setattr(backend, "_compile", spy)
     return graphs

@@ -170,14 +170,15 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
         _describe_runtime(recorded, lambda: aot_runtime.training_runtime(graph))
         strides = _visible_output_strides(graph, user_strides, inference=False)
         saved = _saved_outputs(graph)
-        return _compile(graph, state.take(), overrides, strides, free_layout=_free_layout(saved), saved=saved,
-                        family=family, record=recorded["graphs"].append)
+        return _compile(CompileRequest(graph, state.take(), overrides, strides, free_layout=_free_layout(saved),
+                                       saved=saved, family=family, record=recorded["graphs"].append))
 
     def inference(graph, inputs):
         facts["written"] = aot_runtime.written_inputs(len(example_inputs))
         _describe_runtime(recorded, aot_runtime.inference_runtime)
         strides = _visible_output_strides(graph, user_strides, inference=True)
-        recorded["call"] = _compile(graph, state.take(), overrides, strides, record=recorded["graphs"].append)
+        recorded["call"] = _compile(CompileRequest(graph, state.take(), overrides, strides,
+                                                   record=recorded["graphs"].append))
         return recorded["call"]
 
     base = graph_names.current_base()
@@ -188,8 +189,8 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
         # AOT autograd may compile the backward at its first call, outside the forward's line
         with progress.compiling(label + " (backward)", opts["progress"]), _collector_spared(), \
                 graph_names.naming(base):
-            compiled = _compile(graph, state.take(), overrides, donated=donated, backward=True, family=family,
-                                record=recorded["graphs"].append)
+            compiled = _compile(CompileRequest(graph, state.take(), overrides, donated=donated, backward=True,
+                                               family=family, record=recorded["graphs"].append))
         if cache_key is not None:
             if recorded["runtime"] is not None:
                 _describe_runtime(recorded, lambda: aot_runtime.add_backward(recorded["runtime"], graph, inputs,
@@ -256,8 +257,8 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
         _log_trace(opts, f"{label} traced directly ({len(traced.graph.nodes)} nodes, {traced_ms:.0f} ms)")
         recorded: dict = {"graphs": [], "bypass": None, "runtime": aot_runtime.plain_inference_runtime()}
         strides = _visible_output_strides(traced, user_strides, inference=True)
-        call = _compile(traced, {"trace": traced_ms}, overrides, strides, static_inputs=direct_trace.static_inputs(gm),
-                        record=recorded["graphs"].append)
+        call = _compile(CompileRequest(traced, {"trace": traced_ms}, overrides, strides,
+                                       static_inputs=direct_trace.static_inputs(gm), record=recorded["graphs"].append))
     if cache_key is not None:
         _store_graph(cache_key, opts, recorded, "inference")
     return aot_runtime.inference_call(call, recorded["runtime"], boxed), []
@@ -281,9 +282,10 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
     reported: list = []
     later = KernelsLater()
     try:
-        fw_call = _compile(parts.forward, {"trace": traced_ms + split_ms}, overrides, strides, free_layout=saved,
-                           saved=saved, family=family, record=recorded["graphs"].append, static_inputs=static,
-                           reported_strides=reported, kernels_later=later, measured=gemms)
+        fw_call = _compile(CompileRequest(parts.forward, {"trace": traced_ms + split_ms}, overrides, strides,
+                                          free_layout=saved, saved=saved, family=family,
+                                          record=recorded["graphs"].append, static_inputs=static,
+                                          reported_strides=reported, kernels_later=later, measured=gemms))
     finally:
         later.wait()
     _restride_saved(parts.backward, reported[joint.num_outputs:])
@@ -294,8 +296,8 @@ def _compile_joint(joint: direct_trace.Joint, parts: joint_split.Split, gm: torc
     def compile_backward() -> Callable:
         with progress.compiling(label + " (backward)", opts["progress"]), _collector_spared(), \
                 graph_names.naming(base):
-            bw_call = _compile(parts.backward, {}, overrides, donated=parts.donated, backward=True, family=family,
-                               record=recorded["graphs"].append, measured=gemms)
+            bw_call = _compile(CompileRequest(parts.backward, {}, overrides, donated=parts.donated, backward=True,
+                                              family=family, record=recorded["graphs"].append, measured=gemms))
         if cache_key is not None:
             # the entry holds both graphs: stored once the backward exists
             _store_graph(cache_key, opts, recorded, "training")
@@ -588,7 +590,7 @@ def compile_graph(
 
     `example_inputs` is unused: the graph's `node.meta["val"]` carries the input metadata.
     """
-    boxed = _compile(gm, {}, options or {})
+    boxed = _compile(CompileRequest(gm, {}, options or {}))
     return lambda *args: boxed(list(args))
 
 
@@ -726,31 +728,38 @@ class _AotClock:
         self.mark = None
 
 
-def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_strides: dict | None = None,
-             free_layout: list | None = None, donated: list | None = None, backward: bool = False,
-             saved: list | None = None, family=None, record: Callable | None = None,
-             static_inputs: list | None = None, reported_strides: list | None = None,
-             kernels_later: KernelsLater | None = None, measured: padding.Measurements | None = None) -> Callable:
-    """Compiles one ATen graph; `record` receives the CompiledGraph (static graphs only, the
-    compiled-graph cache's entries). `static_inputs`: the inputs that keep their addresses
-    across calls (parameters, buffers), when AOT autograd's metadata does not say.
-    `reported_strides` receives the strides the compiled graph writes its outputs with (where
-    `free_layout` let ferrocore choose them); otherwise AOT autograd is told. `kernels_later`:
-    see `_load_graph`; `measured`: GEMM timings taken ahead (`padding.Measurements`)."""
-    opts = _options.build_options(overrides)
-    data_dependent = partition.has_data_dependent_nodes(gm)
-    if data_dependent or _is_symbolic(gm):
-        if opts["cudagraphs"]:
-            # segments between data-dependent calls, and per-shape compilations, see fresh
-            # addresses on most calls: recording them would rarely replay
-            print("[ferrocore:cudagraphs] a graph with data-dependent or symbolic sizes runs without CUDA graphs",
-                  file=sys.stderr)
-            overrides = {**overrides, "cudagraphs": False}
-        if data_dependent:
-            return _partitioned(gm, timings, overrides, output_strides)
-        return _specializing(gm, timings, overrides, output_strides)
-    name = graph_names.next_name("bw" if backward else "fw" if saved is not None else "inference")
-    start = time.perf_counter()
+@dataclasses.dataclass
+class CompileRequest:
+    """One ATen graph to compile and what its caller knows and wants of it. `record` receives
+    the CompiledGraph (static graphs only, the compiled-graph cache's entries).
+    `static_inputs`: the inputs that keep their addresses across calls (parameters, buffers),
+    when AOT autograd's metadata does not say. `reported_strides` receives the strides the
+    compiled graph writes its outputs with (where `free_layout` let ferrocore choose them);
+    otherwise AOT autograd is told. `kernels_later`: see `_load_graph`; `measured`: GEMM
+    timings taken ahead (`padding.Measurements`)."""
+
+    gm: torch.fx.GraphModule
+    timings: dict
+    overrides: dict
+    output_strides: dict | None = None
+    free_layout: list | None = None
+    donated: list | None = None
+    backward: bool = False
+    saved: list | None = None
+    family: object = None
+    record: Callable | None = None
+    static_inputs: list | None = None
+    reported_strides: list | None = None
+    kernels_later: KernelsLater | None = None
+    measured: padding.Measurements | None = None
+
+
+def _prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, measured) -> tuple:
+    """The graph made ready to serialize: effect tokens and clamp bounds unwrapped, host scalars
+    moved to its device, GEMMs to pad (GPU) or the convolution layout (CPU) chosen. Returns
+    (device, host scalars, padded GEMMs, the options with the layout chosen, seconds spent
+    timing GEMMs or layouts: not serialization's)."""
+    excluded = 0.0
     _unwrap_effects(gm)
     _wrap_integer_clamp_bounds(gm)
     device, host_scalars = _host_scalars(gm)
@@ -769,7 +778,7 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         t = time.perf_counter()
         padded = padding.padded_matmuls(gm, opts, measured)
         timings["padding"] = (time.perf_counter() - t) * 1e3
-        start += time.perf_counter() - t
+        excluded += time.perf_counter() - t
     else:
         t = time.perf_counter()
         layout = conv_layout.choose(gm, opts)
@@ -778,9 +787,39 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             timings["conv_layout"] = (time.perf_counter() - t) * 1e3
             if "layout" in opts["logs"]:
                 print(f"[ferrocore:layout]\n{name}: {layout[1]}", file=sys.stderr)
-        start += time.perf_counter() - t
+        excluded += time.perf_counter() - t
+    return device, host_scalars, padded, opts, excluded
+
+
+def _compile(req: CompileRequest) -> Callable:
+    """Compiles one ATen graph: a graph with data-dependent sizes in segments between the calls
+    that make them, one with symbolic sizes once per shape it is called with (each a static
+    compile again), a static one at once (`_compile_static`)."""
+    gm, overrides = req.gm, req.overrides
+    data_dependent = partition.has_data_dependent_nodes(gm)
+    if data_dependent or _is_symbolic(gm):
+        if _options.build_options(overrides)["cudagraphs"]:
+            # segments between data-dependent calls, and per-shape compilations, see fresh
+            # addresses on most calls: recording them would rarely replay
+            print("[ferrocore:cudagraphs] a graph with data-dependent or symbolic sizes runs without CUDA graphs",
+                  file=sys.stderr)
+            overrides = {**overrides, "cudagraphs": False}
+        if data_dependent:
+            return _partitioned(gm, req.timings, overrides, req.output_strides)
+        return _specializing(gm, req.timings, overrides, req.output_strides)
+    return _compile_static(req, _options.build_options(overrides))
+
+
+def _compile_static(req: CompileRequest, opts: dict) -> Callable:
+    """Compiles a graph of static sizes: prepares it (host scalars, GEMM padding, convolution
+    layout), serializes it, has Rust compile it, loads the result and wraps its call."""
+    gm, timings = req.gm, req.timings
+    name = graph_names.next_name("bw" if req.backward else "fw" if req.saved is not None else "inference")
+    start = time.perf_counter()
+    device, host_scalars, padded, opts, excluded = _prepare(gm, name, opts, timings, req.measured)
+    start += excluded
     try:
-        graph_json = serialize_graph(gm, name, output_strides, free_layout, padded, donated)
+        graph_json = serialize_graph(gm, name, req.output_strides, req.free_layout, padded, req.donated)
         constants = lifted_constants(gm)
     except UnsupportedGraph as e:
         print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)
@@ -788,23 +827,9 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         return make_boxed_func(gm.forward)
     timings["serialize"] = (time.perf_counter() - start) * 1e3
 
-    _ferrocore = extension()
     options = json.dumps(opts)
-    native_progress = _ferrocore.CompileProgress()
-    progress.current().watch(native_progress)
     # a CPU graph whose kernels may compile later has its C++ compiled on that thread
-    cpp_later = device is None and kernels_later is not None
-    traced = torch_logs.tracing()
-    asked = {**opts, "logs": list(dict.fromkeys([*opts["logs"], *torch_logs.TRACED]))} if traced else opts
-    if opts["debug_dir"] is not None:
-        asked = {**asked, "front_timings_ms": list(timings.items())}  # for the compile report
-    result = json.loads(_ferrocore.compile_graph(graph_json, json.dumps({**asked, "skip_native_compile": True})
-                                                 if cpp_later else json.dumps(asked), native_progress))
-    logs = result.get("logs", ())
-    if traced:
-        torch_logs.trace_graph(name, result.get("module_path", ""), logs)
-    _print_logs([log for log in logs if log["channel"] in opts["logs"]], name, result.get("module_path", ""),
-                result.get("artifact"))
+    result = _run_compiler(name, graph_json, opts, timings, device is None and req.kernels_later is not None)
     report_path = result.get("report_path")
     if report_path:
         print(f"[ferrocore] {name}: compile report {report_path}", file=sys.stderr)
@@ -815,9 +840,9 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
         metrics.record(_entry(name, timings, graph_fallback=True, backend=result.get("backend")))
         return make_boxed_func(gm.forward)
 
-    if free_layout and reported_strides is not None:
-        reported_strides.extend(result.get("output_strides", ()))
-    elif free_layout:
+    if req.free_layout and req.reported_strides is not None:
+        req.reported_strides.extend(result.get("output_strides", ()))
+    elif req.free_layout:
         _report_output_strides(result)
     timings.update(result.get("timings_ms", {}))
     fallbacks = result.get("fallbacks", [])
@@ -841,10 +866,37 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             "backend": result.get("backend"),
         },
     )
-    if record is not None:
-        record(graph)
+    if req.record is not None:
+        req.record(graph)
+    return _loaded_call(req, graph, result, opts, device, host_scalars, report_path)
+
+
+def _run_compiler(name: str, graph_json: str, opts: dict, timings: dict, cpp_later: bool) -> dict:
+    """Rust's compile of the serialized graph (its result, parsed), with its logs printed and
+    traced; `cpp_later`: its C++ is left for the caller to compile (on a thread of its own)."""
+    _ferrocore = extension()
+    native_progress = _ferrocore.CompileProgress()
+    progress.current().watch(native_progress)
+    traced = torch_logs.tracing()
+    asked = {**opts, "logs": list(dict.fromkeys([*opts["logs"], *torch_logs.TRACED]))} if traced else opts
+    if opts["debug_dir"] is not None:
+        asked = {**asked, "front_timings_ms": list(timings.items())}  # for the compile report
+    result = json.loads(_ferrocore.compile_graph(graph_json, json.dumps({**asked, "skip_native_compile": True})
+                                                 if cpp_later else json.dumps(asked), native_progress))
+    logs = result.get("logs", ())
+    if traced:
+        torch_logs.trace_graph(name, result.get("module_path", ""), logs)
+    _print_logs([log for log in logs if log["channel"] in opts["logs"]], name, result.get("module_path", ""),
+                result.get("artifact"))
+    return result
+
+
+def _loaded_call(req: CompileRequest, graph, result: dict, opts: dict, device, host_scalars, report_path) -> Callable:
+    """The compiled graph loaded and its call wrapped: in a CUDA graph where it may be recorded,
+    refusing to run Triton kernels on CPU tensors without Triton's interpreter."""
+    gm, timings, name = req.gm, req.timings, graph.name
     call, module = _load_graph(graph, timings, cpp_cache_hit=bool(result.get("cpp_cache_hit", False)),
-                               kernels_later=kernels_later, cpp_source=result.get("cpp_source"),
+                               kernels_later=req.kernels_later, cpp_source=result.get("cpp_source"),
                                **({"report_path": report_path} if report_path else {}))
     if opts["cudagraphs"]:
         inputs_meta = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
@@ -854,8 +906,9 @@ def _compile(gm: torch.fx.GraphModule, timings: dict, overrides: dict, output_st
             print(f"[ferrocore:cudagraphs] {name} runs without CUDA graphs: {why}", file=sys.stderr)
         else:
             call = cudagraphs.CudaGraphRunner(call, name, device, index_flag=artifact.checks_indices_by_flag(compiled),
-                                              copied=_copied_inputs(gm, backward, static_inputs), saved=saved or (),
-                                              donated_writes=artifact.holds_donated_inputs(compiled), family=family)
+                                              copied=_copied_inputs(gm, req.backward, req.static_inputs),
+                                              saved=req.saved or (),
+                                              donated_writes=artifact.holds_donated_inputs(compiled), family=req.family)
     if device is None and opts["backend"] == "triton" and not _triton_interpreted():
         call = _refusing_uninterpreted_triton(name)
     call._boxed_call = True  # `call(args)` takes the argument list and may clear it
@@ -1111,7 +1164,7 @@ def _partitioned(gm: torch.fx.GraphModule, timings: dict, overrides: dict, outpu
             # host-side scalar arithmetic and runtime asserts on data-dependent sizes
             seg.run = lambda inputs, m=module: list(m(*inputs))
             continue
-        seg.run = _compile(module, timings, overrides, _returned_strides(gm, seg, output_strides))
+        seg.run = _compile(CompileRequest(module, timings, overrides, _returned_strides(gm, seg, output_strides)))
         timings = {}
     return partition.runner(gm, segments)
 
@@ -1299,7 +1352,7 @@ def _specialize(gm: torch.fx.GraphModule, args: list, timings: dict, overrides: 
     traced_outputs = torch.utils._pytree.arg_tree_leaves(*gm.graph.output_node().args)
     strides = {flat[i].name: output_strides[o.name] for i, o in enumerate(traced_outputs)
                if i in tensor_out and isinstance(o, torch.fx.Node) and o.name in (output_strides or {})}
-    inner = _compile(static, timings, overrides, strides or None)
+    inner = _compile(CompileRequest(static, timings, overrides, strides or None))
 
     def run(call_args):
         results = inner([call_args[i] for i in tensor_pos])
