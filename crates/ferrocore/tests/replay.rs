@@ -4,6 +4,7 @@
 //! plan. A change to the generated code fails this test with the list of changed kernels;
 //! `UPDATE_EXPECT=1` approves it (printing the same list, for the commit message).
 
+use ferrocore::artifact::CompiledGraph;
 use ferrocore::codegen::literal::py_source_str;
 use ferrocore::codegen::{LaunchShape, RenderedKernels};
 use ferrocore::driver::{generate, Generated, Generation, Options};
@@ -32,7 +33,9 @@ fn write_gz(path: &Path, text: &str) {
 }
 
 /// The text the corpus approves for one graph: each kernel (its launch, then its definition),
-/// then the host module with the kernel source taken out.
+/// then the host module with the kernel source taken out, then the compiled graph as it is
+/// serialized (its unit's source taken out: the kernels above are that text). The compiled
+/// graph must also read back as the same value.
 fn replay_text(g: &Generated) -> String {
     let k: &RenderedKernels = &g.kernels;
     let mut out = String::new();
@@ -68,6 +71,14 @@ fn replay_text(g: &Generated) -> String {
     }
     let host = g.module.replacen(&py_source_str(&k.source), "KERNEL_SOURCE_TEXT", 1).replacen(&k.source, "KERNEL_SOURCE_TEXT\n", 1);
     let _ = write!(out, "==== host\n{host}");
+    let json = serde_json::to_string(&g.artifact).unwrap();
+    let read_back: CompiledGraph = serde_json::from_str(&json).unwrap();
+    assert!(read_back == g.artifact, "graph {}: the compiled graph does not read back as itself", g.artifact.name);
+    let mut value = g.artifact.clone();
+    if let Some(unit) = &mut value.unit {
+        unit.source = "KERNEL_SOURCE_TEXT".into();
+    }
+    let _ = writeln!(out, "==== compiled graph\n{}", serde_json::to_string_pretty(&value).unwrap());
     out
 }
 
