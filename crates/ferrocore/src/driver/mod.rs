@@ -385,7 +385,7 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         Generation::Code(g) => g,
         Generation::Eager { graph, language, reason } => return Ok(st.eager(&graph, language.name(), fallbacks, reason)),
     };
-    let Generated { graph, schedule: sched, kernels, plan, module, language, artifact } = *g;
+    let Generated { graph, schedule: sched, kernels, plan: _, module, language, artifact } = *g;
     let mut cache_hit = false;
     let native = !kernels.launches.is_empty() && language == KernelLanguage::Cpp;
     let cpp_source = (native && options.skip_native_compile).then(|| kernels.source.clone());
@@ -421,9 +421,8 @@ pub fn compile_graph_observed(graph_json: &str, options: &Options, progress: &Pr
         let module_path = module_path.to_string_lossy();
         let input = ReportInput {
             graph: &graph,
+            compiled: &artifact,
             schedule: &sched,
-            kernels: &kernels,
-            plan: &plan,
             timings: &timings,
             module_path: &module_path,
             backend: backend_name,

@@ -10,11 +10,10 @@
 
 mod memory;
 
-use crate::codegen::{LaunchShape, RenderedKernels};
+use crate::artifact::{CompiledGraph, Launch, Step};
 use crate::graph::{fmt_meta, names::printable, Arg, Graph, NodeKind};
 use crate::loop_ir::LoopProgram;
 use crate::scheduler::{kernel_origins, Item, KernelId, Schedule};
-use crate::wrapper::{HostPlan, HostStep};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -24,12 +23,13 @@ pub use memory::{lifetimes, Lifetime};
 pub const RUNTIME_START: &str = "<!-- ferrocore:runtime -->";
 pub const RUNTIME_END: &str = "<!-- /ferrocore:runtime -->";
 
-/// What a report is made of: the stages' results, and where the module was written.
+/// What a report is made of: the graph, the compiled graph (its kernels, host steps, buffers),
+/// the schedule that explains it (why each fusion was made or refused), and where the module was
+/// written.
 pub struct ReportInput<'a> {
     pub graph: &'a Graph,
+    pub compiled: &'a CompiledGraph,
     pub schedule: &'a Schedule,
-    pub kernels: &'a RenderedKernels,
-    pub plan: &'a HostPlan,
     /// Stage name -> milliseconds: the front's stages (Dynamo, AOT autograd, ...), then Rust's.
     pub timings: &'a [(String, f64)],
     pub module_path: &'a str,
@@ -95,14 +95,14 @@ pub fn render(r: &ReportInput) -> String {
     let name = esc(&r.graph.name);
     let _ = write!(h, "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n<title>ferrocore: {name}</title>\n<style>{STYLE}</style></head>\n<body>\n");
     let _ = writeln!(h, "<h1>ferrocore compile report: {name}</h1>");
-    let memory = lifetimes(&r.schedule.program, r.plan);
+    let memory = lifetimes(r.compiled);
     summary(&mut h, r, &memory);
     let _ = writeln!(h, "<nav><a href=\"#time\">compile time</a> <a href=\"#graph\">graph</a> <a href=\"#kernels\">kernels and library calls</a> <a href=\"#fusion\">fusion decisions</a> <a href=\"#memory\">buffers</a> <a href=\"#runtime\">runtime</a></nav>");
     compile_time(&mut h, r.timings);
     graph_table(&mut h, r);
     steps(&mut h, r);
     fusion(&mut h, r.schedule);
-    memory::section(&mut h, &r.schedule.program, &memory);
+    memory::section(&mut h, r.compiled, &memory);
     let _ = writeln!(h, "<section id=\"runtime\"><h2>Runtime</h2>\n{RUNTIME_START}");
     let _ = writeln!(
         h,
@@ -114,10 +114,9 @@ pub fn render(r: &ReportInput) -> String {
 }
 
 fn summary(h: &mut String, r: &ReportInput, memory: &memory::Lifetimes) {
-    let p = &r.schedule.program;
-    let kernels = r.kernels.launches.len();
-    let calls = p.externs.iter().filter(|e| !e.fallback).count();
-    let fallbacks = p.externs.iter().filter(|e| e.fallback).count();
+    let kernels = r.compiled.kernels.len();
+    let calls = r.compiled.library_calls.iter().filter(|c| !c.fallback).count();
+    let fallbacks = r.compiled.library_calls.iter().filter(|c| c.fallback).count();
     let total: f64 = r.timings.iter().map(|(_, ms)| ms).sum();
     let _ = writeln!(
         h,
@@ -210,53 +209,55 @@ fn steps(h: &mut String, r: &ReportInput) {
     let p = &r.schedule.program;
     let g = r.graph;
     let index: HashMap<&str, usize> = g.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
-    let fused: Vec<_> = r.schedule.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k) } else { None }).collect();
+    let names = r.schedule.kernel_names();
     let _ = writeln!(h, "<section id=\"kernels\"><h2>Kernels and library calls, in launch order</h2>");
-    for step in &r.plan.steps {
+    for step in &r.compiled.steps {
         match step {
-            HostStep::Launch(l) => {
-                let (k, launch) = (fused[*l], &r.kernels.launches[*l]);
-                let shape = match launch.shape {
-                    LaunchShape::Host => format!("host function over {} iterations", launch.numel),
-                    LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {
-                        format!("grid {grid} x XBLOCK {xblock}, {num_warps} warps, {num_stages} stages")
-                    }
-                };
-                let _ =
-                    writeln!(h, "<div class=\"step\" id=\"kernel-{}\"><h3>kernel {}</h3>\n<p class=\"note\">{shape}</p>", k.name, k.name);
-                if launch.name != k.name {
-                    // (kernels of one structure are defined once: `codegen::Definitions`)
-                    let _ = writeln!(h, "<p class=\"note\">Launched as {}: the same code.</p>", kernel_link(&launch.name));
-                }
-                origins_html(h, g, &index, p, &kernel_origins(p, k.plan.nodes.iter().map(|kn| kn.node)));
-                let why: Vec<String> = r
-                    .schedule
-                    .decisions
-                    .iter()
-                    // launch l is kernel l
-                    .filter(|d| d.kernel() == Some(KernelId(*l)))
-                    .map(|d| format!("<li>{}</li>", esc(&d.describe(&|_| k.name.clone()))))
-                    .collect();
-                if !why.is_empty() {
-                    let _ = writeln!(h, "<ul class=\"why\">{}</ul>", why.concat());
-                }
-                let text = r.kernels.source.get(launch.text.clone()).unwrap_or("");
-                let _ = writeln!(h, "<details><summary>code</summary><pre>{}</pre></details></div>", esc(text));
-            }
-            HostStep::Extern(e) => {
-                let x = &p.externs[*e];
-                let kind = if x.fallback { "ATen fallback" } else { "library call" };
-                let _ = writeln!(h, "<div class=\"step\" id=\"call-{e}\"><h3>{kind} {}</h3>", esc(&x.callee));
-                origins_html(h, g, &index, p, &[x.origin.as_str()]);
-                if let Some(reason) = &x.reason {
+            Step::Launch { kernel } => launch_html(h, r, &index, *kernel, names.get(*kernel).copied().unwrap_or("")),
+            Step::Call { call } => {
+                let c = &r.compiled.library_calls[*call];
+                let kind = if c.fallback { "ATen fallback" } else { "library call" };
+                let _ = writeln!(h, "<div class=\"step\" id=\"call-{call}\"><h3>{kind} {}</h3>", esc(&c.callee));
+                origins_html(h, g, &index, p, &[c.origin.as_str()]);
+                if let Some(reason) = &c.reason {
                     let _ = writeln!(h, "<p>Why: {}</p>", esc(reason));
                 }
-                let _ = writeln!(h, "<pre>{}</pre></div>", esc(p.extern_text(*e).trim()));
+                let _ = writeln!(h, "<pre>{}</pre></div>", esc(p.extern_text(*call).trim()));
             }
             _ => {}
         }
     }
     let _ = writeln!(h, "</section>");
+}
+
+/// Launch `l` of the compiled graph: the schedule's kernel `name`, how it is launched, the graph
+/// nodes it computes, why it was fused so, and its code.
+fn launch_html(h: &mut String, r: &ReportInput, index: &HashMap<&str, usize>, l: usize, name: &str) {
+    let k = &r.compiled.kernels[l];
+    let shape = match &k.launch {
+        Launch::Host => format!("host function over {} iterations", k.numel),
+        Launch::Grid { config: c, .. } => format!("grid {} x XBLOCK {}, {} warps, {} stages", c.grid, c.xblock, c.num_warps, c.num_stages),
+    };
+    let _ = writeln!(h, "<div class=\"step\" id=\"kernel-{name}\"><h3>kernel {name}</h3>\n<p class=\"note\">{shape}</p>");
+    if k.name != name {
+        // (kernels of one structure are defined once: `codegen::Definitions`)
+        let _ = writeln!(h, "<p class=\"note\">Launched as {}: the same code.</p>", kernel_link(&k.name));
+    }
+    let origins: Vec<&str> = k.origins.iter().map(String::as_str).collect();
+    origins_html(h, r.graph, index, &r.schedule.program, &origins);
+    let why: Vec<String> = r
+        .schedule
+        .decisions
+        .iter()
+        // launch l is the schedule's kernel l
+        .filter(|d| d.kernel() == Some(KernelId(l)))
+        .map(|d| format!("<li>{}</li>", esc(&d.describe(&|_| name.to_string()))))
+        .collect();
+    if !why.is_empty() {
+        let _ = writeln!(h, "<ul class=\"why\">{}</ul>", why.concat());
+    }
+    let text = r.compiled.unit.as_ref().and_then(|u| u.source.get(k.definition.start..k.definition.end)).unwrap_or("");
+    let _ = writeln!(h, "<details><summary>code</summary><pre>{}</pre></details></div>", esc(text));
 }
 
 /// Where `name` stands in `text` as a whole word: not inside a longer identifier, nor an
