@@ -44,7 +44,7 @@ def _wrapper_module(cache_dir):
     ferrocore.compile_graph(gm, args, {"backend": "triton", "cache_dir": cache_dir})
     path = ferrocore.metrics.last["module_path"]
     compiled = json.loads(Path(ferrocore.metrics.last["artifact_path"]).read_text())
-    return compiled, _import_module(path, "kernel_binaries_test", Path(path).read_text())
+    return compiled, _import_module(path, "kernel_binaries_test", Path(path).read_text(), None)
 
 
 def test_a_worker_compiles_a_launchable_binary_that_the_cache_keeps(cache_dir):

@@ -1502,14 +1502,14 @@ def _module_code(source: str, path: str, cache_dir: str | None):
     return code
 
 
-def _import_module(path: str, name: str, source: str, options: str, cache_dir: str | None = None):
+def _import_module(path: str, name: str, source: str, options: str | None, cache_dir: str | None = None):
     """Runs the wrapper module's source as the compiler returned it, never what the cached file
     holds by now (an edited or planted file runs nothing; Rust rewrites it). The file name is
     the cached path, for tracebacks; `linecache` holds this very source under it, so tracebacks
     and `inspect` (Triton reads its kernels' source) see what runs. The module is not kept in
     `sys.modules`: it lives as long as the graph's callable, and its kernel library with it.
     `options` (the compile's options JSON) reach the module as `__ferrocore_options__`: its C++
-    library is looked up in that compile's cache, with its compiler."""
+    library is looked up in that compile's cache, with its compiler (None: the environment's)."""
     mod_name = f"ferrocore_output_code_{name}"
     module = types.ModuleType(mod_name)
     module.__file__ = path

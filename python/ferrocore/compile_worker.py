@@ -6,7 +6,7 @@ garble a result. The first message, once the worker has warmed up, is ("ready", 
 ("compile", Triton unit, kernel name, signature, constexprs, num_warps, num_stages, arch, warp
 size) runs the compiled graph's Triton unit (`artifact.unit_source`, cached by its hash;
 it imports no torch) and compiles the kernel with Triton for that GPU target, without touching
-the GPU; the result is `kernel_binaries.describe` of the compiled kernel. The worker exits when
+the GPU; the result is `triton_support.describe` of the compiled kernel. The worker exits when
 stdin closes.
 """
 
