@@ -47,6 +47,9 @@ class FakeExtension:
     def option_schema(self) -> str:
         return _COMPILER.option_schema()  # the options as the compiler states them
 
+    def dtype_names(self) -> list:
+        return _COMPILER.dtype_names()
+
     def cache_read(self, cache_dir: str, rel: str):
         return None  # (the module's bytecode: compiled each time)
 

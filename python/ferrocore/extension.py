@@ -2,8 +2,9 @@
 
 Each call into Rust looks the extension up at the call, as the package's `_ferrocore` attribute
 (`extension()`): the package imports it (`ferrocore/__init__.py`), and a test may put a stand-in
-there (tests/test_front.py). Without a built extension, importing ferrocore and serializing
-graphs still work; the first call into Rust raises an ImportError that says how to build it.
+there (tests/test_front.py). Without a built extension, importing ferrocore still works; the
+first call into Rust (serializing a graph is one: the dtype table is the compiler's) raises an
+ImportError that says how to build it.
 """
 
 from __future__ import annotations

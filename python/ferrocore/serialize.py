@@ -8,6 +8,7 @@ format does not name); the backend then runs that graph eagerly.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -17,16 +18,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from .extension import extension
+
 FORMAT = "ferrocore.graph"
 VERSION = 1
 
-# Dtypes the format names. Anything else (float4...) has no spelling.
-_DTYPES = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.complex32, torch.complex64, torch.complex128,
-}
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
@@ -256,7 +252,7 @@ def _tensor_meta(t: torch.Tensor, n: torch.fx.Node) -> dict:
         raise UnsupportedGraph(f"node {n.name} has layout {t.layout}")
     if t.device.type not in ("cpu", "cuda"):
         raise UnsupportedGraph(f"node {n.name} is on device {t.device}")
-    if t.dtype not in _DTYPES and not _is_float8(t.dtype):
+    if t.dtype not in _dtypes():
         raise UnsupportedGraph(f"node {n.name} has dtype {t.dtype}")
     return {
         "shape": [_concrete(s, n) for s in t.shape],
@@ -294,7 +290,7 @@ def _arg(a: Any, n: torch.fx.Node) -> Any:
     if isinstance(a, (list, tuple)):
         return {"list": [_arg(x, n) for x in a]}
     if isinstance(a, torch.dtype):
-        if a not in _DTYPES and not _is_float8(a):
+        if a not in _dtypes():
             raise UnsupportedGraph(f"node {n.name} names dtype {a}")
         return {"dtype": _dtype_name(a)}
     if isinstance(a, torch.device):
@@ -320,11 +316,11 @@ def _strip_torch(x: Any) -> str:
 
 
 # The float8 formats the importer knows (each falls back to ATen: kernels never touch them).
-_FLOAT8 = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
-
-
-def _is_float8(d: torch.dtype) -> bool:
-    return _strip_torch(d) in _FLOAT8
+@functools.cache
+def _dtypes() -> frozenset:
+    """The dtypes the exchange format names: the compiler's table (`graph::DType::all`), those
+    this torch has."""
+    return frozenset(getattr(torch, name) for name in extension().dtype_names() if hasattr(torch, name))
 
 
 def _describe(x: Any) -> str:

@@ -167,13 +167,20 @@ fn evict_cache(py: Python<'_>, cache_dir: &str, max_bytes: u64, stale_after_s: f
     })
 }
 
-/// The default cache directory (what `Options::default` uses).
 /// The compiler's options for the front: defaults, choices, log channels (JSON).
 #[pyfunction]
 fn option_schema() -> String {
     ferrocore::driver::option_schema()
 }
 
+/// torch's names of the dtypes a graph may hold (`float32`, `bfloat16`, ...): what the front
+/// serializes, the exchange format's table.
+#[pyfunction]
+fn dtype_names() -> Vec<&'static str> {
+    ferrocore::graph::DType::all().into_iter().map(|d| d.torch_name()).collect()
+}
+
+/// The default cache directory (what `Options::default` uses).
 #[pyfunction]
 fn default_cache_dir() -> String {
     runtime::default_cache_dir().to_string_lossy().into_owned()
@@ -289,6 +296,7 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(evict_cache, m)?)?;
     m.add_function(wrap_pyfunction!(default_cache_dir, m)?)?;
     m.add_function(wrap_pyfunction!(option_schema, m)?)?;
+    m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
     m.add_function(wrap_pyfunction!(ptx_param_count, m)?)?;
     m.add_function(wrap_pyfunction!(min_cut_source_side, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_conv_runs_compiled, m)?)?;

@@ -5,6 +5,7 @@ use ferrocore::codegen::cpp::CppBackend;
 use ferrocore::codegen::triton::TritonBackend;
 use ferrocore::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage, LaunchShape};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
+use ferrocore::graph::build::{meta, node, GraphBuilder};
 use ferrocore::graph::parse_graph;
 use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
 use ferrocore::scheduler::{schedule, schedule_for, Decision, Item, KernelId, ScheduleOptions};
@@ -14,48 +15,10 @@ const TRITON_WHOLE: ScheduleOptions =
     ScheduleOptions { prefix: "triton", split: None, complex_as_real: true, welford_min_len: None, row_scratch: None };
 use std::path::PathBuf;
 
-fn meta(shape: &[i64], dtype: &str) -> String {
-    let mut stride = vec![1i64; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        stride[i] = stride[i + 1] * shape[i + 1].max(1);
-    }
-    format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"{dtype}","device":"cpu"}}}}"#)
-}
-
-/// A tiny graph builder: inputs, calls (args as exchange-format JSON), outputs.
-struct G {
-    nodes: Vec<String>,
-}
-
-impl G {
-    fn new() -> G {
-        G { nodes: Vec::new() }
-    }
-    fn input(mut self, name: &str, shape: &[i64], dtype: &str) -> G {
-        self.nodes.push(format!(r#"{{"name":"{name}","kind":"placeholder","meta":{}}}"#, meta(shape, dtype)));
-        self
-    }
-    fn call(mut self, name: &str, target: &str, args: &str, out_meta: &str) -> G {
-        self.nodes.push(format!(
-            r#"{{"name":"{name}","kind":"call_function","target":"{target}","args":[{args}],"kwargs":{{}},"meta":{out_meta}}}"#
-        ));
-        self
-    }
-    fn output(mut self, names: &[&str]) -> String {
-        let outs: Vec<String> = names.iter().map(|n| format!(r#"{{"node":"{n}"}}"#)).collect();
-        self.nodes.push(format!(r#"{{"name":"output","kind":"output","args":[{}]}}"#, outs.join(",")));
-        format!(r#"{{"format":"ferrocore.graph","version":1,"name":"g","nodes":[{}]}}"#, self.nodes.join(","))
-    }
-}
-
-fn n(name: &str) -> String {
-    format!(r#"{{"node":"{name}"}}"#)
-}
-
 /// The arguments of a reduction of `src` over `dim` (sum.dim_IntList, amax).
 fn over(src: &str, dim: i64, keepdim: bool) -> String {
     let keep = if keepdim { r#",{"bool":true}"# } else { "" };
-    format!(r#"{},{{"list":[{{"int":{dim}}}]}}{keep}"#, n(src))
+    format!(r#"{},{{"list":[{{"int":{dim}}}]}}{keep}"#, node(src))
 }
 
 fn check(golden: &str, actual: &str) {
@@ -85,10 +48,10 @@ fn stages(doc: &str) -> (String, String, String, usize) {
 
 #[test]
 fn relu_add_sum_is_one_kernel() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[8, 32], "float32")
-        .call("relu", "aten.relu.default", &n("x"), &meta(&[8, 32], "float32"))
-        .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("relu")), &meta(&[8, 32], "float32"))
+        .call("relu", "aten.relu.default", &node("x"), &meta(&[8, 32], "float32"))
+        .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, node("relu")), &meta(&[8, 32], "float32"))
         .call("sum_1", "aten.sum.dim_IntList", &over("add", -1, false), &meta(&[8], "float32"))
         .output(&["sum_1"]);
     let (pre, post, src, k) = stages(&doc);
@@ -100,11 +63,11 @@ fn relu_add_sum_is_one_kernel() {
 fn column_reductions_vectorize_across_a_tile_of_columns() {
     // sum and max over the outer dim of [2000, 40]: the lanes take consecutive columns (40 is
     // not a multiple of the tile: the last tile is partial); 2000 rows add in chunks of 256
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[2000, 40], "float32")
         .call("sum_1", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[40], "float32"))
         .call("amax", "aten.amax.default", &over("x", 0, false), &meta(&[40], "float32"))
-        .call("add", "aten.add.Tensor", &format!("{},{}", n("sum_1"), n("amax")), &meta(&[40], "float32"))
+        .call("add", "aten.add.Tensor", &format!("{},{}", node("sum_1"), node("amax")), &meta(&[40], "float32"))
         .output(&["add"]);
     let (_, post, src, k) = stages(&doc);
     assert_eq!(k, 1, "{post}");
@@ -114,9 +77,9 @@ fn column_reductions_vectorize_across_a_tile_of_columns() {
 
 #[test]
 fn softmax_is_one_kernel_storing_its_exponentials_once() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[16, 64], "float32")
-        .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, n("x")), &meta(&[16, 64], "float32"))
+        .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, node("x")), &meta(&[16, 64], "float32"))
         .output(&["sm"]);
     let (pre, post, src, k) = stages(&doc);
     assert!(k <= 2, "softmax took {k} kernels");
@@ -128,17 +91,17 @@ fn softmax_is_one_kernel_storing_its_exponentials_once() {
 
 #[test]
 fn layer_norm_is_at_most_two_kernels() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 8, 32], "float32")
         .input("w", &[32], "float32")
         .input("b", &[32], "float32")
         .call(
             "ln",
             "aten.native_layer_norm.default",
-            &format!(r#"{},{{"list":[{{"int":32}}]}},{},{},{{"float":1e-5}}"#, n("x"), n("w"), n("b")),
+            &format!(r#"{},{{"list":[{{"int":32}}]}},{},{},{{"float":1e-5}}"#, node("x"), node("w"), node("b")),
             &format!(r#"{{"tuple":[{},{},{}]}}"#, meta(&[4, 8, 32], "float32"), meta(&[4, 8, 1], "float32"), meta(&[4, 8, 1], "float32")),
         )
-        .call("y", "getitem", &format!(r#"{},{{"int":0}}"#, n("ln")), &meta(&[4, 8, 32], "float32"))
+        .call("y", "getitem", &format!(r#"{},{{"int":0}}"#, node("ln")), &meta(&[4, 8, 32], "float32"))
         .output(&["y"]);
     let (_, post, _, k) = stages(&doc);
     assert!(k <= 2, "layer_norm took {k} kernels:\n{post}");
@@ -147,22 +110,22 @@ fn layer_norm_is_at_most_two_kernels() {
 #[test]
 fn views_of_views_fold_to_affine_indices() {
     // x[4, 6] -> t() -> reshape [24] -> view [6, 4] -> exp: reads x at 6*(j) + i without div/mod
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 6], "float32")
         .call(
             "t",
             "aten.t.default",
-            &n("x"),
+            &node("x"),
             r#"{"tensor":{"shape":[6,4],"stride":[1,6],"storage_offset":0,"dtype":"float32","device":"cpu"}}"#,
         )
-        .call("perm", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("t")), &meta(&[4, 6], "float32"))
+        .call("perm", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("t")), &meta(&[4, 6], "float32"))
         .call(
             "v",
             "aten.view.default",
-            &format!(r#"{},{{"list":[{{"int":2}},{{"int":2}},{{"int":6}}]}}"#, n("perm")),
+            &format!(r#"{},{{"list":[{{"int":2}},{{"int":2}},{{"int":6}}]}}"#, node("perm")),
             &meta(&[2, 2, 6], "float32"),
         )
-        .call("e", "aten.exp.default", &n("v"), &meta(&[2, 2, 6], "float32"))
+        .call("e", "aten.exp.default", &node("v"), &meta(&[2, 2, 6], "float32"))
         .output(&["e"]);
     let (pre, _, _, k) = stages(&doc);
     assert_eq!(k, 1);
@@ -172,9 +135,9 @@ fn views_of_views_fold_to_affine_indices() {
 
 #[test]
 fn int64_index_math_does_not_overflow() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .call("a", "aten.arange.start_step", r#"{"int":0},{"int":11}"#, &meta(&[11], "int64"))
-        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":1000000000}}"#, n("a")), &meta(&[11], "int64"))
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":1000000000}}"#, node("a")), &meta(&[11], "int64"))
         .output(&["m"]);
     let (_, _, src, _) = stages(&doc);
     assert!(src.contains("int64_t tmp") && src.contains("1000000000LL"), "{src}");
@@ -183,16 +146,16 @@ fn int64_index_math_does_not_overflow() {
 
 #[test]
 fn unknown_op_falls_back_to_aten_in_the_wrapper() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 4], "float32")
         .call(
             "c",
             "aten.cummax.default",
-            &format!(r#"{},{{"int":0}}"#, n("x")),
+            &format!(r#"{},{{"int":0}}"#, node("x")),
             &format!(r#"{{"tuple":[{},{}]}}"#, meta(&[4, 4], "float32"), meta(&[4, 4], "int64")),
         )
-        .call("v", "getitem", &format!(r#"{},{{"int":0}}"#, n("c")), &meta(&[4, 4], "float32"))
-        .call("r", "aten.relu.default", &n("v"), &meta(&[4, 4], "float32"))
+        .call("v", "getitem", &format!(r#"{},{{"int":0}}"#, node("c")), &meta(&[4, 4], "float32"))
+        .call("r", "aten.relu.default", &node("v"), &meta(&[4, 4], "float32"))
         .output(&["r"]);
     let dir = std::env::temp_dir().join(format!("ferrocore-stage-test-{}", std::process::id()));
     let opts = Options { cache_dir: dir.clone(), skip_native_compile: true, ..Options::default() };
@@ -206,10 +169,10 @@ fn unknown_op_falls_back_to_aten_in_the_wrapper() {
 
 #[test]
 fn inconsistent_shapes_are_errors_naming_the_node() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 4], "float32")
         .input("y", &[3, 4], "float32")
-        .call("bad_add", "aten.add.Tensor", &format!("{},{}", n("x"), n("y")), &meta(&[4, 4], "float32"))
+        .call("bad_add", "aten.add.Tensor", &format!("{},{}", node("x"), node("y")), &meta(&[4, 4], "float32"))
         .output(&["bad_add"]);
     let opts = Options { skip_native_compile: true, ..Options::default() };
     let e = compile_graph(&doc, &opts).unwrap_err().to_string();
@@ -219,7 +182,7 @@ fn inconsistent_shapes_are_errors_naming_the_node() {
 #[test]
 fn horizontal_fusion_shares_one_pass_over_the_input() {
     // sum and amax of the same rows: one kernel, one loop group with two accumulators
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[32, 128], "float32")
         .call("s", "aten.sum.dim_IntList", &over("x", 1, false), &meta(&[32], "float32"))
         .call("m", "aten.amax.default", &over("x", 1, false), &meta(&[32], "float32"))
@@ -233,17 +196,17 @@ fn horizontal_fusion_shares_one_pass_over_the_input() {
 fn small_results_lowered_last_join_the_kernel_that_computes_what_they_read() {
     // a batch norm's running-mean update is a graph output, lowered after everything else; here
     // 40 kernels of other work come between it and the mean it reads (past the fusion window)
-    let mut g = G::new().input("x", &[64, 256], "float32");
+    let mut g = GraphBuilder::new().input("x", &[64, 256], "float32");
     for i in 0..40 {
         g = g.input(&format!("y{i}"), &[512, 512], "float32");
     }
     g = g.call("m", "aten.mean.dim", &over("x", 0, false), &meta(&[256], "float32"));
     let mut outs = vec!["m".to_string()];
     for i in 0..40 {
-        g = g.call(&format!("z{i}"), "aten.neg.default", &n(&format!("y{i}")), &meta(&[512, 512], "float32"));
+        g = g.call(&format!("z{i}"), "aten.neg.default", &node(&format!("y{i}")), &meta(&[512, 512], "float32"));
         outs.push(format!("z{i}"));
     }
-    g = g.call("u", "aten.mul.Tensor", &format!(r#"{},{{"float":0.1}}"#, n("m")), &meta(&[256], "float32"));
+    g = g.call("u", "aten.mul.Tensor", &format!(r#"{},{{"float":0.1}}"#, node("m")), &meta(&[256], "float32"));
     outs.push("u".into());
     let doc = g.output(&outs.iter().map(|s| s.as_str()).collect::<Vec<_>>());
     let (_, post, _, k) = stages(&doc);
@@ -254,13 +217,13 @@ fn small_results_lowered_last_join_the_kernel_that_computes_what_they_read() {
 
 /// t = x - rowmax(x) feeds a GEMM (a large temporary); y = 2x, returned, is lowered after it.
 fn gemm_then_large_output() -> String {
-    G::new()
+    GraphBuilder::new()
         .input("x", &[512, 512], "float32")
         .input("w", &[512, 512], "float32")
         .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[512, 1], "float32"))
-        .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[512, 512], "float32"))
-        .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[512, 512], "float32"))
-        .call("y", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[512, 512], "float32"))
+        .call("t", "aten.sub.Tensor", &format!("{},{}", node("x"), node("m")), &meta(&[512, 512], "float32"))
+        .call("g", "aten.mm.default", &format!("{},{}", node("t"), node("w")), &meta(&[512, 512], "float32"))
+        .call("y", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("x")), &meta(&[512, 512], "float32"))
         .output(&["g", "y"])
 }
 
@@ -301,13 +264,13 @@ fn dangling_links(html: &str) -> Vec<String> {
 
 #[test]
 fn compile_report_links_graph_nodes_and_kernels_both_ways() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[64, 64], "float32")
         .input("w", &[64, 64], "float32")
         .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[64, 1], "float32"))
-        .call("t", "aten.sub.Tensor", &format!("{},{}", n("x"), n("m")), &meta(&[64, 64], "float32"))
-        .call("g", "aten.mm.default", &format!("{},{}", n("t"), n("w")), &meta(&[64, 64], "float32"))
-        .call("y", "aten.relu.default", &n("g"), &meta(&[64, 64], "float32"))
+        .call("t", "aten.sub.Tensor", &format!("{},{}", node("x"), node("m")), &meta(&[64, 64], "float32"))
+        .call("g", "aten.mm.default", &format!("{},{}", node("t"), node("w")), &meta(&[64, 64], "float32"))
+        .call("y", "aten.relu.default", &node("g"), &meta(&[64, 64], "float32"))
         .output(&["y"])
         .replacen(r#""nodes":["#, r#""sources":{"t":"File \"m.py\", line 3, in f: x - m </pre><script>alert(1)</script>"},"nodes":["#, 1);
     let dir = std::env::temp_dir().join(format!("ferrocore-report-{}", std::process::id()));
@@ -342,15 +305,15 @@ fn compile_report_links_graph_nodes_and_kernels_both_ways() {
 fn small_kernels_that_share_nothing_share_a_launch() {
     // two counters bumped by one (a batch norm's num_batches_tracked): one kernel; two large
     // independent results stay apart (nothing to gain but a launch, and the tiles may differ)
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("a", &[], "int64")
         .input("b", &[], "int64")
         .input("x", &[512, 512], "float32")
         .input("y", &[512, 512], "float32")
-        .call("a1", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("a")), &meta(&[], "int64"))
-        .call("b1", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("b")), &meta(&[], "int64"))
-        .call("x1", "aten.neg.default", &n("x"), &meta(&[512, 512], "float32"))
-        .call("y1", "aten.neg.default", &n("y"), &meta(&[512, 512], "float32"))
+        .call("a1", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, node("a")), &meta(&[], "int64"))
+        .call("b1", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, node("b")), &meta(&[], "int64"))
+        .call("x1", "aten.neg.default", &node("x"), &meta(&[512, 512], "float32"))
+        .call("y1", "aten.neg.default", &node("y"), &meta(&[512, 512], "float32"))
         .output(&["a1", "b1", "x1", "y1"]);
     let (_, post, _, k) = stages(&doc);
     assert_eq!(k, 3, "{post}");
@@ -359,7 +322,10 @@ fn small_kernels_that_share_nothing_share_a_launch() {
 #[test]
 fn wrapper_embeds_the_exact_kernel_source() {
     // the embedded string is the runtime cache key: one byte of difference recompiles
-    let doc = G::new().input("x", &[8, 8], "float32").call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32")).output(&["e"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[8, 8], "float32")
+        .call("e", "aten.exp.default", &node("x"), &meta(&[8, 8], "float32"))
+        .output(&["e"]);
     let g = parse_graph(&doc).unwrap();
     let k = CppBackend.render(&schedule(lower_graph(&g).unwrap().program).unwrap()).unwrap();
     let (_, module) = wrapper_module(&doc);
@@ -370,12 +336,17 @@ fn wrapper_embeds_the_exact_kernel_source() {
 fn scatter_add_is_a_copy_then_an_atomic_scatter_kernel() {
     // out = x.scatter_add(0, idx, src): the copy of x, then a scatter node that stores at an
     // address computed from idx, in a kernel of its own, after the copy, with atomic adds
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[10, 4], "float32")
         .input("idx", &[6, 4], "int64")
         .input("src", &[6, 4], "float32")
-        .call("s", "aten.scatter_add.default", &format!(r#"{},{{"int":0}},{},{}"#, n("x"), n("idx"), n("src")), &meta(&[10, 4], "float32"))
-        .call("r", "aten.relu.default", &n("s"), &meta(&[10, 4], "float32"))
+        .call(
+            "s",
+            "aten.scatter_add.default",
+            &format!(r#"{},{{"int":0}},{},{}"#, node("x"), node("idx"), node("src")),
+            &meta(&[10, 4], "float32"),
+        )
+        .call("r", "aten.relu.default", &node("s"), &meta(&[10, 4], "float32"))
         .output(&["r"]);
     let (pre, post, src, k) = stages(&doc);
     assert_eq!(k, 3, "copy, scatter, relu:\n{post}");
@@ -411,14 +382,14 @@ fn triton_kernels(doc: &str) -> (String, Vec<ferrocore::codegen::KernelLaunch>) 
 #[test]
 fn triton_source_of_fused_pointwise_and_reduction_kernels() {
     // relu + add + sum over rows (persistent), then a looped reduction over 10000 columns
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[8, 32], "float32")
         .input("y", &[4, 10000], "float16")
-        .call("relu", "aten.relu.default", &n("x"), &meta(&[8, 32], "float32"))
-        .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, n("relu")), &meta(&[8, 32], "float32"))
+        .call("relu", "aten.relu.default", &node("x"), &meta(&[8, 32], "float32"))
+        .call("add", "aten.add.Tensor", &format!(r#"{},{{"int":1}}"#, node("relu")), &meta(&[8, 32], "float32"))
         .call("sum_1", "aten.sum.dim_IntList", &over("add", -1, false), &meta(&[8], "float32"))
         .call("amax", "aten.amax.default", &over("y", 1, false), &meta(&[4], "float16"))
-        .call("mul", "aten.mul.Tensor", &format!("{},{}", n("add"), n("add")), &meta(&[8, 32], "float32"))
+        .call("mul", "aten.mul.Tensor", &format!("{},{}", node("add"), node("add")), &meta(&[8, 32], "float32"))
         .output(&["sum_1", "amax", "mul"]);
     let (src, launches) = triton_kernels(&doc);
     let names: Vec<&str> = launches.iter().map(|l| l.name.as_str()).collect();
@@ -432,10 +403,10 @@ fn triton_blocks_writing_64_bit_values_stay_under_4096_elements() {
     // Triton 3.6 stores wrong 64-bit values from blocks of 4096+ elements under a partial mask:
     // rows of 3000 int64 values loop in steps of 1024, float32 rows stay persistent (one block)
     let rows = |dt: &str| {
-        G::new()
+        GraphBuilder::new()
             .input("x", &[4, 3000], dt)
             .call("s", "aten.sum.dim_IntList", &over("x", -1, false), &meta(&[4], dt))
-            .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 3000], dt))
+            .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, node("x")), &meta(&[4, 3000], dt))
             .output(&["s", "m"])
     };
     let (wide, _) = triton_kernels(&rows("int64"));
@@ -448,10 +419,10 @@ fn triton_blocks_writing_64_bit_values_stay_under_4096_elements() {
 fn triton_kernels_of_one_text_share_a_definition_only_with_one_signature() {
     // two scatter_adds of one shape: their copies (and atomic scatters) have one text; the
     // float32 ones share a definition, the float64 one needs its own (a binary per signature)
-    let scatter = |g: G, name: &str, x: &str, src: &str, dt: &str| {
-        g.call(name, "aten.scatter_add.default", &format!(r#"{},{{"int":0}},{},{}"#, n(x), n("idx"), n(src)), &meta(&[10, 4], dt))
+    let scatter = |g: GraphBuilder, name: &str, x: &str, src: &str, dt: &str| {
+        g.call(name, "aten.scatter_add.default", &format!(r#"{},{{"int":0}},{},{}"#, node(x), node("idx"), node(src)), &meta(&[10, 4], dt))
     };
-    let g = G::new()
+    let g = GraphBuilder::new()
         .input("x", &[10, 4], "float32")
         .input("y", &[10, 4], "float32")
         .input("z", &[10, 4], "float64")
@@ -473,12 +444,17 @@ fn triton_kernels_of_one_text_share_a_definition_only_with_one_signature() {
 fn a_scatter_triton_cannot_combine_runs_in_aten_and_the_rest_compiles() {
     // an int8 scatter_add has no atomic form in Triton: that node is ATen's, the relu a kernel
     let cuda = |shape: &[i64], dt: &str| meta(shape, dt).replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[10, 4], "int8")
         .input("idx", &[6, 4], "int64")
         .input("src", &[6, 4], "int8")
-        .call("s", "aten.scatter_add.default", &format!(r#"{},{{"int":0}},{},{}"#, n("x"), n("idx"), n("src")), &meta(&[10, 4], "int8"))
-        .call("r", "aten.relu.default", &n("s"), &meta(&[10, 4], "int8"))
+        .call(
+            "s",
+            "aten.scatter_add.default",
+            &format!(r#"{},{{"int":0}},{},{}"#, node("x"), node("idx"), node("src")),
+            &meta(&[10, 4], "int8"),
+        )
+        .call("r", "aten.relu.default", &node("s"), &meta(&[10, 4], "int8"))
         .output(&["r"])
         .replace(&meta(&[10, 4], "int8"), &cuda(&[10, 4], "int8"))
         .replace(&meta(&[6, 4], "int64"), &cuda(&[6, 4], "int64"))
@@ -496,7 +472,10 @@ fn a_scatter_triton_cannot_combine_runs_in_aten_and_the_rest_compiles() {
 
 #[test]
 fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
-    let doc = G::new().input("x", &[8, 8], "float32").call("e", "aten.exp.default", &n("x"), &meta(&[8, 8], "float32")).output(&["e"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[8, 8], "float32")
+        .call("e", "aten.exp.default", &node("x"), &meta(&[8, 8], "float32"))
+        .output(&["e"]);
     let dir = std::env::temp_dir().join(format!("ferrocore-stage-backend-{}", std::process::id()));
     let opts = Options { cache_dir: dir.clone(), skip_native_compile: true, ..Options::default() };
     let cpu = compile_graph(&doc, &opts).unwrap();
@@ -520,11 +499,11 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
     // a graph with tensors on both devices launches no CPU kernel through Triton: its CPU
     // results are ATen's
     let cuda = |shape: &[i64]| meta(shape, "float32").replace(r#""device":"cpu""#, r#""device":"cuda:0""#);
-    let mixed = G::new()
+    let mixed = GraphBuilder::new()
         .input("x", &[8], "float32")
-        .call("e", "aten.exp.default", &n("x"), &meta(&[8], "float32"))
+        .call("e", "aten.exp.default", &node("x"), &meta(&[8], "float32"))
         .output(&["e"])
-        .replace(r#""nodes":["#, &format!(r#""nodes":[{{"name":"y","kind":"placeholder","meta":{}}},{{"name":"ey","kind":"call_function","target":"aten.exp.default","args":[{}],"kwargs":{{}},"meta":{}}},"#, cuda(&[8]), n("y"), cuda(&[8])))
+        .replace(r#""nodes":["#, &format!(r#""nodes":[{{"name":"y","kind":"placeholder","meta":{}}},{{"name":"ey","kind":"call_function","target":"aten.exp.default","args":[{}],"kwargs":{{}},"meta":{}}},"#, cuda(&[8]), node("y"), cuda(&[8])))
         .replace(r#"{"node":"e"}"#, r#"{"node":"e"},{"node":"ey"}"#);
     let r = compile_graph(&mixed, &opts).unwrap();
     assert_eq!(r.backend, "triton");
@@ -537,11 +516,16 @@ fn cuda_graphs_get_triton_kernels_and_cpu_graphs_cpp() {
 #[test]
 fn what_triton_cannot_render_codegen_refuses_and_lowering_leaves_to_aten() {
     // an int8 scatter-add: no atomic add of 8-bit integers, and no compare-and-swap form
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[10], "int8")
         .input("idx", &[6], "int64")
         .input("src", &[6], "int8")
-        .call("s", "aten.scatter_add.default", &format!(r#"{},{{"int":0}},{},{}"#, n("x"), n("idx"), n("src")), &meta(&[10], "int8"))
+        .call(
+            "s",
+            "aten.scatter_add.default",
+            &format!(r#"{},{{"int":0}},{},{}"#, node("x"), node("idx"), node("src")),
+            &meta(&[10], "int8"),
+        )
         .output(&["s"]);
     let g = parse_graph(&doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
@@ -560,17 +544,17 @@ fn what_triton_cannot_render_codegen_refuses_and_lowering_leaves_to_aten() {
 fn triton_moves_complex_values_as_pairs_of_reals() {
     // a transposed complex64 copy and a complex conversion of a real tensor: components stored
     // at 2i + p (p the innermost variable), the kernels given the buffers' real views
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 8], "complex64")
         .input("r", &[4, 8], "float32")
         .call(
             "t",
             "aten.permute.default",
-            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("x")),
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("x")),
             &meta(&[8, 4], "complex64").replace("[4,1]", "[1,8]"),
         )
-        .call("c", "aten.clone.default", &n("t").to_string(), &meta(&[8, 4], "complex64"))
-        .call("z", "aten._to_copy.default", &n("r"), &meta(&[4, 8], "complex128"))
+        .call("c", "aten.clone.default", &node("t").to_string(), &meta(&[8, 4], "complex64"))
+        .call("z", "aten._to_copy.default", &node("r"), &meta(&[4, 8], "complex128"))
         .output(&["c", "z"]);
     let g = parse_graph(&doc).unwrap();
     let s = schedule_for(lower_graph(&g).unwrap().program, &TRITON_WHOLE).unwrap();
@@ -587,9 +571,9 @@ fn triton_moves_complex_values_as_pairs_of_reals() {
 #[test]
 fn triton_softmax_loads_its_row_once() {
     // persistent groups over the same row share their loads: one read of x per program
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[16, 64], "bfloat16")
-        .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, n("x")), &meta(&[16, 64], "bfloat16"))
+        .call("sm", "aten._softmax.default", &format!(r#"{},{{"int":-1}},{{"bool":false}}"#, node("x")), &meta(&[16, 64], "bfloat16"))
         .output(&["sm"]);
     let (src, launches) = triton_kernels(&doc);
     assert_eq!(launches.len(), 1, "{src}");
@@ -599,17 +583,17 @@ fn triton_softmax_loads_its_row_once() {
 
 #[test]
 fn triton_index_math_is_int64_only_past_int32() {
-    let small = G::new()
+    let small = GraphBuilder::new()
         .input("x", &[4, 1024], "float32")
-        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1024], "float32"))
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, node("x")), &meta(&[4, 1024], "float32"))
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[1024], "float32"))
         .output(&["m", "s"]);
     let (src, _) = triton_kernels(&small);
     assert!(!src.contains("tl.int64"), "{src}");
     // 2**32 elements: the flat index and the row offsets pass int32
-    let big = G::new()
+    let big = GraphBuilder::new()
         .input("x", &[4, 1 << 30], "float32")
-        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n("x")), &meta(&[4, 1 << 30], "float32"))
+        .call("m", "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, node("x")), &meta(&[4, 1 << 30], "float32"))
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[1 << 30], "float32"))
         .output(&["m", "s"]);
     let (src, launches) = triton_kernels(&big);
@@ -624,10 +608,10 @@ fn triton_index_math_is_int64_only_past_int32() {
 #[test]
 fn narrow_reductions_split_in_two_stages_for_the_gpu() {
     // a mean of 1M elements into one output, and a column sum of 3 outputs over 1M rows
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[1024, 1024], "float32")
         .input("y", &[1000000, 3], "float16")
-        .call("mean", "aten.mean.default", &n("x"), &meta(&[], "float32"))
+        .call("mean", "aten.mean.default", &node("x"), &meta(&[], "float32"))
         .call("sum_1", "aten.sum.dim_IntList", &over("y", 0, false), &meta(&[3], "float16"))
         .output(&["mean", "sum_1"]);
     let g = parse_graph(&doc).unwrap();
@@ -650,14 +634,14 @@ fn small_pooling_windows_are_unrolled_pointwise() {
     // 3x3 max pool with indices: one pointwise kernel, nine loads per output, no window loop
     let args = format!(
         r#"{},{{"list":[{{"int":3}},{{"int":3}}]}},{{"list":[{{"int":2}},{{"int":2}}]}},{{"list":[{{"int":1}},{{"int":1}}]}}"#,
-        n("x")
+        node("x")
     );
     let out = format!(r#"{{"tuple":[{},{}]}}"#, meta(&[2, 4, 8, 8], "float32"), meta(&[2, 4, 8, 8], "int64"));
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[2, 4, 16, 16], "float32")
         .call("p", "aten.max_pool2d_with_indices.default", &args, &out)
-        .call("v", "getitem", &format!(r#"{},{{"int":0}}"#, n("p")), &meta(&[2, 4, 8, 8], "float32"))
-        .call("i", "getitem", &format!(r#"{},{{"int":1}}"#, n("p")), &meta(&[2, 4, 8, 8], "int64"))
+        .call("v", "getitem", &format!(r#"{},{{"int":0}}"#, node("p")), &meta(&[2, 4, 8, 8], "float32"))
+        .call("i", "getitem", &format!(r#"{},{{"int":1}}"#, node("p")), &meta(&[2, 4, 8, 8], "int64"))
         .output(&["v", "i"]);
     let (src, launches) = triton_kernels(&doc);
     assert_eq!(launches.len(), 1, "{src}");
@@ -669,7 +653,7 @@ fn small_pooling_windows_are_unrolled_pointwise() {
 fn split_column_sums_read_along_the_columns() {
     // a bias gradient's shape: 64 columns summed over 262144 rows; the first stage's outputs
     // [S, 64] flatten into x0, whose loads are contiguous along x0 in runs of 64 columns
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("y", &[262144, 64], "bfloat16")
         .call("s", "aten.sum.dim_IntList", &over("y", 0, false), &meta(&[64], "bfloat16"))
         .output(&["s"]);
@@ -690,7 +674,7 @@ fn split_column_sums_read_along_the_columns() {
 fn column_sums_of_a_few_thousand_outputs_are_split_to_fill_the_gpu() {
     // 4096 float32 outputs are 128 programs of 32 columns: too few to keep an H200's memory busy
     // (0.65 of copy bandwidth unsplit); four chunks of 4096 rows give 512 programs
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[16384, 4096], "float32")
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[4096], "float32"))
         .output(&["s"]);
@@ -699,13 +683,13 @@ fn column_sums_of_a_few_thousand_outputs_are_split_to_fill_the_gpu() {
         s.decision_texts().into_iter().find(|d| d.starts_with("split:")).unwrap_or_else(|| panic!("not split: {:?}", s.decision_texts()));
     assert!(split.contains("outer dim") && split.contains(": 4 partial reductions each"), "{split}");
     // 16384 outputs are 512 tiles of 32 already
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[16384, 16384], "float32")
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[16384], "float32"))
         .output(&["s"]);
     assert!(!gpu_schedule(&doc).decision_texts().iter().any(|d| d.starts_with("split:")));
     // bfloat16 tiles hold as many bytes in twice the outputs, and twice as many are wanted
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[16384, 16384], "bfloat16")
         .call("s", "aten.sum.dim_IntList", &over("x", 0, false), &meta(&[16384], "bfloat16"))
         .output(&["s"]);
@@ -720,7 +704,7 @@ fn column_sums_of_a_few_thousand_outputs_are_split_to_fill_the_gpu() {
 #[test]
 fn long_variances_take_one_pass_for_the_gpu() {
     // var over rows of 10000: two reduction loops over x become one (mean + Welford M2)
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[512, 10000], "float32")
         .call("v", "aten.var.correction", &over("x", 1, false), &meta(&[512], "float32"))
         .output(&["v"]);
@@ -744,10 +728,10 @@ fn long_variances_take_one_pass_for_the_gpu() {
 fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
     // a scalar sum and a relu of the same 65536 elements: one program would loop over all of
     // the relu's elements in the sum's kernel; beside a row sum (256 programs) it joins
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("y", &[256, 256], "float32")
-        .call("s", "aten.sum.default", &n("y"), &meta(&[], "float32"))
-        .call("r", "aten.relu.default", &n("y"), &meta(&[256, 256], "float32"))
+        .call("s", "aten.sum.default", &node("y"), &meta(&[], "float32"))
+        .call("r", "aten.relu.default", &node("y"), &meta(&[256, 256], "float32"))
         .output(&["s", "r"]);
     let s = schedule(lower_graph(&parse_graph(&doc).unwrap()).unwrap().program).unwrap();
     assert_eq!(s.kernel_count(), 2, "{}", s.text());
@@ -756,10 +740,10 @@ fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
         "{:?}",
         s.decision_texts()
     );
-    let rows = G::new()
+    let rows = GraphBuilder::new()
         .input("y", &[256, 256], "float32")
         .call("s", "aten.sum.dim_IntList", &over("y", 1, false), &meta(&[256], "float32"))
-        .call("r", "aten.relu.default", &n("y"), &meta(&[256, 256], "float32"))
+        .call("r", "aten.relu.default", &node("y"), &meta(&[256, 256], "float32"))
         .output(&["s", "r"]);
     let s = schedule(lower_graph(&parse_graph(&rows).unwrap()).unwrap().program).unwrap();
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
@@ -770,15 +754,15 @@ fn a_returned_value_of_a_temporary_is_computed_with_it() {
     // r = relu(x) feeds a GEMM and a returned bf16 copy (a saved activation): the copy, lowered
     // last, joins relu's kernel (which also writes q, another GEMM's operand, smaller than r), so
     // the float32 temporary dies at the GEMM, not at the end
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[512, 512], "float32")
         .input("w", &[512, 64], "float32")
         .input("wb", &[512, 64], "bfloat16")
-        .call("r", "aten.relu.default", &n("x"), &meta(&[512, 512], "float32"))
-        .call("q", "aten._to_copy.default", &n("x"), &meta(&[512, 512], "bfloat16"))
-        .call("g", "aten.mm.default", &format!("{},{}", n("r"), n("w")), &meta(&[512, 64], "float32"))
-        .call("f", "aten.mm.default", &format!("{},{}", n("q"), n("wb")), &meta(&[512, 64], "bfloat16"))
-        .call("h", "aten._to_copy.default", &n("r"), &meta(&[512, 512], "bfloat16"))
+        .call("r", "aten.relu.default", &node("x"), &meta(&[512, 512], "float32"))
+        .call("q", "aten._to_copy.default", &node("x"), &meta(&[512, 512], "bfloat16"))
+        .call("g", "aten.mm.default", &format!("{},{}", node("r"), node("w")), &meta(&[512, 64], "float32"))
+        .call("f", "aten.mm.default", &format!("{},{}", node("q"), node("wb")), &meta(&[512, 64], "bfloat16"))
+        .call("h", "aten._to_copy.default", &node("r"), &meta(&[512, 512], "bfloat16"))
         .output(&["g", "f", "h"]);
     let (s, module) = wrapper_module(&doc);
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
@@ -791,20 +775,20 @@ fn a_returned_value_of_a_temporary_is_computed_with_it() {
 fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
     // a weight gradient g.T @ h, read only by the last step, runs after the kernel that also
     // reads g (g stays alive until then anyway): its result is not live across that kernel
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("g", &[64, 100], "float32")
         .input("h", &[64, 32], "float32")
         .input("w", &[100, 32], "float32")
         .call(
             "gt",
             "aten.permute.default",
-            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")),
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("g")),
             &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
         )
-        .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
-        .call("k", "aten.relu.default", &n("g"), &meta(&[64, 100], "float32"))
-        .call("dx", "aten.mm.default", &format!("{},{}", n("k"), n("w")), &meta(&[64, 32], "float32"))
-        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dw")), &meta(&[100, 32], "float32"))
+        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float32"))
+        .call("k", "aten.relu.default", &node("g"), &meta(&[64, 100], "float32"))
+        .call("dx", "aten.mm.default", &format!("{},{}", node("k"), node("w")), &meta(&[64, 32], "float32"))
+        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dw")), &meta(&[100, 32], "float32"))
         .output(&["dx", "dw2"]);
     let (s, module) = wrapper_module(&doc);
     assert!(s.decision_texts().iter().any(|d| d.starts_with("order: ") && d.contains("runs 1 steps later")), "{:?}", s.decision_texts());
@@ -813,21 +797,21 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
     assert!(relu < dw, "relu(g) runs before the weight gradient:\n{module}");
     // an input gradient g @ relu(w) stays before the weight gradient that also reads g: relu(w),
     // larger than its result, would otherwise live longer
-    let stay = G::new()
+    let stay = GraphBuilder::new()
         .input("g", &[64, 100], "float32")
         .input("h", &[64, 32], "float32")
         .input("w", &[100, 32], "float32")
-        .call("k", "aten.relu.default", &n("w"), &meta(&[100, 32], "float32"))
-        .call("dx", "aten.mm.default", &format!("{},{}", n("g"), n("k")), &meta(&[64, 32], "float32"))
+        .call("k", "aten.relu.default", &node("w"), &meta(&[100, 32], "float32"))
+        .call("dx", "aten.mm.default", &format!("{},{}", node("g"), node("k")), &meta(&[64, 32], "float32"))
         .call(
             "gt",
             "aten.permute.default",
-            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")),
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("g")),
             &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
         )
-        .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
-        .call("dx2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dx")), &meta(&[64, 32], "float32"))
-        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("dw")), &meta(&[100, 32], "float32"))
+        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float32"))
+        .call("dx2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dx")), &meta(&[64, 32], "float32"))
+        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dw")), &meta(&[100, 32], "float32"))
         .output(&["dx2", "dw2"]);
     let (s, _) = wrapper_module(&stay);
     assert!(!s.decision_texts().iter().any(|d| d.starts_with("order: ")), "{:?}", s.decision_texts());
@@ -850,10 +834,10 @@ fn wrapper_module(doc: &str) -> (ferrocore::scheduler::Schedule, String) {
 #[test]
 fn a_pointwise_result_takes_the_storage_of_the_buffer_it_consumes() {
     // c = cumsum(x); r = relu(c): c dies in the relu, read element for element
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[16, 8], "float32")
-        .call("c", "aten.cumsum.default", &format!(r#"{},{{"int":0}}"#, n("x")), &meta(&[16, 8], "float32"))
-        .call("r", "aten.relu.default", &n("c"), &meta(&[16, 8], "float32"))
+        .call("c", "aten.cumsum.default", &format!(r#"{},{{"int":0}}"#, node("x")), &meta(&[16, 8], "float32"))
+        .call("r", "aten.relu.default", &node("c"), &meta(&[16, 8], "float32"))
         .output(&["r"]);
     let (s, module) = wrapper_module(&doc);
     assert!(s.decision_texts().iter().any(|d| d.starts_with("in place:")), "{:?}", s.decision_texts());
@@ -864,29 +848,31 @@ fn a_pointwise_result_takes_the_storage_of_the_buffer_it_consumes() {
 
 #[test]
 fn no_in_place_result_over_a_transposed_read_a_returned_buffer_or_an_input() {
-    fn cumsum(g: G) -> G {
+    fn cumsum(g: GraphBuilder) -> GraphBuilder {
         g.input("x", &[16, 16], "float32").call(
             "c",
             "aten.cumsum.default",
-            &format!(r#"{},{{"int":0}}"#, n("x")),
+            &format!(r#"{},{{"int":0}}"#, node("x")),
             &meta(&[16, 16], "float32"),
         )
     }
     // read transposed: element (i, j) of the result needs element (j, i) of c
-    let transposed = cumsum(G::new())
+    let transposed = cumsum(GraphBuilder::new())
         .call(
             "t",
             "aten.permute.default",
-            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("c")),
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("c")),
             r#"{"tensor":{"shape":[16,16],"stride":[1,16],"storage_offset":0,"dtype":"float32","device":"cpu"}}"#,
         )
-        .call("r", "aten.add.Tensor", &format!(r#"{},{}"#, n("t"), n("x")), &meta(&[16, 16], "float32"))
+        .call("r", "aten.add.Tensor", &format!(r#"{},{}"#, node("t"), node("x")), &meta(&[16, 16], "float32"))
         .output(&["r"]);
     // c is returned as well
-    let returned = cumsum(G::new()).call("r", "aten.relu.default", &n("c"), &meta(&[16, 16], "float32")).output(&["c", "r"]);
+    let returned = cumsum(GraphBuilder::new()).call("r", "aten.relu.default", &node("c"), &meta(&[16, 16], "float32")).output(&["c", "r"]);
     // an input's storage belongs to the caller
-    let input =
-        G::new().input("x", &[16, 16], "float32").call("r", "aten.relu.default", &n("x"), &meta(&[16, 16], "float32")).output(&["r"]);
+    let input = GraphBuilder::new()
+        .input("x", &[16, 16], "float32")
+        .call("r", "aten.relu.default", &node("x"), &meta(&[16, 16], "float32"))
+        .output(&["r"]);
     for doc in [transposed, returned, input] {
         let (s, _) = wrapper_module(&doc);
         assert!(s.decision_texts().iter().all(|d| !d.starts_with("in place:")), "{:?}", s.decision_texts());
@@ -896,12 +882,17 @@ fn no_in_place_result_over_a_transposed_read_a_returned_buffer_or_an_input() {
 #[test]
 fn a_scatter_of_one_element_per_row_is_a_pointwise_select() {
     // zeros.scatter(1, idx, -1.0) * g: no buffer for the scattered tensor, one kernel
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("z", &[8, 50], "float32")
         .input("idx", &[8, 1], "int64")
         .input("g", &[8, 1], "float32")
-        .call("s", "aten.scatter.value", &format!(r#"{},{{"int":1}},{},{{"float":-1.0}}"#, n("z"), n("idx")), &meta(&[8, 50], "float32"))
-        .call("m", "aten.mul.Tensor", &format!("{},{}", n("s"), n("g")), &meta(&[8, 50], "float32"))
+        .call(
+            "s",
+            "aten.scatter.value",
+            &format!(r#"{},{{"int":1}},{},{{"float":-1.0}}"#, node("z"), node("idx")),
+            &meta(&[8, 50], "float32"),
+        )
+        .call("m", "aten.mul.Tensor", &format!("{},{}", node("s"), node("g")), &meta(&[8, 50], "float32"))
         .output(&["m"]);
     let (pre, post, src, k) = stages(&doc);
     assert_eq!(k, 1, "{post}");
@@ -912,11 +903,11 @@ fn a_scatter_of_one_element_per_row_is_a_pointwise_select() {
 #[test]
 fn a_gathered_and_returned_value_is_one_buffer() {
     // a log-softmax both gathered (the loss) and returned (saved for the backward)
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 100], "float32")
         .input("idx", &[4, 1], "int64")
-        .call("ls", "aten._log_softmax.default", &format!(r#"{},{{"int":1}},{{"bool":false}}"#, n("x")), &meta(&[4, 100], "float32"))
-        .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, n("ls"), n("idx")), &meta(&[4, 1], "float32"))
+        .call("ls", "aten._log_softmax.default", &format!(r#"{},{{"int":1}},{{"bool":false}}"#, node("x")), &meta(&[4, 100], "float32"))
+        .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, node("ls"), node("idx")), &meta(&[4, 1], "float32"))
         .output(&["g", "ls"]);
     let (_, module) = wrapper_module(&doc);
     let big = module.lines().filter(|l| l.contains("empty_strided((4, 100)")).count();
@@ -927,13 +918,13 @@ fn a_gathered_and_returned_value_is_one_buffer() {
 fn a_value_only_gathered_is_computed_at_the_gathered_positions() {
     // a loss's log-softmax over a [64, 4, 100] view of the logits, read by gather alone: the
     // row statistics are reductions, the log-softmax itself no buffer; one position per row
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 16, 100], "float32")
         .input("idx", &[64, 1], "int64")
-        .call("v", "aten.view.default", &format!(r#"{},{{"list":[{{"int":64}},{{"int":100}}]}}"#, n("x")), &meta(&[64, 100], "float32"))
+        .call("v", "aten.view.default", &format!(r#"{},{{"list":[{{"int":64}},{{"int":100}}]}}"#, node("x")), &meta(&[64, 100], "float32"))
         .call("m", "aten.amax.default", &over("v", 1, true), &meta(&[64, 1], "float32"))
-        .call("s", "aten.sub.Tensor", &format!("{},{}", n("v"), n("m")), &meta(&[64, 100], "float32"))
-        .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, n("s"), n("idx")), &meta(&[64, 1], "float32"))
+        .call("s", "aten.sub.Tensor", &format!("{},{}", node("v"), node("m")), &meta(&[64, 100], "float32"))
+        .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, node("s"), node("idx")), &meta(&[64, 1], "float32"))
         .output(&["g"]);
     let (_, module) = wrapper_module(&doc);
     assert!(!module.contains("empty_strided((64, 100)"), "{module}");
@@ -945,21 +936,21 @@ fn a_value_only_gathered_is_computed_at_the_gathered_positions() {
 #[test]
 fn a_value_read_through_a_view_by_a_library_call_and_returned_is_computed_once() {
     // attention probabilities: bmm(view(p), v) and p saved for the backward
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("s", &[2, 4, 8, 8], "float32")
         .input("v", &[8, 8, 16], "float32")
         .call("m", "aten.amax.default", &over("s", -1, true), &meta(&[2, 4, 8, 1], "float32"))
-        .call("d", "aten.sub.Tensor", &format!("{},{}", n("s"), n("m")), &meta(&[2, 4, 8, 8], "float32"))
-        .call("e", "aten.exp.default", &n("d"), &meta(&[2, 4, 8, 8], "float32"))
+        .call("d", "aten.sub.Tensor", &format!("{},{}", node("s"), node("m")), &meta(&[2, 4, 8, 8], "float32"))
+        .call("e", "aten.exp.default", &node("d"), &meta(&[2, 4, 8, 8], "float32"))
         .call("z", "aten.sum.dim_IntList", &over("e", -1, true), &meta(&[2, 4, 8, 1], "float32"))
-        .call("p", "aten.div.Tensor", &format!("{},{}", n("e"), n("z")), &meta(&[2, 4, 8, 8], "float32"))
+        .call("p", "aten.div.Tensor", &format!("{},{}", node("e"), node("z")), &meta(&[2, 4, 8, 8], "float32"))
         .call(
             "pv",
             "aten.view.default",
-            &format!(r#"{},{{"list":[{{"int":8}},{{"int":8}},{{"int":8}}]}}"#, n("p")),
+            &format!(r#"{},{{"list":[{{"int":8}},{{"int":8}},{{"int":8}}]}}"#, node("p")),
             &meta(&[8, 8, 8], "float32"),
         )
-        .call("o", "aten.bmm.default", &format!("{},{}", n("pv"), n("v")), &meta(&[8, 8, 16], "float32"))
+        .call("o", "aten.bmm.default", &format!("{},{}", node("pv"), node("v")), &meta(&[8, 8, 16], "float32"))
         .output(&["o", "p"]);
     let (_, module) = wrapper_module(&doc);
     let probabilities =
@@ -980,17 +971,23 @@ fn a_gradient_read_by_two_padded_gemms_is_padded_once() {
         format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"bfloat16","device":"cpu"}}}}"#)
     };
     for computed in [false, true] {
-        let mut g = G::new().input("x", &[64, 100], "bfloat16").input("w", &[100, 64], "bfloat16").input("h", &[64, 32], "bfloat16");
+        let mut g =
+            GraphBuilder::new().input("x", &[64, 100], "bfloat16").input("w", &[100, 64], "bfloat16").input("h", &[64, 32], "bfloat16");
         let grad = if computed {
-            g = g.call("g", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, n("x")), &meta(&[64, 100], "bfloat16"));
+            g = g.call("g", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("x")), &meta(&[64, 100], "bfloat16"));
             "g"
         } else {
             "x"
         };
         let doc = g
-            .call("gt", "aten.permute.default", &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n(grad)), &t(&[100, 64], &[1, 100]))
-            .call("dx", "aten.mm.default", &format!("{},{}", n(grad), n("w")), &meta(&[64, 64], "bfloat16"))
-            .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "bfloat16"))
+            .call(
+                "gt",
+                "aten.permute.default",
+                &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node(grad)),
+                &t(&[100, 64], &[1, 100]),
+            )
+            .call("dx", "aten.mm.default", &format!("{},{}", node(grad), node("w")), &meta(&[64, 64], "bfloat16"))
+            .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "bfloat16"))
             .output(&["dx", "dw"]);
         let module = padded_module(&doc);
         // the gradient's padded copies, row-major or column-major (w's is (104, 64), (64, 1))
@@ -1007,7 +1004,7 @@ fn a_gradient_read_by_two_padded_gemms_is_padded_once() {
 fn a_split_variance_reads_its_input_once() {
     // a batch norm's statistics: 64 columns over 4096 rows, split over the rows; each chunk
     // takes its Welford M2 and its sum in one pass, the combine adds them up by Chan's formula
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4096, 64], "float32")
         .call("v", "aten.var.correction", &over("x", 0, false), &meta(&[64], "float32"))
         .output(&["v"])
@@ -1025,17 +1022,17 @@ fn a_split_variance_reads_its_input_once() {
 fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() {
     // a bias gradient summed from g, returned and read by nothing else, runs after the weight
     // gradient's GEMM that also reads g: its result is not live across the GEMM
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("g", &[64, 100], "float32")
         .input("h", &[64, 32], "float32")
-        .call("db", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, n("g")), &meta(&[100], "float32"))
+        .call("db", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, node("g")), &meta(&[100], "float32"))
         .call(
             "gt",
             "aten.permute.default",
-            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, n("g")),
+            &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("g")),
             &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
         )
-        .call("dw", "aten.mm.default", &format!("{},{}", n("gt"), n("h")), &meta(&[100, 32], "float32"))
+        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float32"))
         .output(&["db", "dw"]);
     let (s, module) = wrapper_module(&doc);
     assert!(
@@ -1050,8 +1047,8 @@ fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() 
 
 /// A graph of `n` float32 inputs `x{i}` of `size` elements each, the calls `make(i)` adds, and the
 /// outputs it names.
-fn wide_graph(n: usize, size: i64, calls: impl Fn(G, usize) -> G, outputs: &[String]) -> String {
-    let mut g = G::new();
+fn wide_graph(n: usize, size: i64, calls: impl Fn(GraphBuilder, usize) -> GraphBuilder, outputs: &[String]) -> String {
+    let mut g = GraphBuilder::new();
     for i in 0..n {
         g = g.input(&format!("x{i}"), &[size], "float32");
     }
@@ -1076,7 +1073,7 @@ fn wide_graphs_schedule_with_work_linear_in_their_width() {
     let doc = wide_graph(
         N,
         4,
-        |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[4], "float32")),
+        |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, node(&format!("x{i}"))), &meta(&[4], "float32")),
         &outs,
     );
     let s = schedule_of(&doc);
@@ -1086,7 +1083,9 @@ fn wide_graphs_schedule_with_work_linear_in_their_width() {
     let doc = wide_graph(
         N,
         70_000,
-        |g, i| g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, n(&format!("x{i}"))), &meta(&[70_000], "float32")),
+        |g, i| {
+            g.call(&format!("y{i}"), "aten.mul.Tensor", &format!(r#"{},{{"int":2}}"#, node(&format!("x{i}"))), &meta(&[70_000], "float32"))
+        },
         &outs,
     );
     let s = schedule_of(&doc);
@@ -1094,15 +1093,15 @@ fn wide_graphs_schedule_with_work_linear_in_their_width() {
     assert!(s.placements <= 2 * N, "{} placements for {N} nodes", s.placements);
     // a 10,000-way cat (a copy kernel per piece, each a writer of one buffer: pass `in place`)
     // and its relu, computed by the pieces' kernels (pass `concat`)
-    let args: Vec<String> = (0..N).map(|i| n(&format!("x{i}"))).collect();
-    let cat = |g: G, i: usize| {
+    let args: Vec<String> = (0..N).map(|i| node(&format!("x{i}"))).collect();
+    let cat = |g: GraphBuilder, i: usize| {
         if i + 1 < N {
             g
         } else {
             g.call("cat", "aten.cat.default", &format!(r#"{{"list":[{}]}}"#, args.join(",")), &meta(&[4 * N as i64], "float32")).call(
                 "relu",
                 "aten.relu.default",
-                &n("cat"),
+                &node("cat"),
                 &meta(&[4 * N as i64], "float32"),
             )
         }
@@ -1121,9 +1120,9 @@ fn wide_graphs_schedule_with_work_linear_in_their_width() {
 
 #[test]
 fn each_scheduler_pass_is_a_timed_and_dumped_stage() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[8, 32], "float32")
-        .call("s", "aten._softmax.default", &format!(r#"{},{{"int":1}},{{"bool":false}}"#, n("x")), &meta(&[8, 32], "float32"))
+        .call("s", "aten._softmax.default", &format!(r#"{},{{"int":1}},{{"bool":false}}"#, node("x")), &meta(&[8, 32], "float32"))
         .output(&["s"]);
     let dir = std::env::temp_dir().join(format!("ferrocore-pass-stages-{}", std::process::id()));
     let opts =

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 /// The format's name and version: a reader refuses any other (bumped on every incompatible
 /// change; docs/compiled_graph.md lists them).
 pub const FORMAT: &str = "ferrocore.compiled_graph";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CompiledGraph {
@@ -76,7 +76,10 @@ pub struct KernelUnit {
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Kernel {
+    /// The function it launches (launches of one structure share one definition and its name).
     pub name: String,
+    /// This launch's own kernel name: the one the logs and the fusion decisions give it.
+    pub launch_name: String,
     /// Its definition in the unit (shared by the launches of one body).
     pub definition: Span,
     /// Buffer ids in parameter order.
@@ -302,13 +305,14 @@ fn unit(kernels: &RenderedKernels) -> Option<KernelUnit> {
 
 fn kernel_entries(s: &Schedule, kernels: &RenderedKernels) -> Vec<Kernel> {
     let fused = s.items.iter().filter_map(|it| if let Item::Kernel(k) = it { Some(k) } else { None });
-    let origins = fused.map(|k| kernel_origins(&s.program, k.plan.nodes.iter().map(|kn| kn.node)));
+    let named = fused.map(|k| (k.name.clone(), kernel_origins(&s.program, k.plan.nodes.iter().map(|kn| kn.node))));
     kernels
         .launches
         .iter()
-        .zip(origins)
-        .map(|(l, origins)| Kernel {
+        .zip(named)
+        .map(|(l, (launch_name, origins))| Kernel {
             name: l.name.clone(),
+            launch_name,
             definition: Span { start: l.text.start, end: l.text.end },
             args: l.args.iter().map(|b| b.0).collect(),
             numel: l.numel,

@@ -55,6 +55,13 @@ pub enum Category {
 }
 
 impl DType {
+    /// Every dtype the exchange format names (the front refuses a graph with any other).
+    pub fn all() -> Vec<DType> {
+        use DType::*;
+        let plain = [Bool, U8, I8, I16, I32, I64, F16, BF16, F32, F64, U16, U32, U64, C32, C64, C128];
+        plain.into_iter().chain(Float8Kind::ALL.iter().map(|(k, _)| Float8(*k))).collect()
+    }
+
     pub fn parse(s: &str) -> Option<DType> {
         Some(match s {
             "bool" => DType::Bool,

@@ -2,6 +2,7 @@
 //! format (docs/exchange_format.md), with a text printer and a verifier. It knows nothing about
 //! loops or kernels; malformed input is an `ImportError` naming the node, never a panic.
 
+pub mod build;
 pub mod dtype;
 pub mod names;
 pub mod ops;

@@ -124,3 +124,12 @@ fn extreme_but_possible_tensor_metadata_is_accepted() {
         assert!(parse_graph(&graph_with_input(shape, stride, offset, dtype)).is_ok(), "{shape} {stride} {offset} {dtype}");
     }
 }
+
+#[test]
+fn every_dtype_reads_back_from_its_torch_name() {
+    let all = DType::all();
+    assert_eq!(all.len(), 21);
+    for d in all {
+        assert_eq!(DType::parse(d.torch_name()), Some(d), "{d:?}");
+    }
+}

@@ -577,23 +577,32 @@ fn int_bound_beyond(bound: &PwIn, dtype: DType, is_max: bool) -> bool {
     }
 }
 
+/// `eq`, `ne`, `lt`, `le`, `gt` and `ge`, of a tensor or a scalar.
+fn is_comparison(op: AtenOp) -> bool {
+    use AtenOp as A;
+    matches!(
+        op,
+        A::EqTensor
+            | A::EqScalar
+            | A::NeTensor
+            | A::NeScalar
+            | A::LtTensor
+            | A::LtScalar
+            | A::LeTensor
+            | A::LeScalar
+            | A::GtTensor
+            | A::GtScalar
+            | A::GeTensor
+            | A::GeScalar
+    )
+}
+
 /// The type a binary op computes in: comparisons and logical ops the promoted type, the rest
 /// the result's compute type.
 fn binary_compute_dtype(op: AtenOp, promoted: DType, out: DType) -> DType {
     use AtenOp as A;
     match op {
-        A::EqTensor
-        | A::EqScalar
-        | A::NeTensor
-        | A::NeScalar
-        | A::LtTensor
-        | A::LtScalar
-        | A::LeTensor
-        | A::LeScalar
-        | A::GtTensor
-        | A::GtScalar
-        | A::GeTensor
-        | A::GeScalar => promoted, // a half-typed scalar is rounded first
+        _ if is_comparison(op) => promoted, // a half-typed scalar is rounded first
         A::LogicalAnd | A::LogicalOr | A::LogicalXor => DType::Bool,
         _ => out.compute(),
     }
@@ -716,21 +725,8 @@ fn check_binary_dtype(op: AtenOp, promoted: DType, operands: &[Operand], out: DT
     let float_tensor = operands.iter().any(|o| matches!(o, Operand::Tensor { dtype, .. } if dtype.is_float()));
     let as_promoted = |d: DType| out == d || (!float_tensor && d.is_float() && out.is_float());
     let ok = match op {
-        A::EqTensor
-        | A::EqScalar
-        | A::NeTensor
-        | A::NeScalar
-        | A::LtTensor
-        | A::LtScalar
-        | A::LeTensor
-        | A::LeScalar
-        | A::GtTensor
-        | A::GtScalar
-        | A::GeTensor
-        | A::GeScalar
-        | A::LogicalAnd
-        | A::LogicalOr
-        | A::LogicalXor => out == DType::Bool,
+        _ if is_comparison(op) => out == DType::Bool,
+        A::LogicalAnd | A::LogicalOr | A::LogicalXor => out == DType::Bool,
         A::DivTensor | A::DivScalar | A::Atan2 => {
             if promoted.is_float() {
                 as_promoted(promoted)

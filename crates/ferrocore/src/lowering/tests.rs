@@ -2,82 +2,9 @@
 //! tiny exchange-format graph, lowers it, verifies the loop program and checks what it became.
 
 use super::*;
+use crate::graph::build::{boolean, f32, float, int, ints, meta, node, strided_meta, tuple, GraphBuilder};
 use crate::graph::parse_graph;
 use crate::loop_ir::NodeKind;
-
-/// Exchange-format metadata of a tensor with `stride` (contiguous when None).
-fn strided_meta(shape: &[i64], stride: Option<&[i64]>, dtype: &str) -> String {
-    let stride = stride.map(<[i64]>::to_vec).unwrap_or_else(|| contiguous_strides(shape));
-    format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"{dtype}","device":"cpu"}}}}"#)
-}
-
-fn meta(shape: &[i64], dtype: &str) -> String {
-    strided_meta(shape, None, dtype)
-}
-
-fn f32(shape: &[i64]) -> String {
-    meta(shape, "float32")
-}
-
-fn tuple(items: &[String]) -> String {
-    format!(r#"{{"tuple":[{}]}}"#, items.join(","))
-}
-
-/// A reference to node `name`.
-fn n(name: &str) -> String {
-    format!(r#"{{"node":"{name}"}}"#)
-}
-
-fn int(i: i64) -> String {
-    format!(r#"{{"int":{i}}}"#)
-}
-
-fn ints(v: &[i64]) -> String {
-    let items: Vec<String> = v.iter().map(|&i| int(i)).collect();
-    format!(r#"{{"list":[{}]}}"#, items.join(","))
-}
-
-fn boolean(b: bool) -> String {
-    format!(r#"{{"bool":{b}}}"#)
-}
-
-fn float(x: f64) -> String {
-    format!(r#"{{"float":{x:?}}}"#)
-}
-
-/// A tiny graph builder: inputs, calls (positional args as exchange-format JSON), outputs.
-struct G {
-    nodes: Vec<String>,
-}
-
-impl G {
-    fn new() -> G {
-        G { nodes: Vec::new() }
-    }
-    fn input(self, name: &str, shape: &[i64], dtype: &str) -> G {
-        self.input_meta(name, &meta(shape, dtype))
-    }
-    fn input_meta(mut self, name: &str, meta: &str) -> G {
-        self.nodes.push(format!(r#"{{"name":"{name}","kind":"placeholder","meta":{meta}}}"#));
-        self
-    }
-    fn call(self, name: &str, target: &str, args: &[String], out_meta: &str) -> G {
-        self.call_kw(name, target, args, "", out_meta)
-    }
-    /// `kwargs`: the inside of the kwargs object (`"dtype":{"dtype":"float32"}`).
-    fn call_kw(mut self, name: &str, target: &str, args: &[String], kwargs: &str, out_meta: &str) -> G {
-        self.nodes.push(format!(
-            r#"{{"name":"{name}","kind":"call_function","target":"{target}","args":[{}],"kwargs":{{{kwargs}}},"meta":{out_meta}}}"#,
-            args.join(",")
-        ));
-        self
-    }
-    fn output(mut self, names: &[&str]) -> String {
-        let outs: Vec<String> = names.iter().map(|name| n(name)).collect();
-        self.nodes.push(format!(r#"{{"name":"output","kind":"output","args":[{}]}}"#, outs.join(",")));
-        format!(r#"{{"format":"ferrocore.graph","version":1,"name":"g","nodes":[{}]}}"#, self.nodes.join(","))
-    }
-}
 
 fn lower_with(doc: &str, options: &LowerOptions) -> LoweringResult {
     let graph = parse_graph(doc).unwrap();
@@ -153,11 +80,11 @@ fn load_indices(p: &LoopProgram, node: &LoopNode) -> Vec<String> {
 
 #[test]
 fn pointwise_chain_is_one_node_reading_the_broadcast_operand_along_its_last_dim() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 8], "float32")
         .input("y", &[8], "float32")
-        .call("add", "aten.add.Tensor", &[n("x"), n("y")], &f32(&[4, 8]))
-        .call("relu", "aten.relu.default", &[n("add")], &f32(&[4, 8]))
+        .call("add", "aten.add.Tensor", &[node("x"), node("y")], &f32(&[4, 8]))
+        .call("relu", "aten.relu.default", &[node("add")], &f32(&[4, 8]))
         .output(&["relu"]);
     let p = lower(&doc);
     assert_eq!(
@@ -176,7 +103,8 @@ return (buf2)
 
 #[test]
 fn integer_tensor_times_float_scalar_casts_before_multiplying() {
-    let doc = G::new().input("i", &[6], "int64").call("mul", "aten.mul.Tensor", &[n("i"), float(0.5)], &f32(&[6])).output(&["mul"]);
+    let doc =
+        GraphBuilder::new().input("i", &[6], "int64").call("mul", "aten.mul.Tensor", &[node("i"), float(0.5)], &f32(&[6])).output(&["mul"]);
     let p = lower(&doc);
     let body = &nodes(&p)[0].body;
     assert_eq!(body.dtypes, [DType::I64, DType::F32, DType::F32, DType::F32]);
@@ -187,11 +115,11 @@ fn integer_tensor_times_float_scalar_casts_before_multiplying() {
 
 #[test]
 fn a_comparison_read_by_where_stays_inline_as_a_bool() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[5], "float32")
         .input("y", &[5], "float32")
-        .call("gt", "aten.gt.Tensor", &[n("x"), n("y")], &meta(&[5], "bool"))
-        .call("w", "aten.where.self", &[n("gt"), n("x"), n("y")], &f32(&[5]))
+        .call("gt", "aten.gt.Tensor", &[node("x"), node("y")], &meta(&[5], "bool"))
+        .call("w", "aten.where.self", &[node("gt"), node("x"), node("y")], &f32(&[5]))
         .output(&["w"]);
     let p = lower(&doc);
     assert_eq!(kinds(&p), [NodeKind::Pointwise], "the comparison is not stored:\n{p}");
@@ -206,7 +134,10 @@ fn a_comparison_read_by_where_stays_inline_as_a_bool() {
 
 #[test]
 fn sum_over_the_last_dim_is_one_reduction_node() {
-    let doc = G::new().input("x", &[8, 32], "float32").call("s", "aten.sum.dim_IntList", &[n("x"), ints(&[-1])], &f32(&[8])).output(&["s"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[8, 32], "float32")
+        .call("s", "aten.sum.dim_IntList", &[node("x"), ints(&[-1])], &f32(&[8]))
+        .output(&["s"]);
     let p = lower(&doc);
     assert_eq!(
         p.to_string(),
@@ -222,9 +153,9 @@ return (buf1)
 
 #[test]
 fn softmax_is_max_exp_sum_and_a_scaling_epilogue() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 16], "float32")
-        .call("sm", "aten._softmax.default", &[n("x"), int(-1), boolean(false)], &f32(&[4, 16]))
+        .call("sm", "aten._softmax.default", &[node("x"), int(-1), boolean(false)], &f32(&[4, 16]))
         .output(&["sm"]);
     let p = lower(&doc);
     assert_eq!(kinds(&p), [NodeKind::Reduction, NodeKind::Pointwise, NodeKind::Reduction, NodeKind::Pointwise], "{p}");
@@ -241,11 +172,11 @@ fn softmax_is_max_exp_sum_and_a_scaling_epilogue() {
 
 #[test]
 fn var_mean_is_a_mean_then_a_variance_reading_it() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 16], "float32")
-        .call_kw("vm", "aten.var_mean.correction", &[n("x"), ints(&[1])], r#""correction":{"int":0}"#, &tuple(&[f32(&[4]), f32(&[4])]))
-        .call("v", "getitem", &[n("vm"), int(0)], &f32(&[4]))
-        .call("m", "getitem", &[n("vm"), int(1)], &f32(&[4]))
+        .call_kw("vm", "aten.var_mean.correction", &[node("x"), ints(&[1])], r#""correction":{"int":0}"#, &tuple(&[f32(&[4]), f32(&[4])]))
+        .call("v", "getitem", &[node("vm"), int(0)], &f32(&[4]))
+        .call("m", "getitem", &[node("vm"), int(1)], &f32(&[4]))
         .output(&["v", "m"]);
     let p = lower(&doc);
     assert_eq!(kinds(&p), [NodeKind::Reduction, NodeKind::Reduction]);
@@ -260,8 +191,10 @@ fn var_mean_is_a_mean_then_a_variance_reading_it() {
 
 #[test]
 fn argmax_is_an_int64_reduction_over_the_reduction_index() {
-    let doc =
-        G::new().input("x", &[4, 16], "float32").call("am", "aten.argmax.default", &[n("x"), int(1)], &meta(&[4], "int64")).output(&["am"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[4, 16], "float32")
+        .call("am", "aten.argmax.default", &[node("x"), int(1)], &meta(&[4], "int64"))
+        .output(&["am"]);
     let p = lower(&doc);
     let node = nodes(&p)[0];
     assert_eq!(node.kind(), NodeKind::Reduction);
@@ -272,7 +205,10 @@ fn argmax_is_an_int64_reduction_over_the_reduction_index() {
 
 #[test]
 fn cumsum_is_a_scan_storing_every_step() {
-    let doc = G::new().input("x", &[3, 10], "float32").call("c", "aten.cumsum.default", &[n("x"), int(1)], &f32(&[3, 10])).output(&["c"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[3, 10], "float32")
+        .call("c", "aten.cumsum.default", &[node("x"), int(1)], &f32(&[3, 10]))
+        .output(&["c"]);
     let p = lower(&doc);
     let node = nodes(&p)[0];
     assert_eq!(node.kind(), NodeKind::Scan);
@@ -284,9 +220,9 @@ fn cumsum_is_a_scan_storing_every_step() {
 
 #[test]
 fn a_returned_transpose_of_an_input_is_a_view_without_a_node() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 6], "float32")
-        .call("t", "aten.t.default", &[n("x")], &strided_meta(&[6, 4], Some(&[1, 6]), "float32"))
+        .call("t", "aten.t.default", &[node("x")], &strided_meta(&[6, 4], Some(&[1, 6]), "float32"))
         .output(&["t"]);
     let p = lower(&doc);
     assert!(p.steps.is_empty(), "{p}");
@@ -295,10 +231,10 @@ fn a_returned_transpose_of_an_input_is_a_view_without_a_node() {
 
 #[test]
 fn permute_then_clone_reads_the_base_at_permuted_strides() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[2, 3, 4], "float32")
-        .call("p", "aten.permute.default", &[n("x"), ints(&[2, 0, 1])], &strided_meta(&[4, 2, 3], Some(&[1, 12, 4]), "float32"))
-        .call("c", "aten.clone.default", &[n("p")], &f32(&[4, 2, 3]))
+        .call("p", "aten.permute.default", &[node("x"), ints(&[2, 0, 1])], &strided_meta(&[4, 2, 3], Some(&[1, 12, 4]), "float32"))
+        .call("c", "aten.clone.default", &[node("p")], &f32(&[4, 2, 3]))
         .output(&["c"]);
     let p = lower(&doc);
     let node = nodes(&p)[0];
@@ -309,12 +245,12 @@ fn permute_then_clone_reads_the_base_at_permuted_strides() {
 #[test]
 fn slice_unsqueeze_and_expand_fold_into_one_affine_load() {
     // x[2:8:2] broadcast over a new leading dim of 2
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[8, 5], "float32")
-        .call("s", "aten.slice.Tensor", &[n("x"), int(0), int(2), int(8), int(2)], &strided_meta(&[3, 5], Some(&[10, 1]), "float32"))
-        .call("u", "aten.unsqueeze.default", &[n("s"), int(0)], &strided_meta(&[1, 3, 5], Some(&[15, 10, 1]), "float32"))
-        .call("e", "aten.expand.default", &[n("u"), ints(&[2, 3, 5])], &strided_meta(&[2, 3, 5], Some(&[0, 10, 1]), "float32"))
-        .call("neg", "aten.neg.default", &[n("e")], &f32(&[2, 3, 5]))
+        .call("s", "aten.slice.Tensor", &[node("x"), int(0), int(2), int(8), int(2)], &strided_meta(&[3, 5], Some(&[10, 1]), "float32"))
+        .call("u", "aten.unsqueeze.default", &[node("s"), int(0)], &strided_meta(&[1, 3, 5], Some(&[15, 10, 1]), "float32"))
+        .call("e", "aten.expand.default", &[node("u"), ints(&[2, 3, 5])], &strided_meta(&[2, 3, 5], Some(&[0, 10, 1]), "float32"))
+        .call("neg", "aten.neg.default", &[node("e")], &f32(&[2, 3, 5]))
         .output(&["neg"]);
     let p = lower(&doc);
     let node = nodes(&p)[0];
@@ -326,10 +262,10 @@ fn slice_unsqueeze_and_expand_fold_into_one_affine_load() {
 
 #[test]
 fn embedding_is_a_checked_indirect_load() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("w", &[10, 4], "float32")
         .input("ids", &[3], "int64")
-        .call("e", "aten.embedding.default", &[n("w"), n("ids")], &f32(&[3, 4]))
+        .call("e", "aten.embedding.default", &[node("w"), node("ids")], &f32(&[3, 4]))
         .output(&["e"]);
     let p = lower(&doc);
     assert_eq!(
@@ -347,9 +283,9 @@ return (buf2)
 
 #[test]
 fn constant_pad_clamps_its_read_and_masks_the_border() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[3, 4], "float32")
-        .call("pad", "aten.constant_pad_nd.default", &[n("x"), ints(&[1, 2]), float(0.0)], &f32(&[3, 7]))
+        .call("pad", "aten.constant_pad_nd.default", &[node("x"), ints(&[1, 2]), float(0.0)], &f32(&[3, 7]))
         .output(&["pad"]);
     let p = lower(&doc);
     let node = nodes(&p)[0];
@@ -363,11 +299,11 @@ fn constant_pad_clamps_its_read_and_masks_the_border() {
 
 #[test]
 fn scatter_add_copies_then_combines_into_the_same_buffer() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[10, 4], "float32")
         .input("idx", &[6, 4], "int64")
         .input("src", &[6, 4], "float32")
-        .call("s", "aten.scatter_add.default", &[n("x"), int(0), n("idx"), n("src")], &f32(&[10, 4]))
+        .call("s", "aten.scatter_add.default", &[node("x"), int(0), node("idx"), node("src")], &f32(&[10, 4]))
         .output(&["s"]);
     let p = lower(&doc);
     let ns = nodes(&p);
@@ -386,11 +322,16 @@ fn scatter_add_copies_then_combines_into_the_same_buffer() {
 
 #[test]
 fn index_put_with_accumulate_is_a_summing_scatter_wrapping_negative_indices() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[8], "float32")
         .input("idx", &[3], "int64")
         .input("v", &[3], "float32")
-        .call("ip", "aten.index_put.default", &[n("x"), format!(r#"{{"list":[{}]}}"#, n("idx")), n("v"), boolean(true)], &f32(&[8]))
+        .call(
+            "ip",
+            "aten.index_put.default",
+            &[node("x"), format!(r#"{{"list":[{}]}}"#, node("idx")), node("v"), boolean(true)],
+            &f32(&[8]),
+        )
         .output(&["ip"]);
     let p = lower(&doc);
     let ns = nodes(&p);
@@ -404,16 +345,16 @@ fn index_put_with_accumulate_is_a_summing_scatter_wrapping_negative_indices() {
 
 #[test]
 fn small_max_pool_is_unrolled_pointwise_with_its_indices() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[1, 2, 4, 4], "float32")
         .call(
             "mp",
             "aten.max_pool2d_with_indices.default",
-            &[n("x"), ints(&[2, 2]), ints(&[2, 2])],
+            &[node("x"), ints(&[2, 2]), ints(&[2, 2])],
             &tuple(&[f32(&[1, 2, 2, 2]), meta(&[1, 2, 2, 2], "int64")]),
         )
-        .call("v", "getitem", &[n("mp"), int(0)], &f32(&[1, 2, 2, 2]))
-        .call("i", "getitem", &[n("mp"), int(1)], &meta(&[1, 2, 2, 2], "int64"))
+        .call("v", "getitem", &[node("mp"), int(0)], &f32(&[1, 2, 2, 2]))
+        .call("i", "getitem", &[node("mp"), int(1)], &meta(&[1, 2, 2, 2], "int64"))
         .output(&["v", "i"]);
     let p = lower(&doc);
     assert_eq!(kinds(&p), [NodeKind::Pointwise, NodeKind::Pointwise], "a 2x2 window is unrolled:\n{p}");
@@ -429,9 +370,9 @@ fn small_max_pool_is_unrolled_pointwise_with_its_indices() {
 
 #[test]
 fn large_avg_pool_window_is_a_reduction_over_the_window() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[1, 1, 12, 12], "float32")
-        .call("ap", "aten.avg_pool2d.default", &[n("x"), ints(&[6, 6]), ints(&[6, 6])], &f32(&[1, 1, 2, 2]))
+        .call("ap", "aten.avg_pool2d.default", &[node("x"), ints(&[6, 6]), ints(&[6, 6])], &f32(&[1, 1, 2, 2]))
         .output(&["ap"]);
     let p = lower(&doc);
     let node = nodes(&p)[0];
@@ -446,9 +387,9 @@ fn large_avg_pool_window_is_a_reduction_over_the_window() {
 
 #[test]
 fn bilinear_upsampling_reads_four_clamped_taps() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[1, 1, 2, 2], "float32")
-        .call("up", "aten.upsample_bilinear2d.vec", &[n("x"), ints(&[4, 4]), boolean(false), "null".into()], &f32(&[1, 1, 4, 4]))
+        .call("up", "aten.upsample_bilinear2d.vec", &[node("x"), ints(&[4, 4]), boolean(false), "null".into()], &f32(&[1, 1, 4, 4]))
         .output(&["up"]);
     let p = lower(&doc);
     let node = nodes(&p)[0];
@@ -466,10 +407,10 @@ fn bilinear_upsampling_reads_four_clamped_taps() {
 
 #[test]
 fn arange_and_full_read_no_buffer() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .call("a", "aten.arange.start_step", &[int(2), int(12), int(3)], &meta(&[4], "int64"))
         .call_kw("f", "aten.full.default", &[ints(&[4]), float(1.5)], r#""dtype":{"dtype":"float32"}"#, &f32(&[4]))
-        .call("add", "aten.add.Tensor", &[n("a"), n("f")], &f32(&[4]))
+        .call("add", "aten.add.Tensor", &[node("a"), node("f")], &f32(&[4]))
         .output(&["add"]);
     let p = lower(&doc);
     assert_eq!(
@@ -494,7 +435,8 @@ return (buf0)
 
 #[test]
 fn rand_draws_its_seed_in_the_wrapper_and_philox_in_the_kernel() {
-    let doc = G::new().call_kw("r", "aten.rand.default", &[ints(&[16])], r#""dtype":{"dtype":"float32"}"#, &f32(&[16])).output(&["r"]);
+    let doc =
+        GraphBuilder::new().call_kw("r", "aten.rand.default", &[ints(&[16])], r#""dtype":{"dtype":"float32"}"#, &f32(&[16])).output(&["r"]);
     let p = lower(&doc);
     let calls = externs(&p);
     assert_eq!(calls.len(), 1);
@@ -510,11 +452,11 @@ fn rand_draws_its_seed_in_the_wrapper_and_philox_in_the_kernel() {
 
 #[test]
 fn mm_is_a_library_call_and_its_epilogue_a_loop_node() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("a", &[4, 8], "float32")
         .input("b", &[8, 3], "float32")
-        .call("mm", "aten.mm.default", &[n("a"), n("b")], &f32(&[4, 3]))
-        .call("relu", "aten.relu.default", &[n("mm")], &f32(&[4, 3]))
+        .call("mm", "aten.mm.default", &[node("a"), node("b")], &f32(&[4, 3]))
+        .call("relu", "aten.relu.default", &[node("mm")], &f32(&[4, 3]))
         .output(&["relu"]);
     let p = lower(&doc);
     assert_eq!(
@@ -535,11 +477,11 @@ return (buf3)
 
 #[test]
 fn sort_is_a_library_call_with_two_outputs() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 8], "float32")
-        .call("s", "aten.sort.default", &[n("x"), int(-1)], &tuple(&[f32(&[4, 8]), meta(&[4, 8], "int64")]))
-        .call("v", "getitem", &[n("s"), int(0)], &f32(&[4, 8]))
-        .call("i", "getitem", &[n("s"), int(1)], &meta(&[4, 8], "int64"))
+        .call("s", "aten.sort.default", &[node("x"), int(-1)], &tuple(&[f32(&[4, 8]), meta(&[4, 8], "int64")]))
+        .call("v", "getitem", &[node("s"), int(0)], &f32(&[4, 8]))
+        .call("i", "getitem", &[node("s"), int(1)], &meta(&[4, 8], "int64"))
         .output(&["v", "i"]);
     let p = lower(&doc);
     assert!(nodes(&p).is_empty(), "{p}");
@@ -553,10 +495,10 @@ fn sort_is_a_library_call_with_two_outputs() {
 
 #[test]
 fn cat_writes_each_piece_at_its_offset_in_one_buffer() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[2, 3], "float32")
         .input("y", &[2, 5], "float32")
-        .call("c", "aten.cat.default", &[format!(r#"{{"list":[{},{}]}}"#, n("x"), n("y")), int(1)], &f32(&[2, 8]))
+        .call("c", "aten.cat.default", &[format!(r#"{{"list":[{},{}]}}"#, node("x"), node("y")), int(1)], &f32(&[2, 8]))
         .output(&["c"]);
     let p = lower(&doc);
     let ns = nodes(&p);
@@ -570,10 +512,10 @@ fn cat_writes_each_piece_at_its_offset_in_one_buffer() {
 
 #[test]
 fn an_op_without_lowering_falls_back_to_its_aten_overload() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4], "float32")
-        .call("sp", "prims.sinh.default", &[n("x")], &f32(&[4]))
-        .call("neg", "aten.neg.default", &[n("sp")], &f32(&[4]))
+        .call("sp", "prims.sinh.default", &[node("x")], &f32(&[4]))
+        .call("neg", "aten.neg.default", &[node("sp")], &f32(&[4]))
         .output(&["neg"]);
     let lowered = lower_with(&doc, &LowerOptions::default());
     assert_eq!(lowered.fallbacks.len(), 1);
@@ -589,11 +531,11 @@ fn an_op_without_lowering_falls_back_to_its_aten_overload() {
 
 #[test]
 fn copy_into_an_input_stores_into_the_input_after_everything_else() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[6], "float32")
-        .call("add", "aten.add.Tensor", &[n("x"), int(1)], &f32(&[6]))
-        .call("mul", "aten.mul.Tensor", &[n("x"), int(2)], &f32(&[6]))
-        .call("cp", "aten.copy_.default", &[n("x"), n("add")], &f32(&[6]))
+        .call("add", "aten.add.Tensor", &[node("x"), int(1)], &f32(&[6]))
+        .call("mul", "aten.mul.Tensor", &[node("x"), int(2)], &f32(&[6]))
+        .call("cp", "aten.copy_.default", &[node("x"), node("add")], &f32(&[6]))
         .output(&["mul"]);
     let p = lower(&doc);
     let ns = nodes(&p);
@@ -606,16 +548,26 @@ fn copy_into_an_input_stores_into_the_input_after_everything_else() {
 // ----- layout -----
 
 fn conv_graph(input: &[i64], weight: &[i64], out: &[i64], pad: i64, groups: i64) -> String {
-    G::new()
+    GraphBuilder::new()
         .input("x", input, "float32")
         .input("w", weight, "float32")
         .call(
             "conv",
             "aten.convolution.default",
-            &[n("x"), n("w"), "null".into(), ints(&[1, 1]), ints(&[pad, pad]), ints(&[1, 1]), boolean(false), ints(&[0, 0]), int(groups)],
+            &[
+                node("x"),
+                node("w"),
+                "null".into(),
+                ints(&[1, 1]),
+                ints(&[pad, pad]),
+                ints(&[1, 1]),
+                boolean(false),
+                ints(&[0, 0]),
+                int(groups),
+            ],
             &f32(out),
         )
-        .call("relu", "aten.relu.default", &[n("conv")], &f32(out))
+        .call("relu", "aten.relu.default", &[node("conv")], &f32(out))
         .output(&["relu"])
 }
 
@@ -679,17 +631,17 @@ fn small_depthwise_cpu_convolution_is_a_generated_kernel() {
 
 #[test]
 fn a_target_that_is_no_operator_name_is_an_import_error_naming_the_node() {
-    let doc = G::new().input("x", &[4], "float32").call("weird", "not_an_op", &[n("x")], &f32(&[4])).output(&["weird"]);
+    let doc = GraphBuilder::new().input("x", &[4], "float32").call("weird", "not_an_op", &[node("x")], &f32(&[4])).output(&["weird"]);
     let e = parse_graph(&doc).unwrap_err().to_string();
     assert_eq!(e, "graph import: node 'weird': target 'not_an_op' is not an operator name (namespace.op.overload)");
 }
 
 #[test]
 fn inconsistent_broadcast_shapes_are_a_malformed_error_naming_the_node() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 4], "float32")
         .input("y", &[3, 4], "float32")
-        .call("bad_add", "aten.add.Tensor", &[n("x"), n("y")], &f32(&[4, 4]))
+        .call("bad_add", "aten.add.Tensor", &[node("x"), node("y")], &f32(&[4, 4]))
         .output(&["bad_add"]);
     let e = lower_error(&doc);
     assert_eq!((e.node.as_str(), e.target.as_str(), &e.kind), ("bad_add", "aten.add.Tensor", &LowerErrorKind::Malformed));
@@ -698,9 +650,9 @@ fn inconsistent_broadcast_shapes_are_a_malformed_error_naming_the_node() {
 
 #[test]
 fn a_view_to_a_size_of_different_numel_is_a_malformed_error_naming_the_node() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 4], "float32")
-        .call("bad_view", "aten.view.default", &[n("x"), ints(&[5, 3])], &f32(&[5, 3]))
+        .call("bad_view", "aten.view.default", &[node("x"), ints(&[5, 3])], &f32(&[5, 3]))
         .output(&["bad_view"]);
     let e = lower_error(&doc);
     assert_eq!((e.node.as_str(), &e.kind), ("bad_view", &LowerErrorKind::Malformed));

@@ -12,8 +12,7 @@ mod memory;
 
 use crate::artifact::{CompiledGraph, Launch, Step};
 use crate::graph::{fmt_meta, names::printable, Arg, Graph, NodeKind};
-use crate::loop_ir::LoopProgram;
-use crate::scheduler::{kernel_origins, Item, KernelId, Schedule};
+use crate::scheduler::{KernelId, Schedule};
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -54,25 +53,22 @@ pub fn esc(s: &str) -> String {
     out
 }
 
-/// Where a graph node's value is computed: kernels (by name) and library calls (by index).
+/// Where a graph node's value is computed: kernels (by launch name) and library calls (by index).
 #[derive(Default)]
-struct ComputedIn<'s> {
-    kernels: Vec<&'s str>,
+struct ComputedIn<'c> {
+    kernels: Vec<&'c str>,
     calls: Vec<usize>,
 }
 
-fn computed_in<'s>(s: &'s Schedule) -> HashMap<&'s str, ComputedIn<'s>> {
-    let p = &s.program;
+fn computed_in(c: &CompiledGraph) -> HashMap<&str, ComputedIn<'_>> {
     let mut map: HashMap<&str, ComputedIn> = HashMap::new();
-    for it in &s.items {
-        match it {
-            Item::Kernel(k) => {
-                for o in kernel_origins(p, k.plan.nodes.iter().map(|kn| kn.node)) {
-                    map.entry(o).or_default().kernels.push(&k.name);
-                }
-            }
-            Item::Extern(e) => map.entry(p.externs[*e].origin.as_str()).or_default().calls.push(*e),
+    for k in &c.kernels {
+        for o in &k.origins {
+            map.entry(o.as_str()).or_default().kernels.push(&k.launch_name);
         }
+    }
+    for (e, call) in c.library_calls.iter().enumerate() {
+        map.entry(call.origin.as_str()).or_default().calls.push(e);
     }
     map
 }
@@ -81,8 +77,8 @@ fn kernel_link(name: &str) -> String {
     format!("<a href=\"#kernel-{name}\">{name}</a>")
 }
 
-fn call_link(p: &LoopProgram, e: usize) -> String {
-    format!("<a href=\"#call-{e}\">{}</a>", esc(&p.externs[e].callee))
+fn call_link(c: &CompiledGraph, e: usize) -> String {
+    format!("<a href=\"#call-{e}\">{}</a>", esc(&c.library_calls[e].callee))
 }
 
 fn node_link(g: &Graph, index: usize) -> String {
@@ -101,7 +97,7 @@ pub fn render(r: &ReportInput) -> String {
     compile_time(&mut h, r.timings);
     graph_table(&mut h, r);
     steps(&mut h, r);
-    fusion(&mut h, r.schedule);
+    fusion(&mut h, r.schedule, r.compiled);
     memory::section(&mut h, r.compiled, &memory);
     let _ = writeln!(h, "<section id=\"runtime\"><h2>Runtime</h2>\n{RUNTIME_START}");
     let _ = writeln!(
@@ -156,8 +152,7 @@ fn arg_html(g: &Graph, a: &Arg) -> String {
 
 fn graph_table(h: &mut String, r: &ReportInput) {
     let g = r.graph;
-    let p = &r.schedule.program;
-    let computed = computed_in(r.schedule);
+    let computed = computed_in(r.compiled);
     let _ = writeln!(
         h,
         "<section id=\"graph\"><h2>Graph</h2>\n<table><tr><th>node</th><th>value</th><th>op</th><th>computed in</th><th>source</th></tr>"
@@ -172,9 +167,13 @@ fn graph_table(h: &mut String, r: &ReportInput) {
             }
         };
         let place = match computed.get(n.name.as_str()) {
-            Some(c) => {
-                c.kernels.iter().map(|k| kernel_link(k)).chain(c.calls.iter().map(|e| call_link(p, *e))).collect::<Vec<_>>().join(" ")
-            }
+            Some(c) => c
+                .kernels
+                .iter()
+                .map(|k| kernel_link(k))
+                .chain(c.calls.iter().map(|e| call_link(r.compiled, *e)))
+                .collect::<Vec<_>>()
+                .join(" "),
             None if matches!(n.kind, NodeKind::Placeholder) => String::new(),
             None => "<span class=\"note\">no code (a view, or folded into its users' indexing)</span>".into(),
         };
@@ -190,11 +189,11 @@ fn graph_table(h: &mut String, r: &ReportInput) {
 }
 
 /// Graph node names (as links) and their source lines, for a kernel or a call.
-fn origins_html(h: &mut String, g: &Graph, index: &HashMap<&str, usize>, p: &LoopProgram, origins: &[&str]) {
+fn origins_html(h: &mut String, g: &Graph, index: &HashMap<&str, usize>, c: &CompiledGraph, origins: &[&str]) {
     let links: Vec<String> = origins.iter().map(|o| index.get(o).map_or_else(|| esc(o), |i| node_link(g, *i))).collect();
     let _ = writeln!(h, "<p>Graph nodes: {}</p>", links.join(", "));
     let mut shown: Vec<&str> = Vec::new();
-    for line in origins.iter().filter_map(|o| p.sources.get(*o)) {
+    for line in origins.iter().filter_map(|o| c.sources.get(*o)) {
         if !shown.contains(&line.as_str()) {
             shown.push(line);
         }
@@ -206,23 +205,22 @@ fn origins_html(h: &mut String, g: &Graph, index: &HashMap<&str, usize>, p: &Loo
 
 /// The kernels and library calls in the order the module runs them.
 fn steps(h: &mut String, r: &ReportInput) {
-    let p = &r.schedule.program;
     let g = r.graph;
     let index: HashMap<&str, usize> = g.nodes.iter().enumerate().map(|(i, n)| (n.name.as_str(), i)).collect();
-    let names = r.schedule.kernel_names();
     let _ = writeln!(h, "<section id=\"kernels\"><h2>Kernels and library calls, in launch order</h2>");
     for step in &r.compiled.steps {
         match step {
-            Step::Launch { kernel } => launch_html(h, r, &index, *kernel, names.get(*kernel).copied().unwrap_or("")),
+            Step::Launch { kernel } => launch_html(h, r, &index, *kernel),
             Step::Call { call } => {
                 let c = &r.compiled.library_calls[*call];
                 let kind = if c.fallback { "ATen fallback" } else { "library call" };
                 let _ = writeln!(h, "<div class=\"step\" id=\"call-{call}\"><h3>{kind} {}</h3>", esc(&c.callee));
-                origins_html(h, g, &index, p, &[c.origin.as_str()]);
+                origins_html(h, g, &index, r.compiled, &[c.origin.as_str()]);
                 if let Some(reason) = &c.reason {
                     let _ = writeln!(h, "<p>Why: {}</p>", esc(reason));
                 }
-                let _ = writeln!(h, "<pre>{}</pre></div>", esc(p.extern_text(*call).trim()));
+                // the call as the loop program writes it (buffers by name, arguments in full)
+                let _ = writeln!(h, "<pre>{}</pre></div>", esc(r.schedule.program.extern_text(*call).trim()));
             }
             _ => {}
         }
@@ -230,10 +228,11 @@ fn steps(h: &mut String, r: &ReportInput) {
     let _ = writeln!(h, "</section>");
 }
 
-/// Launch `l` of the compiled graph: the schedule's kernel `name`, how it is launched, the graph
-/// nodes it computes, why it was fused so, and its code.
-fn launch_html(h: &mut String, r: &ReportInput, index: &HashMap<&str, usize>, l: usize, name: &str) {
+/// Launch `l` of the compiled graph: its name, how it is launched, the graph nodes it computes,
+/// why it was fused so, and its code.
+fn launch_html(h: &mut String, r: &ReportInput, index: &HashMap<&str, usize>, l: usize) {
     let k = &r.compiled.kernels[l];
+    let name = k.launch_name.as_str();
     let shape = match &k.launch {
         Launch::Host => format!("host function over {} iterations", k.numel),
         Launch::Grid { config: c, .. } => format!("grid {} x XBLOCK {}, {} warps, {} stages", c.grid, c.xblock, c.num_warps, c.num_stages),
@@ -244,12 +243,12 @@ fn launch_html(h: &mut String, r: &ReportInput, index: &HashMap<&str, usize>, l:
         let _ = writeln!(h, "<p class=\"note\">Launched as {}: the same code.</p>", kernel_link(&k.name));
     }
     let origins: Vec<&str> = k.origins.iter().map(String::as_str).collect();
-    origins_html(h, r.graph, index, &r.schedule.program, &origins);
+    origins_html(h, r.graph, index, r.compiled, &origins);
     let why: Vec<String> = r
         .schedule
         .decisions
         .iter()
-        // launch l is the schedule's kernel l
+        // launch l is the schedule's kernel l (`KernelId`)
         .filter(|d| d.kernel() == Some(KernelId(l)))
         .map(|d| format!("<li>{}</li>", esc(&d.describe(&|_| name.to_string()))))
         .collect();
@@ -270,8 +269,8 @@ fn whole_words<'t>(text: &'t str, name: &'t str) -> impl Iterator<Item = usize> 
 }
 
 /// Every decision, in the order the scheduler made them, kernel names linked.
-fn fusion(h: &mut String, s: &Schedule) {
-    let names = s.kernel_names();
+fn fusion(h: &mut String, s: &Schedule, c: &CompiledGraph) {
+    let names: Vec<&str> = c.kernels.iter().map(|k| k.launch_name.as_str()).collect();
     let _ = writeln!(h, "<section id=\"fusion\"><h2>Fusion decisions</h2>\n<ol>");
     for d in &s.decisions {
         // a kernel name is an identifier: escaping leaves it as it is, and its link is written whole

@@ -2,60 +2,9 @@
 //! changes, and fusion (`fuse`): kernel counts, which nodes share a kernel and the decisions.
 
 use super::*;
+use crate::graph::build::{f32, int, ints, meta, node, tuple, GraphBuilder};
 use crate::graph::{parse_graph, DType};
 use crate::lowering::lower_graph;
-
-fn meta(shape: &[i64], dtype: &str) -> String {
-    let stride = contiguous_strides(shape);
-    format!(r#"{{"tensor":{{"shape":{shape:?},"stride":{stride:?},"storage_offset":0,"dtype":"{dtype}","device":"cpu"}}}}"#)
-}
-
-fn f32(shape: &[i64]) -> String {
-    meta(shape, "float32")
-}
-
-fn n(name: &str) -> String {
-    format!(r#"{{"node":"{name}"}}"#)
-}
-
-fn int(i: i64) -> String {
-    format!(r#"{{"int":{i}}}"#)
-}
-
-fn ints(v: &[i64]) -> String {
-    let items: Vec<String> = v.iter().map(|&i| int(i)).collect();
-    format!(r#"{{"list":[{}]}}"#, items.join(","))
-}
-
-/// A tiny graph builder: inputs, calls (positional args as exchange-format JSON), outputs.
-struct G {
-    nodes: Vec<String>,
-}
-
-impl G {
-    fn new() -> G {
-        G { nodes: Vec::new() }
-    }
-    fn input(mut self, name: &str, shape: &[i64], dtype: &str) -> G {
-        self.nodes.push(format!(r#"{{"name":"{name}","kind":"placeholder","meta":{}}}"#, meta(shape, dtype)));
-        self
-    }
-    fn call(self, name: &str, target: &str, args: &[String], out_meta: &str) -> G {
-        self.call_kw(name, target, args, "", out_meta)
-    }
-    fn call_kw(mut self, name: &str, target: &str, args: &[String], kwargs: &str, out_meta: &str) -> G {
-        self.nodes.push(format!(
-            r#"{{"name":"{name}","kind":"call_function","target":"{target}","args":[{}],"kwargs":{{{kwargs}}},"meta":{out_meta}}}"#,
-            args.join(",")
-        ));
-        self
-    }
-    fn output(mut self, names: &[&str]) -> String {
-        let outs: Vec<String> = names.iter().map(|name| n(name)).collect();
-        self.nodes.push(format!(r#"{{"name":"output","kind":"output","args":[{}]}}"#, outs.join(",")));
-        format!(r#"{{"format":"ferrocore.graph","version":1,"name":"g","nodes":[{}]}}"#, self.nodes.join(","))
-    }
-}
 
 fn lowered(doc: &str) -> LoopProgram {
     let program = lower_graph(&parse_graph(doc).unwrap()).unwrap().program;
@@ -74,10 +23,6 @@ fn run_pass(p: &mut LoopProgram, name: &str) -> Vec<String> {
     let decisions = (pass.run)(p, &ALL_PASSES);
     p.verify().unwrap_or_else(|e| panic!("{name} left an invalid program: {e}\n{p}"));
     decisions
-}
-
-fn tuple(items: &[String]) -> String {
-    format!(r#"{{"tuple":[{}]}}"#, items.join(","))
 }
 
 /// The loop nodes in program order.
@@ -135,15 +80,15 @@ fn program_passes_run_in_order_and_only_where_the_backend_asks() {
 #[test]
 fn dead_nodes_removes_the_unread_indices_of_a_max_pool() {
     // max_pool2d_with_indices lowers values and indices; only the values are returned
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[1, 2, 4, 4], "float32")
         .call(
             "mp",
             "aten.max_pool2d_with_indices.default",
-            &[n("x"), ints(&[2, 2]), ints(&[2, 2])],
+            &[node("x"), ints(&[2, 2]), ints(&[2, 2])],
             &tuple(&[f32(&[1, 2, 2, 2]), meta(&[1, 2, 2, 2], "int64")]),
         )
-        .call("v", "getitem", &[n("mp"), int(0)], &f32(&[1, 2, 2, 2]))
+        .call("v", "getitem", &[node("mp"), int(0)], &f32(&[1, 2, 2, 2]))
         .output(&["v"]);
     let mut p = lowered(&doc);
     assert_eq!(nodes(&p).len(), 2);
@@ -155,10 +100,10 @@ fn dead_nodes_removes_the_unread_indices_of_a_max_pool() {
 
 #[test]
 fn dead_nodes_keeps_a_write_into_an_input() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[6], "float32")
-        .call("add", "aten.add.Tensor", &[n("x"), int(1)], &f32(&[6]))
-        .call("cp", "aten.copy_.default", &[n("x"), n("add")], &f32(&[6]))
+        .call("add", "aten.add.Tensor", &[node("x"), int(1)], &f32(&[6]))
+        .call("cp", "aten.copy_.default", &[node("x"), node("add")], &f32(&[6]))
         .output(&[]);
     let mut p = lowered(&doc);
     assert_eq!(run_pass(&mut p, "dead_nodes"), Vec::<String>::new());
@@ -169,8 +114,10 @@ fn dead_nodes_keeps_a_write_into_an_input() {
 
 #[test]
 fn complex_as_real_copies_a_complex_tensor_as_pairs_of_floats() {
-    let doc =
-        G::new().input("x", &[2, 3], "complex64").call("c", "aten.clone.default", &[n("x")], &meta(&[2, 3], "complex64")).output(&["c"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[2, 3], "complex64")
+        .call("c", "aten.clone.default", &[node("x")], &meta(&[2, 3], "complex64"))
+        .output(&["c"]);
     let mut p = lowered(&doc);
     let decisions = run_pass(&mut p, "complex_as_real");
     assert_eq!(decisions, ["complex: buf1 moves complex values as pairs of float32"]);
@@ -185,11 +132,11 @@ fn complex_as_real_copies_a_complex_tensor_as_pairs_of_floats() {
 
 #[test]
 fn inline_concat_computes_the_only_reader_of_a_cat_in_its_writers() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[2, 3], "float32")
         .input("y", &[2, 5], "float32")
-        .call("c", "aten.cat.default", &[format!(r#"{{"list":[{},{}]}}"#, n("x"), n("y")), int(1)], &f32(&[2, 8]))
-        .call("relu", "aten.relu.default", &[n("c")], &f32(&[2, 8]))
+        .call("c", "aten.cat.default", &[format!(r#"{{"list":[{},{}]}}"#, node("x"), node("y")), int(1)], &f32(&[2, 8]))
+        .call("relu", "aten.relu.default", &[node("c")], &f32(&[2, 8]))
         .output(&["relu"]);
     let mut p = lowered(&doc);
     assert_eq!(nodes(&p).len(), 3);
@@ -210,8 +157,10 @@ fn inline_concat_computes_the_only_reader_of_a_cat_in_its_writers() {
 
 #[test]
 fn simplify_loops_merges_contiguous_dims_and_drops_size_one_dims() {
-    let doc =
-        G::new().input("x", &[1, 3, 1, 4], "float32").call("neg", "aten.neg.default", &[n("x")], &f32(&[1, 3, 1, 4])).output(&["neg"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[1, 3, 1, 4], "float32")
+        .call("neg", "aten.neg.default", &[node("x")], &f32(&[1, 3, 1, 4]))
+        .output(&["neg"]);
     let mut p = lowered(&doc);
     assert_eq!(nodes(&p)[0].ranges, [1, 1, 3, 4]);
     assert!(run_pass(&mut p, "simplify_loops").is_empty());
@@ -224,15 +173,15 @@ fn simplify_loops_merges_contiguous_dims_and_drops_size_one_dims() {
 #[test]
 fn simplify_loops_keeps_dims_a_transposed_read_walks_apart() {
     // out[i, j] = x[j, i]: neither dim is contiguous for both the load and the store
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 6], "float32")
         .call(
             "t",
             "aten.t.default",
-            &[n("x")],
+            &[node("x")],
             r#"{"tensor":{"shape":[6,4],"stride":[1,6],"storage_offset":0,"dtype":"float32","device":"cpu"}}"#,
         )
-        .call("c", "aten.clone.default", &[n("t")], &f32(&[6, 4]))
+        .call("c", "aten.clone.default", &[node("t")], &f32(&[6, 4]))
         .output(&["c"]);
     let mut p = lowered(&doc);
     run_pass(&mut p, "simplify_loops");
@@ -244,10 +193,10 @@ fn simplify_loops_keeps_dims_a_transposed_read_walks_apart() {
 // ----- welford -----
 
 fn variance_only_graph() -> String {
-    G::new()
+    GraphBuilder::new()
         .input("x", &[4, 64], "float32")
-        .call_kw("vm", "aten.var_mean.correction", &[n("x"), ints(&[1])], r#""correction":{"int":1}"#, &tuple(&[f32(&[4]), f32(&[4])]))
-        .call("v", "getitem", &[n("vm"), int(0)], &f32(&[4]))
+        .call_kw("vm", "aten.var_mean.correction", &[node("x"), ints(&[1])], r#""correction":{"int":1}"#, &tuple(&[f32(&[4]), f32(&[4])]))
+        .call("v", "getitem", &[node("vm"), int(0)], &f32(&[4]))
         .output(&["v"])
 }
 
@@ -277,10 +226,10 @@ fn a_mean_that_welford_leaves_unread_is_still_computed_by_the_schedule() {
 
 #[test]
 fn welford_leaves_short_rows_as_two_passes() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[4, 8], "float32")
-        .call_kw("vm", "aten.var_mean.correction", &[n("x"), ints(&[1])], r#""correction":{"int":1}"#, &tuple(&[f32(&[4]), f32(&[4])]))
-        .call("v", "getitem", &[n("vm"), int(0)], &f32(&[4]))
+        .call_kw("vm", "aten.var_mean.correction", &[node("x"), ints(&[1])], r#""correction":{"int":1}"#, &tuple(&[f32(&[4]), f32(&[4])]))
+        .call("v", "getitem", &[node("vm"), int(0)], &f32(&[4]))
         .output(&["v"]);
     let mut p = lowered(&doc);
     assert!(run_pass(&mut p, "welford").is_empty(), "8 elements are not more than welford_min_len");
@@ -290,8 +239,10 @@ fn welford_leaves_short_rows_as_two_passes() {
 
 #[test]
 fn split_reduces_a_long_narrow_sum_in_two_stages() {
-    let doc =
-        G::new().input("x", &[2, 65536], "float32").call("s", "aten.sum.dim_IntList", &[n("x"), ints(&[1])], &f32(&[2])).output(&["s"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[2, 65536], "float32")
+        .call("s", "aten.sum.dim_IntList", &[node("x"), ints(&[1])], &f32(&[2]))
+        .output(&["s"]);
     let mut p = lowered(&doc);
     let decisions = run_pass(&mut p, "split");
     assert_eq!(decisions, ["split: buf1 reduces 65536 elements into 2 rows: 32 partial reductions each (buf2), then a combine"]);
@@ -314,8 +265,10 @@ fn split_reduces_a_long_narrow_sum_in_two_stages() {
 
 #[test]
 fn split_leaves_reductions_with_enough_rows_whole() {
-    let doc =
-        G::new().input("x", &[512, 8192], "float32").call("s", "aten.sum.dim_IntList", &[n("x"), ints(&[1])], &f32(&[512])).output(&["s"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[512, 8192], "float32")
+        .call("s", "aten.sum.dim_IntList", &[node("x"), ints(&[1])], &f32(&[512]))
+        .output(&["s"]);
     let mut p = lowered(&doc);
     assert!(run_pass(&mut p, "split").is_empty());
     assert_eq!(nodes(&p).len(), 1);
@@ -325,7 +278,8 @@ fn split_leaves_reductions_with_enough_rows_whole() {
 
 #[test]
 fn drop_empty_removes_nodes_without_elements_but_keeps_their_buffers() {
-    let doc = G::new().input("x", &[0, 4], "float32").call("neg", "aten.neg.default", &[n("x")], &f32(&[0, 4])).output(&["neg"]);
+    let doc =
+        GraphBuilder::new().input("x", &[0, 4], "float32").call("neg", "aten.neg.default", &[node("x")], &f32(&[0, 4])).output(&["neg"]);
     let mut p = lowered(&doc);
     assert_eq!(nodes(&p).len(), 1);
     run_pass(&mut p, "drop_empty");
@@ -341,13 +295,13 @@ fn drop_empty_removes_nodes_without_elements_but_keeps_their_buffers() {
 #[test]
 fn fuse_puts_two_reductions_of_one_pointwise_value_in_one_kernel() {
     // exp(x + y) stays inline in both reductions, which share their reads of x and y
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[8, 32], "float32")
         .input("y", &[8, 32], "float32")
-        .call("add", "aten.add.Tensor", &[n("x"), n("y")], &f32(&[8, 32]))
-        .call("e", "aten.exp.default", &[n("add")], &f32(&[8, 32]))
-        .call("s", "aten.sum.dim_IntList", &[n("e"), ints(&[1])], &f32(&[8]))
-        .call("m", "aten.amax.default", &[n("e"), ints(&[1])], &f32(&[8]))
+        .call("add", "aten.add.Tensor", &[node("x"), node("y")], &f32(&[8, 32]))
+        .call("e", "aten.exp.default", &[node("add")], &f32(&[8, 32]))
+        .call("s", "aten.sum.dim_IntList", &[node("e"), ints(&[1])], &f32(&[8]))
+        .call("m", "aten.amax.default", &[node("e"), ints(&[1])], &f32(&[8]))
         .output(&["s", "m"]);
     let s = schedule_cpp(&doc);
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
@@ -367,11 +321,11 @@ fn fuse_puts_two_reductions_of_one_pointwise_value_in_one_kernel() {
 
 #[test]
 fn fuse_keeps_large_unrelated_nodes_in_kernels_of_their_own() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[512, 512], "float32")
         .input("y", &[512, 512], "float32")
-        .call("a", "aten.neg.default", &[n("x")], &f32(&[512, 512]))
-        .call("b", "aten.neg.default", &[n("y")], &f32(&[512, 512]))
+        .call("a", "aten.neg.default", &[node("x")], &f32(&[512, 512]))
+        .call("b", "aten.neg.default", &[node("y")], &f32(&[512, 512]))
         .output(&["a", "b"]);
     let s = schedule_cpp(&doc);
     assert_eq!(kernel_members(&s), [["buf2"], ["buf3"]]);
@@ -386,11 +340,11 @@ fn fuse_keeps_large_unrelated_nodes_in_kernels_of_their_own() {
 
 #[test]
 fn fuse_puts_small_unrelated_nodes_side_by_side_in_one_launch() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[8, 8], "float32")
         .input("y", &[8, 8], "float32")
-        .call("a", "aten.neg.default", &[n("x")], &f32(&[8, 8]))
-        .call("b", "aten.neg.default", &[n("y")], &f32(&[8, 8]))
+        .call("a", "aten.neg.default", &[node("x")], &f32(&[8, 8]))
+        .call("b", "aten.neg.default", &[node("y")], &f32(&[8, 8]))
         .output(&["a", "b"]);
     let s = schedule_cpp(&doc);
     assert_eq!(kernel_members(&s), [["buf2", "buf3"]]);
@@ -399,12 +353,12 @@ fn fuse_puts_small_unrelated_nodes_side_by_side_in_one_launch() {
 
 #[test]
 fn fuse_does_not_fuse_across_a_library_call() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("a", &[16, 16], "float32")
         .input("b", &[16, 16], "float32")
-        .call("r", "aten.relu.default", &[n("a")], &f32(&[16, 16]))
-        .call("mm", "aten.mm.default", &[n("r"), n("b")], &f32(&[16, 16]))
-        .call("e", "aten.exp.default", &[n("mm")], &f32(&[16, 16]))
+        .call("r", "aten.relu.default", &[node("a")], &f32(&[16, 16]))
+        .call("mm", "aten.mm.default", &[node("r"), node("b")], &f32(&[16, 16]))
+        .call("e", "aten.exp.default", &[node("mm")], &f32(&[16, 16]))
         .output(&["e"]);
     let s = schedule_cpp(&doc);
     assert_eq!(kernel_members(&s), [vec!["buf2"], vec!["torch.ops.aten.mm.default"], vec!["buf3"]]);
@@ -417,12 +371,12 @@ fn fuse_does_not_fuse_across_a_library_call() {
 
 #[test]
 fn fuse_gives_a_scatter_a_kernel_of_its_own() {
-    let doc = G::new()
+    let doc = GraphBuilder::new()
         .input("x", &[10, 4], "float32")
         .input("idx", &[6, 4], "int64")
         .input("src", &[6, 4], "float32")
-        .call("s", "aten.scatter_add.default", &[n("x"), int(0), n("idx"), n("src")], &f32(&[10, 4]))
-        .call("r", "aten.relu.default", &[n("s")], &f32(&[10, 4]))
+        .call("s", "aten.scatter_add.default", &[node("x"), int(0), node("idx"), node("src")], &f32(&[10, 4]))
+        .call("r", "aten.relu.default", &[node("s")], &f32(&[10, 4]))
         .output(&["r"]);
     let s = schedule_cpp(&doc);
     // the copy, the scatter into it, and the relu, written in place into the dying buf3
@@ -436,8 +390,10 @@ fn fuse_gives_a_scatter_a_kernel_of_its_own() {
 
 #[test]
 fn fuse_keeps_the_two_stages_of_a_split_reduction_apart() {
-    let doc =
-        G::new().input("x", &[2, 65536], "float32").call("s", "aten.sum.dim_IntList", &[n("x"), ints(&[1])], &f32(&[2])).output(&["s"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[2, 65536], "float32")
+        .call("s", "aten.sum.dim_IntList", &[node("x"), ints(&[1])], &f32(&[2]))
+        .output(&["s"]);
     let s = schedule_for(lowered(&doc), &ALL_PASSES).unwrap();
     assert_eq!(kernel_members(&s), [["buf2"], ["buf1"]]);
     assert!(
