@@ -311,14 +311,14 @@ def cpu_profile(make_runner, backend: str, wall_ms: float, calls: int = 10) -> d
                 runner.step()
             clock = None
             if backend == "ferrocore":
-                from ferrocore.runtime import kernel_clock as clock
+                from ferrocore.runtime.cpp_library import kernel_clock as clock
 
                 for entry in clock.values():  # zeroed in place: each kernel holds its entry
                     entry[:] = [0, 0]
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(calls):
                     runner.step()
-            # ferrocore's kernels time themselves (see ferrocore.runtime.host_kernel)
+            # ferrocore's kernels time themselves (see ferrocore.runtime.cpp_library.host_kernel)
             clocked = {k: v for k, v in (clock or {}).items() if v[1]}
     except Exception as e:  # noqa: BLE001
         print(f"  CPU profile failed: {e}", flush=True)

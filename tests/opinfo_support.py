@@ -849,10 +849,10 @@ def _random_sample(op, dtype, candidates: int = 20):
 
 def run_op_dtype(op, dtype, limit: int | None, *, timeout_s: int = SAMPLE_TIMEOUT_S
                  ) -> list[SampleResult]:
-    from ferrocore import runtime
+    from ferrocore.runtime import cpp_library
 
     results = []
-    loaded_before = set(runtime._libraries)
+    loaded_before = set(cpp_library._libraries)
     try:
         for index, sample in samples_for(op, dtype, limit):
             result = run_sample(op, sample, dtype, index, timeout_s=timeout_s)
@@ -874,7 +874,7 @@ def _unload_kernel_libraries(keep: set) -> None:
     """Unloads the kernel libraries of the graphs just dropped: a sweep compiles tens of
     thousands of graphs, and each loaded library holds a few memory mappings (the kernel's
     limit, vm.max_map_count, is 65530 by default). A library unloads when the last wrapper
-    module using it goes (`runtime.load_kernels`); collecting makes that now, not at the next
+    module using it goes (`runtime.cpp_library.load_kernels`); collecting makes that now, not at the next
     cycle. `keep` (those loaded before) stay loaded while their graphs live."""
     import gc
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import ferrocore
-from ferrocore import artifact, options, runtime
+from ferrocore import artifact, options
+from ferrocore.runtime import autotune
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -64,7 +65,7 @@ def _tuner(tmp_path, times, monkeypatch):
         run()
         return times[last["config"]]
 
-    tuner = runtime.Autotuner(torch.device("cpu"), tmp_path / "autotune", timer=timer, device_name="test GPU")
+    tuner = autotune.Autotuner(torch.device("cpu"), tmp_path / "autotune", timer=timer, device_name="test GPU")
     monkeypatch.setattr(tuner, "_bound", bound)
     return tuner
 
@@ -100,7 +101,7 @@ def test_tuner_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
     # another device or other sizes are other entries
     other = (entry[0], entry[1], entry[2], {**entry[3], "arg_numel": [128, 128]})
     assert tuner.key(entry[0], entry[1], other[3]) != tuner.key(entry[0], entry[1], entry[3])
-    elsewhere = runtime.Autotuner(torch.device("cpu"), None, device_name="another GPU")
+    elsewhere = autotune.Autotuner(torch.device("cpu"), None, device_name="another GPU")
     assert elsewhere.key(entry[0], entry[1], entry[3]) != tuner.key(entry[0], entry[1], entry[3])
 
 

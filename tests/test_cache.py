@@ -20,8 +20,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import ferrocore
-import ferrocore.cache
-from ferrocore import backend, graph_names, options, runtime
+from ferrocore import backend, graph_names, options
+from ferrocore.runtime import cache as runtime_cache
+from ferrocore.runtime import cpp_library
 
 pytestmark = pytest.mark.cpu_only("the C++ kernel cache")
 
@@ -103,7 +104,7 @@ def test_cache_files_are_private_under_umask_000(cache):
     saved = os.umask(0)
     try:
         _check(_compile())
-        runtime.write_cached_json(cache, "autotune/00/k.json", {"best": [1]})
+        runtime_cache.write_cached_json(cache, "autotune/00/k.json", {"best": [1]})
     finally:
         os.umask(saved)
     files = {oct(p.stat().st_mode & 0o777) for p in cache.rglob("*") if p.is_file()}
@@ -139,7 +140,7 @@ def test_cache_of_an_older_ferrocore_is_rebuilt(cache):
     _check(_compile())
     assert ferrocore.metrics.last["cpp_cache_hit"] is True
     # eviction takes the unsigned leftovers first
-    ferrocore.cache.evict(10**12, str(cache), stale_after_s=0)
+    runtime_cache.evict(10**12, str(cache), stale_after_s=0)
     assert not old.exists()
 
 
@@ -147,7 +148,7 @@ def test_identical_kernels_share_one_library_released_with_its_last_graph(cache)
     first, second = _compile(), _compile()
     lib = first.__globals__["_lib"]
     assert second.__globals__["_lib"] is lib
-    path = next(p for p, v in runtime._libraries.items() if v is lib)
+    path = next(p for p, v in cpp_library._libraries.items() if v is lib)
     alive = weakref.ref(lib)
     del first, lib
     gc.collect()
@@ -155,24 +156,24 @@ def test_identical_kernels_share_one_library_released_with_its_last_graph(cache)
     _check(second)
     del second
     gc.collect()
-    assert alive() is None and path not in runtime._libraries
+    assert alive() is None and path not in cpp_library._libraries
     maps = Path("/proc/self/maps").read_text()
     assert Path(path).name not in maps and ".load-" not in maps
 
 
 def test_signed_json_entries_reject_edits(cache):
-    runtime.write_cached_json(cache, "pad_mm/ab/k.json", {"plain_ms": 1.0})
-    assert runtime.read_cached_json(cache, "pad_mm/ab/k.json") == {"plain_ms": 1.0}
+    runtime_cache.write_cached_json(cache, "pad_mm/ab/k.json", {"plain_ms": 1.0})
+    assert runtime_cache.read_cached_json(cache, "pad_mm/ab/k.json") == {"plain_ms": 1.0}
     entry = cache / "pad_mm" / "ab" / "k.json"
     entry.write_text(json.dumps({"plain_ms": 9.0}))
-    assert runtime.read_cached_json(cache, "pad_mm/ab/k.json") is None
+    assert runtime_cache.read_cached_json(cache, "pad_mm/ab/k.json") is None
     with pytest.raises(ferrocore.FerrocoreError, match="invalid cache entry name"):
-        runtime.write_cached_json(cache, "../k.json", {})
+        runtime_cache.write_cached_json(cache, "../k.json", {})
 
 
 def test_eviction_keeps_loaded_graphs_working(cache):
     call = _compile()
-    stats = ferrocore.cache.evict(0, str(cache))
+    stats = runtime_cache.evict(0, str(cache))
     assert stats["removed_entries"] >= 3 and not _entries(cache, "*.so")
     _check(call)  # its library stays mapped
     _check(_compile())  # rebuilt
@@ -186,7 +187,7 @@ def test_evicting_everything_leaves_only_the_key(cache):
     f(torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))
     files = [p.relative_to(cache) for p in cache.rglob("*") if p.is_file()]
     assert {"cpp", "graphs", "compiled", "bytecode"} <= {p.parts[0] for p in files if len(p.parts) > 1}, files
-    stats = ferrocore.cache.evict(0, str(cache))
+    stats = runtime_cache.evict(0, str(cache))
     assert [p.relative_to(cache) for p in cache.rglob("*") if p.is_file()] == [Path("secret.key")]
     assert stats["removed_bytes"] == stats["total_bytes"] > 0
 
@@ -217,7 +218,7 @@ def test_a_warm_cache_on_a_read_only_file_system_is_used(cache):
 
 
 def test_compiles_keep_the_cache_under_its_size_limit(cache, monkeypatch):
-    monkeypatch.setattr(backend, "_cache_trimmer", ferrocore.cache.Trimmer(every=2))
+    monkeypatch.setattr(backend, "_cache_trimmer", runtime_cache.Trimmer(every=2))
     monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "unlimited")
     _check(_compile())
     assert _entries(cache, "*.so")

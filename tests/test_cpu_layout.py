@@ -79,7 +79,7 @@ def test_an_index_fixed_across_the_inner_loop_is_checked_before_it():
 
 
 def test_profiled_kernels_clock_their_calls_and_compute_the_same(monkeypatch):
-    from ferrocore.runtime import kernel_clock
+    from ferrocore.runtime.cpp_library import kernel_clock
 
     monkeypatch.setenv("FERROCORE_PROFILE_KERNELS", "1")
 

@@ -14,7 +14,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import ferrocore
-from ferrocore import cudagraphs, options
+from ferrocore import options
+from ferrocore.runtime import cudagraphs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -179,7 +180,7 @@ def test_a_backward_overwrites_its_forward_recordings_saved_activation_in_place(
     # a donated saved activation is the forward recording's pool memory, which that recording
     # references: the backward's capture is told so (`held`), and writes an intermediate over it
     # without a copy
-    from ferrocore.runtime import owned_storage
+    from ferrocore.runtime.wrapper import owned_storage
 
     written = []
 

@@ -398,16 +398,16 @@ def test_training_forward_cpp_compiles_on_a_thread_of_its_own(capfd, monkeypatch
     import threading
 
     import ferrocore
-    from ferrocore import runtime
+    from ferrocore.runtime import cpp_library
 
     on_main_thread = []  # of each C++ library compiled (or found cached) and loaded
-    load = runtime.load_kernels_reporting
+    load = cpp_library.load_kernels_reporting
 
     def recording(source, options=None):
         on_main_thread.append(threading.current_thread() is threading.main_thread())
         return load(source, options)
 
-    monkeypatch.setattr(runtime, "load_kernels_reporting", recording)
+    monkeypatch.setattr(cpp_library, "load_kernels_reporting", recording)
     _training_step_against_eager(7, capfd)
     assert False in on_main_thread, on_main_thread  # the forward's C++ (KernelsLater)
     total = ferrocore.metrics.total

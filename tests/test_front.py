@@ -19,9 +19,10 @@ if importlib.util.find_spec("ferrocore") is None:  # not installed: use the sour
     sys.path.append(str(Path(__file__).resolve().parent.parent / "python"))
 
 import ferrocore  # noqa: E402
-from ferrocore import options, runtime  # noqa: E402
+from ferrocore import options  # noqa: E402
 from ferrocore.backend import ferrocore_backend  # noqa: E402
 from ferrocore.extension import extension  # noqa: E402
+from ferrocore.runtime import report, wrapper  # noqa: E402
 
 _COMPILER = extension()  # the real extension, before a test stands in for it
 
@@ -63,8 +64,8 @@ class FakeExtension:
         # The module loads "kernels" at import, like a real wrapper, then runs the graph eagerly.
         path.write_text(
             "import sys\n"
-            "from ferrocore import runtime\n"
-            "lib = runtime.load_kernels('// kernels')\n"
+            "from ferrocore.runtime import load_kernels\n"
+            "lib = load_kernels('// kernels')\n"
             "def call(args):\n"
             f"    return sys.modules['fake_front_graphs'][{doc['name']!r}](args)\n"
         )
@@ -417,13 +418,13 @@ def test_metrics_sum_over_graphs():
 
 def test_runtime_helpers():
     base = torch.arange(12.0)
-    for reinterpret in (runtime.reinterpret, runtime._reinterpret_as_strided):
+    for reinterpret in (wrapper.reinterpret, wrapper._reinterpret_as_strided):
         # the offset counts from the tensor's own storage offset
         t = reinterpret(base[1:], (3, 2), (4, 1), 0)
         assert t.tolist() == [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
-    e = runtime.empty_strided((2, 3), (1, 2), torch.float32, "cpu")
+    e = wrapper.empty_strided((2, 3), (1, 2), torch.float32, "cpu")
     assert e.stride() == (1, 2)
-    assert runtime.benchmark(lambda args: args[0] + 1, [base], reps=3) > 0
+    assert report.benchmark(lambda args: args[0] + 1, [base], reps=3) > 0
 
 
 def test_dynamic_shapes_compile_once_per_signature():

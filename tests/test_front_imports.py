@@ -17,7 +17,12 @@ dodged:
 
 `test_no_function_imports_anything` holds every other import to module level too (stdlib, torch,
 Triton): 45 sat inside functions before. Triton, optional, is imported in one module,
-`triton_support`, and nowhere else (`test_only_triton_support_imports_triton`).
+`runtime/triton_support`, and nowhere else (`test_only_triton_support_imports_triton`).
+
+The modules are layered (`LAYERS`): entry -> tracing -> dynamic-shape dispatch -> static compile
+-> runtime, above the shared modules every layer uses; a module imports its own layer and those
+below, never one above (`test_no_module_imports_a_layer_above_its_own`), and every module is in
+one layer (`test_every_module_is_in_a_layer`).
 """
 
 from __future__ import annotations
@@ -35,22 +40,31 @@ FRONT = Path(__file__).resolve().parent.parent / "python" / PACKAGE
 LAZY = {
     # importing ferrocore must not import torch (the package's docstring); the backend does
     ("__init__.py", "compile_graph", "ferrocore.backend"),
+    # the helpers generated wrapper modules import from `ferrocore.runtime`, looked up at their
+    # first use: the compile workers import the runtime package without torch
+    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.cpp_library"),
+    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.report"),
+    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.triton_launch"),
+    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.wrapper"),
 }
 
 
 def _module_name(filename: str) -> str:
-    stem = filename.removesuffix(".py")
-    return PACKAGE if stem == "__init__" else f"{PACKAGE}.{stem}"
+    """`runtime/cache.py` -> `ferrocore.runtime.cache`; a package's `__init__.py` is the package."""
+    parts = filename.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([PACKAGE, *parts])
 
 
-def _targets(node: ast.Import | ast.ImportFrom, importer: str, modules: set) -> list:
+def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set) -> list:
     """The ferrocore modules an import statement in module `importer` imports (relative imports
     resolved; `from package import name` is the module `package.name` when there is one)."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names if a.name == PACKAGE or a.name.startswith(PACKAGE + ".")]
     if node.level:
-        # a module's package is its name less the last part; the package's own __init__ is its package
-        package = importer if importer == PACKAGE else importer.rpartition(".")[0]
+        # a module's package is its name less the last part; a package's own __init__ is the package
+        package = importer if is_package else importer.rpartition(".")[0]
         for _ in range(node.level - 1):
             package = package.rpartition(".")[0]
         base = f"{package}.{node.module}" if node.module else package
@@ -71,8 +85,8 @@ def _is_type_checking(node: ast.AST) -> bool:
 
 def imports(sources: dict) -> list:
     """(importer, module imported, file, line, the function it is in or None) for every import of
-    a ferrocore module in `sources` (file name -> text). Imports under `if TYPE_CHECKING:` are
-    never run and are left out."""
+    a ferrocore module in `sources` (file path under python/ferrocore -> text). Imports under `if
+    TYPE_CHECKING:` are never run and are left out."""
     modules = {_module_name(f) for f in sources} | {f"{PACKAGE}._ferrocore"}  # (the extension)
     found = []
 
@@ -88,7 +102,7 @@ def imports(sources: dict) -> list:
             elif isinstance(child, ast.Lambda):
                 inner = "<lambda>" if function is None else function
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                for target in _targets(child, importer, modules):
+                for target in _targets(child, importer, filename.endswith("__init__.py"), modules):
                     found.append((importer, target, filename, child.lineno, function))
             walk(child, filename, importer, inner)
 
@@ -165,7 +179,8 @@ def cycles(edges: list) -> list:
 
 
 def _front() -> dict:
-    return {p.name: p.read_text() for p in sorted(FRONT.glob("*.py"))}
+    """The front's sources: path under python/ferrocore (`runtime/cache.py`) -> text."""
+    return {p.relative_to(FRONT).as_posix(): p.read_text() for p in sorted(FRONT.rglob("*.py"))}
 
 
 def _describe(found: list, edges: list) -> str:
@@ -270,9 +285,9 @@ def _imports_triton(node: ast.AST) -> bool:
 
 def test_only_triton_support_imports_triton():
     found = [f"python/ferrocore/{filename}:{node.lineno}: {ast.unparse(node)}"
-             for filename, text in _front().items() if filename != "triton_support.py"
+             for filename, text in _front().items() if filename != "runtime/triton_support.py"
              for node in ast.walk(ast.parse(text, filename)) if _imports_triton(node)]
-    assert not found, "Triton imported outside triton_support.py:\n" + "\n".join(found)
+    assert not found, "Triton imported outside runtime/triton_support.py:\n" + "\n".join(found)
 
 
 def test_the_function_import_check_finds_what_it_forbids():
@@ -286,8 +301,86 @@ def test_the_function_import_check_finds_what_it_forbids():
     assert any(_imports_triton(n) for n in ast.walk(ast.parse(old["runtime.py"])))
 
 
+# The front's layers, lowest first: each may import its own and those below it, never one above.
+# Modules by name under python/ferrocore ("" is the package itself; "runtime.*" every module of
+# the runtime package).
+LAYERS = (
+    # what every layer uses: the extension, options and logs, names, metrics, layouts, the
+    # exchange format's encoder, the compiled graph read as data, the progress line
+    ("shared", ("_ferrocore", "extension", "options", "torch_logs", "graph_names", "metrics", "progress", "strides",
+                "serialize", "artifact")),
+    # loading, launching, caching and running compiled graphs
+    ("runtime", ("runtime", "runtime.*")),
+    # one graph of static sizes, prepared and compiled by Rust, then loaded
+    ("compile", ("padding", "conv_layout")),
+    # graphs with data-dependent or symbolic sizes, cut or specialized into static compiles
+    ("dispatch", ("partition",)),
+    # Dynamo's graph to ATen graphs: the direct trace or AOT autograd, the joint split
+    ("tracing", ("direct_trace", "fake_calls", "joint_split", "foreach")),
+    # the Dynamo backend: modes, options, the compiled-graph cache's lookup
+    ("entry", ("", "backend")),
+)
+
+
+def layer(module: str, layers: tuple = LAYERS) -> int | None:
+    """The position in `layers` of ferrocore module `module` (a dotted name), or None."""
+    name = module.removeprefix(PACKAGE).removeprefix(".")
+    for i, (_, members) in enumerate(layers):
+        for member in members:
+            if name == member or (member.endswith(".*") and name.startswith(member[:-1])):
+                return i
+    return None
+
+
+def breaches(edges: list, layers: tuple = LAYERS) -> list:
+    """"importer (layer) imports imported (layer)" for each import of a module from a layer above
+    the importer's."""
+    found = []
+    for a, b in sorted(set(edges)):
+        la, lb = layer(a, layers), layer(b, layers)
+        if la is not None and lb is not None and lb > la:
+            found.append(f"{a} ({layers[la][0]}) imports {b} ({layers[lb][0]})")
+    return found
+
+
+def test_every_module_is_in_a_layer():
+    modules = {_module_name(f) for f in _front()}
+    missing = sorted(m for m in modules if layer(m) is None)
+    assert not missing, f"modules in no layer of LAYERS (tests/test_front_imports.py): {missing}"
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    # imports inside functions count too: a lazy import is still a dependency
+    found = breaches([(a, b) for a, b, *_ in imports(_front())])
+    assert not found, "imports from a layer above the importer's:\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_what_it_forbids():
+    layers = (("shared", ("metrics",)), ("runtime", ("runtime", "runtime.*")), ("compile", ("static_compile",)),
+              ("tracing", ("tracing",)), ("entry", ("", "backend")))
+    assert [layer(m, layers) for m in ("ferrocore", "ferrocore.runtime", "ferrocore.runtime.cache",
+                                        "ferrocore.runtime_x", "ferrocore.metrics")] == [4, 1, 1, None, 0]
+    wrong = {
+        "runtime/__init__.py": "",
+        "runtime/report.py": "from .. import metrics\nfrom ..static_compile import CompileRequest\n",
+        "runtime/cache.py": "def trim():\n    from ferrocore import backend\n",
+        "static_compile.py": "from .runtime import cache\nfrom .tracing import decompositions\n",
+        "tracing.py": "from . import static_compile\nfrom .backend import _collector_spared\n",
+        "backend.py": "from . import tracing\nfrom .runtime import report\n",
+        "metrics.py": "import ferrocore.runtime\n",
+        "__init__.py": "from .metrics import metrics\n",
+    }
+    assert breaches([(a, b) for a, b, *_ in imports(wrong)], layers) == [
+        "ferrocore.metrics (shared) imports ferrocore.runtime (runtime)",
+        "ferrocore.runtime.cache (runtime) imports ferrocore.backend (entry)",
+        "ferrocore.runtime.report (runtime) imports ferrocore.static_compile (compile)",
+        "ferrocore.static_compile (compile) imports ferrocore.tracing (tracing)",
+        "ferrocore.tracing (tracing) imports ferrocore.backend (entry)",
+    ]
+
+
 def test_the_compile_worker_imports_no_torch():
     # the worker processes start while the parent traces: torch would cost them seconds each
-    code = "import sys, ferrocore.compile_worker; print('torch' in sys.modules)"
+    code = "import sys, ferrocore.runtime.compile_worker; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out

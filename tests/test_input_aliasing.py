@@ -1,4 +1,4 @@
-"""Inputs that overlap in memory (`ferrocore.aliasing`): a graph that writes into an input is
+"""Inputs that overlap in memory (`ferrocore.runtime.aliasing`): a graph that writes into an input is
 compiled for the way its inputs overlap, checked at every call (Dynamo does not guard on it),
 compiled again where it changed, and cached only for inputs that do not overlap."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ferrocore
-from ferrocore import aliasing
+from ferrocore.runtime import aliasing
 
 
 def add_then_read(a, b):
@@ -72,7 +72,7 @@ def test_overlap_is_decided_on_memory_not_storage():
 
 
 def test_the_graph_cache_keeps_no_entry_for_overlapping_inputs():
-    from ferrocore import graph_cache
+    from ferrocore.runtime import graph_cache
 
     gm = torch.fx.symbolic_trace(lambda a, b: a + b)
     with pytest.raises(graph_cache.Bypass, match="overlap in memory"):

@@ -15,7 +15,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import ferrocore
-from ferrocore import options, runtime
+from ferrocore import options
+from ferrocore.runtime import wrapper
 from helpers import lookup_backend
 
 DEVICE = torch.get_default_device()
@@ -108,7 +109,7 @@ def test_a_compiled_module_rejects_an_input_unlike_the_one_it_was_compiled_for(w
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     torch.testing.assert_close(fn(a, b)[0], f(a, b))
     make, got = WRONG_INPUTS[wrong]
-    with pytest.raises(runtime.InputMismatch) as info:
+    with pytest.raises(wrapper.InputMismatch) as info:
         fn(a, make())
     message = str(info.value)
     assert "input 1 (b_1)" in message, message
@@ -120,7 +121,7 @@ def test_a_compiled_module_rejects_an_input_unlike_the_one_it_was_compiled_for(w
 @pytest.mark.parametrize("count", [1, 3])
 def test_a_compiled_module_rejects_a_wrong_number_of_inputs(count):
     _, fn = _compiled_graph()
-    with pytest.raises(runtime.InputMismatch, match=f"takes 2 inputs; got {count}"):
+    with pytest.raises(wrapper.InputMismatch, match=f"takes 2 inputs; got {count}"):
         fn(*[torch.randn(4, 4) for _ in range(count)])
 
 
@@ -128,7 +129,7 @@ def test_a_compiled_module_rejects_a_wrong_number_of_inputs(count):
 def test_a_compiled_module_rejects_a_large_input_of_the_wrong_size():
     # 3000x3000 into a 4x4 graph read out of bounds (a segfault) before the check
     _, fn = _compiled_graph()
-    with pytest.raises(runtime.InputMismatch, match=r"size \(3000, 3000\)"):
+    with pytest.raises(wrapper.InputMismatch, match=r"size \(3000, 3000\)"):
         fn(torch.randn(3000, 3000), torch.randn(4, 4))
 
 

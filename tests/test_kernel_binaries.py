@@ -48,7 +48,8 @@ def _wrapper_module(cache_dir):
 
 
 def test_a_worker_compiles_a_launchable_binary_that_the_cache_keeps(cache_dir):
-    from ferrocore import artifact, kernel_binaries
+    from ferrocore import artifact
+    from ferrocore.runtime import kernel_binaries
 
     compiled, module = _wrapper_module(cache_dir)
     unit = artifact.unit_source(compiled)
@@ -74,7 +75,7 @@ def test_a_worker_compiles_a_launchable_binary_that_the_cache_keeps(cache_dir):
 
 
 def test_a_failed_job_or_a_dead_worker_falls_back_without_hanging(cache_dir, capfd):
-    from ferrocore import kernel_binaries
+    from ferrocore.runtime import kernel_binaries
 
     pool = kernel_binaries.CompilePool(1)
     try:
@@ -118,7 +119,7 @@ def test_a_new_process_launches_the_cached_binaries(cache_dir):
             # looking the backend up started the workers (this process uses the GPU): let them
             # warm up, so that they, not this process, compile the kernels
             import time
-            from ferrocore import kernel_binaries
+            from ferrocore.runtime import kernel_binaries
             deadline = time.time() + 120
             while not any(p.ready for p in list(kernel_binaries._pools.values())) and time.time() < deadline:
                 time.sleep(0.05)
@@ -148,7 +149,7 @@ def test_a_new_process_launches_the_cached_binaries(cache_dir):
 
 
 def test_kernels_go_to_the_workers_dearest_first():
-    from ferrocore import kernel_binaries
+    from ferrocore.runtime import kernel_binaries
 
     plain = "    tmp0 = tmp1 + tmp2\n" * 40
     longer = "    tmp0 = tmp1 + tmp2\n" * 80
@@ -162,7 +163,8 @@ def test_kernels_go_to_the_workers_dearest_first():
 def test_a_module_import_makes_no_jit_function_until_one_is_needed(cache_dir):
     """`triton.jit` tokenizes each function's source: a wrapper module defers it, and a warm start
     (cached binaries) never needs it; the cache key is the same before and after."""
-    from ferrocore import artifact, kernel_binaries, triton_support
+    from ferrocore import artifact
+    from ferrocore.runtime import kernel_binaries, triton_support
 
     compiled, module = _wrapper_module(cache_dir)
     fn, signature, constexprs, launch = artifact.triton_kernels(compiled, module)[0][0]

@@ -47,7 +47,7 @@ def test_undefined_attention_results_are_not_bound():
 
 
 def test_restride_passes_undefined_results_through():
-    from ferrocore.runtime import restride
+    from ferrocore.runtime.wrapper import restride
 
     assert restride(None, (2,), (1,), torch.float32) is None
     t = torch.ones(2, 3).t()
@@ -65,7 +65,7 @@ def test_a_synchronizing_library_call_keeps_the_graph_out_of_cuda_graphs():
 
 
 def test_a_graph_naming_a_hazard_is_not_recorded():
-    import ferrocore.cudagraphs as cg
+    import ferrocore.runtime.cudagraphs as cg
 
     hazard = "ATen fallback torch.ops.aten.foo.default of unknown capture safety"
     compiled = {"language": "triton", "kernels": [], "cuda_graph_hazards": [hazard]}

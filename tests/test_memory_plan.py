@@ -131,7 +131,7 @@ def test_a_cuda_graph_recordings_references_count_only_where_no_returned_result_
 
 
 def test_a_donated_input_is_copied_before_it_is_written_when_its_storage_is_shared_or_short():
-    from ferrocore.runtime import owned_storage
+    from ferrocore.runtime.wrapper import owned_storage
 
     t = torch.randn(4, 4)
     view = t[1:]
@@ -140,7 +140,7 @@ def test_a_donated_input_is_copied_before_it_is_written_when_its_storage_is_shar
     del view
     assert owned_storage(t, 16) is t
     # a padded result written over the unpadded view needs the padding's room too
-    from ferrocore.runtime import reinterpret
+    from ferrocore.runtime.wrapper import reinterpret
 
     base = torch.randn(4, 6)
     corner = reinterpret(base, (4, 5), (6, 1), 0)  # as the wrapper returns it: no view of base

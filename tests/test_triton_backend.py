@@ -210,8 +210,8 @@ def test_bound_launcher_calls_the_binary_directly(monkeypatch):
     # XBLOCK last; Triton's JIT call for unaligned addresses or a launcher of another convention
     import torch
 
-    from ferrocore.triton_support import triton_options
-    from ferrocore.runtime import TritonLaunch
+    from ferrocore.runtime.triton_support import triton_options
+    from ferrocore.runtime.triton_launch import TritonLaunch
 
     calls = []
 

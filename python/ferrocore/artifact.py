@@ -52,7 +52,7 @@ def checks_indices_by_flag(graph: dict) -> bool:
 
 def holds_donated_inputs(graph: dict) -> bool:
     """Whether `call(args, held)` writes results over donated inputs whose storage a CUDA graph's
-    recording must hold (`runtime.owned_storage`)."""
+    recording must hold (`runtime.wrapper.owned_storage`)."""
     return any(not w["escapes"] for w in graph["donated_writes"])
 
 
@@ -63,7 +63,7 @@ def cuda_graph_hazard(graph: dict) -> str | None:
 
 def triton_kernels(graph: dict, module) -> tuple[list, dict]:
     """Each Triton kernel defined in `module` (the graph's wrapper module), once per name, as
-    `(function, signature, constexprs, launch)` for `runtime.precompile_triton` (launch: grid,
+    `(function, signature, constexprs, launch)` for `runtime.precompile.precompile_triton` (launch: grid,
     num_warps, num_stages, the autotuner's candidates, arg_numel and the definition's text), and
     the launchers (`TritonLaunch`) by kernel name."""
     namespace = vars(module)

@@ -39,10 +39,10 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import cache as _cache
+from . import artifact, conv_layout, direct_trace, foreach, graph_names, joint_split, padding, partition, progress, torch_logs
 from . import options as _options
-from . import (aliasing, aot_runtime, artifact, conv_layout, cudagraphs, direct_trace, foreach, graph_cache, graph_names,
-               joint_split, kernel_binaries, padding, partition, progress, runtime, torch_logs)
+from .runtime import aliasing, aot_runtime, cpp_library, cudagraphs, graph_cache, kernel_binaries, precompile, triton_launch
+from .runtime import cache as _cache
 from .extension import extension
 from .metrics import metrics
 from .serialize import UnsupportedGraph, lend_forward_lines, lifted_constants, serialize_graph
@@ -62,7 +62,7 @@ def _start_compile_workers_early() -> None:
         return
     if not opts["compile_workers"] or opts["backend"] == "cpp" or importlib.util.find_spec("triton") is None:
         return
-    arch = runtime.cuda_arch(torch.device("cuda", torch.cuda.current_device()))
+    arch = triton_launch.cuda_arch(torch.device("cuda", torch.cuda.current_device()))
     if arch is not None:
         kernel_binaries.start_early(opts["compile_workers"], arch)
 
@@ -148,7 +148,7 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
     gpu = _gpu_of(example_inputs)
     if opts["compile_workers"] and opts["backend"] != "cpp" and gpu is not None:
         # its processes start while AOT autograd traces
-        kernel_binaries.compile_pool(opts["compile_workers"], runtime.cuda_arch(gpu))
+        kernel_binaries.compile_pool(opts["compile_workers"], triton_launch.cuda_arch(gpu))
     user_strides = _user_output_strides(gm)
     label = _progress_label()
     start = time.perf_counter()
@@ -984,7 +984,7 @@ class _GraphLoad:
         library = None
         if cpp_source is not None:
             start = time.perf_counter()
-            library, self.cpp_cache_hit = runtime.load_kernels_reporting(cpp_source, graph.options)
+            library, self.cpp_cache_hit = cpp_library.load_kernels_reporting(cpp_source, graph.options)
             self.timings["cpp_compile"] = (time.perf_counter() - start) * 1e3
         start = time.perf_counter()
         self.module = _import_module(graph.module_path, graph.name, graph.module_source, graph.options, self.opts.get("cache_dir"))
@@ -1001,7 +1001,7 @@ class _GraphLoad:
             kernels, launchers = artifact.triton_kernels(compiled, module)
             self.reporter.stage("Triton kernels", len(kernels))
             timeline: list = []
-            tuned = runtime.precompile_triton(kernels, self.device, launchers,
+            tuned = precompile.precompile_triton(kernels, self.device, launchers,
                                               autotune=opts["autotune"], cache_dir=opts["cache_dir"],
                                               unit=artifact.unit_source(compiled), workers=opts.get("compile_workers", 0),
                                               on_kernel=self.reporter.advance, timeline=timeline)

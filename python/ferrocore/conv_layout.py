@@ -20,7 +20,7 @@ import time
 import torch
 
 from .extension import extension
-from .runtime import cached_measurement
+from .runtime.measurement import cached_measurement
 
 _CONVOLUTION = torch.ops.aten.convolution.default
 _CONVOLUTION_BACKWARD = torch.ops.aten.convolution_backward.default

@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from .extension import extension
-from .runtime import cached_measurement
+from .runtime.measurement import cached_measurement
 
 # padding must beat the GEMM as traced by this much to be worth its copies
 MIN_GAIN = 0.97

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .extension import extension
-from .options import build_options
+from ..extension import extension
+from ..options import build_options
 
 
 def directory(overrides: dict | None = None) -> str:

@@ -1,16 +1,18 @@
-"""The runtime section of a compile report (`crates/ferrocore/src/report`): where a compiled
-module's time goes when its benchmark runs, by kernel and library call (torch.profiler's device
-times on the GPU; a clock around each kernel on the CPU), written into the report between its
-runtime marks.
+"""A compiled module's benchmark (`benchmark`, `benchmark_main`: the module's `__main__`), and
+the runtime section of a compile report (`crates/ferrocore/src/report`): where the module's time
+goes when its benchmark runs, by kernel and library call (torch.profiler's device times on the
+GPU; a clock around each kernel on the CPU), written into the report between its runtime marks.
 
-`python MODULE.py --report REPORT.html` (the module's `__main__`) does it.
+`python MODULE.py --report REPORT.html` does it.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import html
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -186,3 +188,36 @@ def fill_runtime(report_path: str, body: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def benchmark(call, args, reps: int = 100, report: str | None = None, module: dict | None = None) -> float:
+    """Prints and returns the median time of `call(list(args))` in ms. With `report` (a compile
+    report's path) and `module` (the compiled module's globals), also profiles `reps` runs and
+    writes the time by kernel and library call into the report's runtime section."""
+    cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(min(reps, 10)):
+        call(list(args))  # a copy each time: a boxed call may clear its argument list
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call(list(args))
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    median = statistics.median(times)
+    print(f"median {median:.4f} ms over {reps} runs")
+    if report is not None:
+        rows = measure(call, args, module or {}, reps)
+        fill_runtime(report, runtime_html(rows, median, "cuda" if cuda else "cpu"))
+        print(f"runtime by kernel written into {report}")
+    return median
+
+
+def benchmark_main(benchmark_compiled_module) -> None:
+    """A compiled module's `__main__`: `python MODULE.py [--reps N] [--report REPORT.html]`."""
+    parser = argparse.ArgumentParser(description="Times the compiled graph on random inputs.")
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--report", help="a compile report of this module: fill in its runtime section")
+    a = parser.parse_args()
+    benchmark_compiled_module(a.reps, report=a.report)

@@ -10,8 +10,8 @@ import subprocess
 
 import torch
 
+from ..options import compiler_default
 from . import triton_support
-from .options import compiler_default
 
 
 @functools.lru_cache(None)
@@ -19,7 +19,7 @@ def versions() -> tuple:
     """ferrocore (a hash of its package files and extension), torch, Triton, and the C++
     compiler's version line."""
     h = hashlib.sha256()
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ferrocore, not the runtime
     for root, dirs, files in os.walk(package):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         for name in sorted(files):

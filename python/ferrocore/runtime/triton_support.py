@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from .extension import extension
+from ..extension import extension
 
 try:
     import triton

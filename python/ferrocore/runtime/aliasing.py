@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .metrics import metrics
+from ..metrics import metrics
 
 
 def _span_bytes(t: torch.Tensor) -> int | None:

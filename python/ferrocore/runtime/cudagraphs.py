@@ -37,9 +37,9 @@ from collections import OrderedDict
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import artifact
-from .metrics import metrics
-from .strides import is_dense
+from .. import artifact
+from ..metrics import metrics
+from ..strides import is_dense
 
 # How many tensors (and Python storage objects) reference a storage, through a weak reference.
 _use_count = torch._C._storage_Use_Count

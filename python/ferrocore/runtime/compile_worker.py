@@ -1,4 +1,4 @@
-"""A compile worker of `kernel_binaries.CompilePool`: `python -m ferrocore.compile_worker`.
+"""A compile worker of `kernel_binaries.CompilePool`: `python -m ferrocore.runtime.compile_worker`.
 
 Reads jobs from stdin and writes results to the pipe that was stdout (each a little-endian
 8-byte length, then a pickle); stdout itself goes to stderr, so nothing a library prints can

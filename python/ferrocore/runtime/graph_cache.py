@@ -28,9 +28,9 @@ import torch
 from torch._functorch import config as functorch_config
 from torch._subclasses.fake_tensor import FakeTensor
 
+from ..serialize import module_attr
 from . import aliasing
 from .cache import read_cached_json, write_cached_json
-from .serialize import module_attr
 from .versions import versions
 
 # Bumped whenever an entry's layout or meaning changes: older entries are then misses.

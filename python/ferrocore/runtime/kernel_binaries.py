@@ -14,7 +14,7 @@ Cold, `CompilePool`'s processes (`compile_worker`) compile the kernels side by s
 compiler holds the interpreter lock for most of its work, so threads of one process barely
 overlap. The compiling process takes jobs no worker has started yet, one at a time, until a
 worker is ready, and so does Triton's own path with a kernel that cannot be compiled there or
-whose binary needs more than a plain launch (`runtime.precompile_triton`).
+whose binary needs more than a plain launch (`precompile.precompile_triton`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+from ..extension import extension
 from .cache import read_cached_json, write_cached_json
-from .extension import extension
 from .versions import versions
 
 FORMAT = 2
@@ -106,8 +106,8 @@ def job(unit: str, entry, arch: int) -> tuple:
 
 
 class CompilePool:
-    """Processes running `python -m ferrocore.compile_worker`, fed jobs over their pipes by one
-    thread each. Started in the background before AOT autograd traces, so their imports overlap
+    """Processes running `python -m ferrocore.runtime.compile_worker`, fed jobs over their pipes
+    by one thread each. Started in the background before AOT autograd traces, so their imports overlap
     it. A worker that dies fails its jobs (they are compiled in this process instead)."""
 
     def __init__(self, workers: int, arch: int | None = None):
@@ -121,7 +121,7 @@ class CompilePool:
             env["FERROCORE_COMPILE_ARCH"] = str(arch)  # a first compile for it, while waiting
         self.processes = []
         for _ in range(workers):
-            proc = subprocess.Popen([sys.executable, "-m", "ferrocore.compile_worker"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "ferrocore.runtime.compile_worker"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, env=env, close_fds=True)
             self.processes.append(proc)
             threading.Thread(target=self._serve, args=(proc,), daemon=True, name="ferrocore-compile").start()
