@@ -2,39 +2,28 @@
 backward graphs, as AOT autograd's min-cut partitioner splits the joint graphs it traces.
 
 First, common subexpressions are merged (the backward formulas recompute what the forward
-computed: a normalization's centred input, a mask's comparison). Then the activations the
-forward saves are chosen by a minimum cut of a flow network over the values the forward can
-compute: each value is an edge `in -> out` whose capacity is what saving it costs (its bytes,
-twice that where its users would otherwise fuse it away), the source feeds the values the forward
-must compute and may not be recomputed (matmuls, convolutions, random ops, reductions that
-shrink their input, the primals, values a matmul or convolution of the backward reads, and every
-hundredth value of a long pointwise chain), and the sink takes every value the backward reads.
-As in AOT's partitioner, saving a value costs more the farther it lies from the backward. Cheap
-values on the sink's side (pointwise chains, views, gathers) are recomputed in the backward,
-where ferrocore fuses them into its kernels. The cut is solved in Rust (`ferrocore::min_cut`).
+computed: a normalization's centred input, a mask's comparison). Then the compiler chooses the
+activations the forward saves (`ferrocore::joint`: a minimum cut over the joint graph, on the
+compiler's own model of what its kernels fuse), and the joint graph is cut there into two FX
+graphs: the forward returns the user's outputs and the saved values, the backward takes the
+saved values and the tangents.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
+import json
 import operator
 
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .direct_trace import NeedsAot, graph_module, is_factory
+from .direct_trace import NeedsAot, graph_module
 from .extension import extension
+from .serialize import UnsupportedGraph, serialize_graph
 
 aten = torch.ops.aten
-# ops that are neither pointwise nor views but cost no more to recompute than to load
-_CHEAP = {aten.clone.default, aten._to_copy.default, aten.cat.default, aten.constant_pad_nd.default,
-          aten.index.Tensor, aten.gather.default, aten.embedding.default, aten.where.self,
-          aten.lift_fresh_copy.default, aten.scalar_tensor.default}
-_REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
-               aten.amin.default, aten.var.correction, aten.prod.dim_int, aten.any.dim, aten.max.dim,
-               aten.min.dim}
 
 
 @dataclasses.dataclass
@@ -57,10 +46,8 @@ def split(joint: torch.fx.GraphModule, num_outputs: int, num_primals: int, free_
     user, grads = outputs[:num_outputs], outputs[num_outputs:]
     placeholders = [n for n in nodes if n.op == "placeholder"]
     primals, tangents = placeholders[:num_primals], placeholders[num_primals:]
-    backward = _descendants(nodes, set(tangents))
     copies = [n for n in nodes if n.op == "call_function" and n.target is aten.copy_.default]
-    forward_needs = _ancestors([*user, *copies])
-    saved = _saved_values(nodes, backward, forward_needs, grads, primals, free_inputs, written)
+    saved = _saved_values(joint, nodes, num_outputs, num_primals, free_inputs, written)
 
     forward = _extract(joint, nodes, [*user, *saved], primals, effects=tuple(copies))
     backward_graph = _extract(joint, nodes, grads, [*saved, *tangents])
@@ -103,172 +90,26 @@ def _pure(target) -> bool:
             and torch.Tag.nondeterministic_seeded not in target.tags)
 
 
-def _descendants(nodes: list, roots: set) -> set:
-    found = set(roots)
-    for n in nodes:
-        if n not in found and any(a in found for a in n.all_input_nodes):
-            found.add(n)
-    return found
-
-
-def _ancestors(roots: list) -> set:
-    found: set = set()
-    stack = [r for r in roots if isinstance(r, torch.fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in found:
-            found.add(n)
-            stack.extend(n.all_input_nodes)
-    return found
-
-
 # ---- the cut -----------------------------------------------------------------------------------
 
-# A chain of fusible forward values longer than this (in forward order) is cut by a saved value:
-# the backward would otherwise recompute a model-long chain (a residual stream, a post-norm
-# model's normalized activations) from the values beside it, in one huge kernel.
-_LONGEST_CHAIN = 100
-# Saving a value costs this factor more per step it lies from the backward (up to _FARTHEST
-# steps), so that of two equal cuts the one the backward reads directly wins.
-_DISTANCE_COST = 1.1
-_FARTHEST = 100
 
-
-def _saved_values(nodes: list, backward: set, forward_needs: set, grads: list, primals: list,
+def _saved_values(joint: torch.fx.GraphModule, nodes: list, num_outputs: int, num_primals: int,
                   free_inputs: set, written: set) -> list:
-    """The values the forward saves: the minimum cut between what the forward must compute and
-    what the backward reads, over the values that do not depend on a tangent."""
-    computable = [n for n in nodes if n not in backward and n.op != "output"
-                  and not (n.op == "call_function" and n.target is aten.copy_.default)]
-    index = {n: i for i, n in enumerate(computable)}
-    source, sink = 0, 1
-    vin = lambda n: 2 + 2 * index[n]  # noqa: E731
-    vout = lambda n: 3 + 2 * index[n]  # noqa: E731
-    free = {primals[i] for i in free_inputs}
-    overwritten = {primals[i] for i in written}
-    read_by_backward = {a for n in backward for a in n.all_input_nodes if a in index}
-    read_by_backward |= {g for g in grads if isinstance(g, torch.fx.Node) and g in index}
-    if overwritten & read_by_backward:
-        raise NeedsAot("the backward reads an input the forward writes into")
-    banned = _banned(computable, forward_needs)
-    distance = _distances(nodes, forward_needs)
-    infinite = extension().MIN_CUT_INFINITE  # (an edge the cut never takes)
-    edges = []
-    for n in computable:
-        weight = infinite if n in overwritten else 0 if n in free else _weight(n, distance[n])
-        edges.append((vin(n), vout(n), weight))
-        for a in n.all_input_nodes:
-            if a in index:
-                edges.append((vout(a), vin(n), infinite))
-        if n.op in ("placeholder", "get_attr") or n in banned:
-            edges.append((source, vin(n), infinite))
-        if n in read_by_backward:
-            edges.append((vout(n), sink, infinite))
-    side = extension().min_cut_source_side(2 + 2 * len(computable), edges, source, sink)
-    return [n for n in computable if side[vin(n)] and not side[vout(n)]]
-
-
-def _banned(computable: list, forward_needs: set) -> set:
-    """Forward values the backward may not recompute: those dearer to recompute than to load,
-    those the backward must write to memory anyway (a matmul or convolution there reads them, so
-    recomputing adds a write and a read), and breaks in long fusible chains."""
-    banned = {n for n in computable if n in forward_needs
-              and (not _recomputable(n) or _materialized_in_backward(n, forward_needs))}
-    order = {n: i for i, n in enumerate(computable) if n in forward_needs}
-    visited: set = set()
-    for start in order:
-        # walk the fusible values downstream of `start` in forward order; where the walk has
-        # narrowed to one value _LONGEST_CHAIN past the start, that value is saved
-        frontier = [(order[start], start)]
-        while frontier:
-            _, cur = heapq.heappop(frontier)
-            if cur in visited:
-                continue
-            visited.add(cur)
-            if order[cur] > order[start] + _LONGEST_CHAIN and not frontier:
-                if not _is_view(cur.target):
-                    banned.add(cur)
-                break
-            if not _fusible(cur):
-                continue
-            for u in cur.users:
-                if u in order and u not in banned and _fusible(u):
-                    heapq.heappush(frontier, (order[u], u))
-    return banned
-
-
-def _materialized_in_backward(node: torch.fx.Node, forward_needs: set) -> bool:
-    """Whether a backward op that cannot fuse it (a matmul, a convolution, the graph's output)
-    reads the value, directly or through views."""
-    if node.op == "call_function" and _is_view(node.target):
-        return False
-    frontier, seen = [node], {node}
-    while frontier:
-        for u in frontier.pop().users:
-            if u not in forward_needs and not _fusible(u):
-                return True
-            if u not in seen and u.op == "call_function" and _is_view(u.target):
-                seen.add(u)
-                frontier.append(u)
-    return False
-
-
-def _distances(nodes: list, forward_needs: set) -> dict:
-    """Per node, how many steps its nearest backward reader lies ahead (0 for values the
-    forward does not need)."""
-    far = 10 ** 9
-    distance: dict = {}
-    for n in reversed(nodes):
-        if n.op == "output":
-            continue
-        distance[n] = min((distance.get(u, far) + 1 for u in n.users), default=far) if n in forward_needs else 0
-    return distance
-
-
-def _weight(node: torch.fx.Node, distance: int) -> int:
-    """What saving the value costs: its bytes, doubled where its users would fuse it away (it
-    would not be written to memory otherwise), and more the farther it lies from the backward;
-    views and non-tensors are never saved."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or _is_view(node.target):
-        return extension().MIN_CUT_INFINITE
-    size = max(val.numel() * val.element_size(), 1)
-    size = int(size * _DISTANCE_COST ** max(min(distance, _FARTHEST), 1))
-    materialized = node.op == "placeholder" or not _recomputable(node) or any(
-        u.op == "output" or not _fusible(u) for u in node.users)
-    return min(size if materialized else 2 * size, extension().MIN_CUT_INFINITE // 1024)
-
-
-def _fusible(node: torch.fx.Node) -> bool:
-    """Whether ferrocore fuses the op with its neighbours: pointwise ops, views, cheap gathers
-    and copies, factories and reductions."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return (torch.Tag.pointwise in target.tags or _is_view(target) or target in _CHEAP or is_factory(target)
-            or target in _REDUCTIONS)
-
-
-def _recomputable(node: torch.fx.Node) -> bool:
-    """Whether the backward may recompute the value instead of loading it."""
-    if node.op != "call_function":
-        return node.op != "placeholder"
-    if not _fusible(node):
-        return False
-    if node.target in _REDUCTIONS:
-        # a reduction that shrinks its input is cheap to save and dear to recompute
-        ins = sum(_bytes(a) for a in node.all_input_nodes)
-        return 4 * _bytes(node) >= ins
-    return True
-
-
-def _bytes(node: torch.fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+    """The values the forward saves, as the compiler's minimum cut (`ferrocore::joint`) chooses
+    them over the joint graph."""
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    facts = {"primals": num_primals, "tangents": len(placeholders) - num_primals, "user_outputs": num_outputs,
+             "free_inputs": sorted(free_inputs), "written": sorted(written)}
+    try:
+        graph_json = serialize_graph(joint, "joint")
+    except UnsupportedGraph as e:
+        raise NeedsAot(f"the joint graph cannot be serialized: {e.reason}") from None
+    try:
+        names = extension().joint_saved_values(graph_json, json.dumps(facts))
+    except extension().FerrocoreError as e:
+        raise NeedsAot(str(e)) from None
+    by_name = {n.name: n for n in nodes}
+    return [by_name[name] for name in names]
 
 
 def _is_view(target) -> bool:

@@ -255,10 +255,18 @@ fn ptx_param_count(ptx: &str, name: &str) -> Option<usize> {
     cuda::ptx_param_count(ptx, name)
 }
 
-/// The source side of a minimum s-t cut (`ferrocore::min_cut`): one bool per vertex.
+/// The forward values a joint training graph saves for its backward (`ferrocore::joint`), by
+/// name: `graph_json` in the exchange format, `facts_json` a `JointFacts`.
 #[pyfunction]
-fn min_cut_source_side(vertices: usize, edges: Vec<(u32, u32, i64)>, source: usize, sink: usize) -> PyResult<Vec<bool>> {
-    guarded("min_cut_source_side", || ferrocore::min_cut::source_side(vertices, &edges, source, sink))
+fn joint_saved_values(py: Python<'_>, graph_json: &str, facts_json: &str) -> PyResult<Vec<String>> {
+    py.detach(|| {
+        guarded("joint_saved_values", || {
+            let graph = ferrocore::graph::parse_graph(graph_json).map_err(|e| e.to_string())?;
+            let facts: ferrocore::joint::JointFacts = serde_json::from_str(facts_json).map_err(|e| format!("invalid joint facts: {e}"))?;
+            let saved = ferrocore::joint::saved_values(&graph, &facts).map_err(|e| e.to_string())?;
+            Ok(saved.into_iter().map(|id| graph.node(id).name.clone()).collect())
+        })
+    })
 }
 
 /// Whether the compiler runs a forward 2-D CPU convolution as a GEMM or a generated kernel
@@ -284,7 +292,6 @@ fn cpu_conv_runs_compiled(
 #[pymodule]
 fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // the constants the front needs, from the one place each is defined
-    m.add("MIN_CUT_INFINITE", ferrocore::min_cut::INFINITE)?;
     m.add("GEMM_ALIGN", ferrocore::lowering::GEMM_ALIGN)?;
     m.add("FerrocoreError", m.py().get_type::<FerrocoreError>())?;
     m.add_function(wrap_pyfunction!(compile_graph, m)?)?;
@@ -298,7 +305,7 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(option_schema, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_names, m)?)?;
     m.add_function(wrap_pyfunction!(ptx_param_count, m)?)?;
-    m.add_function(wrap_pyfunction!(min_cut_source_side, m)?)?;
+    m.add_function(wrap_pyfunction!(joint_saved_values, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_conv_runs_compiled, m)?)?;
     m.add_class::<CudaDriver>()?;
     m.add_class::<CudaKernel>()?;

@@ -4,6 +4,7 @@ pub mod artifact;
 pub mod codegen;
 pub mod driver;
 pub mod graph;
+pub mod joint;
 pub mod loop_ir;
 pub mod lowering;
 pub mod min_cut;

@@ -1,8 +1,7 @@
-//! Minimum s-t cuts of capacitated directed graphs (Dinic's max-flow). The front uses one to
-//! choose the activations a training graph's forward saves for its backward
-//! (`python/ferrocore/joint_split.py`): each value is an edge whose capacity is what saving it
-//! costs, and the cheapest cut between what the forward must compute and what the backward
-//! needs is the set to save.
+//! Minimum s-t cuts of capacitated directed graphs (Dinic's max-flow). `joint` uses one to
+//! choose the activations a training graph's forward saves for its backward: each value is an
+//! edge whose capacity is what saving it costs, and the cheapest cut between what the forward
+//! must compute and what the backward needs is the set to save.
 
 use std::collections::VecDeque;
 

@@ -159,7 +159,7 @@ impl Graph {
         self.nodes.iter().for_each(|n| visit(&n.meta, &mut out));
         out
     }
-    pub fn ids(&self) -> impl Iterator<Item = NodeId> {
+    pub fn ids(&self) -> impl DoubleEndedIterator<Item = NodeId> {
         (0..self.nodes.len() as u32).map(NodeId)
     }
     /// The calls that take each node as an argument (once per call).

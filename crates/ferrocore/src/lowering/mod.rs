@@ -1030,6 +1030,74 @@ pub fn is_library_call(op: AtenOp) -> bool {
     )
 }
 
+/// How the kernels take an op in: what a backward may recompute instead of loading (`joint`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fusion {
+    /// Computed per element, in whatever kernel reads it: pointwise ops, copies and casts, an
+    /// element of a multi-result node.
+    Elementwise,
+    /// Indexing only: no code of its own.
+    View,
+    /// Made from its arguments alone (`arange`, `full`, `empty`).
+    Creation,
+    /// Reads what it moves at computed positions: gathers, concatenation, padding.
+    Gather,
+    /// A reduction over dims (recomputing one that shrinks its input much is dear).
+    Reduction,
+    /// Lowered into loops of its own kind (scans, norms, pools, scatters, ...): not recomputed.
+    Other,
+    /// Never recomputed: library calls and ops ferrocore does not lower (nothing fuses them),
+    /// and seeded random ops (a recomputation would draw new values).
+    Opaque,
+}
+
+impl Fusion {
+    /// Whether a recomputation fuses into the kernels around it.
+    pub fn fuses(self) -> bool {
+        matches!(self, Fusion::Elementwise | Fusion::View | Fusion::Creation | Fusion::Gather | Fusion::Reduction)
+    }
+}
+
+pub fn fusion_of(target: &Target) -> Fusion {
+    use AtenOp::*;
+    let op = match target {
+        Target::GetItem => return Fusion::Elementwise,
+        Target::Unknown(_) => return Fusion::Opaque,
+        Target::Aten(op) => *op,
+    };
+    if is_library_call(op) || is_seeded_random(op) {
+        return Fusion::Opaque;
+    }
+    match op {
+        Abs | Neg | Exp | Exp2 | Expm1 | Log | Log2 | Log10 | Log1p | Sqrt | Rsqrt | Sin | Cos | Tan | Asin | Acos | Atan | Sinh | Cosh
+        | Tanh | Asinh | Acosh | Atanh | Sigmoid | Relu | Erf | Erfc | Lgamma | SpecialErfcx | Floor | Ceil | Round | Trunc | Sign
+        | Reciprocal | BitwiseNot | LogicalNot | IsNan | IsInf | Gelu | Silu | AddTensor | AddScalar | SubTensor | SubScalar
+        | RsubScalar | MulTensor | MulScalar | DivTensor | DivScalar | DivTensorMode | DivScalarMode | PowTensorTensor
+        | PowTensorScalar | PowScalar | Maximum | Minimum | FmodTensor | FmodScalar | RemainderTensor | RemainderScalar | Atan2
+        | EqTensor | EqScalar | NeTensor | NeScalar | LtTensor | LtScalar | LeTensor | LeScalar | GtTensor | GtScalar | GeTensor
+        | GeScalar | LogicalAnd | LogicalOr | LogicalXor | BitwiseAndTensor | BitwiseAndScalar | BitwiseOrTensor | BitwiseOrScalar
+        | BitwiseXorTensor | BitwiseXorScalar | LshiftTensor | LshiftScalar | RshiftTensor | RshiftScalar | BitwiseLeftShift
+        | BitwiseRightShift | WhereSelf | Fma | ConjPhysical | Clamp | ClampTensor | ClampMin | ClampMax | Hardtanh | Elu | LeakyRelu
+        | ToCopy | Clone | Copy | LiftFreshCopy => Fusion::Elementwise,
+        View | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | SliceTensor | SelectInt | TransposeInt | T
+        | Alias | Diagonal | Unfold | SplitWithSizes | SplitTensor | AsStrided | Conj | ViewAsReal => Fusion::View,
+        Full | FullLike | ScalarTensor | EmptyMemoryFormat | EmptyStrided | EmptyPermuted | ArangeStartStep | ArangeStart | Arange
+        | Linspace | LinspaceTensorTensor | LinspaceTensorScalar | LinspaceScalarTensor | Logspace | LogspaceTensorTensor
+        | LogspaceTensorScalar | LogspaceScalarTensor => Fusion::Creation,
+        Cat | ConstantPadNd | IndexTensor | Gather | Embedding => Fusion::Gather,
+        SumDimIntList | SumDefault | MeanDim | MeanDefault | Amax | Amin | ProdDimInt | AnyDim | VarCorrection | MaxDim | MinDim => {
+            Fusion::Reduction
+        }
+        _ => Fusion::Other,
+    }
+}
+
+/// Ops that draw random numbers from the generator's state.
+pub fn is_seeded_random(op: AtenOp) -> bool {
+    use AtenOp::*;
+    matches!(op, Rand | Randn | RandLike | RandnLike | BernoulliP | NativeDropout | RreluWithNoise | Randperm)
+}
+
 pub fn collect_refs(a: &Arg, out: &mut Vec<NodeId>) {
     match a {
         Arg::Node(n) => out.push(*n),
