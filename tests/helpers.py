@@ -173,7 +173,7 @@ def capture_inductor_kernels(stats: CompileStats):
 
 
 def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
-    from ferrocore.backend import is_dense
+    from ferrocore.strides import is_dense
 
     return is_dense(t.shape, t.stride())
 

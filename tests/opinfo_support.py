@@ -332,10 +332,11 @@ class Observed:
 def observe_ferrocore():
     """Records every `ferrocore.metrics` entry (a call may compile several graphs when dynamo
     breaks the function; `metrics.last` holds only the last) and the ATen overloads of each graph
-    handed to ferrocore (through `ferrocore.backend._compile`, when it exists), why a graph ran
+    handed to ferrocore (through `ferrocore.dispatch.compile_request`, when it exists), why a graph ran
     eagerly (the reason of the `serialize_graph` exception) and why each node fell back (the
     `reason` of each fallback in the Rust result)."""
-    import ferrocore.backend as backend
+    import ferrocore.dispatch as dispatch
+    import ferrocore.static_compile as static_compile
     from ferrocore.metrics import metrics
 
     observed = Observed()
@@ -351,8 +352,8 @@ def observe_ferrocore():
             observed.fallback_ops.append(f"<graph ran eagerly: {reason}>")
         _original(metrics, entry, *more)
 
-    original_compile = getattr(backend, "_compile", None)
-    original_serialize = getattr(backend, "serialize_graph", None)
+    original_compile = getattr(dispatch, "compile_request", None)
+    original_serialize = getattr(static_compile, "serialize_graph", None)
 
     def serialize(*args, **kwargs):
         try:
@@ -386,9 +387,9 @@ def observe_ferrocore():
     if original_rust is not None:
         extension.compile_graph = compile_graph
     if original_compile is not None:
-        backend._compile = compile_
+        dispatch.compile_request = compile_
     if original_serialize is not None:
-        backend.serialize_graph = serialize
+        static_compile.serialize_graph = serialize
     try:
         yield observed
     finally:
@@ -396,9 +397,9 @@ def observe_ferrocore():
         if original_rust is not None:
             extension.compile_graph = original_rust
         if original_compile is not None:
-            backend._compile = original_compile
+            dispatch.compile_request = original_compile
         if original_serialize is not None:
-            backend.serialize_graph = original_serialize
+            static_compile.serialize_graph = original_serialize
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import ferrocore
-from ferrocore import backend, graph_names, options
+from ferrocore import dispatch, graph_names, options, static_compile
 from ferrocore.runtime import cache as runtime_cache
 from ferrocore.runtime import cpp_library
 
@@ -46,7 +46,7 @@ def _compile(f=_f):
     """The graph's boxed call (its `__globals__` are the wrapper module's), named as in a fresh
     process (the name is part of the wrapper's text and file name)."""
     graph_names._counter = itertools.count()
-    return backend._compile(backend.CompileRequest(make_fx(f)(X), {}, {}))
+    return dispatch.compile_request(static_compile.CompileRequest(make_fx(f)(X), {}, {}))
 
 
 def _check(call, f=_f):
@@ -218,7 +218,7 @@ def test_a_warm_cache_on_a_read_only_file_system_is_used(cache):
 
 
 def test_compiles_keep_the_cache_under_its_size_limit(cache, monkeypatch):
-    monkeypatch.setattr(backend, "_cache_trimmer", runtime_cache.Trimmer(every=2))
+    monkeypatch.setattr(static_compile, "_cache_trimmer", runtime_cache.Trimmer(every=2))
     monkeypatch.setenv("FERROCORE_CACHE_MAX_BYTES", "unlimited")
     _check(_compile())
     assert _entries(cache, "*.so")
@@ -277,19 +277,19 @@ def test_module_bytecode_is_cached_and_a_bad_entry_rebuilt(cache, monkeypatch):
     """A wrapper module's code object is compiled once, then read from the cache; an entry that
     does not verify is compiled again and rewritten."""
     compiles = []
-    monkeypatch.setitem(backend.__dict__, "compile", lambda *a: compiles.append(a) or compile(*a))
+    monkeypatch.setitem(static_compile.__dict__, "compile", lambda *a: compiles.append(a) or compile(*a))
     source = "x = 40 + 2\n"
-    backend._module_code(source, "/graphs/m.py", str(cache))
+    static_compile._module_code(source, "/graphs/m.py", str(cache))
     entries = list(Path(cache, "bytecode").rglob("*.marshal"))
     assert len(entries) == 1 and len(compiles) == 1
     namespace: dict = {}
-    exec(backend._module_code(source, "/graphs/m.py", str(cache)), namespace)
+    exec(static_compile._module_code(source, "/graphs/m.py", str(cache)), namespace)
     assert namespace["x"] == 42 and len(compiles) == 1  # read back, not compiled
-    backend._module_code(source, "/graphs/other.py", str(cache))  # another file name: another entry
+    static_compile._module_code(source, "/graphs/other.py", str(cache))  # another file name: another entry
     assert len(compiles) == 2
     entries[0].write_bytes(b"\x00" * 8)  # edited behind the cache's back
     namespace = {}
-    exec(backend._module_code(source, "/graphs/m.py", str(cache)), namespace)
+    exec(static_compile._module_code(source, "/graphs/m.py", str(cache)), namespace)
     assert namespace["x"] == 42 and len(compiles) == 3
-    exec(backend._module_code(source, "/graphs/m.py", str(cache)), namespace)
+    exec(static_compile._module_code(source, "/graphs/m.py", str(cache)), namespace)
     assert len(compiles) == 3  # rewritten whole

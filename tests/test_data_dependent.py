@@ -133,9 +133,9 @@ def test_runtime_assert_on_a_data_dependent_size_still_raises():
 
 @torch._dynamo.config.patch(**CAPTURE)
 def test_signatures_beyond_the_limit_run_eagerly(monkeypatch, observed):
-    import ferrocore.backend as backend
+    import ferrocore.dispatch as dispatch
 
-    monkeypatch.setattr(backend, "SPECIALIZATION_LIMIT", 2)
+    monkeypatch.setattr(dispatch, "SPECIALIZATION_LIMIT", 2)
 
     def f(x):
         return torch.nonzero(x).float() + 0.5

@@ -58,13 +58,13 @@ def _digests(gm: torch.fx.GraphModule):
 def _both_traces(fn, *inputs):
     """(the direct trace's graph or its NeedsAot reason, AOT autograd's inference graph) of
     each graph Dynamo makes of `fn`."""
-    from ferrocore import backend, direct_trace
+    from ferrocore import decompositions, direct_trace
     from torch._functorch.aot_autograd import aot_module_simplified
 
     graphs = []
 
     def capture(gm, example_inputs, **kwargs):
-        table = backend.decompositions(training=False)
+        table = decompositions.decompositions(training=False)
         try:
             direct_trace.check_graph(gm, example_inputs)
             direct = direct_trace.trace(gm, example_inputs, table)
@@ -300,13 +300,13 @@ def test_static_inputs_are_aot_autograds():
 def _both_joint_traces(fn, *inputs):
     """(the direct joint trace, common subexpressions merged, or its NeedsAot reason; AOT
     autograd's joint graph, likewise) of each graph Dynamo makes of a training step of `fn`."""
-    from ferrocore import backend, direct_trace, joint_split
+    from ferrocore import decompositions, direct_trace, joint_split, tracing
     from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
 
     graphs = []
 
     def capture(gm, example_inputs, **kwargs):
-        table = backend.decompositions(training=True)
+        table = decompositions.decompositions(training=True)
         try:
             direct_trace.check_graph(gm, example_inputs, training=True)
             joint = direct_trace.trace_joint(gm, example_inputs, table)
@@ -318,7 +318,7 @@ def _both_joint_traces(fn, *inputs):
 
         def partition(joint, joint_inputs, **kw):
             joints.append(joint)
-            return backend._partition(joint, joint_inputs, **kw)
+            return tracing._partition(joint, joint_inputs, **kw)
 
         compiled = aot_module_simplified(gm, example_inputs, decompositions=table, keep_inference_input_mutations=True,
                                          fw_compiler=lambda g, _: make_boxed_func(g),

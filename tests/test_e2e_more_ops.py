@@ -41,12 +41,12 @@ def test_as_strided_reads_the_storage_eager_computed_its_operand_into(view):
 @pytest.mark.ferrocore_only
 def test_integer_clamp_bounds_past_the_range_follow_this_torchs_eager(monkeypatch):
     # torch 2.11's clamp wraps min=-1 into uint8 (255); later versions let it bound nothing
-    from ferrocore import backend
+    from ferrocore import prepare
 
     x = torch.tensor([4, 0, 200], dtype=torch.uint8)
     f = lambda t: (torch.clamp(t, min=-1), torch.clamp(t, -3, 2) + 1)
     check(f, x, allow_constant=True)  # torch 2.11: min=-1 makes every element 255
-    monkeypatch.setattr(backend, "_eager_wraps_clamp_bounds", lambda: True)
+    monkeypatch.setattr(prepare, "_eager_wraps_clamp_bounds", lambda: True)
     torch._dynamo.reset()
     # the patched behaviour is not in the compiled-graph cache's key (torch's version is)
     got = torch.compile(f, backend="ferrocore", options={"graph_cache": False})(x)

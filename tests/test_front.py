@@ -109,16 +109,16 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(ferrocore, "_ferrocore", ext, raising=False)
     # Keep each graph so the stand-in wrapper can run it: serialize -> remember the FX module.
     graphs = {}
-    import ferrocore.backend as backend
+    import ferrocore.static_compile as static_compile
 
-    serialize = backend.serialize_graph
+    serialize = static_compile.serialize_graph
 
     def remembering(gm, name, *args):
         doc = serialize(gm, name, *args)
         graphs[name] = lambda args: gm(*args)
         return doc
 
-    monkeypatch.setattr(backend, "serialize_graph", remembering)
+    monkeypatch.setattr(static_compile, "serialize_graph", remembering)
     monkeypatch.setitem(sys.modules, "fake_front_graphs", graphs)
     monkeypatch.setenv("FERROCORE_LOGS", "output_code,fallback")
     monkeypatch.setenv("FERROCORE_CACHE_DIR", str(tmp_path / "cache"))
@@ -173,26 +173,26 @@ def test_a_compile_defers_full_collections_and_restores_the_collector(fake, monk
     import contextlib
     import gc
 
-    from ferrocore import backend
+    from ferrocore import backend, tracing
 
     before, frozen = gc.get_threshold(), gc.get_freeze_count()
-    with backend._collector_spared():
+    with tracing.collector_spared():
         if frozen == 0 and gc.isenabled():
-            assert gc.get_threshold()[2] == max(before[2], backend._FULL_COLLECTION_DEFERRED)
+            assert gc.get_threshold()[2] == max(before[2], tracing._FULL_COLLECTION_DEFERRED)
             assert gc.get_freeze_count() > 0
         else:  # the program's own settings stand
             assert (gc.get_threshold(), gc.get_freeze_count()) == (before, frozen)
     assert (gc.get_threshold(), gc.get_freeze_count()) == (before, frozen)
     gc.disable()
     try:
-        with backend._collector_spared():
+        with tracing.collector_spared():
             assert (gc.get_threshold(), gc.get_freeze_count()) == (before, frozen)
     finally:
         gc.enable()
 
     # every backend call runs inside it
     entered, calls = [], []
-    spared, compile_graph = backend._collector_spared, backend._compile_dynamo_graph
+    spared, compile_graph = backend.collector_spared, backend._compile_dynamo_graph
 
     @contextlib.contextmanager
     def counted():
@@ -204,7 +204,7 @@ def test_a_compile_defers_full_collections_and_restores_the_collector(fake, monk
         calls.append(True)
         return compile_graph(*args)
 
-    monkeypatch.setattr(backend, "_collector_spared", counted)
+    monkeypatch.setattr(backend, "collector_spared", counted)
     monkeypatch.setattr(backend, "_compile_dynamo_graph", counted_compile)
     fn = torch.compile(lambda x: x.cos() + 1, backend=ferrocore_backend, dynamic=False)
     x = torch.randn(4)
@@ -329,9 +329,9 @@ def test_triton_kernels_for_a_cpu_graph_without_the_interpreter_raise_a_clear_er
 
 
 def test_max_autotune_on_a_cpu_graph_says_it_tunes_nothing(fake, monkeypatch, capfd):
-    from ferrocore import backend
+    from ferrocore import prepare
 
-    monkeypatch.setitem(backend._said, "cpu_autotune", False)
+    monkeypatch.setitem(prepare._said, "cpu_autotune", False)
     fn = torch.compile(lambda x: x * 9, backend=ferrocore_backend, dynamic=False, mode="max-autotune-no-cudagraphs")
     fn(torch.randn(2, device="cpu"))
     assert "autotuning (mode='max-autotune') times Triton kernels only" in capfd.readouterr().err
@@ -470,7 +470,7 @@ def test_cpu_scalars_of_a_gpu_graph_are_found():
     # a 0-d CPU tensor may join a CUDA op in ATen; the front moves it to the GPU for the kernels
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ferrocore.backend import _host_scalars, _move_host_scalars
+    from ferrocore.prepare import _host_scalars, _move_host_scalars
 
     with FakeTensorMode():
         vals = {"a": torch.empty(3, device="cuda"), "s": torch.empty((), device="cpu"),
@@ -494,7 +494,7 @@ def test_cpu_scalars_made_inside_a_gpu_graph_move_to_the_gpu():
     # feeds a CUDA op: it is made on the GPU so the op compiles; a CPU output stays on the CPU
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ferrocore.backend import _move_host_scalars
+    from ferrocore.prepare import _move_host_scalars
 
     aten = torch.ops.aten
     gpu = torch.device("meta")  # stands in for CUDA on a machine without one
@@ -532,7 +532,7 @@ def test_cpu_scalars_made_inside_a_gpu_graph_move_to_the_gpu():
 def test_kernels_compiled_later_run_on_another_thread_and_errors_surface_at_wait():
     import threading
 
-    from ferrocore.backend import KernelsLater
+    from ferrocore.static_compile import KernelsLater
 
     ran = []
     later = KernelsLater()

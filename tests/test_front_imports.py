@@ -311,12 +311,12 @@ LAYERS = (
                 "serialize", "artifact")),
     # loading, launching, caching and running compiled graphs
     ("runtime", ("runtime", "runtime.*")),
-    # one graph of static sizes, prepared and compiled by Rust, then loaded
-    ("compile", ("padding", "conv_layout")),
+    # one graph of static sizes (one CompileRequest), prepared and compiled by Rust, then loaded
+    ("compile", ("static_compile", "prepare", "padding", "conv_layout")),
     # graphs with data-dependent or symbolic sizes, cut or specialized into static compiles
-    ("dispatch", ("partition",)),
+    ("dispatch", ("dispatch", "partition")),
     # Dynamo's graph to ATen graphs: the direct trace or AOT autograd, the joint split
-    ("tracing", ("direct_trace", "fake_calls", "joint_split", "foreach")),
+    ("tracing", ("tracing", "decompositions", "direct_trace", "fake_calls", "joint_split", "foreach")),
     # the Dynamo backend: modes, options, the compiled-graph cache's lookup
     ("entry", ("", "backend")),
 )

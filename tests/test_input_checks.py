@@ -225,7 +225,7 @@ def test_zero_dim_inputs_declared_on_the_gpu_are_the_ones_moved_there():
     # handed over on the CPU; the compiled call moves it (found by the CUDA test run)
     from torch._subclasses import FakeTensorMode
 
-    from ferrocore.backend import _declared_gpu_scalars
+    from ferrocore.prepare import declared_gpu_scalars
 
     graph = torch.fx.Graph()
     with FakeTensorMode():
@@ -235,5 +235,5 @@ def test_zero_dim_inputs_declared_on_the_gpu_are_the_ones_moved_there():
         graph.placeholder(f"a{i}").meta["val"] = v
     graph.output(())
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    assert _declared_gpu_scalars(gm, host=[]) == [0, 3]
-    assert _declared_gpu_scalars(gm, host=[3]) == [0]
+    assert declared_gpu_scalars(gm, host=[]) == [0, 3]
+    assert declared_gpu_scalars(gm, host=[3]) == [0]

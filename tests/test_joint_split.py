@@ -18,13 +18,13 @@ aten = torch.ops.aten
 
 def _split(fn, *inputs):
     """The Split of the one graph Dynamo makes of `fn`'s training step."""
-    from ferrocore import backend, direct_trace, joint_split
+    from ferrocore import decompositions, direct_trace, joint_split
 
     found = []
 
     def capture(gm, example_inputs, **kwargs):
         direct_trace.check_graph(gm, example_inputs, training=True)
-        joint = direct_trace.trace_joint(gm, example_inputs, backend.decompositions(training=True))
+        joint = direct_trace.trace_joint(gm, example_inputs, decompositions.decompositions(training=True))
         found.append(joint_split.split(joint.graph, joint.num_outputs, len(joint.requires_grad),
                                        set(direct_trace.static_inputs(gm)), set(joint.written)))
         return gm.forward

@@ -33,7 +33,7 @@ def _wrapper_module(cache_dir):
     """A compiled graph of Triton kernels and its wrapper module (rendered for CPU tensors: only
     its source is used)."""
     import ferrocore
-    from ferrocore.backend import _import_module
+    from ferrocore.static_compile import _import_module
 
     def f(x, y):
         return (x * 2 + y).relu().sum(1), torch.sigmoid(x)

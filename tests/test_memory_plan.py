@@ -30,9 +30,9 @@ def test_compiled_call_takes_over_its_argument_list():
     fn = ferrocore.compile_graph(gm)
     a, b = torch.randn(4, 5), torch.randn(4, 5)
     torch.testing.assert_close(fn(a, b)[0], f(a, b))
-    from ferrocore import backend
+    from ferrocore import dispatch, static_compile
 
-    boxed = backend._compile(backend.CompileRequest(gm, {}, {}))
+    boxed = dispatch.compile_request(static_compile.CompileRequest(gm, {}, {}))
     args = [a, b]
     boxed(args)
     assert args == [], "the boxed call clears the list so that inputs can be freed early"
@@ -41,16 +41,16 @@ def test_compiled_call_takes_over_its_argument_list():
 @pytest.fixture
 def compiled_graphs(monkeypatch) -> list:
     """The FX graphs handed to ferrocore's compiler, in order (forward, then backward)."""
-    from ferrocore import backend
+    from ferrocore import dispatch
 
     graphs = []
-    compile_graph = backend._compile
+    compile_graph = dispatch.compile_request
 
     def spy(request):
         graphs.append(request.gm)
         return compile_graph(request)
 
-    monkeypatch.setattr(backend, "_compile", spy)
+    monkeypatch.setattr(dispatch, "compile_request", spy)
     return graphs
 
 

@@ -278,7 +278,7 @@ def _call_twice(compiled, preps: list, device: str) -> list:
 def _torch_reference():
     """ferrocore's torch half alone: AOT autograd with ferrocore's options and decomposition
     table, its graphs run as traced. An error this backend raises too is torch's, not ferrocore's."""
-    from ferrocore.backend import decompositions
+    from ferrocore.decompositions import decompositions
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 

@@ -7,7 +7,7 @@ hands over graphs in which a node's *value* decides later sizes: `nonzero`, `mas
 
 The graph is cut after every node whose data decides a new unbacked symbol (`reads_data`). Each such node runs as an
 ATen call between the segments (a library call; see docs/externs.md); every other segment is an
-ordinary graph handed to `backend._compile`, which specializes it per input signature. Once the
+ordinary graph handed to `dispatch.compile_request`, which specializes it per input signature. Once the
 data-dependent values are concrete (real tensors, Python numbers), they are part of the next
 segment's signature, so every kernel is still compiled for static sizes.
 

@@ -48,9 +48,14 @@ class Bypass(Exception):
     """The graph cannot be cached; the message says why (logged on `graph_cache`)."""
 
 
+# an entry's kind, how many compiled graphs it holds, and their parts (as graphs are named)
+ENTRY_GRAPHS = {"inference": 1, "training": 2}
+ENTRY_PARTS = {"inference": ("inference",), "training": ("fw", "bw")}
+
+
 @dataclass
 class CompiledGraph:
-    """One compiled ATen graph, as the front runs it: everything `backend._load_graph` needs."""
+    """One compiled ATen graph, as the front runs it: everything `static_compile.load_graph` needs."""
 
     name: str
     module_path: str
