@@ -64,7 +64,7 @@ class FakeExtension:
         # The module loads "kernels" at import, like a real wrapper, then runs the graph eagerly.
         path.write_text(
             "import sys\n"
-            "from ferrocore.runtime import load_kernels\n"
+            "from ferrocore.runtime.cpp_library import load_kernels\n"
             "lib = load_kernels('// kernels')\n"
             "def call(args):\n"
             f"    return sys.modules['fake_front_graphs'][{doc['name']!r}](args)\n"

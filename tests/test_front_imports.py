@@ -40,12 +40,6 @@ FRONT = Path(__file__).resolve().parent.parent / "python" / PACKAGE
 LAZY = {
     # importing ferrocore must not import torch (the package's docstring); the backend does
     ("__init__.py", "compile_graph", "ferrocore.backend"),
-    # the helpers generated wrapper modules import from `ferrocore.runtime`, looked up at their
-    # first use: the compile workers import the runtime package without torch
-    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.cpp_library"),
-    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.report"),
-    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.triton_launch"),
-    ("runtime/__init__.py", "__getattr__", "ferrocore.runtime.wrapper"),
 }
 
 

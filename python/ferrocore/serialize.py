@@ -40,7 +40,7 @@ def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output
     """The JSON document for `gm`, named `name`. Lifted tensor constants (`get_attr` nodes)
     become extra inputs after the graph's own: call with `args + lifted_constants(gm)`.
     `output_strides` ({node name: stride}) replaces the metadata strides of output nodes that
-    must keep eager's layout (see `backend._visible_output_strides`). `free_layout_outputs` lists
+    must keep eager's layout (see `tracing._visible_output_strides`). `free_layout_outputs` lists
     the output positions whose layout the compiler may choose (activations a forward graph saves
     for its backward, which is compiled for the strides the forward reports). `padded_matmuls`
     ({GEMM node name: why}) names the GEMMs measured faster on padded operands

@@ -15,44 +15,8 @@ dispatch, static compile): those hand it what it needs. It may import the front'
 modules (`extension`, `options`, `metrics`, `artifact`, `strides`, `serialize`, ...);
 tests/test_front_imports.py holds it to that.
 
-Generated wrapper modules import their helpers from this package (`from ferrocore.runtime
-import load_kernels, ...`: the names `crates/ferrocore/src/wrapper` prints). Those are looked up
-at their first use (`__getattr__`), so that importing a module of the runtime does not import
-torch: the compile workers (`python -m ferrocore.runtime.compile_worker`) start without it.
+Generated wrapper modules import their helpers from the modules that define them
+(`from ferrocore.runtime.wrapper import restride, ...`: the names `crates/ferrocore/src/wrapper`
+prints). This package's own module imports nothing, so the compile workers
+(`python -m ferrocore.runtime.compile_worker`) start without torch.
 """
-
-from __future__ import annotations
-
-# name -> the module of this package that defines it: the helpers generated wrapper modules
-# import from `ferrocore.runtime` (python.rs, checks.rs)
-WRAPPER_HELPERS = {
-    "load_kernels": "cpp_library",
-    "host_kernel": "cpp_library",
-    "TritonLaunch": "triton_launch",
-    "GpuIndexCheck": "wrapper",
-    "empty_strided_cuda": "wrapper",
-    "owned_storage": "wrapper",
-    "reinterpret": "wrapper",
-    "restride": "wrapper",
-    "check_input_count": "wrapper",
-    "assert_size_stride_grouped": "wrapper",
-    "check_storage_view": "wrapper",
-    "input_mismatch": "wrapper",
-    "benchmark": "report",
-    "benchmark_main": "report",
-}
-
-
-def __getattr__(name: str):
-    """A wrapper module's helper, imported at its first use (the module's docstring says why)."""
-    module = WRAPPER_HELPERS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    # imported here, not at the top: the compile workers import this package without torch
-    # (tests/test_front_imports.py allows these imports)
-    from . import cpp_library, report, triton_launch, wrapper
-
-    value = getattr({"cpp_library": cpp_library, "report": report, "triton_launch": triton_launch,
-                     "wrapper": wrapper}[module], name)
-    globals()[name] = value
-    return value

@@ -1,4 +1,4 @@
-"""Helpers the generated wrapper modules call (`from ferrocore.runtime import ...`); they are
+"""Helpers the generated wrapper modules call (`from ferrocore.runtime.wrapper import ...`); they are
 on the hot path, so each is one step: buffers and views, library results in the promised
 layout, the GPU index-check flag, and the input checks (`wrapper/checks.rs`)."""
 

@@ -35,7 +35,7 @@ pub fn input_specs(g: &CompiledGraph) -> String {
     if helpers.is_empty() {
         return m;
     }
-    let _ = writeln!(m, "\nfrom ferrocore.runtime import {}", helpers.join(", "));
+    let _ = writeln!(m, "\nfrom ferrocore.runtime.wrapper import {}", helpers.join(", "));
     if !checked {
         return m;
     }

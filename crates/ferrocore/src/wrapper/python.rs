@@ -74,10 +74,12 @@ fn header(g: &CompiledGraph) -> String {
     m.push_str("# Edit a kernel below and run this file to recompile and time it.\n");
     match g.language {
         Language::Cpp => {
-            m.push_str("import torch\nfrom ferrocore.runtime import load_kernels, host_kernel, owned_storage, reinterpret, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime.cpp_library import host_kernel, load_kernels\n");
+            m.push_str("from ferrocore.runtime.wrapper import owned_storage, reinterpret, restride\n\n");
         }
         Language::Triton => {
-            m.push_str("import torch\nfrom ferrocore.runtime import GpuIndexCheck, TritonLaunch, empty_strided_cuda, owned_storage, reinterpret, restride\n\n");
+            m.push_str("import torch\nfrom ferrocore.runtime.triton_launch import TritonLaunch\n");
+            m.push_str("from ferrocore.runtime.wrapper import GpuIndexCheck, empty_strided_cuda, owned_storage, reinterpret, restride\n\n");
         }
     }
     m
@@ -290,10 +292,10 @@ fn self_timing(g: &CompiledGraph) -> String {
         let gen = if b.device == "cpu" { gen } else { format!("{gen}.to({})", py_str(&b.device)) };
         let _ = writeln!(m, "        {gen}.as_strided({}, {}),", py_tuple(&b.size), py_tuple(&b.stride));
     }
-    m.push_str("    ]\n\n\ndef benchmark_compiled_module(reps=100, report=None):\n    from ferrocore.runtime import benchmark\n");
+    m.push_str("    ]\n\n\ndef benchmark_compiled_module(reps=100, report=None):\n    from ferrocore.runtime.report import benchmark\n");
     m.push_str("    return benchmark(call, make_inputs(), reps, report=report, module=globals())\n\n\n");
     m.push_str(
-        "if __name__ == '__main__':\n    from ferrocore.runtime import benchmark_main\n    benchmark_main(benchmark_compiled_module)\n",
+        "if __name__ == '__main__':\n    from ferrocore.runtime.report import benchmark_main\n    benchmark_main(benchmark_compiled_module)\n",
     );
     m
 }
