@@ -3,10 +3,10 @@ backward graphs, as AOT autograd's min-cut partitioner splits the joint graphs i
 
 First, common subexpressions are merged (the backward formulas recompute what the forward
 computed: a normalization's centred input, a mask's comparison). Then the compiler chooses the
-activations the forward saves (`ferrocore::joint`: a minimum cut over the joint graph, on the
-compiler's own model of what its kernels fuse), and the joint graph is cut there into two FX
-graphs: the forward returns the user's outputs and the saved values, the backward takes the
-saved values and the tangents.
+activations the forward saves (`ferrocore::joint`: a minimum cut over the joint graph, given each
+value's op, inputs and bytes, on the compiler's own model of what its kernels fuse), and the
+joint graph is cut there into two FX graphs: the forward returns the user's outputs and the
+saved values, the backward takes the saved values and the tangents.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .direct_trace import NeedsAot, graph_module
 from .extension import extension
-from .serialize import UnsupportedGraph, serialize_graph
 
 aten = torch.ops.aten
 
@@ -47,7 +46,7 @@ def split(joint: torch.fx.GraphModule, num_outputs: int, num_primals: int, free_
     placeholders = [n for n in nodes if n.op == "placeholder"]
     primals, tangents = placeholders[:num_primals], placeholders[num_primals:]
     copies = [n for n in nodes if n.op == "call_function" and n.target is aten.copy_.default]
-    saved = _saved_values(joint, nodes, num_outputs, num_primals, free_inputs, written)
+    saved = _saved_values(nodes, num_outputs, num_primals, free_inputs, written)
 
     forward = _extract(joint, nodes, [*user, *saved], primals, effects=tuple(copies))
     backward_graph = _extract(joint, nodes, grads, [*saved, *tangents])
@@ -93,23 +92,41 @@ def _pure(target) -> bool:
 # ---- the cut -----------------------------------------------------------------------------------
 
 
-def _saved_values(joint: torch.fx.GraphModule, nodes: list, num_outputs: int, num_primals: int,
-                  free_inputs: set, written: set) -> list:
+def _saved_values(nodes: list, num_outputs: int, num_primals: int, free_inputs: set, written: set) -> list:
     """The values the forward saves, as the compiler's minimum cut (`ferrocore::joint`) chooses
-    them over the joint graph."""
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    facts = {"primals": num_primals, "tangents": len(placeholders) - num_primals, "user_outputs": num_outputs,
+    them: each value's op, what it reads and its bytes go to Rust, their positions come back."""
+    index = {n: i for i, n in enumerate(nodes)}
+    described = []
+    for n in nodes[:-1]:  # the output node is `outputs` below
+        target = None if n.op in ("placeholder", "get_attr") else _target(n)
+        described.append({"target": target, "inputs": [index[a] for a in n.all_input_nodes], "bytes": _bytes(n),
+                          "constant": n.op == "get_attr"})
+    outputs = [index[o] if isinstance(o, torch.fx.Node) else None for o in nodes[-1].args[0]]
+    joint = {"nodes": described, "outputs": outputs, "user_outputs": num_outputs, "primals": num_primals,
              "free_inputs": sorted(free_inputs), "written": sorted(written)}
     try:
-        graph_json = serialize_graph(joint, "joint")
-    except UnsupportedGraph as e:
-        raise NeedsAot(f"the joint graph cannot be serialized: {e.reason}") from None
-    try:
-        names = extension().joint_saved_values(graph_json, json.dumps(facts))
+        positions = extension().joint_saved_values(json.dumps(joint))
     except extension().FerrocoreError as e:
         raise NeedsAot(str(e)) from None
-    by_name = {n.name: n for n in nodes}
-    return [by_name[name] for name in names]
+    return [nodes[i] for i in positions]
+
+
+def _target(n: torch.fx.Node) -> str:
+    if n.target is operator.getitem:
+        return "getitem"
+    if isinstance(n.target, torch._ops.OpOverload):
+        return str(n.target)
+    raise NeedsAot(f"node {n.name} calls {n.target!r}, not an ATen op")
+
+
+def _bytes(n: torch.fx.Node) -> int | None:
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return int(val.numel()) * val.element_size()
+    except (TypeError, RuntimeError):  # a symbolic size
+        raise NeedsAot(f"node {n.name} has a symbolic size") from None
 
 
 def _is_view(target) -> bool:

@@ -255,16 +255,14 @@ fn ptx_param_count(ptx: &str, name: &str) -> Option<usize> {
     cuda::ptx_param_count(ptx, name)
 }
 
-/// The forward values a joint training graph saves for its backward (`ferrocore::joint`), by
-/// name: `graph_json` in the exchange format, `facts_json` a `JointFacts`.
+/// The forward values a joint training graph saves for its backward (`ferrocore::joint`), as
+/// positions in its node list: `joint_json` a `JointGraph`.
 #[pyfunction]
-fn joint_saved_values(py: Python<'_>, graph_json: &str, facts_json: &str) -> PyResult<Vec<String>> {
+fn joint_saved_values(py: Python<'_>, joint_json: &str) -> PyResult<Vec<usize>> {
     py.detach(|| {
         guarded("joint_saved_values", || {
-            let graph = ferrocore::graph::parse_graph(graph_json).map_err(|e| e.to_string())?;
-            let facts: ferrocore::joint::JointFacts = serde_json::from_str(facts_json).map_err(|e| format!("invalid joint facts: {e}"))?;
-            let saved = ferrocore::joint::saved_values(&graph, &facts).map_err(|e| e.to_string())?;
-            Ok(saved.into_iter().map(|id| graph.node(id).name.clone()).collect())
+            let joint: ferrocore::joint::JointGraph = serde_json::from_str(joint_json).map_err(|e| format!("invalid joint graph: {e}"))?;
+            ferrocore::joint::saved_values(&joint).map_err(|e| e.to_string())
         })
     })
 }

@@ -13,41 +13,58 @@
 //! one the backward reads directly wins. Cheap values on the sink's side (pointwise chains,
 //! views, gathers) are recomputed in the backward, where they fuse into its kernels.
 
-use crate::graph::{Arg, Graph, Meta, NodeId, NodeKind, Target};
-use crate::lowering::{collect_refs, fusion_of, Fusion};
+use crate::graph::{parse::is_op_name, AtenOp, Target};
+use crate::lowering::{fusion_of, Fusion};
 use crate::min_cut;
 use serde::Deserialize;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 use std::fmt;
 
-/// What the graph's text does not say about its parts.
+/// A joint graph as the cut sees it: each value's op, what it reads and its bytes, in graph
+/// order (the front writes it from the FX graph: `joint_split.py`).
 #[derive(Clone, Debug, Deserialize)]
-pub struct JointFacts {
-    /// Inputs `0..primals` are the forward's, the next `tangents` the backward's incoming
-    /// gradients; any after them are lifted constants.
-    pub primals: usize,
-    pub tangents: usize,
-    /// Outputs `0..user_outputs` are the forward's results, the rest the primals' gradients.
+pub struct JointGraph {
+    pub nodes: Vec<JointNode>,
+    /// The graph's outputs, the forward's results then the primals' gradients (None where an
+    /// output is no value).
+    pub outputs: Vec<Option<usize>>,
+    /// Outputs `0..user_outputs` are the forward's results.
     pub user_outputs: usize,
+    /// Inputs `0..primals` (in graph order, lifted constants aside) are the forward's, the
+    /// rest the backward's incoming gradients (tangents).
+    pub primals: usize,
     /// Primal positions that cost nothing to save (parameters and buffers, alive anyway).
     pub free_inputs: Vec<usize>,
     /// Primal positions the forward writes into (the backward cannot read their old value).
     pub written: Vec<usize>,
 }
 
+#[derive(Clone, Debug, Deserialize)]
+pub struct JointNode {
+    /// The op (`aten.add.Tensor`, `getitem`); None for an input.
+    pub target: Option<String>,
+    /// The values it reads (positions in `JointGraph::nodes`), each once.
+    pub inputs: Vec<usize>,
+    /// Its tensor's bytes; None where it is no tensor.
+    pub bytes: Option<i64>,
+    /// A lifted constant: an input that is neither a primal nor a tangent.
+    #[serde(default)]
+    pub constant: bool,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum JointError {
-    /// The backward reads the old value of an input the forward writes into.
-    ReadsWrittenInput(String),
-    /// The facts do not fit the graph.
+    /// The backward reads the old value of an input the forward writes into (its position).
+    ReadsWrittenInput(usize),
+    /// The description does not hold together.
     Malformed(String),
 }
 
 impl fmt::Display for JointError {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
         match self {
-            JointError::ReadsWrittenInput(name) => write!(f, "the backward reads input {name}, which the forward writes into"),
+            JointError::ReadsWrittenInput(i) => write!(f, "the backward reads input {i}, which the forward writes into"),
             JointError::Malformed(why) => write!(f, "malformed joint graph: {why}"),
         }
     }
@@ -61,199 +78,190 @@ const LONGEST_CHAIN: usize = 100;
 /// steps), so that of two equal cuts the one the backward reads directly wins.
 const DISTANCE_COST: f64 = 1.1;
 const FARTHEST: usize = 100;
+const NONE: usize = usize::MAX;
 
-/// The graph's structure as the cut needs it.
+/// The graph's structure as the cut needs it (nodes by position).
 struct Joint<'g> {
-    graph: &'g Graph,
-    users: Vec<Vec<NodeId>>,
+    nodes: &'g [JointNode],
+    /// Each node's op (None for inputs), parsed once.
+    targets: Vec<Option<Target>>,
+    users: Vec<Vec<usize>>,
     /// Read by the graph's outputs.
     returned: Vec<bool>,
     /// Needed to compute the forward's results and input writes.
     forward_needs: Vec<bool>,
-    /// Lifted constants (inputs after the tangents).
-    constant: Vec<bool>,
 }
 
-/// The forward values the backward loads, in graph order.
-pub fn saved_values(graph: &Graph, facts: &JointFacts) -> Result<Vec<NodeId>, JointError> {
-    let inputs = &graph.inputs;
-    if facts.primals + facts.tangents > inputs.len() || facts.user_outputs > graph.outputs.len() {
+/// The forward values the backward loads (positions, in graph order).
+pub fn saved_values(g: &JointGraph) -> Result<Vec<usize>, JointError> {
+    let j = Joint::new(g)?;
+    let n = g.nodes.len();
+    let inputs: Vec<usize> = (0..n).filter(|&i| g.nodes[i].target.is_none() && !g.nodes[i].constant).collect();
+    if g.primals > inputs.len() || g.user_outputs > g.outputs.len() {
         return Err(JointError::Malformed(format!(
-            "{} primals and {} tangents of {} inputs, {} user outputs of {}",
-            facts.primals,
-            facts.tangents,
+            "{} primals of {} inputs, {} user outputs of {}",
+            g.primals,
             inputs.len(),
-            facts.user_outputs,
-            graph.outputs.len()
+            g.user_outputs,
+            g.outputs.len()
         )));
     }
     let primal =
-        |i: &usize| inputs.get(*i).copied().filter(|_| *i < facts.primals).ok_or_else(|| JointError::Malformed(format!("no primal {i}")));
-    let free: HashSet<NodeId> = facts.free_inputs.iter().map(primal).collect::<Result<_, _>>()?;
-    let written: HashSet<NodeId> = facts.written.iter().map(primal).collect::<Result<_, _>>()?;
-    let j = Joint::new(graph, facts);
-    let n = graph.nodes.len();
-    let tangents = &inputs[facts.primals..facts.primals + facts.tangents];
-    let backward = j.descendants(tangents);
-    let computable: Vec<NodeId> = graph
-        .ids()
-        .filter(|id| !backward[id.0 as usize] && !matches!(j.target(*id), Some(Target::Aten(crate::graph::AtenOp::CopyInto))))
-        .collect();
-    let mut index = vec![usize::MAX; n];
-    for (i, id) in computable.iter().enumerate() {
-        index[id.0 as usize] = i;
+        |i: &usize| inputs.get(*i).copied().filter(|_| *i < g.primals).ok_or_else(|| JointError::Malformed(format!("no primal {i}")));
+    let free: HashSet<usize> = g.free_inputs.iter().map(primal).collect::<Result<_, _>>()?;
+    let written: HashSet<usize> = g.written.iter().map(primal).collect::<Result<_, _>>()?;
+    let backward = j.descendants(&inputs[g.primals..]);
+    let computable: Vec<usize> = (0..n).filter(|&i| !backward[i] && !j.is_copy_into(i)).collect();
+    let mut index = vec![NONE; n];
+    for (k, &i) in computable.iter().enumerate() {
+        index[i] = k;
     }
     let mut read_by_backward = vec![false; n];
-    for id in graph.ids().filter(|id| backward[id.0 as usize]) {
-        for a in j.inputs_of(id) {
-            read_by_backward[a.0 as usize] |= index[a.0 as usize] != usize::MAX;
+    for i in (0..n).filter(|&i| backward[i]) {
+        for &a in &g.nodes[i].inputs {
+            read_by_backward[a] |= index[a] != NONE;
         }
     }
-    for g in refs(&graph.outputs[facts.user_outputs..]) {
-        read_by_backward[g.0 as usize] |= index[g.0 as usize] != usize::MAX;
+    for &grad in g.outputs[g.user_outputs..].iter().flatten() {
+        read_by_backward[grad] |= index[grad] != NONE;
     }
-    if let Some(w) = written.iter().find(|w| read_by_backward[w.0 as usize]) {
-        return Err(JointError::ReadsWrittenInput(graph.node(*w).name.clone()));
+    if let Some(w) = g.written.iter().find(|&&w| read_by_backward[inputs[w]]) {
+        return Err(JointError::ReadsWrittenInput(*w));
     }
     let banned = j.banned(&computable);
     let distance = j.distances();
     let (source, sink) = (0u32, 1u32);
-    let vin = |id: NodeId| 2 + 2 * index[id.0 as usize] as u32;
-    let vout = |id: NodeId| 3 + 2 * index[id.0 as usize] as u32;
+    let vin = |i: usize| 2 + 2 * index[i] as u32;
+    let vout = |i: usize| 3 + 2 * index[i] as u32;
     let mut edges = Vec::new();
-    for &id in &computable {
-        let weight = if written.contains(&id) {
+    for &i in &computable {
+        let weight = if written.contains(&i) {
             min_cut::INFINITE
-        } else if free.contains(&id) {
+        } else if free.contains(&i) {
             0
         } else {
-            j.weight(id, distance[id.0 as usize])
+            j.weight(i, distance[i])
         };
-        edges.push((vin(id), vout(id), weight));
-        for a in j.inputs_of(id) {
-            if index[a.0 as usize] != usize::MAX {
-                edges.push((vout(a), vin(id), min_cut::INFINITE));
+        edges.push((vin(i), vout(i), weight));
+        for &a in &g.nodes[i].inputs {
+            if index[a] != NONE {
+                edges.push((vout(a), vin(i), min_cut::INFINITE));
             }
         }
-        if matches!(graph.node(id).kind, NodeKind::Placeholder) || banned[id.0 as usize] {
-            edges.push((source, vin(id), min_cut::INFINITE));
+        if g.nodes[i].target.is_none() || banned[i] {
+            edges.push((source, vin(i), min_cut::INFINITE));
         }
-        if read_by_backward[id.0 as usize] {
-            edges.push((vout(id), sink, min_cut::INFINITE));
+        if read_by_backward[i] {
+            edges.push((vout(i), sink, min_cut::INFINITE));
         }
     }
     let side = min_cut::source_side(2 + 2 * computable.len(), &edges, source as usize, sink as usize).map_err(JointError::Malformed)?;
-    Ok(computable.into_iter().filter(|&id| side[vin(id) as usize] && !side[vout(id) as usize]).collect())
+    Ok(computable.into_iter().filter(|&i| side[vin(i) as usize] && !side[vout(i) as usize]).collect())
 }
 
-fn refs(args: &[Arg]) -> Vec<NodeId> {
-    let mut out = Vec::new();
-    args.iter().for_each(|a| collect_refs(a, &mut out));
-    out
+fn parse_target(name: &str) -> Result<Target, JointError> {
+    if name == "getitem" {
+        Ok(Target::GetItem)
+    } else if let Some(op) = AtenOp::parse(name) {
+        Ok(Target::Aten(op))
+    } else if is_op_name(name) {
+        Ok(Target::Unknown(name.to_string()))
+    } else {
+        Err(JointError::Malformed(format!("target '{name}' is not an operator name")))
+    }
 }
 
 impl<'g> Joint<'g> {
-    fn new(graph: &'g Graph, facts: &JointFacts) -> Joint<'g> {
-        let n = graph.nodes.len();
+    fn new(g: &'g JointGraph) -> Result<Joint<'g>, JointError> {
+        let n = g.nodes.len();
+        let targets = g.nodes.iter().map(|node| node.target.as_deref().map(parse_target).transpose()).collect::<Result<Vec<_>, _>>()?;
+        let mut users = vec![Vec::new(); n];
+        for (i, node) in g.nodes.iter().enumerate() {
+            for &a in &node.inputs {
+                if a >= i {
+                    return Err(JointError::Malformed(format!("node {i} reads node {a}, not an earlier one")));
+                }
+                users[a].push(i);
+            }
+        }
         let mut returned = vec![false; n];
-        for r in refs(&graph.outputs) {
-            returned[r.0 as usize] = true;
+        for &o in g.outputs.iter().flatten() {
+            *returned.get_mut(o).ok_or_else(|| JointError::Malformed(format!("no node {o} to return")))? = true;
         }
-        let mut constant = vec![false; n];
-        for id in &graph.inputs[facts.primals + facts.tangents..] {
-            constant[id.0 as usize] = true;
-        }
-        let mut j = Joint { graph, users: graph.users(), returned, forward_needs: vec![false; n], constant };
-        let copies = graph.ids().filter(|id| matches!(j.target(*id), Some(Target::Aten(crate::graph::AtenOp::CopyInto))));
-        let roots: Vec<NodeId> = refs(&graph.outputs[..facts.user_outputs]).into_iter().chain(copies).collect();
+        let mut j = Joint { nodes: &g.nodes, targets, users, returned, forward_needs: vec![false; n] };
+        let copies = (0..n).filter(|&i| j.is_copy_into(i));
+        let roots: Vec<usize> = g.outputs[..g.user_outputs.min(g.outputs.len())].iter().flatten().copied().chain(copies).collect();
         j.forward_needs = j.ancestors(&roots);
-        j
+        Ok(j)
     }
 
-    fn target(&self, id: NodeId) -> Option<&'g Target> {
-        match &self.graph.node(id).kind {
-            NodeKind::Call { target, .. } => Some(target),
-            NodeKind::Placeholder => None,
-        }
+    fn is_copy_into(&self, i: usize) -> bool {
+        matches!(self.targets[i], Some(Target::Aten(AtenOp::CopyInto)))
     }
 
-    /// The nodes `id` reads, each once.
-    fn inputs_of(&self, id: NodeId) -> Vec<NodeId> {
-        let mut out = Vec::new();
-        if let NodeKind::Call { args, kwargs, .. } = &self.graph.node(id).kind {
-            args.iter().chain(kwargs.iter().map(|(_, a)| a)).for_each(|a| collect_refs(a, &mut out));
-        }
-        let mut seen = HashSet::new();
-        out.retain(|r| seen.insert(*r));
-        out
-    }
-
-    fn descendants(&self, roots: &[NodeId]) -> Vec<bool> {
-        let mut found = vec![false; self.graph.nodes.len()];
-        roots.iter().for_each(|r| found[r.0 as usize] = true);
-        for id in self.graph.ids() {
-            if !found[id.0 as usize] && self.inputs_of(id).iter().any(|a| found[a.0 as usize]) {
-                found[id.0 as usize] = true;
+    fn descendants(&self, roots: &[usize]) -> Vec<bool> {
+        let mut found = vec![false; self.nodes.len()];
+        roots.iter().for_each(|&r| found[r] = true);
+        for i in 0..self.nodes.len() {
+            if !found[i] && self.nodes[i].inputs.iter().any(|&a| found[a]) {
+                found[i] = true;
             }
         }
         found
     }
 
-    fn ancestors(&self, roots: &[NodeId]) -> Vec<bool> {
-        let mut found = vec![false; self.graph.nodes.len()];
+    fn ancestors(&self, roots: &[usize]) -> Vec<bool> {
+        let mut found = vec![false; self.nodes.len()];
         let mut stack = roots.to_vec();
-        while let Some(id) = stack.pop() {
-            if !std::mem::replace(&mut found[id.0 as usize], true) {
-                stack.extend(self.inputs_of(id));
+        while let Some(i) = stack.pop() {
+            if !std::mem::replace(&mut found[i], true) {
+                stack.extend(&self.nodes[i].inputs);
             }
         }
         found
     }
 
-    fn fusion(&self, id: NodeId) -> Option<Fusion> {
-        self.target(id).map(fusion_of)
+    fn fusion(&self, i: usize) -> Option<Fusion> {
+        self.targets[i].as_ref().map(fusion_of)
     }
 
-    /// Whether the kernels fuse the value with its neighbours (placeholders do not).
-    fn fusible(&self, id: NodeId) -> bool {
-        self.fusion(id).is_some_and(Fusion::fuses)
+    /// Whether the kernels fuse the value with its neighbours (inputs do not).
+    fn fusible(&self, i: usize) -> bool {
+        self.fusion(i).is_some_and(Fusion::fuses)
     }
 
-    fn is_view(&self, id: NodeId) -> bool {
-        self.fusion(id) == Some(Fusion::View)
+    fn is_view(&self, i: usize) -> bool {
+        self.fusion(i) == Some(Fusion::View)
     }
 
-    fn bytes(&self, id: NodeId) -> i64 {
-        match &self.graph.node(id).meta {
-            Meta::Tensor(t) => t.numel() * t.dtype.itemsize() as i64,
-            _ => 0,
-        }
+    fn bytes(&self, i: usize) -> i64 {
+        self.nodes[i].bytes.unwrap_or(0)
     }
 
     /// Whether the backward may recompute the value instead of loading it: a lifted constant or
     /// a fusible value, but a reduction only where it does not shrink its input much.
-    fn recomputable(&self, id: NodeId) -> bool {
-        match self.fusion(id) {
-            None => self.constant[id.0 as usize],
-            Some(Fusion::Reduction) => 4 * self.bytes(id) >= self.inputs_of(id).iter().map(|a| self.bytes(*a)).sum::<i64>(),
+    fn recomputable(&self, i: usize) -> bool {
+        match self.fusion(i) {
+            None => self.nodes[i].constant,
+            Some(Fusion::Reduction) => 4 * self.bytes(i) >= self.nodes[i].inputs.iter().map(|&a| self.bytes(a)).sum::<i64>(),
             Some(f) => f.fuses(),
         }
     }
 
     /// Whether a backward op that does not fuse it (a matmul, a convolution, the graph's output)
     /// reads the value, directly or through views.
-    fn materialized_in_backward(&self, id: NodeId) -> bool {
-        if self.is_view(id) {
+    fn materialized_in_backward(&self, i: usize) -> bool {
+        if self.is_view(i) {
             return false;
         }
-        let mut frontier = vec![id];
-        let mut seen = HashSet::from([id]);
+        let mut frontier = vec![i];
+        let mut seen = HashSet::from([i]);
         while let Some(cur) = frontier.pop() {
-            if self.returned[cur.0 as usize] {
+            if self.returned[cur] {
                 return true;
             }
-            for &u in &self.users[cur.0 as usize] {
-                if !self.forward_needs[u.0 as usize] && !self.fusible(u) {
+            for &u in &self.users[cur] {
+                if !self.forward_needs[u] && !self.fusible(u) {
                     return true;
                 }
                 if self.is_view(u) && seen.insert(u) {
@@ -267,39 +275,39 @@ impl<'g> Joint<'g> {
     /// Forward values the backward may not recompute: those dearer to recompute than to load,
     /// those the backward must write to memory anyway (an op there that does not fuse reads
     /// them, so recomputing adds a write and a read), and breaks in long fusible chains.
-    fn banned(&self, computable: &[NodeId]) -> Vec<bool> {
-        let n = self.graph.nodes.len();
+    fn banned(&self, computable: &[usize]) -> Vec<bool> {
+        let n = self.nodes.len();
         let mut banned = vec![false; n];
-        let needed: Vec<NodeId> = computable.iter().copied().filter(|id| self.forward_needs[id.0 as usize]).collect();
-        for &id in &needed {
-            banned[id.0 as usize] = !self.recomputable(id) || self.materialized_in_backward(id);
+        let needed: Vec<usize> = computable.iter().copied().filter(|&i| self.forward_needs[i]).collect();
+        for &i in &needed {
+            banned[i] = !self.recomputable(i) || self.materialized_in_backward(i);
         }
-        let mut order = vec![usize::MAX; n];
-        for (i, id) in needed.iter().enumerate() {
-            order[id.0 as usize] = i;
+        let mut order = vec![NONE; n];
+        for (k, &i) in needed.iter().enumerate() {
+            order[i] = k;
         }
         let mut visited = vec![false; n];
         for &start in &needed {
             // walk the fusible values downstream of `start` in forward order; where the walk has
             // narrowed to one value LONGEST_CHAIN past the start, that value is saved
-            let first = order[start.0 as usize];
+            let first = order[start];
             let mut frontier = BinaryHeap::from([Reverse((first, start))]);
             while let Some(Reverse((at, cur))) = frontier.pop() {
-                if std::mem::replace(&mut visited[cur.0 as usize], true) {
+                if std::mem::replace(&mut visited[cur], true) {
                     continue;
                 }
                 if at > first + LONGEST_CHAIN && frontier.is_empty() {
                     if !self.is_view(cur) {
-                        banned[cur.0 as usize] = true;
+                        banned[cur] = true;
                     }
                     break;
                 }
                 if !self.fusible(cur) {
                     continue;
                 }
-                for &u in &self.users[cur.0 as usize] {
-                    if order[u.0 as usize] != usize::MAX && !banned[u.0 as usize] && self.fusible(u) {
-                        frontier.push(Reverse((order[u.0 as usize], u)));
+                for &u in &self.users[cur] {
+                    if order[u] != NONE && !banned[u] && self.fusible(u) {
+                        frontier.push(Reverse((order[u], u)));
                     }
                 }
             }
@@ -311,12 +319,12 @@ impl<'g> Joint<'g> {
     /// forward does not need).
     fn distances(&self) -> Vec<usize> {
         const FAR: usize = 1_000_000_000;
-        let mut distance = vec![0; self.graph.nodes.len()];
-        for id in self.graph.ids().rev() {
-            if self.forward_needs[id.0 as usize] {
-                let nearest = self.users[id.0 as usize].iter().map(|u| distance[u.0 as usize] + 1).min();
-                let returned = self.returned[id.0 as usize].then_some(FAR + 1);
-                distance[id.0 as usize] = nearest.into_iter().chain(returned).min().unwrap_or(FAR);
+        let mut distance = vec![0; self.nodes.len()];
+        for i in (0..self.nodes.len()).rev() {
+            if self.forward_needs[i] {
+                let nearest = self.users[i].iter().map(|&u| distance[u] + 1).min();
+                let returned = self.returned[i].then_some(FAR + 1);
+                distance[i] = nearest.into_iter().chain(returned).min().unwrap_or(FAR);
             }
         }
         distance
@@ -325,17 +333,15 @@ impl<'g> Joint<'g> {
     /// What saving the value costs: its bytes, doubled where its users would fuse it away (it
     /// would not be written to memory otherwise), and more the farther it lies from the backward;
     /// views and non-tensors are never saved.
-    fn weight(&self, id: NodeId, distance: usize) -> i64 {
-        if !matches!(self.graph.node(id).meta, Meta::Tensor(_)) || self.is_view(id) {
+    fn weight(&self, i: usize, distance: usize) -> i64 {
+        let Some(bytes) = self.nodes[i].bytes else { return min_cut::INFINITE };
+        if self.is_view(i) {
             return min_cut::INFINITE;
         }
         let steps = distance.clamp(1, FARTHEST) as f64;
-        let size = (self.bytes(id).max(1) as f64 * DISTANCE_COST.powf(steps)) as i64;
-        let placeholder = matches!(self.graph.node(id).kind, NodeKind::Placeholder) && !self.constant[id.0 as usize];
-        let materialized = placeholder
-            || !self.recomputable(id)
-            || self.returned[id.0 as usize]
-            || self.users[id.0 as usize].iter().any(|u| !self.fusible(*u));
+        let size = (bytes.max(1) as f64 * DISTANCE_COST.powf(steps)) as i64;
+        let input = self.nodes[i].target.is_none() && !self.nodes[i].constant;
+        let materialized = input || !self.recomputable(i) || self.returned[i] || self.users[i].iter().any(|&u| !self.fusible(u));
         (if materialized { size } else { 2 * size }).min(min_cut::INFINITE / 1024)
     }
 }
@@ -343,77 +349,94 @@ impl<'g> Joint<'g> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::build::{f32, node, GraphBuilder};
-    use crate::graph::parse_graph;
 
-    fn facts(primals: usize, tangents: usize, user_outputs: usize) -> JointFacts {
-        JointFacts { primals, tangents, user_outputs, free_inputs: vec![], written: vec![] }
+    /// A node: `target` (None: an input), the nodes it reads, its bytes.
+    fn node(target: Option<&str>, inputs: &[usize], bytes: i64) -> JointNode {
+        JointNode { target: target.map(str::to_string), inputs: inputs.to_vec(), bytes: Some(bytes), constant: false }
     }
 
-    fn saved(doc: &str, facts: &JointFacts) -> Vec<String> {
-        let g = parse_graph(doc).unwrap();
-        saved_values(&g, facts).unwrap().into_iter().map(|id| g.node(id).name.clone()).collect()
+    fn joint(nodes: Vec<JointNode>, outputs: &[usize], user_outputs: usize, primals: usize) -> JointGraph {
+        JointGraph {
+            nodes,
+            outputs: outputs.iter().map(|&o| Some(o)).collect(),
+            user_outputs,
+            primals,
+            free_inputs: vec![],
+            written: vec![],
+        }
     }
 
-    /// y = exp(x) * exp(x); the backward reads exp(x).
-    fn exp_square() -> String {
-        GraphBuilder::new()
-            .input("x", &[64, 64], "float32")
-            .input("t", &[64, 64], "float32")
-            .call("e", "aten.exp.default", &[node("x")], &f32(&[64, 64]))
-            .call("y", "aten.mul.Tensor", &[node("e"), node("e")], &f32(&[64, 64]))
-            .call("g0", "aten.mul.Tensor", &[node("t"), node("e")], &f32(&[64, 64]))
-            .call("g", "aten.mul.Tensor", &[node("g0"), node("e")], &f32(&[64, 64]))
-            .output(&["y", "g"])
+    /// y = exp(x) * exp(x); the backward reads exp(x): 0 x, 1 t, 2 e, 3 y, 4 g0, 5 g.
+    fn exp_square() -> JointGraph {
+        let b = 64 * 64 * 4;
+        let nodes = vec![
+            node(None, &[], b),
+            node(None, &[], b),
+            node(Some("aten.exp.default"), &[0], b),
+            node(Some("aten.mul.Tensor"), &[2], b),
+            node(Some("aten.mul.Tensor"), &[1, 2], b),
+            node(Some("aten.mul.Tensor"), &[4, 2], b),
+        ];
+        joint(nodes, &[3, 5], 1, 1)
     }
 
     #[test]
     fn a_pointwise_value_is_recomputed_from_the_input_it_fuses_from() {
         // saving x costs its bytes; saving e twice that (its users would fuse it away)
-        assert_eq!(saved(&exp_square(), &facts(1, 1, 1)), ["x"]);
+        assert_eq!(saved_values(&exp_square()), Ok(vec![0]));
     }
 
     #[test]
     fn a_user_output_is_saved_only_where_the_backward_reads_it() {
-        let s = saved(&exp_square(), &facts(1, 1, 1));
-        assert!(!s.contains(&"y".to_string()), "{s:?}");
+        assert!(!saved_values(&exp_square()).unwrap().contains(&3));
+    }
+
+    /// 0 x, 1 w, 2 t, 3 mm, 4 relu(mm), 5 t * mm.
+    fn matmul() -> JointGraph {
+        let b = 64 * 64 * 4;
+        let nodes = vec![
+            node(None, &[], b),
+            node(None, &[], b),
+            node(None, &[], b),
+            node(Some("aten.mm.default"), &[0, 1], b),
+            node(Some("aten.relu.default"), &[3], b),
+            node(Some("aten.mul.Tensor"), &[2, 3], b),
+        ];
+        joint(nodes, &[4, 5], 1, 2)
     }
 
     #[test]
     fn a_matmul_result_the_backward_reads_is_saved_not_recomputed() {
-        let doc = GraphBuilder::new()
-            .input("x", &[64, 64], "float32")
-            .input("w", &[64, 64], "float32")
-            .input("t", &[64, 64], "float32")
-            .call("mm", "aten.mm.default", &[node("x"), node("w")], &f32(&[64, 64]))
-            .call("r", "aten.relu.default", &[node("mm")], &f32(&[64, 64]))
-            .call("g", "aten.mul.Tensor", &[node("t"), node("mm")], &f32(&[64, 64]))
-            .output(&["r", "g"]);
-        assert_eq!(saved(&doc, &facts(2, 1, 1)), ["mm"]);
+        assert_eq!(saved_values(&matmul()), Ok(vec![3]));
         // parameters cost nothing to save: the cut takes them too, at no cost
-        let free = JointFacts { free_inputs: vec![0, 1], ..facts(2, 1, 1) };
-        assert_eq!(saved(&doc, &free), ["x", "w", "mm"]);
+        let free = JointGraph { free_inputs: vec![0, 1], ..matmul() };
+        assert_eq!(saved_values(&free), Ok(vec![0, 1, 3]));
     }
 
     #[test]
     fn a_backward_reading_an_input_the_forward_writes_into_is_an_error() {
-        let doc = GraphBuilder::new()
-            .input("x", &[8], "float32")
-            .input("t", &[8], "float32")
-            .call("s", "aten.sin.default", &[node("x")], &f32(&[8]))
-            .call("c", "aten.copy_.default", &[node("x"), node("s")], &f32(&[8]))
-            .call("g", "aten.mul.Tensor", &[node("t"), node("x")], &f32(&[8]))
-            .output(&["s", "g"]);
-        let g = parse_graph(&doc).unwrap();
-        let written = JointFacts { written: vec![0], ..facts(1, 1, 1) };
-        assert_eq!(saved_values(&g, &written), Err(JointError::ReadsWrittenInput("x".into())));
+        // 0 x, 1 t, 2 sin(x), 3 x.copy_(sin), 4 t * x
+        let nodes = vec![
+            node(None, &[], 32),
+            node(None, &[], 32),
+            node(Some("aten.sin.default"), &[0], 32),
+            node(Some("aten.copy_.default"), &[0, 2], 32),
+            node(Some("aten.mul.Tensor"), &[1, 0], 32),
+        ];
+        let g = JointGraph { written: vec![0], ..joint(nodes, &[2, 4], 1, 1) };
+        assert_eq!(saved_values(&g), Err(JointError::ReadsWrittenInput(0)));
     }
 
     #[test]
-    fn facts_that_do_not_fit_the_graph_are_an_error() {
-        let g = parse_graph(&exp_square()).unwrap();
-        assert!(matches!(saved_values(&g, &facts(2, 1, 1)), Err(JointError::Malformed(_))));
-        let bad_free = JointFacts { free_inputs: vec![1], ..facts(1, 1, 1) };
-        assert!(matches!(saved_values(&g, &bad_free), Err(JointError::Malformed(_))));
+    fn a_description_that_does_not_hold_together_is_an_error() {
+        let malformed = |g: JointGraph| matches!(saved_values(&g), Err(JointError::Malformed(_)));
+        assert!(malformed(JointGraph { primals: 3, ..exp_square() }));
+        assert!(malformed(JointGraph { free_inputs: vec![1], ..exp_square() }));
+        let mut forward_read = exp_square();
+        forward_read.nodes[2].inputs = vec![4];
+        assert!(malformed(forward_read));
+        let mut bad_target = exp_square();
+        bad_target.nodes[2].target = Some("exp".into());
+        assert!(malformed(bad_target));
     }
 }
