@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .direct_trace import NeedsAot, graph_module
 from .extension import extension
+from .serialize import UnsupportedGraph, target_name
 
 aten = torch.ops.aten
 
@@ -112,11 +113,10 @@ def _saved_values(nodes: list, num_outputs: int, num_primals: int, free_inputs: 
 
 
 def _target(n: torch.fx.Node) -> str:
-    if n.target is operator.getitem:
-        return "getitem"
-    if isinstance(n.target, torch._ops.OpOverload):
-        return str(n.target)
-    raise NeedsAot(f"node {n.name} calls {n.target!r}, not an ATen op")
+    try:
+        return target_name(n)
+    except UnsupportedGraph as e:
+        raise NeedsAot(e.reason) from None
 
 
 def _bytes(n: torch.fx.Node) -> int | None:

@@ -191,7 +191,7 @@ def _node(n: torch.fx.Node) -> dict:
         return {
             "kind": "call_function",
             "name": n.name,
-            "target": _target(n),
+            "target": target_name(n),
             "args": [_arg(a, n) for a in n.args],
             "kwargs": {k: _arg(v, n) for k, v in n.kwargs.items()},
             "meta": _meta(n.meta.get("val"), n),
@@ -202,7 +202,8 @@ def _node(n: torch.fx.Node) -> dict:
     raise UnsupportedGraph(f"node {n.name} is a {n.op} node")
 
 
-def _target(n: torch.fx.Node) -> str:
+def target_name(n: torch.fx.Node) -> str:
+    """The exchange format's name of a call's target (`aten.add.Tensor`, `getitem`)."""
     t = n.target
     if t is operator.getitem:
         return "getitem"

@@ -13,7 +13,7 @@
 //! one the backward reads directly wins. Cheap values on the sink's side (pointwise chains,
 //! views, gathers) are recomputed in the backward, where they fuse into its kernels.
 
-use crate::graph::{parse::is_op_name, AtenOp, Target};
+use crate::graph::{AtenOp, Target};
 use crate::lowering::{fusion_of, Fusion};
 use crate::min_cut;
 use serde::Deserialize;
@@ -159,22 +159,19 @@ pub fn saved_values(g: &JointGraph) -> Result<Vec<usize>, JointError> {
     Ok(computable.into_iter().filter(|&i| side[vin(i) as usize] && !side[vout(i) as usize]).collect())
 }
 
-fn parse_target(name: &str) -> Result<Target, JointError> {
-    if name == "getitem" {
-        Ok(Target::GetItem)
-    } else if let Some(op) = AtenOp::parse(name) {
-        Ok(Target::Aten(op))
-    } else if is_op_name(name) {
-        Ok(Target::Unknown(name.to_string()))
-    } else {
-        Err(JointError::Malformed(format!("target '{name}' is not an operator name")))
-    }
-}
-
 impl<'g> Joint<'g> {
     fn new(g: &'g JointGraph) -> Result<Joint<'g>, JointError> {
         let n = g.nodes.len();
-        let targets = g.nodes.iter().map(|node| node.target.as_deref().map(parse_target).transpose()).collect::<Result<Vec<_>, _>>()?;
+        let targets = g
+            .nodes
+            .iter()
+            .map(|node| {
+                node.target
+                    .as_deref()
+                    .map(|t| Target::from_name(t).ok_or_else(|| JointError::Malformed(format!("target '{t}' is not an operator name"))))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut users = vec![Vec::new(); n];
         for (i, node) in g.nodes.iter().enumerate() {
             for &a in &node.inputs {

@@ -84,6 +84,18 @@ pub enum Target {
 }
 
 impl Target {
+    /// The target a node's `target` text names: `getitem`, a known ATen overload, or another
+    /// operator name (kept for the ATen fallback); None for text that is no operator name.
+    pub fn from_name(name: &str) -> Option<Target> {
+        if name == "getitem" {
+            Some(Target::GetItem)
+        } else if let Some(op) = AtenOp::parse(name) {
+            Some(Target::Aten(op))
+        } else {
+            parse::is_op_name(name).then(|| Target::Unknown(name.to_string()))
+        }
+    }
+
     pub fn name(&self) -> &str {
         match self {
             Target::Aten(op) => op.name(),

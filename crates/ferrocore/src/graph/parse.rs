@@ -75,22 +75,20 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
                 None | Some(Value::Null) => {}
                 Some(_) => return Err(err(here, "'kwargs' must be an object")),
             }
-            let target = if tname == "getitem" {
-                if args.len() != 2 || !matches!(args[0], Arg::Node(_)) || !matches!(args[1], Arg::Int(_)) {
+            let target = Target::from_name(tname)
+                .ok_or_else(|| err(here, format!("target '{tname}' is not an operator name (namespace.op.overload)")))?;
+            match target {
+                Target::GetItem if args.len() != 2 || !matches!(args[0], Arg::Node(_)) || !matches!(args[1], Arg::Int(_)) => {
                     return Err(err(here, "getitem takes (node, int)"));
                 }
-                Target::GetItem
-            } else if let Some(op) = AtenOp::parse(tname) {
-                let (lo, hi) = op.arity();
-                if args.len() < lo.min(1) || args.len() > hi {
-                    return Err(err(here, format!("{tname} takes {lo}..={hi} positional arguments, got {}", args.len())));
+                Target::Aten(op) => {
+                    let (lo, hi) = op.arity();
+                    if args.len() < lo.min(1) || args.len() > hi {
+                        return Err(err(here, format!("{tname} takes {lo}..={hi} positional arguments, got {}", args.len())));
+                    }
                 }
-                Target::Aten(op)
-            } else if is_op_name(tname) {
-                Target::Unknown(tname.to_string()) // no lowering: an ATen-call fallback
-            } else {
-                return Err(err(here, format!("target '{tname}' is not an operator name (namespace.op.overload)")));
-            };
+                _ => {}
+            }
             NodeKind::Call { target, args, kwargs }
         };
         let id = NodeId(g.nodes.len() as u32);
