@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import math
 import torch
 from torch import nn
 
@@ -369,6 +370,93 @@ class UNetBlock(nn.Module):
         return self.head(self.dec(torch.cat([y, skip], 1)))
 
 
+class CausalSelfAttention(nn.Module):
+    """Causal self-attention as nanoGPT-style code writes it: `q @ k^T`, a scale, a boolean
+    causal mask from a registered buffer filled with -inf, softmax, `@ v`."""
+
+    def __init__(self, d: int, heads: int, max_seq: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.register_buffer("causal", torch.tril(torch.ones(max_seq, max_seq)).view(1, 1, max_seq, max_seq))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.causal[:, :, :s, :s] == 0, float("-inf"))
+        y = att.softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).contiguous().view(b, s, d))
+
+
+class PreNormBlocks(nn.Module):
+    """Pre-LayerNorm transformer blocks (hand-written causal attention, a GELU MLP)."""
+
+    def __init__(self, d: int, heads: int, layers: int, max_seq: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({
+                "ln1": nn.LayerNorm(d), "attn": CausalSelfAttention(d, heads, max_seq),
+                "ln2": nn.LayerNorm(d), "up": nn.Linear(d, 4 * d), "down": nn.Linear(4 * d, d),
+            }) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = x + blk["attn"](blk["ln1"](x))
+            x = x + blk["down"](nn.functional.gelu(blk["up"](blk["ln2"](x))))
+        return self.norm(x)
+
+
+class TimeResBlock(nn.Module):
+    """A diffusion UNet's residual block: GroupNorm, SiLU, 3x3 convolution, the timestep
+    embedding added per channel, again, and a 1x1 skip where the channels change."""
+
+    def __init__(self, c_in: int, c_out: int, temb: int, groups: int):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(groups, c_in), nn.Conv2d(c_in, c_out, 3, padding=1)
+        self.emb = nn.Linear(temb, c_out)
+        self.norm2, self.conv2 = nn.GroupNorm(groups, c_out), nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.skip = nn.Conv2d(c_in, c_out, 1) if c_in != c_out else nn.Identity()
+
+    def forward(self, x, t):
+        h = self.conv1(nn.functional.silu(self.norm1(x)))
+        h = h + self.emb(nn.functional.silu(t))[:, :, None, None]
+        h = self.conv2(nn.functional.silu(self.norm2(h)))
+        return self.skip(x) + h
+
+
+class UNetLevel(nn.Module):
+    """One level of a diffusion UNet: a sinusoidal timestep embedding and its MLP, residual
+    blocks, a strided convolution down, nearest upsampling and a convolution up, the skip
+    concatenated, GroupNorm/SiLU and a convolution out."""
+
+    def __init__(self, c: int, groups: int):
+        super().__init__()
+        self.c, temb = c, 4 * c
+        self.time = nn.Sequential(nn.Linear(c, temb), nn.SiLU(), nn.Linear(temb, temb))
+        self.conv_in = nn.Conv2d(3, c, 3, padding=1)
+        self.enc = TimeResBlock(c, c, temb, groups)
+        self.down = nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.mid = TimeResBlock(c, 2 * c, temb, groups)
+        self.up = nn.Conv2d(2 * c, c, 3, padding=1)
+        self.dec = TimeResBlock(2 * c, c, temb, groups)
+        self.norm_out, self.conv_out = nn.GroupNorm(groups, c), nn.Conv2d(c, 3, 3, padding=1)
+
+    def forward(self, x, steps):
+        half = self.c // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=x.device, dtype=torch.float32) / half)
+        angles = steps.float()[:, None] * freqs[None]
+        t = self.time(torch.cat([angles.sin(), angles.cos()], dim=-1).to(x.dtype))
+        skip = self.enc(self.conv_in(x), t)
+        h = self.mid(self.down(skip), t)
+        h = self.up(nn.functional.interpolate(h, scale_factor=2.0, mode="nearest"))
+        h = self.dec(torch.cat([h, skip], dim=1), t)
+        return self.conv_out(nn.functional.silu(self.norm_out(h)))
+
+
 def mlp(size: str, device, dtype) -> Case:
     d, hidden, layers, rows = (1024, 4096, 4, 2048) if size == "full" else (64, 256, 2, 64)
     torch.manual_seed(0)
@@ -403,6 +491,50 @@ def unet_block(size: str, device, dtype) -> Case:
         return (_pixels(batch, image, device, dtype),)
 
     return Case(model, inputs, _logits, MeanSquare(model), inputs)
+
+
+def prenorm_block(size: str, device, dtype) -> Case:
+    d, heads, layers, batch, seq = (1024, 16, 4, 8, 1024) if size == "full" else (64, 4, 2, 2, 32)
+    torch.manual_seed(0)
+    model = PreNormBlocks(d, heads, layers, seq).to(device=device, dtype=dtype)
+
+    def inputs():
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(batch, seq, d, generator=g).to(device=device, dtype=dtype),)
+
+    return Case(model, inputs, _logits, MeanSquare(model), inputs)
+
+
+def unet_level(size: str, device, dtype) -> Case:
+    c, groups, batch, image = (128, 32, 8, 64) if size == "full" else (16, 4, 2, 16)
+    torch.manual_seed(0)
+    model = UNetLevel(c, groups).to(device=device, dtype=dtype)
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return (_pixels(batch, image, device, dtype), torch.randint(0, 1000, (batch,), generator=g).to(device))
+
+    return Case(model, inputs, _logits, MeanSquare(model), inputs)
+
+
+def _timm():
+    try:
+        import timm  # noqa: F401
+    except ImportError as e:
+        raise MissingDependency(f"timm is not installed ({e})") from e
+    import timm
+
+    return timm
+
+
+def timm_mobilenetv3(size: str, device, dtype) -> Case:
+    timm = _timm()
+    torch.manual_seed(0)
+    if size == "full":
+        model, batch, image, classes = timm.create_model("mobilenetv3_large_100"), 32, 224, 1000
+    else:
+        model, batch, image, classes = timm.create_model("mobilenetv3_small_050", num_classes=10), 2, 64, 10
+    return _classifier(model.to(device=device, dtype=dtype), batch, image, classes, device, dtype)
 
 
 def transformer_encoder(size: str, device, dtype) -> Case:
@@ -483,6 +615,9 @@ MODELS: dict[str, Callable[[str, object, torch.dtype], Case]] = {
     "mlp": mlp,
     "attention_block": attention_block,
     "unet_block": unet_block,
+    "prenorm_block": prenorm_block,
+    "unet_level": unet_level,
+    "timm_mobilenetv3": timm_mobilenetv3,
 }
 
 

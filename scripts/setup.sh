@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: a .venv with torch, numpy, pytest, expecttest, maturin, tlparse and playwright
 # (with Debian's Chromium, when run as root, announced; FERROCORE_SKIP_APT=1 skips it), the model
-# benchmark's development dependencies (transformers, torchvision: bench/model_zoo.py builds its
+# benchmark's development dependencies (transformers, torchvision, timm: bench/model_zoo.py builds its
 # models from their configs), and ferrocore built in release mode and installed into it
 # (editable: python/ changes apply without rebuilding).
 # The network is needed only for what is missing: PyPI, crates.io and Debian packages.
@@ -23,12 +23,12 @@ if ! python -c "import torch, torchvision" 2>/dev/null && [ -n "${FERROCORE_TORC
     echo "setup: torch and torchvision from $FERROCORE_TORCH_INDEX"
     python -m pip install --index-url "$FERROCORE_TORCH_INDEX" torch torchvision
 fi
-if ! python -c "import torch, numpy, pytest, xdist, expecttest, transformers, torchvision, playwright" 2>/dev/null \
+if ! python -c "import torch, numpy, pytest, xdist, expecttest, transformers, torchvision, timm, playwright" 2>/dev/null \
         || [ ! -x .venv/bin/maturin ] || [ ! -x .venv/bin/tlparse ]; then
     # pytest-xdist: the test command runs test files on one worker per core; expecttest: torch's OpInfo db; torchvision is resolved together with torch (matching builds);
     # tlparse: reads TORCH_TRACE logs (a test checks ferrocore's entries in them); playwright
     # drives Chromium in the compile report's browser test (its own browser download is not used)
-    python -m pip install torch torchvision numpy pytest pytest-xdist maturin expecttest transformers tlparse playwright
+    python -m pip install torch torchvision numpy pytest pytest-xdist maturin expecttest transformers timm tlparse playwright
 fi
 
 # Debian's Chromium, for the compile report's browser test (tests/test_report.py): installed

@@ -9,6 +9,7 @@ pub mod loop_ir;
 pub mod lowering;
 pub mod min_cut;
 pub mod report;
+pub mod rewrite;
 pub mod runtime;
 pub mod scheduler;
 pub mod symbolic;

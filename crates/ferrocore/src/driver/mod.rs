@@ -80,7 +80,8 @@ impl BackendChoice {
 }
 
 /// The log channels the compiler writes (`Options::logs`); the front adds channels of its own.
-pub const LOG_CHANNELS: &[&str] = &["graph", "ir_pre_fusion", "ir_post_fusion", "fusion", "output_code", "fallback", "layout", "padding"];
+pub const LOG_CHANNELS: &[&str] =
+    &["graph", "ir_pre_fusion", "ir_post_fusion", "fusion", "output_code", "fallback", "layout", "padding", "attention"];
 
 /// What the front needs to know of the compiler's options, as JSON: each option's default, the
 /// values of those that are a choice, and the compiler's log channels. The front holds none of
@@ -305,6 +306,15 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         st.dump_dir = Some(dir);
     }
     st.emit("graph", || graph.to_string());
+    let mut graph = graph;
+    for pass in crate::rewrite::GRAPH_PASSES {
+        let (rewritten, decisions) = st.time(pass.name, || (pass.run)(graph));
+        graph = rewritten;
+        if !decisions.is_empty() {
+            st.emit(pass.name, || decisions.join("\n") + "\n");
+        }
+        st.dump(&format!("graph_after_{}", pass.name), || graph.to_string());
+    }
     // the backend first: lowering writes reductions and scatters for the language it is told
     let language = options.backend.resolve(graph.devices().iter());
     let lower_options = LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm, kernels: language };

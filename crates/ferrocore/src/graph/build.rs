@@ -44,7 +44,12 @@ pub fn boolean(b: bool) -> String {
 }
 
 pub fn float(x: f64) -> String {
-    format!(r#"{{"float":{x:?}}}"#)
+    match x {
+        f64::INFINITY => r#"{"float":"inf"}"#.to_string(),
+        f64::NEG_INFINITY => r#"{"float":"-inf"}"#.to_string(),
+        x if x.is_nan() => r#"{"float":"nan"}"#.to_string(),
+        x => format!(r#"{{"float":{x:?}}}"#),
+    }
 }
 
 /// `s` as the inside of a JSON string.

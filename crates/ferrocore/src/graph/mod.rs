@@ -155,6 +155,19 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// The graph's name, inputs, outputs and side tables, with no nodes (a rewrite's start).
+    pub fn clone_without_nodes(&self) -> Graph {
+        Graph {
+            name: self.name.clone(),
+            nodes: Vec::new(),
+            inputs: self.inputs.clone(),
+            outputs: self.outputs.clone(),
+            free_layout_outputs: self.free_layout_outputs.clone(),
+            padded_matmuls: self.padded_matmuls.clone(),
+            donated_inputs: self.donated_inputs.clone(),
+            sources: self.sources.clone(),
+        }
+    }
     pub fn node(&self, id: NodeId) -> &Node {
         &self.nodes[id.0 as usize]
     }

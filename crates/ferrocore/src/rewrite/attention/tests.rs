@@ -1,0 +1,121 @@
+use super::*;
+use crate::graph::build::*;
+use crate::graph::parse_graph;
+
+const DIMS: [i64; 4] = [2, 4, 32, 16];
+
+/// `softmax(where(mask, q @ k^T * 0.25, fill)) @ v` over `keys` keys, as ATen spells it, on
+/// `device`; `fill` is -inf unless given.
+fn causal_graph(keys: i64, fill: f64, device: &str) -> String {
+    let [b, h, m, d] = DIMS;
+    let n = keys;
+    let text = GraphBuilder::new()
+        .input("q", &[b, h, m, d], "float32")
+        .input("k", &[b, h, n, d], "float32")
+        .input("v", &[b, h, n, d], "float32")
+        .input("mask", &[m, n], "bool")
+        .call("q3", "aten.view.default", &[node("q"), ints(&[b * h, m, d])], &f32(&[b * h, m, d]))
+        .call(
+            "kt",
+            "aten.permute.default",
+            &[node("k"), ints(&[0, 1, 3, 2])],
+            &strided_meta(&[b, h, d, n], Some(&[h * n * d, n * d, 1, d]), "float32"),
+        )
+        .call_kw(
+            "kt_dense",
+            "aten.clone.default",
+            &[node("kt")],
+            r#""memory_format":{"memory_format":"contiguous_format"}"#,
+            &f32(&[b, h, d, n]),
+        )
+        .call("kt3", "aten.view.default", &[node("kt_dense"), ints(&[b * h, d, n])], &f32(&[b * h, d, n]))
+        .call("scores", "aten.bmm.default", &[node("q3"), node("kt3")], &f32(&[b * h, m, n]))
+        .call("scores4", "aten.view.default", &[node("scores"), ints(&[b, h, m, n])], &f32(&[b, h, m, n]))
+        .call("scaled", "aten.mul.Tensor", &[node("scores4"), float(0.25)], &f32(&[b, h, m, n]))
+        .call_kw("fill", "aten.scalar_tensor.default", &[float(fill)], r#""dtype":{"dtype":"float32"}"#, &f32(&[]))
+        .call("masked", "aten.where.self", &[node("mask"), node("scaled"), node("fill")], &f32(&[b, h, m, n]))
+        .call("probs", "aten._softmax.default", &[node("masked"), int(-1), boolean(false)], &f32(&[b, h, m, n]))
+        .call("probs3", "aten.view.default", &[node("probs"), ints(&[b * h, m, n])], &f32(&[b * h, m, n]))
+        .call("v3", "aten.view.default", &[node("v"), ints(&[b * h, n, d])], &f32(&[b * h, n, d]))
+        .call("out3", "aten.bmm.default", &[node("probs3"), node("v3")], &f32(&[b * h, m, d]))
+        .call("out", "aten.view.default", &[node("out3"), ints(&[b, h, m, d])], &f32(&[b, h, m, d]))
+        .call(
+            "out_heads",
+            "aten.permute.default",
+            &[node("out"), ints(&[0, 2, 1, 3])],
+            &strided_meta(&[b, m, h, d], Some(&[h * m * d, d, m * d, 1]), "float32"),
+        )
+        .call_kw(
+            "result",
+            "aten.clone.default",
+            &[node("out_heads")],
+            r#""memory_format":{"memory_format":"contiguous_format"}"#,
+            &f32(&[b, m, h, d]),
+        )
+        .output(&["result"]);
+    text.replace(r#""device":"cpu""#, &format!(r#""device":"{device}""#))
+}
+
+fn fused(text: &str) -> (Graph, Vec<String>) {
+    fuse_attention(parse_graph(text).expect("the test graph parses"))
+}
+
+fn targets(g: &Graph) -> Vec<&str> {
+    g.nodes
+        .iter()
+        .filter_map(|n| match &n.kind {
+            NodeKind::Call { target, .. } => Some(target.name()),
+            NodeKind::Placeholder => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_masked_attention_becomes_one_cpu_call() {
+    let (g, decisions) = fused(&causal_graph(32, f64::NEG_INFINITY, "cpu"));
+    assert!(
+        decisions[0].starts_with("softmax probs: fused: scores .. out -> aten._scaled_dot_product_flash_attention_for_cpu"),
+        "{decisions:?}"
+    );
+    let t = targets(&g);
+    assert!(t.contains(&"aten._scaled_dot_product_flash_attention_for_cpu.default") && !t.contains(&"aten.bmm.default"), "{g}");
+    // the mask's rows: NaN where every key is masked, as after eager's softmax
+    let text = g.to_string();
+    assert!(text.contains("scalar_tensor.default(NaN") && text.contains("scale=0.25"), "{text}");
+    // the key is read in place (no permute back), the call's inputs are the graph's own
+    assert!(text.contains("(q, k, v, 0.0, False, attn_mask="), "{text}");
+}
+
+#[test]
+fn on_cuda_float32_the_mask_is_broadcast_to_the_scores_shape() {
+    let (g, decisions) = fused(&causal_graph(32, f64::NEG_INFINITY, "cuda:0"));
+    assert!(decisions[0].contains("aten._scaled_dot_product_efficient_attention"), "{decisions:?}");
+    let text = g.to_string();
+    assert!(text.contains("= aten.expand.default(") && text.contains("/[0, 0, 32, 1] = aten.expand"), "{text}");
+    // and the whole pipeline writes the call with the zero-stride bias
+    let module = match crate::driver::generate(&causal_graph(32, f64::NEG_INFINITY, "cuda:0"), &crate::driver::Options::default()) {
+        Ok(crate::driver::Generation::Code(c)) => c.module,
+        _ => panic!("the graph compiles"),
+    };
+    assert!(module.contains("_scaled_dot_product_efficient_attention") && !module.contains("aten.bmm"), "{module}");
+}
+
+#[test]
+fn what_is_refused_and_why() {
+    let (g, decisions) = fused(&causal_graph(32, -1e9, "cpu"));
+    assert_eq!(decisions, ["softmax probs: not fused: masked fills with a value other than -inf"]);
+    assert!(targets(&g).contains(&"aten.bmm.default"));
+    let (_, decisions) = fused(&causal_graph(20, f64::NEG_INFINITY, "cuda:0"));
+    assert_eq!(decisions, ["softmax probs: not fused: a float32 mask over 20 keys (the CUDA kernel wants rows of a multiple of 16)"]);
+}
+
+#[test]
+fn on_cuda_half_precision_goes_to_cudnn_with_any_key_count() {
+    let text = causal_graph(20, f64::NEG_INFINITY, "cuda:0").replace("float32", "bfloat16");
+    let (g, decisions) = fused(&text);
+    assert!(decisions[0].contains("aten._scaled_dot_product_cudnn_attention"), "{decisions:?}");
+    let text = g.to_string();
+    // no expand: cuDNN broadcasts the [1, 1, M, N] mask itself; its output follows the query's
+    // dim order (contiguous here)
+    assert!(!text.contains("aten.expand") && text.contains("bfloat16[2, 4, 32, 16]/[2048, 512, 16, 1] = getitem"), "{text}");
+}
