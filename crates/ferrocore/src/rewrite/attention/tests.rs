@@ -119,3 +119,63 @@ fn on_cuda_half_precision_goes_to_cudnn_with_any_key_count() {
     // dim order (contiguous here)
     assert!(!text.contains("aten.expand") && text.contains("bfloat16[2, 4, 32, 16]/[2048, 512, 16, 1] = getitem"), "{text}");
 }
+
+/// `causal_graph` with its mask computed as `arange(keys) + offset >= 0`.
+fn open_mask_graph(offset: i64) -> String {
+    let text = causal_graph(32, f64::NEG_INFINITY, "cpu");
+    let mask = format!(
+        r#"{{"name":"mask","kind":"call_function","target":"aten.ge.Scalar","args":[{},{}],"kwargs":{{}},"meta":{}}}"#,
+        node("keys_shifted"),
+        int(0),
+        meta(&[32], "bool")
+    );
+    let keys = format!(
+        r#"{{"name":"keys","kind":"call_function","target":"aten.arange.start_step","args":[{},{}],"kwargs":{{}},"meta":{}}},{{"name":"keys_shifted","kind":"call_function","target":"aten.add.Tensor","args":[{},{}],"kwargs":{{}},"meta":{}}},{mask}"#,
+        int(0),
+        int(32),
+        meta(&[32], "int64"),
+        node("keys"),
+        int(offset),
+        meta(&[32], "int64")
+    );
+    let placeholder = format!(r#"{{"name":"mask","kind":"placeholder","meta":{}}}"#, meta(&[32, 32], "bool"));
+    assert!(text.contains(&placeholder));
+    text.replace(&placeholder, &keys)
+}
+
+#[test]
+fn a_mask_open_everywhere_is_no_mask() {
+    let (g, decisions) = fused(&open_mask_graph(0));
+    assert!(decisions[0].contains("no mask"), "{decisions:?}");
+    assert!(!g.to_string().contains("attn_mask=mask"), "{g}");
+    // arange(32) - 1 >= 0 fails at key 0: a real mask
+    let (_, decisions) = fused(&open_mask_graph(-1));
+    assert!(decisions[0].contains("masked"), "{decisions:?}");
+}
+
+#[test]
+fn an_added_mask_of_zeros_is_no_mask() {
+    // Hugging Face's vision models add where(arange(keys) >= 0, 0, -inf): zero everywhere
+    let text = open_mask_graph(0);
+    let zeros = format!(
+        r#"{{"name":"zero","kind":"call_function","target":"aten.scalar_tensor.default","args":[{}],"kwargs":{{}},"meta":{}}},{{"name":"open_bias","kind":"call_function","target":"aten.where.self","args":[{},{},{}],"kwargs":{{}},"meta":{}}},"#,
+        float(0.0),
+        f32(&[]),
+        node("mask"),
+        node("zero"),
+        node("fill"),
+        f32(&[32])
+    );
+    let masked = r#"{"name":"masked","kind":"call_function","target":"aten.where.self""#;
+    let added = format!(
+        r#"{{"name":"masked","kind":"call_function","target":"aten.add.Tensor","args":[{},{}],"kwargs":{{}},"meta":{}}}"#,
+        node("scaled"),
+        node("open_bias"),
+        f32(&[2, 4, 32, 32])
+    );
+    let start = text.find(masked).expect("the where node");
+    let end = start + text[start..].find("}}},").expect("its end") + 3;
+    let text = format!("{}{zeros}{added}{}", &text[..start], &text[end..]);
+    let (_, decisions) = fused(&text);
+    assert!(decisions[0].contains("no mask"), "{decisions:?}");
+}
