@@ -15,7 +15,8 @@ from helpers import check
 
 pytestmark = pytest.mark.ferrocore_only
 
-B, H, S, D = 2, 4, 32, 16
+# 2^19 scores: the CPU fuses from there (smaller ones run faster as matmuls and a softmax)
+B, H, S, D = 2, 4, 256, 16
 
 
 def qkv(dtype=torch.float32, seq=S, head=D):
@@ -131,3 +132,10 @@ def test_value_head_dim_other_than_the_keys_stays_matmuls():
     v = torch.randn(B, H, S, 24, device="cpu").to(TEST_DEVICE)
     check(unscaled, q, k, v)
     assert fused_calls() == 0
+
+
+@pytest.mark.cpu_only("the CPU's size threshold")
+def test_small_attention_on_the_cpu_stays_matmuls():
+    q, k, v = (t[:, :, :64] for t in qkv())
+    check(causal, q.contiguous(), k.contiguous(), v.contiguous())
+    assert fused_calls() == 0 and matmuls() == 2

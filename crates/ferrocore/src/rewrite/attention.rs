@@ -339,6 +339,12 @@ impl Ctx<'_> {
     }
 }
 
+/// Scores below which the CPU keeps the matmuls and its generated softmax: at 2 threads (causal
+/// mask, float32) the fused call took 0.072 against 0.050 ms at 2x4x32x32 scores and 0.326
+/// against 0.252 at 2x4x128x128, and won from 2x8x256x256 (2.41 against 2.81 ms; 4x8x512x512:
+/// 16.5 against 37.5).
+const CPU_MIN_SCORES: i64 = 1 << 19;
+
 /// The fused call a device and dtype get: on Hopper cuDNN's attention ran 2.7 times faster than
 /// the memory-efficient kernel with a mask (H200, bf16, B=8 H=16 S=1024 head 64: 0.146 against
 /// 0.397 ms) and takes any mask alignment; it has no float32 kernel.
@@ -524,6 +530,9 @@ impl Ctx<'_> {
         dead.retain(|&d| d != root);
         for o in [&q, &k, &v] {
             dead.extend(o.passed.iter().take_while(|&&p| self.single_use(p)));
+        }
+        if Kernel::for_inputs(device, dtype) == Some(Kernel::FlashCpu) && b * h * m * n < CPU_MIN_SCORES {
+            return Err(format!("{} scores: the CPU's generated kernels are faster below {CPU_MIN_SCORES}", b * h * m * n));
         }
         let masked = steps.iter().any(|s| matches!(s, Step::Add(_) | Step::Subtract(_) | Step::Fill { .. }));
         match Kernel::for_inputs(device, dtype) {

@@ -2,7 +2,7 @@ use super::*;
 use crate::graph::build::*;
 use crate::graph::parse_graph;
 
-const DIMS: [i64; 4] = [2, 4, 32, 16];
+const DIMS: [i64; 4] = [2, 4, 256, 16];
 
 /// `softmax(where(mask, q @ k^T * 0.25, fill)) @ v` over `keys` keys, as ATen spells it, on
 /// `device`; `fill` is -inf unless given.
@@ -72,7 +72,7 @@ fn targets(g: &Graph) -> Vec<&str> {
 
 #[test]
 fn a_masked_attention_becomes_one_cpu_call() {
-    let (g, decisions) = fused(&causal_graph(32, f64::NEG_INFINITY, "cpu"));
+    let (g, decisions) = fused(&causal_graph(256, f64::NEG_INFINITY, "cpu"));
     assert!(
         decisions[0].starts_with("softmax probs: fused: scores .. out -> aten._scaled_dot_product_flash_attention_for_cpu"),
         "{decisions:?}"
@@ -88,12 +88,12 @@ fn a_masked_attention_becomes_one_cpu_call() {
 
 #[test]
 fn on_cuda_float32_the_mask_is_broadcast_to_the_scores_shape() {
-    let (g, decisions) = fused(&causal_graph(32, f64::NEG_INFINITY, "cuda:0"));
+    let (g, decisions) = fused(&causal_graph(256, f64::NEG_INFINITY, "cuda:0"));
     assert!(decisions[0].contains("aten._scaled_dot_product_efficient_attention"), "{decisions:?}");
     let text = g.to_string();
-    assert!(text.contains("= aten.expand.default(") && text.contains("/[0, 0, 32, 1] = aten.expand"), "{text}");
+    assert!(text.contains("= aten.expand.default(") && text.contains("/[0, 0, 256, 1] = aten.expand"), "{text}");
     // and the whole pipeline writes the call with the zero-stride bias
-    let module = match crate::driver::generate(&causal_graph(32, f64::NEG_INFINITY, "cuda:0"), &crate::driver::Options::default()) {
+    let module = match crate::driver::generate(&causal_graph(256, f64::NEG_INFINITY, "cuda:0"), &crate::driver::Options::default()) {
         Ok(crate::driver::Generation::Code(c)) => c.module,
         _ => panic!("the graph compiles"),
     };
@@ -102,7 +102,7 @@ fn on_cuda_float32_the_mask_is_broadcast_to_the_scores_shape() {
 
 #[test]
 fn what_is_refused_and_why() {
-    let (g, decisions) = fused(&causal_graph(32, -1e9, "cpu"));
+    let (g, decisions) = fused(&causal_graph(256, -1e9, "cpu"));
     assert_eq!(decisions, ["softmax probs: not fused: masked fills with a value other than -inf"]);
     assert!(targets(&g).contains(&"aten.bmm.default"));
     let (_, decisions) = fused(&causal_graph(20, f64::NEG_INFINITY, "cuda:0"));
@@ -117,28 +117,28 @@ fn on_cuda_half_precision_goes_to_cudnn_with_any_key_count() {
     let text = g.to_string();
     // no expand: cuDNN broadcasts the [1, 1, M, N] mask itself; its output follows the query's
     // dim order (contiguous here)
-    assert!(!text.contains("aten.expand") && text.contains("bfloat16[2, 4, 32, 16]/[2048, 512, 16, 1] = getitem"), "{text}");
+    assert!(!text.contains("aten.expand") && text.contains("bfloat16[2, 4, 256, 16]/[16384, 4096, 16, 1] = getitem"), "{text}");
 }
 
 /// `causal_graph` with its mask computed as `arange(keys) + offset >= 0`.
 fn open_mask_graph(offset: i64) -> String {
-    let text = causal_graph(32, f64::NEG_INFINITY, "cpu");
+    let text = causal_graph(256, f64::NEG_INFINITY, "cpu");
     let mask = format!(
         r#"{{"name":"mask","kind":"call_function","target":"aten.ge.Scalar","args":[{},{}],"kwargs":{{}},"meta":{}}}"#,
         node("keys_shifted"),
         int(0),
-        meta(&[32], "bool")
+        meta(&[256], "bool")
     );
     let keys = format!(
         r#"{{"name":"keys","kind":"call_function","target":"aten.arange.start_step","args":[{},{}],"kwargs":{{}},"meta":{}}},{{"name":"keys_shifted","kind":"call_function","target":"aten.add.Tensor","args":[{},{}],"kwargs":{{}},"meta":{}}},{mask}"#,
         int(0),
-        int(32),
-        meta(&[32], "int64"),
+        int(256),
+        meta(&[256], "int64"),
         node("keys"),
         int(offset),
-        meta(&[32], "int64")
+        meta(&[256], "int64")
     );
-    let placeholder = format!(r#"{{"name":"mask","kind":"placeholder","meta":{}}}"#, meta(&[32, 32], "bool"));
+    let placeholder = format!(r#"{{"name":"mask","kind":"placeholder","meta":{}}}"#, meta(&[256, 256], "bool"));
     assert!(text.contains(&placeholder));
     text.replace(&placeholder, &keys)
 }
@@ -148,7 +148,7 @@ fn a_mask_open_everywhere_is_no_mask() {
     let (g, decisions) = fused(&open_mask_graph(0));
     assert!(decisions[0].contains("no mask"), "{decisions:?}");
     assert!(!g.to_string().contains("attn_mask=mask"), "{g}");
-    // arange(32) - 1 >= 0 fails at key 0: a real mask
+    // arange(256) - 1 >= 0 fails at key 0: a real mask
     let (_, decisions) = fused(&open_mask_graph(-1));
     assert!(decisions[0].contains("masked"), "{decisions:?}");
 }
@@ -164,18 +164,26 @@ fn an_added_mask_of_zeros_is_no_mask() {
         node("mask"),
         node("zero"),
         node("fill"),
-        f32(&[32])
+        f32(&[256])
     );
     let masked = r#"{"name":"masked","kind":"call_function","target":"aten.where.self""#;
     let added = format!(
         r#"{{"name":"masked","kind":"call_function","target":"aten.add.Tensor","args":[{},{}],"kwargs":{{}},"meta":{}}}"#,
         node("scaled"),
         node("open_bias"),
-        f32(&[2, 4, 32, 32])
+        f32(&[2, 4, 256, 256])
     );
     let start = text.find(masked).expect("the where node");
     let end = start + text[start..].find("}}},").expect("its end") + 3;
     let text = format!("{}{zeros}{added}{}", &text[..start], &text[end..]);
     let (_, decisions) = fused(&text);
     assert!(decisions[0].contains("no mask"), "{decisions:?}");
+}
+
+#[test]
+fn small_cpu_attention_stays_matmuls() {
+    // 2 x 4 x 256 x 20 scores (40960): below the CPU's threshold
+    let (g, decisions) = fused(&causal_graph(20, f64::NEG_INFINITY, "cpu"));
+    assert!(decisions[0].contains("scores: the CPU's generated kernels are faster"), "{decisions:?}");
+    assert!(targets(&g).contains(&"aten.bmm.default"));
 }
