@@ -127,6 +127,15 @@ def test_probabilities_returned_too_stay_matmuls():
     assert fused_calls() == 0 and matmuls() == 2
 
 
+def test_attention_scores_returned_stay_a_softmax():
+    def scores(q, k):
+        return torch.softmax(q @ k.transpose(-1, -2) / 8.0, -1)
+
+    q, k, _ = qkv()
+    check(scores, q, k)
+    assert fused_calls() == 0 and matmuls() == 1
+
+
 def test_value_head_dim_other_than_the_keys_stays_matmuls():
     q, k, _ = qkv()
     v = torch.randn(B, H, S, 24, device="cpu").to(TEST_DEVICE)

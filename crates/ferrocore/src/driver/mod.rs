@@ -308,7 +308,13 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     st.emit("graph", || graph.to_string());
     let mut graph = graph;
     for pass in crate::rewrite::GRAPH_PASSES {
-        let (rewritten, decisions) = st.time(pass.name, || (pass.run)(graph));
+        // a pass that fails leaves the graph as it was: it only ever makes a faster equal graph
+        let before = graph.clone();
+        let run = std::panic::AssertUnwindSafe(|| (pass.run)(graph));
+        let (rewritten, decisions) = match st.time(pass.name, || std::panic::catch_unwind(run)) {
+            Ok(result) => result,
+            Err(_) => (before, vec![format!("{}: the pass failed (a ferrocore bug); the graph is left as it was", pass.name)]),
+        };
         graph = rewritten;
         if !decisions.is_empty() {
             st.emit(pass.name, || decisions.join("\n") + "\n");

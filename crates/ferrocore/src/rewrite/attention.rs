@@ -471,7 +471,8 @@ impl Ctx<'_> {
             if !self.single_use(cur) {
                 return Err(format!("{} is read outside the attention", g.node(cur).name));
             }
-            let user = self.users[cur.0 as usize][0];
+            // (a single use that is no call: the graph returns it)
+            let Some(&user) = self.users[cur.0 as usize].first() else { return Err(format!("the graph returns {}", g.node(cur).name)) };
             dead.push(user);
             match call(g, user) {
                 Some((AtenOp::ToCopy, _, kw)) if is_plain_cast(kw) => cur = user,
@@ -486,9 +487,8 @@ impl Ctx<'_> {
         };
         let (_, a1, _) = call(g, bmm1).ok_or("no matmul")?;
         let (_, a2, _) = call(g, bmm2).ok_or("no matmul")?;
-        let kdim = tensor(g, node_of(a1.first()).ok_or("no query")?).ok_or("no query")?.shape[2];
-        let vt = tensor(g, node_of(a2.get(1)).ok_or("no value")?).ok_or("no value")?;
-        let kv = vt.shape[2];
+        let kdim = tensor(g, node_of(a1.first()).ok_or("no query")?).and_then(|t| t.shape.get(2).copied()).ok_or("no 3-D query")?;
+        let kv = tensor(g, node_of(a2.get(1)).ok_or("no value")?).and_then(|t| t.shape.get(2).copied()).ok_or("no 3-D value")?;
         let q = self.operand(node_of(a1.first()).unwrap(), [b, h, m, kdim], false).ok_or("no 4-D query")?;
         let k = self.operand(node_of(a1.get(1)).ok_or("no key")?, [b, h, n, kdim], true).ok_or("no 4-D key")?;
         let v = self.operand(node_of(a2.get(1)).unwrap(), [b, h, n, kv], false).ok_or("no 4-D value")?;

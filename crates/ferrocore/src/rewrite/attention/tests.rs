@@ -187,3 +187,13 @@ fn small_cpu_attention_stays_matmuls() {
     assert!(decisions[0].contains("scores: the CPU's generated kernels are faster"), "{decisions:?}");
     assert!(targets(&g).contains(&"aten.bmm.default"));
 }
+
+#[test]
+fn probabilities_the_graph_returns_are_no_attention() {
+    let text = causal_graph(256, f64::NEG_INFINITY, "cpu");
+    let start = text.find(r#"{"name":"probs3""#).expect("probs3");
+    let text = format!(r#"{}{{"name":"output","kind":"output","args":[{}]}}]}}"#, &text[..start], node("probs"));
+    let (g, decisions) = fused(&text);
+    assert_eq!(decisions, ["softmax probs: not fused: the graph returns probs"]);
+    assert!(targets(&g).contains(&"aten.bmm.default"));
+}
