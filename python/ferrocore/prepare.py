@@ -3,7 +3,7 @@ unwrapped, integer clamp bounds wrapped as eager's kernel takes them, 0-d host s
 the graph's GPU, the GEMMs to pad (GPU, `padding`) or the convolution layout (CPU,
 `conv_layout`) chosen.
 
-Part of the compile layer: it imports `padding` and `conv_layout` (and through them the
+Part of the compile layer: it imports `padding`, `conv_layout` and `runtime.triton_launch` (and through them the
 runtime), nothing above (tests/test_front_imports.py).
 """
 
@@ -19,12 +19,14 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from . import conv_layout, padding
+from .runtime.triton_launch import cuda_arch
 
 
 def prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, measured) -> tuple:
     """The graph made ready to serialize: effect tokens and clamp bounds unwrapped, host scalars
     moved to its device, GEMMs to pad (GPU) or the convolution layout (CPU) chosen. Returns
-    (device, host scalars, padded GEMMs, the options with the layout chosen, seconds spent
+    (device, host scalars, padded GEMMs, the options with the layout chosen and the GPU's
+    architecture, seconds spent
     timing GEMMs or layouts: not serialization's)."""
     excluded = 0.0
     _unwrap_effects(gm)
@@ -40,6 +42,8 @@ def prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, meas
               "C++ kernels compile as in the default mode", file=sys.stderr)
     if device is not None:
         _move_host_scalars(gm, device, host_scalars)
+        # which library kernels the GPU has (the attention pass's cuDNN call: Hopper)
+        opts = {**opts, "cuda_arch": cuda_arch(device) or 0}
     padded = {}
     if device is not None:
         t = time.perf_counter()

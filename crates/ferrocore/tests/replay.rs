@@ -110,7 +110,8 @@ fn changed_sections(before: &str, after: &str) -> Vec<String> {
 fn replay_corpus_generates_the_approved_code() {
     let update = std::env::var("UPDATE_EXPECT").is_ok();
     let scratch = std::env::temp_dir().join(format!("ferrocore-replay-{}", std::process::id()));
-    let options = Options { cache_dir: scratch.clone(), skip_native_compile: true, ..Options::default() };
+    // the corpus's CUDA graphs were captured on Hopper (H100/H200)
+    let options = Options { cache_dir: scratch.clone(), skip_native_compile: true, cuda_arch: 90, ..Options::default() };
     let mut report = String::new();
     let (mut graphs, mut kernels, mut changed) = (0, 0, 0);
     for device in ["cpu", "cuda"] {

@@ -47,6 +47,9 @@ pub struct Options {
     pub check_inputs: bool,
     /// The front's stages before this one (Dynamo, AOT autograd, ...) in ms, for the report.
     pub front_timings_ms: Vec<(String, f64)>,
+    /// The GPU's compute capability as major * 10 + minor (90: Hopper), 0 when not known: which
+    /// library kernels exist for it (the fused attention call).
+    pub cuda_arch: u32,
 }
 
 /// The kernel backend: by the graph's device (CUDA tensors -> Triton, CPU -> C++), or forced.
@@ -122,6 +125,7 @@ impl Default for Options {
             pad_mm: PadMm::Measured,
             check_inputs: true,
             front_timings_ms: Vec::new(),
+            cuda_arch: 0,
         }
     }
 }
@@ -310,7 +314,8 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     for pass in crate::rewrite::GRAPH_PASSES {
         // a pass that fails leaves the graph as it was: it only ever makes a faster equal graph
         let before = graph.clone();
-        let run = std::panic::AssertUnwindSafe(|| (pass.run)(graph));
+        let pass_options = crate::rewrite::PassOptions { cuda_arch: options.cuda_arch };
+        let run = std::panic::AssertUnwindSafe(|| (pass.run)(graph, &pass_options));
         let (rewritten, decisions) = match st.time(pass.name, || std::panic::catch_unwind(run)) {
             Ok(result) => result,
             Err(_) => (before, vec![format!("{}: the pass failed (a ferrocore bug); the graph is left as it was", pass.name)]),

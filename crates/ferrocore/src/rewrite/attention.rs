@@ -49,6 +49,7 @@ struct Ctx<'g> {
     g: &'g Graph,
     uses: Vec<usize>,
     users: Vec<Vec<NodeId>>,
+    cuda_arch: u32,
 }
 
 /// An ATen call's op, arguments and keyword arguments.
@@ -345,9 +346,11 @@ impl Ctx<'_> {
 /// 16.5 against 37.5).
 const CPU_MIN_SCORES: i64 = 1 << 19;
 
-/// The fused call a device and dtype get: on Hopper cuDNN's attention ran 2.7 times faster than
-/// the memory-efficient kernel with a mask (H200, bf16, B=8 H=16 S=1024 head 64: 0.146 against
-/// 0.397 ms) and takes any mask alignment; it has no float32 kernel.
+/// The fused call a device, dtype and GPU get: on Hopper cuDNN's attention ran 2.7 times faster
+/// than the memory-efficient kernel with a mask (H200, bf16, B=8 H=16 S=1024 head 64: 0.146
+/// against 0.397 ms) and takes any mask alignment; it has no float32 kernel, and it was measured
+/// on Hopper only: other or unknown GPUs get the memory-efficient kernel (every CUDA GPU torch
+/// supports has it).
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Kernel {
     Cudnn,
@@ -356,9 +359,9 @@ enum Kernel {
 }
 
 impl Kernel {
-    fn for_inputs(device: Device, dtype: DType) -> Option<Kernel> {
+    fn for_inputs(device: Device, dtype: DType, cuda_arch: u32) -> Option<Kernel> {
         match device {
-            Device::Cuda(_) if dtype == DType::F32 => Some(Kernel::Efficient),
+            Device::Cuda(_) if dtype == DType::F32 || cuda_arch < 90 => Some(Kernel::Efficient),
             Device::Cuda(_) => Some(Kernel::Cudnn),
             Device::Cpu => Some(Kernel::FlashCpu),
             #[allow(unreachable_patterns)]
@@ -390,6 +393,7 @@ struct Match {
     root_4d: bool,
     /// torch's safe softmax (fully masked rows are 0).
     safe: bool,
+    kernel: Kernel,
     root_is_output: bool,
     dtype: DType,
     device: Device,
@@ -398,8 +402,8 @@ struct Match {
 
 /// The graph with every written-out attention it can prove equal to a fused call replaced by
 /// one; a line per softmax saying what it did or why not.
-pub fn fuse_attention(g: Graph) -> (Graph, Vec<String>) {
-    let cx = Ctx { g: &g, uses: g.use_counts(), users: g.users() };
+pub fn fuse_attention(g: Graph, options: &PassOptions) -> (Graph, Vec<String>) {
+    let cx = Ctx { g: &g, uses: g.use_counts(), users: g.users(), cuda_arch: options.cuda_arch };
     let mut edit = GraphEdit::new(&g);
     let mut decisions = Vec::new();
     let mut claimed: HashSet<NodeId> = HashSet::new();
@@ -531,11 +535,11 @@ impl Ctx<'_> {
         for o in [&q, &k, &v] {
             dead.extend(o.passed.iter().take_while(|&&p| self.single_use(p)));
         }
-        if Kernel::for_inputs(device, dtype) == Some(Kernel::FlashCpu) && b * h * m * n < CPU_MIN_SCORES {
+        if Kernel::for_inputs(device, dtype, self.cuda_arch) == Some(Kernel::FlashCpu) && b * h * m * n < CPU_MIN_SCORES {
             return Err(format!("{} scores: the CPU's generated kernels are faster below {CPU_MIN_SCORES}", b * h * m * n));
         }
         let masked = steps.iter().any(|s| matches!(s, Step::Add(_) | Step::Subtract(_) | Step::Fill { .. }));
-        match Kernel::for_inputs(device, dtype) {
+        match Kernel::for_inputs(device, dtype, self.cuda_arch) {
             Some(Kernel::Cudnn) if kdim % 8 != 0 || kdim > 128 => {
                 return Err(format!("head dim {kdim} (cuDNN takes multiples of 8 up to 128)"))
             }
@@ -547,7 +551,24 @@ impl Ctx<'_> {
             None => return Err("not on the CPU or CUDA".into()),
         }
         let root_is_output = g.outputs.contains(&Arg::Node(root));
-        Ok(Match { bmm1, softmax, steps, q, k, v, dims: [b, h, m, n, kdim, kv], root, root_4d, safe, root_is_output, dtype, device, dead })
+        let kernel = Kernel::for_inputs(device, dtype, self.cuda_arch).ok_or("not on the CPU or CUDA")?;
+        Ok(Match {
+            bmm1,
+            softmax,
+            steps,
+            q,
+            k,
+            v,
+            dims: [b, h, m, n, kdim, kv],
+            root,
+            root_4d,
+            safe,
+            kernel,
+            root_is_output,
+            dtype,
+            device,
+            dead,
+        })
     }
 
     /// The softmax's consumer: itself, or torch's safe softmax around it (`where(row all -inf,
@@ -789,7 +810,7 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
     let first = edit.mark();
     let [b, h, rows, keys, _, kv] = m.dims;
     let (dt, dev) = (m.dtype, m.device);
-    let kernel = Kernel::for_inputs(dev, dt).expect("checked by the match");
+    let kernel = m.kernel;
     let mut e = Emitter { g, edit, like: m.softmax, device: dev, kernel };
     let q = e.operand(&m.q, "query");
     let k = e.operand(&m.k, "key");

@@ -1,6 +1,7 @@
 //! Rewrites of the imported ATen graph before lowering. Each is a named pass (the name serves
 //! timings, `FERROCORE_LOGS` and the `graph_after_<name>` dump) that returns the graph and one
-//! line per decision, taken or refused with the reason. `GraphEdit` is how a pass replaces a node
+//! line per decision, taken or refused with the reason; `PassOptions` is what they know of
+//! the target. `GraphEdit` is how a pass replaces a node
 //! by new nodes computed just before it.
 
 pub mod attention;
@@ -10,7 +11,14 @@ use std::collections::{HashMap, HashSet};
 
 pub struct GraphPass {
     pub name: &'static str,
-    pub run: fn(Graph) -> (Graph, Vec<String>),
+    pub run: fn(Graph, &PassOptions) -> (Graph, Vec<String>),
+}
+
+/// What the graph passes are told of the target.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PassOptions {
+    /// The GPU's compute capability (major * 10 + minor), 0 when not known.
+    pub cuda_arch: u32,
 }
 
 /// The graph passes, in the order they run.

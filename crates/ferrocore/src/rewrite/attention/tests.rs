@@ -56,8 +56,9 @@ fn causal_graph(keys: i64, fill: f64, device: &str) -> String {
     text.replace(r#""device":"cpu""#, &format!(r#""device":"{device}""#))
 }
 
+/// The pass on a Hopper GPU (or the CPU).
 fn fused(text: &str) -> (Graph, Vec<String>) {
-    fuse_attention(parse_graph(text).expect("the test graph parses"))
+    fuse_attention(parse_graph(text).expect("the test graph parses"), &PassOptions { cuda_arch: 90 })
 }
 
 fn targets(g: &Graph) -> Vec<&str> {
@@ -93,7 +94,8 @@ fn on_cuda_float32_the_mask_is_broadcast_to_the_scores_shape() {
     let text = g.to_string();
     assert!(text.contains("= aten.expand.default(") && text.contains("/[0, 0, 256, 1] = aten.expand"), "{text}");
     // and the whole pipeline writes the call with the zero-stride bias
-    let module = match crate::driver::generate(&causal_graph(256, f64::NEG_INFINITY, "cuda:0"), &crate::driver::Options::default()) {
+    let options = crate::driver::Options { cuda_arch: 90, ..Default::default() };
+    let module = match crate::driver::generate(&causal_graph(256, f64::NEG_INFINITY, "cuda:0"), &options) {
         Ok(crate::driver::Generation::Code(c)) => c.module,
         _ => panic!("the graph compiles"),
     };
@@ -196,4 +198,11 @@ fn probabilities_the_graph_returns_are_no_attention() {
     let (g, decisions) = fused(&text);
     assert_eq!(decisions, ["softmax probs: not fused: the graph returns probs"]);
     assert!(targets(&g).contains(&"aten.bmm.default"));
+}
+
+#[test]
+fn a_gpu_not_known_to_be_hopper_gets_the_memory_efficient_kernel() {
+    let text = causal_graph(256, f64::NEG_INFINITY, "cuda:0").replace("float32", "bfloat16");
+    let (_, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &PassOptions { cuda_arch: 0 });
+    assert!(decisions[0].contains("aten._scaled_dot_product_efficient_attention"), "{decisions:?}");
 }
