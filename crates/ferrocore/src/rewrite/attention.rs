@@ -35,6 +35,13 @@ enum Step {
     Cast,
 }
 
+impl Step {
+    /// Whether the step adds to the scores something other than a scale (a mask).
+    fn is_mask(&self) -> bool {
+        matches!(self, Step::Add(_) | Step::Subtract(_) | Step::Fill { .. })
+    }
+}
+
 /// A matmul operand traced back to the 4-D tensor it views: `[B, H, rows, cols]`, or its
 /// transpose (`flipped`), times `scale`.
 struct Operand {
@@ -442,18 +449,16 @@ impl Ctx<'_> {
         let (_, args, _) = call(g, softmax).ok_or("not a call")?;
         let x = node_of(args.first()).ok_or("no input")?;
         let scores = tensor(g, softmax).ok_or("not a tensor")?.clone();
-        let rank = scores.shape.len();
         let dim = scalar_of(args.get(1)).ok_or("no dim")? as i64;
         // (3-D attention, never viewed as [B, H, M, N], is left to the matmuls for now)
-        if rank != 4 || dim.rem_euclid(4) != 3 {
+        if scores.shape.len() != 4 || dim.rem_euclid(4) != 3 {
             return Err("not over the last dim of 4-D scores".into());
         }
         if matches!(args.get(2), Some(Arg::Bool(true))) {
             return Err("half_to_float".into());
         }
         let (bmm1, steps, mut dead) = self.score_steps(x)?;
-        let (m, n) = (scores.shape[rank - 2], scores.shape[rank - 1]);
-        let (b, h) = (scores.shape[0], scores.shape[1]);
+        let [b, h, m, n] = scores.shape[..] else { unreachable!("4-D scores") };
         if let Some(bias) = bias_shape(g, &steps) {
             let mut padded = vec![1; 4usize.saturating_sub(bias.len())];
             padded.extend(&bias);
@@ -461,97 +466,37 @@ impl Ctx<'_> {
                 return Err(format!("a mask shaped {bias:?} for scores shaped {:?}", scores.shape));
             }
         }
-        if steps
-            .iter()
-            .take_while(|s| !matches!(s, Step::Reshape))
-            .any(|s| matches!(s, Step::Add(_) | Step::Subtract(_) | Step::Fill { .. }))
-        {
+        if steps.iter().take_while(|s| !matches!(s, Step::Reshape)).any(Step::is_mask) {
             return Err("a mask applied to the 3-D scores".into());
         }
         // after the softmax: torch's safe softmax, casts, views, then the second matmul
         let (p, safe) = self.safe_softmax(softmax, x, &mut dead)?;
-        let mut cur = p;
-        let bmm2 = loop {
-            if !self.single_use(cur) {
-                return Err(format!("{} is read outside the attention", g.node(cur).name));
-            }
-            // (a single use that is no call: the graph returns it)
-            let Some(&user) = self.users[cur.0 as usize].first() else { return Err(format!("the graph returns {}", g.node(cur).name)) };
-            dead.push(user);
-            match call(g, user) {
-                Some((AtenOp::ToCopy, _, kw)) if is_plain_cast(kw) => cur = user,
-                Some((AtenOp::View | AtenOp::UnsafeView | AtenOp::Expand, _, _))
-                    if tensor(g, user).map(|t| t.numel()) == Some(scores.numel()) =>
-                {
-                    cur = user
-                }
-                Some((AtenOp::Bmm, a, _)) if node_of(a.first()) == Some(cur) => break user,
-                _ => return Err(format!("the probabilities reach {}", g.node(user).name)),
-            }
-        };
+        let bmm2 = self.second_matmul(p, scores.numel(), &mut dead)?;
         let (_, a1, _) = call(g, bmm1).ok_or("no matmul")?;
         let (_, a2, _) = call(g, bmm2).ok_or("no matmul")?;
-        let kdim = tensor(g, node_of(a1.first()).ok_or("no query")?).and_then(|t| t.shape.get(2).copied()).ok_or("no 3-D query")?;
-        let kv = tensor(g, node_of(a2.get(1)).ok_or("no value")?).and_then(|t| t.shape.get(2).copied()).ok_or("no 3-D value")?;
-        let q = self.operand(node_of(a1.first()).unwrap(), [b, h, m, kdim], false).ok_or("no 4-D query")?;
-        let k = self.operand(node_of(a1.get(1)).ok_or("no key")?, [b, h, n, kdim], true).ok_or("no 4-D key")?;
-        let v = self.operand(node_of(a2.get(1)).unwrap(), [b, h, n, kv], false).ok_or("no 4-D value")?;
-        let dtype = tensor(g, q.node).unwrap().dtype;
+        let (query, key, value) = match (node_of(a1.first()), node_of(a1.get(1)), node_of(a2.get(1))) {
+            (Some(q), Some(k), Some(v)) => (q, k, v),
+            _ => return Err("a matmul operand is no node".into()),
+        };
+        let kdim = tensor(g, query).and_then(|t| t.shape.get(2).copied()).ok_or("no 3-D query")?;
+        let kv = tensor(g, value).and_then(|t| t.shape.get(2).copied()).ok_or("no 3-D value")?;
+        let q = self.operand(query, [b, h, m, kdim], false).ok_or("no 4-D query")?;
+        let k = self.operand(key, [b, h, n, kdim], true).ok_or("no 4-D key")?;
+        let v = self.operand(value, [b, h, n, kv], false).ok_or("no 4-D value")?;
+        let dtype = tensor(g, q.node).ok_or("no query")?.dtype;
         let device = scores.device;
-        if [&k, &v].iter().any(|o| tensor(g, o.node).unwrap().dtype != dtype) || !FLOATS.contains(&dtype) {
+        if [&k, &v].iter().any(|o| tensor(g, o.node).map(|t| t.dtype) != Some(dtype)) || !FLOATS.contains(&dtype) {
             return Err("query, key and value differ in dtype or are not floating".into());
         }
         if kdim != kv {
             return Err(format!("head dims differ (keys {kdim}, values {kv})"));
         }
-        // the result: the second matmul, its 4-D view, and a cast back to the inputs' dtype
-        let mut root = bmm2;
-        let mut root_4d = false;
-        if let [view] = self.users[bmm2.0 as usize].as_slice() {
-            if rank == 4
-                && self.single_use(bmm2)
-                && matches!(call(g, *view), Some((AtenOp::View | AtenOp::UnsafeView, _, _)))
-                && tensor(g, *view).is_some_and(|t| t.shape == [b, h, m, kv])
-            {
-                dead.push(bmm2);
-                root = *view;
-                root_4d = true;
-            }
-        }
-        if tensor(g, root).unwrap().dtype != dtype {
-            match self.users[root.0 as usize].as_slice() {
-                [cast]
-                    if self.single_use(root)
-                        && matches!(call(g, *cast), Some((AtenOp::ToCopy, _, kw)) if is_plain_cast(kw))
-                        && tensor(g, *cast).is_some_and(|t| t.dtype == dtype) =>
-                {
-                    dead.push(root);
-                    root = *cast;
-                }
-                _ => return Err(format!("the result stays {} where the inputs are {dtype}", tensor(g, root).unwrap().dtype)),
-            }
-        }
-        dead.retain(|&d| d != root);
+        let (root, root_4d) = self.result_root(bmm2, [b, h, m, kv], dtype, &mut dead)?;
         for o in [&q, &k, &v] {
             dead.extend(o.passed.iter().take_while(|&&p| self.single_use(p)));
         }
-        if Kernel::for_inputs(device, dtype, self.cuda_arch) == Some(Kernel::FlashCpu) && b * h * m * n < CPU_MIN_SCORES {
-            return Err(format!("{} scores: the CPU's generated kernels are faster below {CPU_MIN_SCORES}", b * h * m * n));
-        }
-        let masked = steps.iter().any(|s| matches!(s, Step::Add(_) | Step::Subtract(_) | Step::Fill { .. }));
-        match Kernel::for_inputs(device, dtype, self.cuda_arch) {
-            Some(Kernel::Cudnn) if kdim % 8 != 0 || kdim > 128 => {
-                return Err(format!("head dim {kdim} (cuDNN takes multiples of 8 up to 128)"))
-            }
-            Some(Kernel::Efficient) if kdim % 8 != 0 => return Err(format!("head dim {kdim} is not a multiple of 8")),
-            Some(Kernel::Efficient) if masked && n % 16 != 0 => {
-                return Err(format!("a float32 mask over {n} keys (the CUDA kernel wants rows of a multiple of 16)"));
-            }
-            Some(_) => {}
-            None => return Err("not on the CPU or CUDA".into()),
-        }
+        let kernel = self.kernel(device, dtype, [b, h, m, n, kdim], steps.iter().any(Step::is_mask))?;
         let root_is_output = g.outputs.contains(&Arg::Node(root));
-        let kernel = Kernel::for_inputs(device, dtype, self.cuda_arch).ok_or("not on the CPU or CUDA")?;
         Ok(Match {
             bmm1,
             softmax,
@@ -569,6 +514,78 @@ impl Ctx<'_> {
             device,
             dead,
         })
+    }
+
+    /// The second matmul, reached from the probabilities `p` through casts and views (each read
+    /// by the next alone), which join `dead`.
+    fn second_matmul(&self, p: NodeId, numel: i64, dead: &mut Vec<NodeId>) -> Result<NodeId, String> {
+        let g = self.g;
+        let mut cur = p;
+        loop {
+            if !self.single_use(cur) {
+                return Err(format!("{} is read outside the attention", g.node(cur).name));
+            }
+            // (a single use that is no call: the graph returns it)
+            let Some(&user) = self.users[cur.0 as usize].first() else { return Err(format!("the graph returns {}", g.node(cur).name)) };
+            dead.push(user);
+            match call(g, user) {
+                Some((AtenOp::ToCopy, _, kw)) if is_plain_cast(kw) => cur = user,
+                Some((AtenOp::View | AtenOp::UnsafeView | AtenOp::Expand, _, _)) if tensor(g, user).map(|t| t.numel()) == Some(numel) => {
+                    cur = user
+                }
+                Some((AtenOp::Bmm, a, _)) if node_of(a.first()) == Some(cur) => return Ok(user),
+                _ => return Err(format!("the probabilities reach {}", g.node(user).name)),
+            }
+        }
+    }
+
+    /// The node the fused call replaces: the second matmul, or its 4-D view (`[B, H, M, Kv]`;
+    /// then true), or a cast of either back to the inputs' dtype; the nodes passed join `dead`.
+    fn result_root(&self, bmm2: NodeId, shape: [i64; 4], dtype: DType, dead: &mut Vec<NodeId>) -> Result<(NodeId, bool), String> {
+        let g = self.g;
+        let (mut root, mut root_4d) = (bmm2, false);
+        if let [view] = self.users[bmm2.0 as usize].as_slice() {
+            if self.single_use(bmm2)
+                && matches!(call(g, *view), Some((AtenOp::View | AtenOp::UnsafeView, _, _)))
+                && tensor(g, *view).is_some_and(|t| t.shape == shape)
+            {
+                dead.push(bmm2);
+                (root, root_4d) = (*view, true);
+            }
+        }
+        let root_dtype = tensor(g, root).ok_or("the result is no tensor")?.dtype;
+        if root_dtype != dtype {
+            match self.users[root.0 as usize].as_slice() {
+                [cast]
+                    if self.single_use(root)
+                        && matches!(call(g, *cast), Some((AtenOp::ToCopy, _, kw)) if is_plain_cast(kw))
+                        && tensor(g, *cast).is_some_and(|t| t.dtype == dtype) =>
+                {
+                    dead.push(root);
+                    root = *cast;
+                }
+                _ => return Err(format!("the result stays {root_dtype} where the inputs are {dtype}")),
+            }
+        }
+        dead.retain(|&d| d != root);
+        Ok((root, root_4d))
+    }
+
+    /// The fused call for these inputs, or why none takes them (`dims`: B, H, M, N, head dim).
+    fn kernel(&self, device: Device, dtype: DType, dims: [i64; 5], masked: bool) -> Result<Kernel, String> {
+        let [b, h, m, n, kdim] = dims;
+        let kernel = Kernel::for_inputs(device, dtype, self.cuda_arch).ok_or("not on the CPU or CUDA")?;
+        match kernel {
+            Kernel::FlashCpu if b * h * m * n < CPU_MIN_SCORES => {
+                Err(format!("{} scores: the CPU's generated kernels are faster below {CPU_MIN_SCORES}", b * h * m * n))
+            }
+            Kernel::Cudnn if kdim % 8 != 0 || kdim > 128 => Err(format!("head dim {kdim} (cuDNN takes multiples of 8 up to 128)")),
+            Kernel::Efficient if kdim % 8 != 0 => Err(format!("head dim {kdim} is not a multiple of 8")),
+            Kernel::Efficient if masked && n % 16 != 0 => {
+                Err(format!("a float32 mask over {n} keys (the CUDA kernel wants rows of a multiple of 16)"))
+            }
+            _ => Ok(kernel),
+        }
     }
 
     /// The softmax's consumer: itself, or torch's safe softmax around it (`where(row all -inf,

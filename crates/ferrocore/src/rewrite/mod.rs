@@ -7,6 +7,7 @@
 pub mod attention;
 
 use crate::graph::*;
+use crate::loop_ir::contiguous_strides;
 use std::collections::{HashMap, HashSet};
 
 pub struct GraphPass {
@@ -142,15 +143,6 @@ fn remap_node(n: &Node, map: &[Option<NodeId>]) -> Option<Node> {
         },
     };
     Some(Node { name: n.name.clone(), kind, meta: n.meta.clone() })
-}
-
-/// Row-major strides of `shape`.
-pub fn contiguous_strides(shape: &[i64]) -> Vec<i64> {
-    let mut strides = vec![1; shape.len()];
-    for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1].max(1);
-    }
-    strides
 }
 
 /// Contiguous tensor metadata.
