@@ -12,6 +12,7 @@
 //! fills with -inf entirely get eager's result, computed from the bias: NaN after a plain
 //! softmax, 0 where the graph spells torch's safe softmax.
 
+use super::affine::{causal_offset, Forms};
 use super::*;
 
 /// How the scores change between the first matmul and the softmax, in graph order.
@@ -57,16 +58,6 @@ struct Ctx<'g> {
     uses: Vec<usize>,
     users: Vec<Vec<NodeId>>,
     cuda_arch: u32,
-}
-
-/// An ATen call's op, arguments and keyword arguments.
-type Call<'g> = (AtenOp, &'g [Arg], &'g [(String, Arg)]);
-
-fn call(g: &Graph, id: NodeId) -> Option<Call<'_>> {
-    match &g.node(id).kind {
-        NodeKind::Call { target: Target::Aten(op), args, kwargs } => Some((*op, args.as_slice(), kwargs.as_slice())),
-        _ => None,
-    }
 }
 
 fn tensor(g: &Graph, id: NodeId) -> Option<&TensorMeta> {
@@ -400,6 +391,8 @@ struct Match {
     root_4d: bool,
     /// torch's safe softmax (fully masked rows are 0).
     safe: bool,
+    /// No row can be masked entirely (the one mask keeps the diagonal): no fix-up of such rows.
+    rows_open: bool,
     kernel: Kernel,
     root_is_output: bool,
     dtype: DType,
@@ -497,6 +490,7 @@ impl Ctx<'_> {
         }
         let kernel = self.kernel(device, dtype, [b, h, m, n, kdim], steps.iter().any(Step::is_mask))?;
         let root_is_output = g.outputs.contains(&Arg::Node(root));
+        let rows_open = keeps_diagonal(g, &steps, [m, n]);
         Ok(Match {
             bmm1,
             softmax,
@@ -508,6 +502,7 @@ impl Ctx<'_> {
             root,
             root_4d,
             safe,
+            rows_open,
             kernel,
             root_is_output,
             dtype,
@@ -639,6 +634,16 @@ impl Ctx<'_> {
         dead.extend([zeros, select]);
         Ok((select, true))
     }
+}
+
+/// Whether the steps' one mask is a -inf fill that keeps each query's own key (a causal mask
+/// over square scores, proven from how the graph builds it), so no row is masked entirely.
+fn keeps_diagonal(g: &Graph, steps: &[Step], [m, n]: [i64; 2]) -> bool {
+    let masks: Vec<&Step> = steps.iter().filter(|s| s.is_mask()).collect();
+    let [Step::Fill { cond, scores_if, .. }] = masks[..] else { return false };
+    let Some(form) = Forms::new(g).of(*cond) else { return false };
+    let keeps = if *scores_if { Some(form) } else { form.negated() };
+    m == n && keeps.as_ref().and_then(causal_offset).is_some_and(|k| k >= 0)
 }
 
 /// The shape of the bias the steps add to the scores (every mask operand broadcast), or None
@@ -794,8 +799,9 @@ impl Emitter<'_, '_> {
     }
 
     /// The bias as the call takes it (4-D, the inputs' dtype, on CUDA the scores' full shape by
-    /// zero strides), and the rows it masks entirely (`[.., rows, 1]`, true where every key is -inf).
-    fn call_bias(&mut self, mut bias: Arg, full: [i64; 4], dtype: DType) -> (Arg, Arg) {
+    /// zero strides), and unless `rows_open`, the rows it masks entirely (`[.., rows, 1]`, true
+    /// where every key is -inf).
+    fn call_bias(&mut self, mut bias: Arg, full: [i64; 4], dtype: DType, rows_open: bool) -> (Arg, Option<Arg>) {
         while self.meta(&bias).shape.len() < 4 {
             let t = self.meta(&bias);
             let (mut s, mut st) = (t.shape.clone(), t.stride.clone());
@@ -804,12 +810,14 @@ impl Emitter<'_, '_> {
             bias = self.aten("mask_4d", AtenOp::Unsqueeze, vec![bias, Arg::Int(0)], strided(&s, &st, t.dtype, t.device));
         }
         let t = self.meta(&bias);
-        let mut row = t.shape.clone();
-        row[3] = 1;
-        let (open_meta, row_meta) = (self.dense(&t.shape, DType::Bool), self.dense(&row, DType::Bool));
-        let open = self.aten("mask_open", AtenOp::NeScalar, vec![bias.clone(), Arg::Float(f64::NEG_INFINITY)], open_meta);
-        let any_open = self.aten("mask_row_open", AtenOp::AnyDim, vec![open, Arg::Int(-1), Arg::Bool(true)], row_meta.clone());
-        let closed = self.aten("mask_row_closed", AtenOp::LogicalNot, vec![any_open], row_meta);
+        let closed = (!rows_open).then(|| {
+            let mut row = t.shape.clone();
+            row[3] = 1;
+            let (open_meta, row_meta) = (self.dense(&t.shape, DType::Bool), self.dense(&row, DType::Bool));
+            let open = self.aten("mask_open", AtenOp::NeScalar, vec![bias.clone(), Arg::Float(f64::NEG_INFINITY)], open_meta);
+            let any_open = self.aten("mask_row_open", AtenOp::AnyDim, vec![open, Arg::Int(-1), Arg::Bool(true)], row_meta.clone());
+            self.aten("mask_row_closed", AtenOp::LogicalNot, vec![any_open], row_meta)
+        });
         bias = self.cast(bias, dtype);
         if self.kernel == Kernel::Efficient && t.shape != full {
             // the memory-efficient kernel takes a bias of the scores' full shape
@@ -838,8 +846,8 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
     // softmax); the kernels give 0 and a log-sum-exp that does not tell (0 on the CPU)
     let (bias, masked_rows) = match bias {
         Some(bn) => {
-            let (bn, rows) = e.call_bias(bn, [b, h, rows, keys], dt);
-            (Some(bn), Some(rows))
+            let (bn, rows) = e.call_bias(bn, [b, h, rows, keys], dt, m.rows_open);
+            (Some(bn), rows)
         }
         None => (None, None),
     };

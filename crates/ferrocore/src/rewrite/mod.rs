@@ -4,7 +4,9 @@
 //! the target. `GraphEdit` is how a pass replaces a node
 //! by new nodes computed just before it.
 
+pub mod affine;
 pub mod attention;
+pub mod causal;
 
 use crate::graph::*;
 use crate::loop_ir::contiguous_strides;
@@ -23,7 +25,8 @@ pub struct PassOptions {
 }
 
 /// The graph passes, in the order they run.
-pub const GRAPH_PASSES: &[GraphPass] = &[GraphPass { name: "attention", run: attention::fuse_attention }];
+pub const GRAPH_PASSES: &[GraphPass] =
+    &[GraphPass { name: "attention", run: attention::fuse_attention }, GraphPass { name: "causal_mask", run: causal::use_causal_kernels }];
 
 /// Replacements of single nodes by new nodes, applied together: a new node's arguments name
 /// existing nodes or earlier new ones (by the ids `push` returned).
@@ -143,6 +146,17 @@ fn remap_node(n: &Node, map: &[Option<NodeId>]) -> Option<Node> {
         },
     };
     Some(Node { name: n.name.clone(), kind, meta: n.meta.clone() })
+}
+
+/// An ATen call's op, arguments and keyword arguments.
+pub type Call<'g> = (AtenOp, &'g [Arg], &'g [(String, Arg)]);
+
+/// The op and arguments of an ATen call node; None for anything else.
+pub fn call(g: &Graph, id: NodeId) -> Option<Call<'_>> {
+    match &g.node(id).kind {
+        NodeKind::Call { target: Target::Aten(op), args, kwargs } => Some((*op, args.as_slice(), kwargs.as_slice())),
+        _ => None,
+    }
 }
 
 /// Contiguous tensor metadata.

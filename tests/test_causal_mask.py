@@ -1,0 +1,114 @@
+"""A fused attention call whose mask the graph builds from positions (`rewrite/causal.rs`) runs
+with `is_causal` and no mask when the mask is proven causal, and without a mask when it keeps
+every key; any other mask is kept. Values, shapes, strides and dtypes as eager's."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TEST_DEVICE
+from helpers import check
+
+pytestmark = pytest.mark.ferrocore_only
+
+B, H, S, D = 2, 4, 64, 16
+
+
+@pytest.fixture
+def causal_log(monkeypatch, capfd):
+    monkeypatch.setenv("FERROCORE_LOGS", "causal_mask")
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")  # the log comes from a compile, not a cache hit
+    capfd.readouterr()
+    return lambda: capfd.readouterr().err
+
+
+def qkv(dtype=torch.float32, seq=S):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, seq, D, generator=g, device="cpu").to(TEST_DEVICE, dtype) for _ in range(3)]
+
+
+def position_mask(q_len, kv_len, device, fill, diagonal=0):
+    """Hugging Face's spelling: positions from `arange`, packed sequences found from their steps,
+    a key open where its position is at most the query's (plus `diagonal`) in the same sequence."""
+    pos = torch.arange(kv_len, device=device)[None].expand(B, -1)
+    steps = torch.cat([pos[:, :1] - 1, pos], dim=-1).diff(dim=-1)
+    seq_id = (steps != 1).cumsum(-1)
+    b = torch.arange(B, device=device)[:, None, None, None]
+    qi = torch.arange(kv_len - q_len, kv_len, device=device)[None, None, :, None]
+    kj = torch.arange(kv_len, device=device)[None, None, None, :]
+    keep = (pos[b, kj] <= pos[b, qi] + diagonal) & (seq_id[b, qi] == seq_id[b, kj])
+    return torch.where(keep, 0.0, fill)
+
+
+def attend(q, k, v, fill=float("-inf"), diagonal=0):
+    mask = position_mask(q.shape[-2], k.shape[-2], q.device, fill, diagonal).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fill", [float("-inf"), "min"])
+def test_a_position_built_causal_mask_becomes_is_causal(causal_log, fill, dtype):
+    fill = torch.finfo(dtype).min if fill == "min" else fill
+    check(lambda q, k, v: attend(q, k, v, fill), *qkv(dtype))
+    assert "is_causal instead of mask" in causal_log()
+
+
+def test_written_out_causal_attention_runs_causal(causal_log):
+    """`ones().tril()` in the forward: the attention pass fuses it, this pass drops the mask."""
+    def written_out(q, k, v):
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))
+        return scores.softmax(-1) @ v
+
+    q, k, v = qkv(seq=256)  # the CPU fuses from 2^19 scores
+    check(written_out, q, k, v)
+    assert "is_causal instead of mask" in causal_log()
+
+
+def test_a_mask_with_a_diagonal_offset_is_kept(causal_log):
+    check(lambda q, k, v: attend(q, k, v, diagonal=1), *qkv())
+    log = causal_log()
+    assert "causal with diagonal offset 1" in log and "is_causal instead" not in log
+
+
+def test_a_small_finite_fill_is_kept(causal_log):
+    # -100 does not close a key: the scores there still count
+    check(lambda q, k, v: attend(q, k, v, fill=-100.0), *qkv())
+    assert "is_causal instead" not in causal_log()
+
+
+def test_fewer_queries_than_keys_keep_the_mask(causal_log):
+    q, _, _ = qkv(seq=16)
+    _, k, v = qkv()
+    check(attend, q, k, v)
+    assert "is_causal instead" not in causal_log()
+
+
+def test_a_mask_from_an_input_is_kept(causal_log):
+    pos = torch.arange(S, device="cpu").to(TEST_DEVICE)
+
+    def from_input(q, k, v, pos):
+        keep = pos[None, :] <= pos[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    check(from_input, *qkv(), pos)
+    assert "not built from positions alone" in causal_log()
+
+
+def test_hugging_face_decoder_attention_runs_causal(causal_log):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import model_zoo
+
+    with torch.device("cpu"):
+        case = model_zoo.build("llama", "tiny", TEST_DEVICE, torch.float32)
+        inputs = case.make_inputs()
+    model = case.model.eval()
+    with torch.no_grad():
+        expected = model(*inputs).logits
+        got = torch.compile(model, backend="ferrocore")(*inputs).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    log = causal_log()
+    assert log.count("is_causal instead of mask") == 2 and "kept" not in log, log
