@@ -17,12 +17,20 @@ def _empty_strided_current_cuda(size, stride, dtype) -> torch.Tensor:
     return torch.empty_strided(size, stride, dtype=dtype, device="cuda")
 
 
-# (size, stride, dtype) -> a tensor on the current CUDA device; torch's C++ entry point where it
-# has one (what Inductor's wrappers call), which skips the Python argument parser
+def _empty_strided_on_cpu(size, stride, dtype) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+# (size, stride, dtype) -> a tensor on the current CUDA device or the CPU; torch's C++ entry
+# points where it has them (what Inductor's wrappers call), which skip the Python argument parser
 try:
     from torch._C._dynamo.guards import _empty_strided_cuda as empty_strided_cuda
 except ImportError:
     empty_strided_cuda = _empty_strided_current_cuda
+try:
+    from torch._C._dynamo.guards import _empty_strided_cpu as empty_strided_cpu
+except ImportError:
+    empty_strided_cpu = _empty_strided_on_cpu
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)

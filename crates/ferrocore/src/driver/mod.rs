@@ -83,8 +83,19 @@ impl BackendChoice {
 }
 
 /// The log channels the compiler writes (`Options::logs`); the front adds channels of its own.
-pub const LOG_CHANNELS: &[&str] =
-    &["graph", "ir_pre_fusion", "ir_post_fusion", "fusion", "output_code", "fallback", "layout", "padding", "attention", "causal_mask"];
+pub const LOG_CHANNELS: &[&str] = &[
+    "graph",
+    "ir_pre_fusion",
+    "ir_post_fusion",
+    "fusion",
+    "output_code",
+    "fallback",
+    "layout",
+    "padding",
+    "attention",
+    "causal_mask",
+    "gemm_epilogue",
+];
 
 /// What the front needs to know of the compiler's options, as JSON: each option's default, the
 /// values of those that are a choice, and the compiler's log channels. The front holds none of

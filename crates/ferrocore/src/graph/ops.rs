@@ -228,6 +228,7 @@ aten_ops! {
     Mm => "aten.mm.default", 2..=2;
     Bmm => "aten.bmm.default", 2..=2;
     Addmm => "aten.addmm.default", 3..=3;
+    AddmmActivation => "aten._addmm_activation.default", 3..=6;
     Convolution => "aten.convolution.default", 9..=9;
     ConvolutionBackward => "aten.convolution_backward.default", 11..=11;
     Sort => "aten.sort.default", 1..=3;

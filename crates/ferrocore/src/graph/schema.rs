@@ -202,6 +202,7 @@ pub fn arg_names(op: AtenOp) -> &'static [&'static str] {
         AtenOp::Mm => &["self", "mat2"],
         AtenOp::Bmm => &["self", "mat2"],
         AtenOp::Addmm => &["self", "mat1", "mat2", "beta", "alpha"],
+        AtenOp::AddmmActivation => &["self", "mat1", "mat2", "beta", "alpha", "use_gelu"],
         AtenOp::Convolution => &["input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups"],
         AtenOp::ConvolutionBackward => &["grad_output", "input", "weight", "bias_sizes", "stride", "padding", "dilation", "transposed", "output_padding", "groups", "output_mask"],
         AtenOp::Sort => &["self", "dim", "descending"],

@@ -102,7 +102,10 @@ impl Ctx<'_> {
 
     pub(super) fn lower_extern(&mut self, op: AtenOp) -> LResult<Lowered> {
         // GEMMs and convolutions take any strides (cuBLAS transposes, cuDNN picks a layout)
-        let any_layout = matches!(op, AtenOp::Mm | AtenOp::Bmm | AtenOp::Addmm | AtenOp::Convolution | AtenOp::ConvolutionBackward);
+        let any_layout = matches!(
+            op,
+            AtenOp::Mm | AtenOp::Bmm | AtenOp::Addmm | AtenOp::AddmmActivation | AtenOp::Convolution | AtenOp::ConvolutionBackward
+        );
         let kind = ExternKind::Library { hazard: capture_hazard(op), exact_strides: !any_layout };
         self.extern_call(format!("torch.ops.{}", op.name()), kind)
     }

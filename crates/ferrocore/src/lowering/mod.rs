@@ -504,7 +504,9 @@ impl<'g> Ctx<'g> {
             Histc => t(self.lower_histc()?),
             Convolution | ConvolutionBackward => self.lower_convolution(op)?,
             Mm | Bmm | Addmm => self.lower_matmul(op)?,
-            Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward | PdistForward | EmbeddingBag => self.lower_extern(op)?,
+            Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward | PdistForward | EmbeddingBag | AddmmActivation => {
+                self.lower_extern(op)?
+            }
             FftC2c
             | Nonzero
             | FlashAttentionCpu
@@ -973,6 +975,7 @@ pub fn is_library_call(op: AtenOp) -> bool {
         op,
         Mm | Bmm
             | Addmm
+            | AddmmActivation
             | Convolution
             | ConvolutionBackward
             | Sort

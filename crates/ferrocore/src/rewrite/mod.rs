@@ -7,6 +7,7 @@
 pub mod affine;
 pub mod attention;
 pub mod causal;
+pub mod epilogue;
 
 use crate::graph::*;
 use crate::loop_ir::contiguous_strides;
@@ -25,8 +26,11 @@ pub struct PassOptions {
 }
 
 /// The graph passes, in the order they run.
-pub const GRAPH_PASSES: &[GraphPass] =
-    &[GraphPass { name: "attention", run: attention::fuse_attention }, GraphPass { name: "causal_mask", run: causal::use_causal_kernels }];
+pub const GRAPH_PASSES: &[GraphPass] = &[
+    GraphPass { name: "attention", run: attention::fuse_attention },
+    GraphPass { name: "causal_mask", run: causal::use_causal_kernels },
+    GraphPass { name: "gemm_epilogue", run: epilogue::fuse_gemm_epilogues },
+];
 
 /// Replacements of single nodes by new nodes, applied together: a new node's arguments name
 /// existing nodes or earlier new ones (by the ids `push` returned).

@@ -44,6 +44,7 @@ const RESERVED: &[&str] = &[
     "host_kernel",
     "owned_storage",
     "empty_strided_cuda",
+    "empty_strided_cpu",
     "GpuIndexCheck",
     "TritonLaunch",
     "KERNEL_SOURCE",
