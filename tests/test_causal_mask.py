@@ -56,8 +56,10 @@ def test_a_position_built_causal_mask_becomes_is_causal(causal_log, fill, dtype)
     assert "is_causal instead of mask" in causal_log()
 
 
-def test_written_out_causal_attention_runs_causal(causal_log):
-    """`ones().tril()` in the forward: the attention pass fuses it, this pass drops the mask."""
+def test_written_out_causal_attention_runs_causal(monkeypatch, capfd):
+    """`ones().tril()` in the forward: the attention pass fuses it into a causal call, no bias."""
+    monkeypatch.setenv("FERROCORE_LOGS", "attention")
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
     def written_out(q, k, v):
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf"))
@@ -65,7 +67,7 @@ def test_written_out_causal_attention_runs_causal(causal_log):
 
     q, k, v = qkv(seq=256)  # the CPU fuses from 2^19 scores
     check(written_out, q, k, v)
-    assert "is_causal instead of mask" in causal_log()
+    assert "float32, scale 0.25, causal)" in capfd.readouterr().err
 
 
 def test_a_mask_with_a_diagonal_offset_is_kept(causal_log):
@@ -112,3 +114,28 @@ def test_hugging_face_decoder_attention_runs_causal(causal_log):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     log = causal_log()
     assert log.count("is_causal instead of mask") == 2 and "kept" not in log, log
+
+
+def causal_and_padding(q, k, v, keep_keys, fill):
+    """A `tril` built in the forward and a key padding mask: the kernel applies the causal one."""
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~causal, float("-inf"))
+    if fill is None:
+        scores = scores + (1.0 - keep_keys[:, None, None, :].to(q.dtype)) * -1e4
+    else:
+        scores = scores.masked_fill(~keep_keys[:, None, None, :], fill)
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("fill", [None, float("-inf")])
+def test_written_out_causal_with_padding_runs_causal_with_the_padding_as_bias(monkeypatch, capfd, fill):
+    monkeypatch.setenv("FERROCORE_LOGS", "attention")
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+    q, k, v = qkv(seq=256)
+    keep = torch.rand(B, 256, generator=torch.Generator().manual_seed(5), device="cpu") > 0.2
+    keep[1, :40] = False  # batch 1's first 40 queries see no key: NaN rows under a -inf fill
+    check(lambda q, k, v, keep: causal_and_padding(q, k, v, keep, fill), q, k, v, keep.to(TEST_DEVICE))
+    assert "causal, masked" in capfd.readouterr().err
+    if fill is not None:
+        got = torch.compile(lambda q, k, v, keep: causal_and_padding(q, k, v, keep, fill), backend="ferrocore")(q, k, v, keep.to(TEST_DEVICE))
+        assert got[1, :, :40].isnan().all() and not got[0].isnan().any()

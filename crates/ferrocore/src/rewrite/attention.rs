@@ -391,7 +391,10 @@ struct Match {
     root_4d: bool,
     /// torch's safe softmax (fully masked rows are 0).
     safe: bool,
-    /// No row can be masked entirely (the one mask keeps the diagonal): no fix-up of such rows.
+    /// The step that masks the keys after each query's own (a causal `tril` built in the graph,
+    /// proven), which the kernel applies itself (`is_causal`).
+    causal: Option<usize>,
+    /// No row can be masked entirely (the causal mask is the only one): no fix-up of such rows.
     rows_open: bool,
     kernel: Kernel,
     root_is_output: bool,
@@ -488,9 +491,10 @@ impl Ctx<'_> {
         for o in [&q, &k, &v] {
             dead.extend(o.passed.iter().take_while(|&&p| self.single_use(p)));
         }
-        let kernel = self.kernel(device, dtype, [b, h, m, n, kdim], steps.iter().any(Step::is_mask))?;
+        let causal = causal_fill(g, &steps, [m, n]);
+        let rows_open = causal.is_some() && steps.iter().filter(|s| s.is_mask()).count() == 1;
+        let kernel = self.kernel(device, dtype, [b, h, m, n, kdim], !rows_open && steps.iter().any(Step::is_mask))?;
         let root_is_output = g.outputs.contains(&Arg::Node(root));
-        let rows_open = keeps_diagonal(g, &steps, [m, n]);
         Ok(Match {
             bmm1,
             softmax,
@@ -502,6 +506,7 @@ impl Ctx<'_> {
             root,
             root_4d,
             safe,
+            causal,
             rows_open,
             kernel,
             root_is_output,
@@ -636,14 +641,19 @@ impl Ctx<'_> {
     }
 }
 
-/// Whether the steps' one mask is a -inf fill that keeps each query's own key (a causal mask
-/// over square scores, proven from how the graph builds it), so no row is masked entirely.
-fn keeps_diagonal(g: &Graph, steps: &[Step], [m, n]: [i64; 2]) -> bool {
-    let masks: Vec<&Step> = steps.iter().filter(|s| s.is_mask()).collect();
-    let [Step::Fill { cond, scores_if, .. }] = masks[..] else { return false };
-    let Some(form) = Forms::new(g).of(*cond) else { return false };
-    let keeps = if *scores_if { Some(form) } else { form.negated() };
-    m == n && keeps.as_ref().and_then(causal_offset).is_some_and(|k| k >= 0)
+/// The step that fills with -inf exactly the keys after each query's own over square scores
+/// (a causal mask, proven from how the graph builds it): the kernel's `is_causal` does the same,
+/// and keeps every row open.
+fn causal_fill(g: &Graph, steps: &[Step], [m, n]: [i64; 2]) -> Option<usize> {
+    if m != n {
+        return None;
+    }
+    let mut forms = Forms::new(g);
+    steps.iter().position(|s| {
+        let Step::Fill { cond, scores_if, .. } = s else { return false };
+        let keeps = forms.of(*cond).and_then(|f| if *scores_if { Some(f) } else { f.negated() });
+        keeps.as_ref().and_then(causal_offset) == Some(0)
+    })
 }
 
 /// The shape of the bias the steps add to the scores (every mask operand broadcast), or None
@@ -745,12 +755,15 @@ impl Emitter<'_, '_> {
         self.aten(name, AtenOp::Permute, vec![Arg::Node(o.node), perm], strided(&shape, &stride, t.dtype, t.device))
     }
 
-    /// The masks replayed on zero scores, in float32 (a -inf stays -inf), and the product of
-    /// the scales the steps apply to the scores.
-    fn replay(&mut self, steps: &[Step]) -> (Option<Arg>, f64) {
+    /// The masks replayed on zero scores, in float32 (a -inf stays -inf), step `skip` left out,
+    /// and the product of the scales the steps apply to the scores.
+    fn replay(&mut self, steps: &[Step], skip: Option<usize>) -> (Option<Arg>, f64) {
         let f32 = DType::F32;
         let (mut bias, mut scale): (Option<Arg>, f64) = (None, 1.0);
-        for step in steps {
+        for (i, step) in steps.iter().enumerate() {
+            if Some(i) == skip {
+                continue;
+            }
             match step {
                 Step::Reshape | Step::Cast | Step::Open => {}
                 Step::Scale(c) | Step::Divide(c) => {
@@ -798,10 +811,8 @@ impl Emitter<'_, '_> {
         (bias, scale)
     }
 
-    /// The bias as the call takes it (4-D, the inputs' dtype, on CUDA the scores' full shape by
-    /// zero strides), and unless `rows_open`, the rows it masks entirely (`[.., rows, 1]`, true
-    /// where every key is -inf).
-    fn call_bias(&mut self, mut bias: Arg, full: [i64; 4], dtype: DType, rows_open: bool) -> (Arg, Option<Arg>) {
+    /// The bias with leading dims of 1 up to 4-D.
+    fn four_d(&mut self, mut bias: Arg) -> Arg {
         while self.meta(&bias).shape.len() < 4 {
             let t = self.meta(&bias);
             let (mut s, mut st) = (t.shape.clone(), t.stride.clone());
@@ -809,15 +820,32 @@ impl Emitter<'_, '_> {
             st.insert(0, t.shape.first().copied().unwrap_or(1) * t.stride.first().copied().unwrap_or(1));
             bias = self.aten("mask_4d", AtenOp::Unsqueeze, vec![bias, Arg::Int(0)], strided(&s, &st, t.dtype, t.device));
         }
-        let t = self.meta(&bias);
-        let closed = (!rows_open).then(|| {
-            let mut row = t.shape.clone();
-            row[3] = 1;
-            let (open_meta, row_meta) = (self.dense(&t.shape, DType::Bool), self.dense(&row, DType::Bool));
-            let open = self.aten("mask_open", AtenOp::NeScalar, vec![bias.clone(), Arg::Float(f64::NEG_INFINITY)], open_meta);
-            let any_open = self.aten("mask_row_open", AtenOp::AnyDim, vec![open, Arg::Int(-1), Arg::Bool(true)], row_meta.clone());
-            self.aten("mask_row_closed", AtenOp::LogicalNot, vec![any_open], row_meta)
+        bias
+    }
+
+    /// The rows of the whole mask (`[.., rows, 1]`) where every key is -inf, and where `nan`,
+    /// the rows it makes NaN (a +inf meeting a -inf): eager's softmax gives NaN in those.
+    fn row_fixes(&mut self, full: Arg, nan: bool) -> (Arg, Option<Arg>) {
+        let full = self.four_d(full);
+        let t = self.meta(&full);
+        let mut row = t.shape.clone();
+        row[3] = 1;
+        let (each_meta, row_meta) = (self.dense(&t.shape, DType::Bool), self.dense(&row, DType::Bool));
+        let open = self.aten("mask_open", AtenOp::NeScalar, vec![full.clone(), Arg::Float(f64::NEG_INFINITY)], each_meta.clone());
+        let any_open = self.aten("mask_row_open", AtenOp::AnyDim, vec![open, Arg::Int(-1), Arg::Bool(true)], row_meta.clone());
+        let closed = self.aten("mask_row_closed", AtenOp::LogicalNot, vec![any_open], row_meta.clone());
+        let nan_rows = nan.then(|| {
+            let each = self.aten("mask_nan", AtenOp::IsNan, vec![full], each_meta);
+            self.aten("mask_row_nan", AtenOp::AnyDim, vec![each, Arg::Int(-1), Arg::Bool(true)], row_meta)
         });
+        (closed, nan_rows)
+    }
+
+    /// The bias as the call takes it: 4-D, the inputs' dtype, on CUDA the scores' full shape by
+    /// zero strides.
+    fn call_bias(&mut self, bias: Arg, full: [i64; 4], dtype: DType) -> Arg {
+        let mut bias = self.four_d(bias);
+        let t = self.meta(&bias);
         bias = self.cast(bias, dtype);
         if self.kernel == Kernel::Efficient && t.shape != full {
             // the memory-efficient kernel takes a bias of the scores' full shape
@@ -826,7 +854,7 @@ impl Emitter<'_, '_> {
             let dims = Arg::List(full.iter().map(|&d| Arg::Int(d)).collect());
             bias = self.aten("mask_full", AtenOp::Expand, vec![bias, dims], strided(&full, &stride, dtype, self.device));
         }
-        (bias, closed)
+        bias
     }
 }
 
@@ -840,18 +868,22 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
     let q = e.operand(&m.q, "query");
     let k = e.operand(&m.k, "key");
     let v = e.operand(&m.v, "value");
-    let (bias, chain_scale) = e.replay(&m.steps);
+    // the kernel applies a causal mask itself: the bias is every other mask
+    let (bias, chain_scale) = e.replay(&m.steps, m.causal);
     let scale = m.q.scale * m.k.scale * chain_scale;
     // rows the mask fills with -inf entirely: eager's softmax gives NaN there (0 under the safe
-    // softmax); the kernels give 0 and a log-sum-exp that does not tell (0 on the CPU)
-    let (bias, masked_rows) = match bias {
-        Some(bn) => {
-            let (bn, rows) = e.call_bias(bn, [b, h, rows, keys], dt, m.rows_open);
-            (Some(bn), rows)
-        }
-        None => (None, None),
+    // softmax); the kernels give 0 and a log-sum-exp that does not tell (0 on the CPU). Found
+    // from the whole mask, the causal one included; where the call leaves the causal mask out
+    // of its bias, a +inf it would have met is found there too
+    let row_fixes = match (&bias, m.causal) {
+        _ if m.rows_open => None,
+        (_, Some(_)) => e.replay(&m.steps, None).0.map(|full| e.row_fixes(full, true)),
+        (Some(bn), None) => Some(e.row_fixes(bn.clone(), false)),
+        (None, None) => None,
     };
+    let bias = bias.map(|bn| e.call_bias(bn, [b, h, rows, keys], dt));
     let has_bias = bias.is_some();
+    let causal = Arg::Bool(m.causal.is_some());
     // the call; its output is laid out [B, rows, H, head] and seen as [B, H, rows, head]
     // (cuDNN's in the query's dim order); a library result laid out otherwise is copied
     let out_meta = match kernel {
@@ -862,17 +894,17 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
     let bias = bias.unwrap_or(Arg::None);
     let (args, kwargs, meta) = match kernel {
         Kernel::Cudnn => {
-            let args = vec![q, k, v, bias, Arg::Bool(false), Arg::Float(0.0), Arg::Bool(false), Arg::Bool(false)];
+            let args = vec![q, k, v, bias, Arg::Bool(false), Arg::Float(0.0), causal, Arg::Bool(false)];
             let mut items = vec![Some(out_meta.clone())];
             items.resize(9, None);
             (args, vec![scale_kw], Meta::Tuple(items))
         }
         Kernel::Efficient => {
-            let args = vec![q, k, v, bias, Arg::Bool(false), Arg::Float(0.0), Arg::Bool(false)];
+            let args = vec![q, k, v, bias, Arg::Bool(false), Arg::Float(0.0), causal];
             (args, vec![scale_kw], Meta::Tuple(vec![Some(out_meta.clone()), None, None, None]))
         }
         Kernel::FlashCpu => {
-            let args = vec![q, k, v, Arg::Float(0.0), Arg::Bool(false)];
+            let args = vec![q, k, v, Arg::Float(0.0), causal];
             let lse = strided(&[b, h, rows], &[rows * h, 1, h], DType::F32, dev);
             (args, vec![("attn_mask".into(), bias), scale_kw], Meta::Tuple(vec![Some(out_meta.clone()), Some(lse)]))
         }
@@ -882,7 +914,11 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
     let root_meta = g.node(m.root).meta.clone();
     let result_meta = if m.root_4d { root_meta.clone() } else { dense_meta(&[b, h, rows, kv], dt, dev) };
     let mut result = e.push("attention_out", Target::GetItem, vec![call, Arg::Int(0)], vec![], out_meta.clone());
-    if let Some(closed) = masked_rows {
+    if let Some((closed, nan_rows)) = row_fixes {
+        if let Some(nan_rows) = nan_rows {
+            let nan = e.scalar(f64::NAN, dt);
+            result = e.aten("attention_nan_rows", AtenOp::WhereSelf, vec![nan_rows, nan, result], result_meta.clone());
+        }
         let fill = e.scalar(if m.safe { 0.0 } else { f64::NAN }, dt);
         result = e.aten("attention_rows", AtenOp::WhereSelf, vec![closed, fill, result], result_meta.clone());
     } else if m.root_4d && m.root_is_output && out_meta != result_meta {
@@ -902,7 +938,12 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
         g.node(m.bmm1).name,
         g.node(m.root).name,
         callee.name(),
-        if has_bias { "masked" } else { "no mask" },
+        match (has_bias, m.causal.is_some()) {
+            (true, true) => "causal, masked",
+            (true, false) => "masked",
+            (false, true) => "causal",
+            (false, false) => "no mask",
+        },
         if m.safe { ", safe softmax" } else { "" }
     )
 }
