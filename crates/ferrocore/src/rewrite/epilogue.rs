@@ -72,8 +72,9 @@ pub fn fuse_gemm_epilogues(g: Graph, _options: &PassOptions) -> (Graph, Vec<Stri
             name: format!("{}_{}", g.node(addmm).name, if use_gelu { "gelu" } else { "relu" }),
             kind: NodeKind::Call {
                 target: Target::Aten(AtenOp::AddmmActivation),
-                args: vec![args[0].clone(), args[1].clone(), args[2].clone(), Arg::Int(1), Arg::Int(1), Arg::Bool(use_gelu)],
-                kwargs: vec![],
+                // (beta, alpha and use_gelu are keyword-only)
+                args: vec![args[0].clone(), args[1].clone(), args[2].clone()],
+                kwargs: vec![("use_gelu".into(), Arg::Bool(use_gelu))],
             },
             meta: g.node(id).meta.clone(),
         };
