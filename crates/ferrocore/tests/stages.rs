@@ -841,7 +841,7 @@ fn a_pointwise_result_takes_the_storage_of_the_buffer_it_consumes() {
         .output(&["r"]);
     let (s, module) = wrapper_module(&doc);
     assert!(s.decision_texts().iter().any(|d| d.starts_with("in place:")), "{:?}", s.decision_texts());
-    assert_eq!(module.matches("empty_strided").count(), 1, "one allocation for both:\n{module}");
+    assert_eq!(module.matches("= empty_strided").count(), 1, "one allocation for both:\n{module}");
     // the input is dropped after its last reader and the argument list is cleared
     assert!(module.contains("args.clear()") && module.contains("del x"), "{module}");
 }
@@ -910,7 +910,7 @@ fn a_gathered_and_returned_value_is_one_buffer() {
         .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, node("ls"), node("idx")), &meta(&[4, 1], "float32"))
         .output(&["g", "ls"]);
     let (_, module) = wrapper_module(&doc);
-    let big = module.lines().filter(|l| l.contains("empty_strided((4, 100)")).count();
+    let big = module.lines().filter(|l| l.contains("empty_strided_cpu((4, 100)")).count();
     assert_eq!(big, 1, "{module}");
 }
 
@@ -927,7 +927,7 @@ fn a_value_only_gathered_is_computed_at_the_gathered_positions() {
         .call("g", "aten.gather.default", &format!(r#"{},{{"int":1}},{}"#, node("s"), node("idx")), &meta(&[64, 1], "float32"))
         .output(&["g"]);
     let (_, module) = wrapper_module(&doc);
-    assert!(!module.contains("empty_strided((64, 100)"), "{module}");
+    assert!(!module.contains("empty_strided_cpu((64, 100)"), "{module}");
     let (pre, _, _, _) = stages(&doc);
     let indirect = pre.lines().any(|l| l.contains("= load(x, ") && l.contains("*t"));
     assert!(indirect, "the logits read at the gathered column:\n{pre}");
@@ -954,7 +954,7 @@ fn a_value_read_through_a_view_by_a_library_call_and_returned_is_computed_once()
         .output(&["o", "p"]);
     let (_, module) = wrapper_module(&doc);
     let probabilities =
-        module.lines().filter(|l| l.contains("empty_strided((2, 4, 8, 8)") || l.contains("empty_strided((8, 8, 8)")).count();
+        module.lines().filter(|l| l.contains("empty_strided_cpu((2, 4, 8, 8)") || l.contains("empty_strided_cpu((8, 8, 8)")).count();
     assert_eq!(probabilities, 1, "{module}");
 }
 
@@ -993,10 +993,10 @@ fn a_gradient_read_by_two_padded_gemms_is_padded_once() {
         // the gradient's padded copies, row-major or column-major (w's is (104, 64), (64, 1))
         let copies = module
             .lines()
-            .filter(|l| l.contains("empty_strided((64, 104), (104, 1)") || l.contains("empty_strided((104, 64), (1, 104)"))
+            .filter(|l| l.contains("empty_strided_cpu((64, 104), (104, 1)") || l.contains("empty_strided_cpu((104, 64), (1, 104)"))
             .count();
         assert_eq!(copies, 1, "computed: {computed}\n{module}");
-        assert!(!module.contains("empty_strided((64, 100)"), "no unpadded copy of the gradient:\n{module}");
+        assert!(!module.contains("empty_strided_cpu((64, 100)"), "no unpadded copy of the gradient:\n{module}");
     }
 }
 

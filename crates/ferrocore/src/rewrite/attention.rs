@@ -427,16 +427,7 @@ pub fn fuse_attention(g: Graph, options: &PassOptions) -> (Graph, Vec<String>) {
             Err(why) => decisions.push(format!("softmax {name}: not fused: {why}")),
         }
     }
-    if edit.is_empty() {
-        return (g, decisions);
-    }
-    match edit.apply(&g) {
-        Some(edited) => (edited, decisions),
-        None => {
-            decisions.push("attention: the edit does not hold together; the graph is left as it was".into());
-            (g, decisions)
-        }
-    }
+    edit.finish(g, decisions)
 }
 
 impl Ctx<'_> {

@@ -172,14 +172,5 @@ pub fn use_causal_kernels(g: Graph, _options: &PassOptions) -> (Graph, Vec<Strin
         let what = if causal { "is_causal" } else { "no mask (every key open)" };
         decisions.push(format!("{} {}: {what} instead of mask {}", op.name(), node.name, g.node(*bias).name));
     }
-    if edit.is_empty() {
-        return (g, decisions);
-    }
-    match edit.apply(&g) {
-        Some(edited) => (edited, decisions),
-        None => {
-            decisions.push("causal_mask: the edit does not hold together; the graph is left as it was".into());
-            (g, decisions)
-        }
-    }
+    edit.finish(g, decisions)
 }

@@ -82,16 +82,7 @@ pub fn fuse_gemm_epilogues(g: Graph, _options: &PassOptions) -> (Graph, Vec<Stri
         edit.replace(id, first, by, [addmm]);
         decisions.push(format!("{name}: in the epilogue of {} (_addmm_activation, use_gelu={use_gelu})", g.node(addmm).name));
     }
-    if edit.is_empty() {
-        return (g, decisions);
-    }
-    match edit.apply(&g) {
-        Some(edited) => (edited, decisions),
-        None => {
-            decisions.push("gemm_epilogue: the edit does not hold together; the graph is left as it was".into());
-            (g, decisions)
-        }
-    }
+    edit.finish(g, decisions)
 }
 
 #[cfg(test)]

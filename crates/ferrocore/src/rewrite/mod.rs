@@ -99,6 +99,21 @@ impl GraphEdit {
         self.replacements.is_empty()
     }
 
+    /// The pass's result: the edited graph, or `g` unchanged (with a line saying so) when the
+    /// edit does not hold together; `decisions` are the pass's lines.
+    pub fn finish(&self, g: Graph, mut decisions: Vec<String>) -> (Graph, Vec<String>) {
+        if self.is_empty() {
+            return (g, decisions);
+        }
+        match self.apply(&g) {
+            Some(edited) => (edited, decisions),
+            None => {
+                decisions.push("the edit does not hold together; the graph is left as it was".into());
+                (g, decisions)
+            }
+        }
+    }
+
     /// The edited graph: nodes in the old order, each replacement's new nodes in its root's
     /// place; None when a kept node reads a dropped one (the edit does not hold together).
     pub fn apply(&self, g: &Graph) -> Option<Graph> {
@@ -161,6 +176,18 @@ pub fn call(g: &Graph, id: NodeId) -> Option<Call<'_>> {
         NodeKind::Call { target: Target::Aten(op), args, kwargs } => Some((*op, args.as_slice(), kwargs.as_slice())),
         _ => None,
     }
+}
+
+/// The targets of a graph's calls, in order (the passes' unit tests read them).
+#[cfg(test)]
+pub fn call_targets(g: &Graph) -> Vec<&str> {
+    g.nodes
+        .iter()
+        .filter_map(|n| match &n.kind {
+            NodeKind::Call { target, .. } => Some(target.name()),
+            NodeKind::Placeholder => None,
+        })
+        .collect()
 }
 
 /// Contiguous tensor metadata.

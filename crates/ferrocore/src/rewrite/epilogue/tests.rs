@@ -27,13 +27,7 @@ fn run(text: &str) -> (Graph, Vec<String>) {
 }
 
 fn targets(g: &Graph) -> Vec<&str> {
-    g.nodes
-        .iter()
-        .filter_map(|n| match &n.kind {
-            NodeKind::Call { target, .. } => Some(target.name()),
-            NodeKind::Placeholder => None,
-        })
-        .collect()
+    call_targets(g)
 }
 
 #[test]
