@@ -12,7 +12,7 @@
 //! fills with -inf entirely get eager's result, computed from the bias: NaN after a plain
 //! softmax, 0 where the graph spells torch's safe softmax.
 
-use super::affine::{causal_offset, Forms};
+use super::affine::{causal_offset, Form, Forms};
 use super::*;
 
 /// How the scores change between the first matmul and the softmax, in graph order.
@@ -96,66 +96,9 @@ fn is_minus_infinity(g: &Graph, id: NodeId) -> bool {
     matches!(scalar_of(value), Some(v) if v == f64::NEG_INFINITY)
 }
 
-/// The least and greatest value of an integer node built from `arange`, constants, sums and
-/// broadcasts; None when it is anything else.
-fn int_range(g: &Graph, id: NodeId, depth: usize) -> Option<(i64, i64)> {
-    let (op, args, _) = call(g, id)?;
-    if depth > 16 || !tensor(g, id).is_some_and(|t| matches!(t.dtype, DType::I64 | DType::I32)) {
-        return None;
-    }
-    let int = |i: usize| match args.get(i) {
-        Some(Arg::Int(v)) => Some(*v),
-        _ => None,
-    };
-    let input = |i: usize| node_of(args.get(i)).and_then(|n| int_range(g, n, depth + 1));
-    use AtenOp::*;
-    match op {
-        Arange | ArangeStart | ArangeStartStep => {
-            let (start, end, step) = match op {
-                Arange => (0, int(0)?, 1),
-                ArangeStart => (int(0)?, int(1)?, 1),
-                _ => (int(0)?, int(1)?, int(2).unwrap_or(1)),
-            };
-            let n = if step > 0 { (end - start + step - 1) / step } else { return None };
-            (n > 0).then(|| (start, start + step * (n - 1)))
-        }
-        Unsqueeze | Expand | View | UnsafeView | Alias | Clone | Permute => input(0),
-        AddTensor | AddScalar | SubTensor | SubScalar if g.node(id).kwarg("alpha").is_none() => {
-            let (a, b) = (input(0)?, input(1).or_else(|| int(1).map(|c| (c, c)))?);
-            if matches!(op, AddTensor | AddScalar) {
-                Some((a.0.checked_add(b.0)?, a.1.checked_add(b.1)?))
-            } else {
-                Some((a.0.checked_sub(b.1)?, a.1.checked_sub(b.0)?))
-            }
-        }
-        _ => None,
-    }
-}
-
-/// Whether a boolean node is true everywhere, as far as `int_range` can tell.
-fn always_true(g: &Graph, id: NodeId, depth: usize) -> bool {
-    let Some((op, args, _)) = call(g, id) else { return false };
-    if depth > 16 {
-        return false;
-    }
-    let bound = || match args.get(1) {
-        Some(Arg::Int(c)) => Some(*c),
-        _ => None,
-    };
-    let range = || node_of(args.first()).and_then(|n| int_range(g, n, depth + 1));
-    use AtenOp::*;
-    match op {
-        GeScalar => matches!((range(), bound()), (Some((lo, _)), Some(c)) if lo >= c),
-        GtScalar => matches!((range(), bound()), (Some((lo, _)), Some(c)) if lo > c),
-        LeScalar => matches!((range(), bound()), (Some((_, hi)), Some(c)) if hi <= c),
-        LtScalar => matches!((range(), bound()), (Some((_, hi)), Some(c)) if hi < c),
-        Full => matches!(args.get(1), Some(Arg::Bool(true))),
-        LogicalAnd | BitwiseAndTensor => [0, 1].iter().all(|&i| node_of(args.get(i)).is_some_and(|n| always_true(g, n, depth + 1))),
-        Unsqueeze | Expand | View | UnsafeView | Alias | Clone | Permute => {
-            node_of(args.first()).is_some_and(|n| always_true(g, n, depth + 1))
-        }
-        _ => false,
-    }
+/// Whether a boolean node is true everywhere, as its affine form tells (`affine`).
+fn always_true(g: &Graph, id: NodeId) -> bool {
+    Forms::new(g).of(id) == Some(Form::Bool(true))
 }
 
 /// Whether a node is zero everywhere: a zero constant, or a `where` whose condition always holds
@@ -170,7 +113,7 @@ fn always_zero(g: &Graph, id: NodeId, depth: usize) -> bool {
     match op {
         ScalarTensor => scalar_of(args.first()) == Some(0.0),
         Full | FullLike => scalar_of(args.get(1)) == Some(0.0),
-        WhereSelf => node_of(args.first()).is_some_and(|c| always_true(g, c, depth + 1)) && input(1),
+        WhereSelf => node_of(args.first()).is_some_and(|c| always_true(g, c)) && input(1),
         Unsqueeze | Expand | View | UnsafeView | Alias | Clone | Permute | ToCopy => input(0),
         _ => false,
     }
@@ -270,7 +213,7 @@ impl Ctx<'_> {
                     if shape(scores) != shape(cur) {
                         return Err(format!("{} broadcasts the scores", node.name));
                     }
-                    let open = scores_if && always_true(self.g, cond, 0);
+                    let open = scores_if && always_true(self.g, cond);
                     (Some(scores), if open { Step::Open } else { Step::Fill { cond, fill, scores_if } })
                 }
                 _ => return Err(format!("{} ({}) between the scores and the softmax", node.name, op.name())),

@@ -61,10 +61,6 @@ fn fused(text: &str) -> (Graph, Vec<String>) {
     fuse_attention(parse_graph(text).expect("the test graph parses"), &PassOptions { cuda_arch: 90 })
 }
 
-fn targets(g: &Graph) -> Vec<&str> {
-    call_targets(g)
-}
-
 #[test]
 fn a_masked_attention_becomes_one_cpu_call() {
     let (g, decisions) = fused(&causal_graph(256, f64::NEG_INFINITY, "cpu"));
@@ -72,7 +68,7 @@ fn a_masked_attention_becomes_one_cpu_call() {
         decisions[0].starts_with("softmax probs: fused: scores .. out -> aten._scaled_dot_product_flash_attention_for_cpu"),
         "{decisions:?}"
     );
-    let t = targets(&g);
+    let t = call_targets(&g);
     assert!(t.contains(&"aten._scaled_dot_product_flash_attention_for_cpu.default") && !t.contains(&"aten.bmm.default"), "{g}");
     // the mask's rows: NaN where every key is masked, as after eager's softmax
     let text = g.to_string();
@@ -100,7 +96,7 @@ fn on_cuda_float32_the_mask_is_broadcast_to_the_scores_shape() {
 fn what_is_refused_and_why() {
     let (g, decisions) = fused(&causal_graph(256, -1e9, "cpu"));
     assert_eq!(decisions, ["softmax probs: not fused: masked fills with a value other than -inf"]);
-    assert!(targets(&g).contains(&"aten.bmm.default"));
+    assert!(call_targets(&g).contains(&"aten.bmm.default"));
     let (_, decisions) = fused(&causal_graph(20, f64::NEG_INFINITY, "cuda:0"));
     assert_eq!(decisions, ["softmax probs: not fused: a float32 mask over 20 keys (the CUDA kernel wants rows of a multiple of 16)"]);
 }
@@ -181,7 +177,7 @@ fn small_cpu_attention_stays_matmuls() {
     // 2 x 4 x 256 x 20 scores (40960): below the CPU's threshold
     let (g, decisions) = fused(&causal_graph(20, f64::NEG_INFINITY, "cpu"));
     assert!(decisions[0].contains("scores: the CPU's generated kernels are faster"), "{decisions:?}");
-    assert!(targets(&g).contains(&"aten.bmm.default"));
+    assert!(call_targets(&g).contains(&"aten.bmm.default"));
 }
 
 #[test]
@@ -191,7 +187,7 @@ fn probabilities_the_graph_returns_are_no_attention() {
     let text = format!(r#"{}{{"name":"output","kind":"output","args":[{}]}}]}}"#, &text[..start], node("probs"));
     let (g, decisions) = fused(&text);
     assert_eq!(decisions, ["softmax probs: not fused: the graph returns probs"]);
-    assert!(targets(&g).contains(&"aten.bmm.default"));
+    assert!(call_targets(&g).contains(&"aten.bmm.default"));
 }
 
 #[test]

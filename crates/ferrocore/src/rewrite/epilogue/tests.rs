@@ -26,15 +26,11 @@ fn run(text: &str) -> (Graph, Vec<String>) {
     fuse_gemm_epilogues(parse_graph(text).expect("the test graph parses"), &PassOptions { cuda_arch: 90 })
 }
 
-fn targets(g: &Graph) -> Vec<&str> {
-    call_targets(g)
-}
-
 #[test]
 fn tanh_gelu_and_relu_after_a_half_precision_addmm_join_its_epilogue() {
     for (gelu, flag) in [(Some("tanh"), true), (None, false)] {
         let (g, decisions) = run(&linear("bfloat16", "cuda:0", gelu, false));
-        assert_eq!(targets(&g), ["aten.permute.default", "aten._addmm_activation.default"], "{decisions:?}");
+        assert_eq!(call_targets(&g), ["aten.permute.default", "aten._addmm_activation.default"], "{decisions:?}");
         let call = g.nodes.last().unwrap();
         assert_eq!(call.arg(5, "use_gelu"), Some(&Arg::Bool(flag)));
         assert!(decisions[0].contains("in the epilogue of addmm"), "{decisions:?}");
@@ -51,7 +47,7 @@ fn what_the_epilogue_cannot_take_stays_apart() {
     ];
     for (text, why) in cases {
         let (g, decisions) = run(&text);
-        assert!(targets(&g).contains(&"aten.addmm.default"), "{why}: {:?}", targets(&g));
+        assert!(call_targets(&g).contains(&"aten.addmm.default"), "{why}: {:?}", call_targets(&g));
         assert!(decisions.is_empty() || decisions[0].contains(why), "{why}: {decisions:?}");
     }
 }
