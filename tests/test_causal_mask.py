@@ -143,3 +143,41 @@ def test_written_out_causal_with_padding_runs_causal_with_the_padding_as_bias(mo
     if fill is not None:
         got = torch.compile(lambda q, k, v, keep: causal_and_padding(q, k, v, keep, fill), backend="ferrocore")(q, k, v, keep.to(TEST_DEVICE))
         assert got[1, :, :40].isnan().all() and not got[0].isnan().any()
+
+
+def check_training(fn, *inputs, tol=1e-5):
+    """`fn`'s output and its inputs' gradients, compiled against eager."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    expected = fn(*leaves)
+    expected.square().sum().backward()
+    twins = [x.detach().clone().requires_grad_() for x in inputs]
+    got = torch.compile(fn, backend="ferrocore")(*twins)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    for a, b in zip(twins, leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=tol, atol=tol)
+
+
+def test_a_training_graph_is_traced_with_is_causal_for_a_position_built_mask(causal_log):
+    """The backward is traced from the call without the mask: both run the causal kernel."""
+    check_training(attend, *qkv())
+    log = causal_log()
+    assert "is_causal instead of mask" in log and "traced so" in log, log
+
+
+def test_a_training_graph_is_traced_without_a_mask_that_keeps_every_key(causal_log):
+    def open_mask(q, k, v):  # Hugging Face ViT's mask under compile
+        keep = (torch.arange(k.shape[-2], device=q.device) + 0 >= 0).expand(q.shape[0], 1, q.shape[-2], -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(keep, 0.0, float("-inf")).to(q.dtype))
+
+    check_training(open_mask, *qkv())
+    assert "no mask (every key open) instead of mask" in causal_log()
+
+
+def test_a_training_graph_keeps_a_mask_it_cannot_prove(causal_log):
+    keep = torch.rand(B, 1, S, S, generator=torch.Generator().manual_seed(1), device="cpu") > 0.3
+    keep[..., 0] = True
+    bias = torch.where(keep, 0.0, float("-inf")).to(TEST_DEVICE)
+    check_training(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), *qkv(), bias)
+    log = causal_log()
+    assert "kept: the mask is an input" in log and "traced so" not in log, log

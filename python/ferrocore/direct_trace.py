@@ -38,6 +38,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .attention_masks import MaskReader, is_attention
 from .fake_calls import FakeCalls
 from .serialize import module_attr
 
@@ -126,16 +127,21 @@ class Joint:
     unsafe_views: list
 
 
-def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> Joint:
+def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, log_masks: bool = False,
+                read_masks: bool = True) -> Joint:
     """Dynamo's graph as the joint forward-backward ATen graph AOT autograd would trace for it:
     the forward run with autograd on, then `torch.autograd.grad` of its differentiable outputs
-    with respect to the primals that require grad, both recorded. Raises NeedsAot for what only
-    AOT autograd handles. Call `check_graph` first."""
+    with respect to the primals that require grad, both recorded. Attention masks the compiler
+    proves open or causal are left out of the calls as they are traced (`attention_masks`;
+    `log_masks`: say so on the `causal_mask` channel; `read_masks=False`: the calls as written,
+    as AOT autograd traces them). Raises NeedsAot for what only AOT autograd
+    handles. Call `check_graph` first."""
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
     with _tracing(example_inputs, decompositions, writable_inputs=True) as (recorder, fakes):
         primals = [f.detach().requires_grad_(r) for f, r in zip(fakes, requires)]
+        masks = MaskReader(recorder.graph, recorder.root, recorder.nodes.get, log_masks) if read_masks else None
         with torch.enable_grad():
-            outputs = _run(gm, primals, recorder)
+            outputs = _run(gm, primals, recorder, masks)
             if not torch.is_grad_enabled():
                 raise NeedsAot("the graph leaves grad mode off")
             outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
@@ -197,8 +203,9 @@ def _tag_autograd_nodes(result, trace: str | None) -> None:
         todo.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
-def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
-    """Runs Dynamo's graph on fake tensors with the recorder on; returns its outputs."""
+def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", masks: MaskReader | None = None):
+    """Runs Dynamo's graph on fake tensors with the recorder on; returns its outputs. `masks`
+    reads the attention calls' masks (a training trace's)."""
     env: dict = {}
     load = lambda a: torch.fx.node.map_arg(a, env.__getitem__)  # noqa: E731
     placeholders = iter(fakes)
@@ -209,8 +216,11 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder"):
         elif node.op == "get_attr":
             env[node] = recorder.constant(module_attr(gm, node.target))
         elif node.op == "call_function":
+            args, kwargs = load(node.args), load(node.kwargs)
+            if masks is not None and is_attention(node.target):
+                args, kwargs = masks.arguments(node.name, args, kwargs)
             with recorder:
-                env[node] = node.target(*load(node.args), **load(node.kwargs))
+                env[node] = node.target(*args, **kwargs)
             _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
         elif node.op == "call_method":
             self_arg, *args = load(node.args)

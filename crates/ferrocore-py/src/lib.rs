@@ -267,6 +267,22 @@ fn joint_saved_values(py: Python<'_>, joint_json: &str) -> PyResult<Vec<usize>> 
     })
 }
 
+/// What the attention mask `graph_json` returns (its one output) is to `queries` x `keys`
+/// scores (`rewrite::causal::mask_kind`): ("open" | "causal", "") or ("kept", why not).
+#[pyfunction]
+fn attention_mask_kind(py: Python<'_>, graph_json: &str, queries: i64, keys: i64) -> PyResult<(String, String)> {
+    py.detach(|| {
+        guarded("attention_mask_kind", || {
+            let g = ferrocore::graph::parse_graph(graph_json).map_err(|e| e.to_string())?;
+            Ok(match ferrocore::rewrite::causal::mask_kind(&g, [queries, keys]) {
+                Ok(ferrocore::rewrite::causal::MaskKind::Open) => ("open".into(), String::new()),
+                Ok(ferrocore::rewrite::causal::MaskKind::Causal) => ("causal".into(), String::new()),
+                Err(why) => ("kept".into(), why),
+            })
+        })
+    })
+}
+
 /// Whether the compiler runs a forward 2-D CPU convolution as a GEMM or a generated kernel
 /// instead of oneDNN (`lowering::cpu_conv_runs_compiled`): input (n, c, h, w), weight
 /// (o, c / groups, kh, kw).
@@ -305,6 +321,7 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ptx_param_count, m)?)?;
     m.add_function(wrap_pyfunction!(joint_saved_values, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_conv_runs_compiled, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_mask_kind, m)?)?;
     m.add_class::<CudaDriver>()?;
     m.add_class::<CudaKernel>()?;
     Ok(())

@@ -27,7 +27,8 @@ fn mask_slots(op: AtenOp) -> Option<(usize, &'static str, usize)> {
 }
 
 /// What a mask is, as far as the pass can prove.
-enum MaskKind {
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MaskKind {
     /// Every key open.
     Open,
     /// Query `i` sees keys `j <= i`.
@@ -124,6 +125,17 @@ impl Reader<'_> {
             },
         }
     }
+}
+
+/// What the mask a graph returns (its one output) is to scores of `scores` (queries, keys):
+/// open, causal, or, as the error, why neither is proven. The front asks this while it traces a
+/// training graph (`python/ferrocore/attention_masks.py`): the backward is traced from the
+/// forward's ops, so a mask dropped after the trace would stay in the backward.
+pub fn mask_kind(g: &Graph, scores: [i64; 2]) -> Result<MaskKind, String> {
+    let [Arg::Node(mask)] = g.outputs.as_slice() else {
+        return Err(format!("the mask graph has {} outputs, not one tensor", g.outputs.len()));
+    };
+    Reader { g, forms: Forms::new(g) }.kind(*mask, scores)
 }
 
 /// The graph with every fused attention call whose mask is causal or open calling the kernel
