@@ -148,3 +148,65 @@ def test_small_attention_on_the_cpu_stays_matmuls():
     q, k, v = (t[:, :, :64] for t in qkv())
     check(causal, q.contiguous(), k.contiguous(), v.contiguous())
     assert fused_calls() == 0 and matmuls() == 2
+
+
+def grads_against_eager(fn, *inputs, tol=1e-4):
+    """`fn`'s outputs and its inputs' gradients, compiled against eager; the compiled outputs."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    expected = fn(*leaves)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    sum(e.square().sum() for e in expected).backward()
+    twins = [x.detach().clone().requires_grad_() for x in inputs]
+    got = torch.compile(fn, backend="ferrocore")(*twins)
+    got = got if isinstance(got, tuple) else (got,)
+    forward_calls = fused_calls()
+    sum(g.square().sum() for g in got).backward()
+    for a, b in zip(got + tuple(t.grad for t in twins), expected + tuple(t.grad for t in leaves)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    return forward_calls
+
+
+class NanoGptAttention(torch.nn.Module):
+    """nanoGPT's attention: a registered `tril` buffer (an input of the graph, so its mask is
+    replayed as the call's bias rather than proven causal)."""
+
+    def __init__(self, seq):
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, q, k, v):
+        t = q.shape[-2]
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
+        return torch.nn.functional.softmax(att, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [causal, NanoGptAttention(S).to(TEST_DEVICE)], ids=["tril", "buffer"])
+def test_training_attention_is_traced_as_the_fused_call(fn):
+    """The forward runs the fused call and the backward its backward (no saved probabilities)."""
+    assert grads_against_eager(fn, *qkv()) == 1 and matmuls() == 0
+    backward_ops = ferrocore.metrics.last["extern_ops"]
+    assert any("scaled_dot_product" in op and "backward" in op for op in backward_ops), backward_ops
+
+
+def test_training_attention_whose_probabilities_are_returned_too():
+    """The probabilities stay written out for their reader; the result is the fused call's."""
+    def both(q, k, v):
+        att = ((q @ k.transpose(-2, -1)) * 0.25).softmax(-1)
+        return att @ v, att
+
+    grads_against_eager(both, *qkv())
+
+
+def test_training_attention_with_a_learned_bias_stays_written_out(capfd, monkeypatch):
+    """T5's relative position bias takes a gradient, which the fused calls do not give."""
+    monkeypatch.setenv("FERROCORE_LOGS", "attention")
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+    position_bias = torch.randn(1, H, S, S, device=TEST_DEVICE)
+
+    def t5_like(q, k, v, bias):
+        return ((q @ k.transpose(-2, -1)) + bias).softmax(-1) @ v
+
+    grads_against_eager(t5_like, *qkv(), position_bias)
+    log = capfd.readouterr().err
+    assert "(ValueError: the mask takes a gradient); the written-out ones stay" in log, log

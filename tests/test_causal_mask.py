@@ -181,3 +181,14 @@ def test_a_training_graph_keeps_a_mask_it_cannot_prove(causal_log):
     check_training(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), *qkv(), bias)
     log = causal_log()
     assert "kept: the mask is an input" in log and "traced so" not in log, log
+
+
+def test_written_out_attention_in_a_training_graph_runs_as_the_fused_call(monkeypatch, capfd):
+    """Traced as the fused call, so its backward is the fused call's: no saved probabilities."""
+    monkeypatch.setenv("FERROCORE_LOGS", "attention")
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+    keep_keys = torch.ones(B, 256, dtype=torch.bool, device=TEST_DEVICE)
+    keep_keys[1, 200:] = False
+    check_training(lambda q, k, v: causal_and_padding(q, k, v, keep_keys, None), *qkv(seq=256), tol=1e-4)
+    log = capfd.readouterr().err
+    assert "(training trace): softmax" in log and "fused:" in log and "causal, masked" in log, log

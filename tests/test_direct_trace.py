@@ -309,8 +309,8 @@ def _both_joint_traces(fn, *inputs):
         table = decompositions.decompositions(training=True)
         try:
             direct_trace.check_graph(gm, example_inputs, training=True)
-            # (masks as written: AOT autograd reads none)
-            joint = direct_trace.trace_joint(gm, example_inputs, table, read_masks=False)
+            # (attention as written: AOT autograd rewrites none)
+            joint = direct_trace.trace_joint(gm, example_inputs, table, fuse_attention=False)
             direct = joint.graph
             joint_split.eliminate_common_subexpressions(direct.graph)
         except direct_trace.NeedsAot as e:

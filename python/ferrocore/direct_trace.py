@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import weakref
 
 import torch
 from torch._dispatch.python import enable_python_dispatcher
@@ -38,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .attention_masks import MaskReader, is_attention
+from .traced_attention import TracedAttention, is_attention, is_matmul
 from .fake_calls import FakeCalls
 from .serialize import module_attr
 
@@ -127,21 +128,22 @@ class Joint:
     unsafe_views: list
 
 
-def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, log_masks: bool = False,
-                read_masks: bool = True) -> Joint:
+def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, logs: tuple = (),
+                fuse_attention: bool = True) -> Joint:
     """Dynamo's graph as the joint forward-backward ATen graph AOT autograd would trace for it:
     the forward run with autograd on, then `torch.autograd.grad` of its differentiable outputs
-    with respect to the primals that require grad, both recorded. Attention masks the compiler
-    proves open or causal are left out of the calls as they are traced (`attention_masks`;
-    `log_masks`: say so on the `causal_mask` channel; `read_masks=False`: the calls as written,
-    as AOT autograd traces them). Raises NeedsAot for what only AOT autograd
+    with respect to the primals that require grad, both recorded. Attention is decided as it is
+    traced (`traced_attention`: masks the compiler proves open or causal left out, written-out
+    attention run as the fused call; said on the `causal_mask` and `attention` channels of
+    `logs`); `fuse_attention=False` traces the graph as written, as AOT autograd does. Raises NeedsAot for what only AOT autograd
     handles. Call `check_graph` first."""
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
     with _tracing(example_inputs, decompositions, writable_inputs=True) as (recorder, fakes):
         primals = [f.detach().requires_grad_(r) for f, r in zip(fakes, requires)]
-        masks = MaskReader(recorder.graph, recorder.root, recorder.nodes.get, log_masks) if read_masks else None
+        attention = TracedAttention(recorder.graph, recorder.root, recorder.nodes.get, recorder.values,
+                                    logs) if fuse_attention else None
         with torch.enable_grad():
-            outputs = _run(gm, primals, recorder, masks)
+            outputs = _run(gm, primals, recorder, attention)
             if not torch.is_grad_enabled():
                 raise NeedsAot("the graph leaves grad mode off")
             outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
@@ -203,9 +205,9 @@ def _tag_autograd_nodes(result, trace: str | None) -> None:
         todo.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
-def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", masks: MaskReader | None = None):
-    """Runs Dynamo's graph on fake tensors with the recorder on; returns its outputs. `masks`
-    reads the attention calls' masks (a training trace's)."""
+def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", attention: TracedAttention | None = None):
+    """Runs Dynamo's graph on fake tensors with the recorder on; returns its outputs.
+    `attention` decides attention as it is traced (a training trace's)."""
     env: dict = {}
     load = lambda a: torch.fx.node.map_arg(a, env.__getitem__)  # noqa: E731
     placeholders = iter(fakes)
@@ -217,15 +219,19 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", masks: Ma
             env[node] = recorder.constant(module_attr(gm, node.target))
         elif node.op == "call_function":
             args, kwargs = load(node.args), load(node.kwargs)
-            if masks is not None and is_attention(node.target):
-                args, kwargs = masks.arguments(node.name, args, kwargs)
+            if attention is not None and is_attention(node.target):
+                args, kwargs = attention.arguments(node.name, args, kwargs)
             with recorder:
                 env[node] = node.target(*args, **kwargs)
+                if attention is not None and is_matmul(node):
+                    env[node] = attention.result(node.name, env[node])
             _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
         elif node.op == "call_method":
             self_arg, *args = load(node.args)
             with recorder:
                 env[node] = getattr(self_arg, node.target)(*args, **load(node.kwargs))
+                if attention is not None and is_matmul(node):
+                    env[node] = attention.result(node.name, env[node])
             _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
         elif node.op == "output":
             return load(node.args[0])
@@ -252,6 +258,7 @@ class _Recorder(TorchDispatchMode):
         self.meta: dict = {}  # the meta of the Dynamo node being run
         # tensor -> the node that made it; weak, as make_fx's proxy slots are
         self.nodes = WeakIdKeyDictionary()
+        self.values = weakref.WeakValueDictionary()  # node -> its tensor, while it lives
         self.storages: dict = {}  # storage -> how many recorded tensors have lived on it
         self.read_only: dict[int, torch.Tensor] = {}  # inputs and constants (held: ids stay unique)
         self.placeholders = 0
@@ -262,6 +269,7 @@ class _Recorder(TorchDispatchMode):
     def bind(self, tensor: torch.Tensor, node: torch.fx.Node, val: torch.Tensor | None = None) -> None:
         node.meta["val"] = tensor if val is None else val
         self.nodes[tensor] = node
+        self.values[node] = tensor
         ref = StorageWeakRef(tensor.untyped_storage())
         self.storages[ref] = self.storages.get(ref, 0) + 1
 

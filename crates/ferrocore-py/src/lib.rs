@@ -283,6 +283,25 @@ fn attention_mask_kind(py: Python<'_>, graph_json: &str, queries: i64, keys: i64
     })
 }
 
+/// A fused attention's ops as JSON, and the name of the one that gives the result.
+type TracedReplacement = Option<(String, String)>;
+
+/// The ops that compute the value `graph_json` returns (its one output) with a fused attention
+/// call, when it is written-out attention (`rewrite::traced::attention_in_trace`): a JSON list of
+/// exchange-format nodes and the name of the one whose value is the output, or None; and the
+/// attention pass's lines.
+#[pyfunction]
+fn attention_in_trace(py: Python<'_>, graph_json: &str, cuda_arch: u32) -> PyResult<(TracedReplacement, Vec<String>)> {
+    py.detach(|| {
+        guarded("attention_in_trace", || {
+            let g = ferrocore::graph::parse_graph(graph_json).map_err(|e| e.to_string())?;
+            let (replacement, decisions) = ferrocore::rewrite::traced::attention_in_trace(g, cuda_arch);
+            let replacement = replacement.map(|r| (serde_json::Value::Array(r.nodes).to_string(), r.output));
+            Ok((replacement, decisions))
+        })
+    })
+}
+
 /// Whether the compiler runs a forward 2-D CPU convolution as a GEMM or a generated kernel
 /// instead of oneDNN (`lowering::cpu_conv_runs_compiled`): input (n, c, h, w), weight
 /// (o, c / groups, kh, kw).
@@ -322,6 +341,7 @@ fn _ferrocore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(joint_saved_values, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_conv_runs_compiled, m)?)?;
     m.add_function(wrap_pyfunction!(attention_mask_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_in_trace, m)?)?;
     m.add_class::<CudaDriver>()?;
     m.add_class::<CudaKernel>()?;
     Ok(())

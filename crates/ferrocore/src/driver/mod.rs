@@ -325,7 +325,7 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     for pass in crate::rewrite::GRAPH_PASSES {
         // a pass that fails leaves the graph as it was: it only ever makes a faster equal graph
         let before = graph.clone();
-        let pass_options = crate::rewrite::PassOptions { cuda_arch: options.cuda_arch };
+        let pass_options = crate::rewrite::PassOptions { cuda_arch: options.cuda_arch, ..Default::default() };
         let run = std::panic::AssertUnwindSafe(|| (pass.run)(graph, &pass_options));
         let (rewritten, decisions) = match st.time(pass.name, || std::panic::catch_unwind(run)) {
             Ok(result) => result,

@@ -60,6 +60,13 @@ struct Ctx<'g> {
     cuda_arch: u32,
 }
 
+/// What `emit` is told beyond the match.
+#[derive(Clone, Copy)]
+struct EmitOptions {
+    /// The call is differentiated: it computes the log-sum-exp its backward reads.
+    log_sum_exp: bool,
+}
+
 fn tensor(g: &Graph, id: NodeId) -> Option<&TensorMeta> {
     g.node(id).meta.tensor()
 }
@@ -349,22 +356,31 @@ struct Match {
 /// The graph with every written-out attention it can prove equal to a fused call replaced by
 /// one; a line per softmax saying what it did or why not.
 pub fn fuse_attention(g: Graph, options: &PassOptions) -> (Graph, Vec<String>) {
+    fuse_attention_at(g, options, None)
+}
+
+/// `fuse_attention`, of the attention at softmax `at` whose result is `root` alone when given.
+pub fn fuse_attention_at(g: Graph, options: &PassOptions, at: Option<(NodeId, NodeId)>) -> (Graph, Vec<String>) {
+    let root = at.map(|(_, r)| r);
     let cx = Ctx { g: &g, uses: g.use_counts(), users: g.users(), cuda_arch: options.cuda_arch };
     let mut edit = GraphEdit::new(&g);
     let mut decisions = Vec::new();
     let mut claimed: HashSet<NodeId> = HashSet::new();
     for id in g.ids() {
-        if !matches!(call(&g, id), Some((AtenOp::Softmax, _, _))) {
+        if !matches!(call(&g, id), Some((AtenOp::Softmax, _, _))) || at.is_some_and(|(softmax, _)| softmax != id) {
             continue;
         }
         let name = &g.node(id).name;
         match cx.match_at(id) {
+            Ok(m) if root.is_some_and(|r| r != m.root) => {
+                decisions.push(format!("softmax {name}: not fused here: its result is not {}", g.node(root.unwrap()).name))
+            }
             Ok(m) if m.dead.iter().any(|d| claimed.contains(d)) => {
                 decisions.push(format!("softmax {name}: not fused: overlaps another attention"))
             }
             Ok(m) => {
                 claimed.extend(m.dead.iter().copied());
-                let text = emit(&g, &mut edit, &m);
+                let text = emit(&g, &mut edit, &m, EmitOptions { log_sum_exp: options.differentiable });
                 decisions.push(format!("softmax {name}: fused: {text}"));
             }
             Err(why) => decisions.push(format!("softmax {name}: not fused: {why}")),
@@ -793,7 +809,7 @@ impl Emitter<'_, '_> {
 }
 
 /// Writes the fused call for `m` into `edit`; a line saying what it replaced.
-fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
+fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, options: EmitOptions) -> String {
     let first = edit.mark();
     let [b, h, rows, keys, _, kv] = m.dims;
     let (dt, dev) = (m.dtype, m.device);
@@ -828,13 +844,14 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match) -> String {
     let bias = bias.unwrap_or(Arg::None);
     let (args, kwargs, meta) = match kernel {
         Kernel::Cudnn => {
-            let args = vec![q, k, v, bias, Arg::Bool(false), Arg::Float(0.0), causal, Arg::Bool(false)];
+            let lse = Arg::Bool(options.log_sum_exp);
+            let args = vec![q, k, v, bias, lse, Arg::Float(0.0), causal, Arg::Bool(false)];
             let mut items = vec![Some(out_meta.clone())];
             items.resize(9, None);
             (args, vec![scale_kw], Meta::Tuple(items))
         }
         Kernel::Efficient => {
-            let args = vec![q, k, v, bias, Arg::Bool(false), Arg::Float(0.0), causal];
+            let args = vec![q, k, v, bias, Arg::Bool(options.log_sum_exp), Arg::Float(0.0), causal];
             (args, vec![scale_kw], Meta::Tuple(vec![Some(out_meta.clone()), None, None, None]))
         }
         Kernel::FlashCpu => {

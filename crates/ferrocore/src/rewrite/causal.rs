@@ -129,7 +129,7 @@ impl Reader<'_> {
 
 /// What the mask a graph returns (its one output) is to scores of `scores` (queries, keys):
 /// open, causal, or, as the error, why neither is proven. The front asks this while it traces a
-/// training graph (`python/ferrocore/attention_masks.py`): the backward is traced from the
+/// training graph (`python/ferrocore/traced_attention.py`): the backward is traced from the
 /// forward's ops, so a mask dropped after the trace would stay in the backward.
 pub fn mask_kind(g: &Graph, scores: [i64; 2]) -> Result<MaskKind, String> {
     let [Arg::Node(mask)] = g.outputs.as_slice() else {

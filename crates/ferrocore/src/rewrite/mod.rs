@@ -8,6 +8,7 @@ pub mod affine;
 pub mod attention;
 pub mod causal;
 pub mod epilogue;
+pub mod traced;
 
 use crate::graph::*;
 use crate::loop_ir::contiguous_strides;
@@ -23,6 +24,9 @@ pub struct GraphPass {
 pub struct PassOptions {
     /// The GPU's compute capability (major * 10 + minor), 0 when not known.
     pub cuda_arch: u32,
+    /// The graph is a forward being traced for training (`traced`): the calls a pass writes
+    /// are differentiated, so fused attention computes the log-sum-exp its backward reads.
+    pub differentiable: bool,
 }
 
 /// The graph passes, in the order they run.

@@ -58,7 +58,7 @@ fn causal_graph(keys: i64, fill: f64, device: &str) -> String {
 
 /// The pass on a Hopper GPU (or the CPU).
 fn fused(text: &str) -> (Graph, Vec<String>) {
-    fuse_attention(parse_graph(text).expect("the test graph parses"), &PassOptions { cuda_arch: 90 })
+    fuse_attention(parse_graph(text).expect("the test graph parses"), &PassOptions { cuda_arch: 90, ..Default::default() })
 }
 
 #[test]
@@ -193,6 +193,6 @@ fn probabilities_the_graph_returns_are_no_attention() {
 #[test]
 fn a_gpu_not_known_to_be_hopper_gets_the_memory_efficient_kernel() {
     let text = causal_graph(256, f64::NEG_INFINITY, "cuda:0").replace("float32", "bfloat16");
-    let (_, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &PassOptions { cuda_arch: 0 });
+    let (_, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &PassOptions { cuda_arch: 0, ..Default::default() });
     assert!(decisions[0].contains("aten._scaled_dot_product_efficient_attention"), "{decisions:?}");
 }

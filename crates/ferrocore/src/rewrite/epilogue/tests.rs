@@ -23,7 +23,7 @@ fn linear(dtype: &str, device: &str, gelu: Option<&str>, reuse: bool) -> String 
 }
 
 fn run(text: &str) -> (Graph, Vec<String>) {
-    fuse_gemm_epilogues(parse_graph(text).expect("the test graph parses"), &PassOptions { cuda_arch: 90 })
+    fuse_gemm_epilogues(parse_graph(text).expect("the test graph parses"), &PassOptions { cuda_arch: 90, ..Default::default() })
 }
 
 #[test]

@@ -1,0 +1,255 @@
+"""Attention decided while a training graph is traced. A training graph's backward is traced
+from the ops its forward ran, so what the compiler's graph passes rewrite after the trace
+keeps the backward of what it replaced. Two decisions are therefore taken during the trace,
+both by the compiler (Rust), each logged:
+
+- Masks (`causal_mask` channel). Before a `scaled_dot_product_attention` call runs, the mask
+  it is given is read (`rewrite::causal::mask_kind`, from the ops recorded so far that build
+  it): one that keeps every key is left out, a causal one becomes `is_causal`. Given a mask,
+  torch may choose its float32 math path where without one it would choose a fused kernel
+  (Hugging Face's ViT builds a mask that keeps every key under compile; eager builds none and
+  runs cuDNN); without it, torch chooses the kernel as eager would, forward and backward.
+- Written-out attention (`attention` channel). After a matmul runs, the ops that computed its
+  result are handed over (`rewrite::traced::attention_in_trace`); when they are attention
+  (`q @ k^T`, scales, masks, softmax, `@ v`), the answer is new ops that compute the same value
+  with the fused call, which run here in place of the matmul's result. Autograd then records
+  the fused call's backward, and the forward saves no probabilities.
+
+Part of the tracing layer (`direct_trace`).
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import sys
+import weakref
+
+import torch
+
+from .extension import extension
+from .runtime.triton_launch import cuda_arch
+from .serialize import graph_to_dict
+
+# F.scaled_dot_product_attention's parameters up to `is_causal`, in order (the rest are keywords)
+_POSITIONAL = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+# the ops read for a mask or an attention: at most this many, this far back (masks built from
+# positions and attention take tens of ops; a deeper input is read as an input)
+_MOST_NODES = 2000
+_FARTHEST = 64
+_MATMULS = (operator.matmul, torch.matmul, torch.bmm)
+_MATMUL_METHODS = ("matmul", "bmm")
+_ATEN = torch.ops.aten
+# a matmul's result as the recorder has it: the batched matmul or its view
+_MATMUL_RESULTS = (_ATEN.bmm.default, _ATEN.view.default, _ATEN._unsafe_view.default)
+_SOFTMAX_OPS = (_ATEN.exp.default, _ATEN._softmax.default)
+
+
+def is_attention(target) -> bool:
+    return target is torch._C._nn.scaled_dot_product_attention
+
+
+def is_matmul(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _MATMULS) or (
+        node.op == "call_method" and node.target in _MATMUL_METHODS)
+
+
+class TracedAttention:
+    """The attention decisions of one trace, read from the ops recorded so far (`graph`, whose
+    constants `root` holds; `node_of`: tensor -> its node, `values` the reverse). Each mask is read once (Hugging Face
+    builds one mask for every layer)."""
+
+    def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module, node_of, values: weakref.WeakValueDictionary,
+                 logs: tuple = ()) -> None:
+        self.graph = graph
+        self.root = root
+        self.node_of = node_of
+        self.values = values  # node -> its tensor, while it lives
+        self.logs = logs
+        self.kinds: dict = {}  # (mask node, queries, keys) -> (kind, why)
+
+    # ---- masks ----
+
+    def arguments(self, node_name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call's arguments, without the mask where the compiler proves it open or causal."""
+        bound = dict(zip(_POSITIONAL, args))
+        bound.update(kwargs)
+        mask = bound.get("attn_mask")
+        query, key = bound.get("query"), bound.get("key")
+        if not isinstance(mask, torch.Tensor) or bound.get("is_causal") or not all(
+                isinstance(t, torch.Tensor) and t.dim() >= 2 for t in (query, key)):
+            return args, kwargs
+        mask_node = self.node_of(mask)
+        if mask_node is None:
+            return args, kwargs
+        kind, why = self._kind(mask_node, query.shape[-2], key.shape[-2])
+        if kind == "kept":
+            self._say("causal_mask", f"{node_name}: mask {mask_node.name} kept: {why}")
+            return args, kwargs
+        rest = {k: v for k, v in bound.items() if k not in ("query", "key", "value")}
+        rest.update(attn_mask=None, is_causal=kind == "causal")
+        what = "is_causal" if kind == "causal" else "no mask (every key open)"
+        self._say("causal_mask", f"{node_name}: {what} instead of mask {mask_node.name}, traced so")
+        return (query, key, bound["value"]), rest
+
+    def _kind(self, mask_node: torch.fx.Node, queries: int, keys: int) -> tuple[str, str]:
+        key = (mask_node, queries, keys)
+        if key not in self.kinds:
+            if mask_node.op == "placeholder":
+                self.kinds[key] = "kept", "the mask is an input"
+            else:
+                doc = graph_to_dict(self._graph_of(mask_node)[0], "attention_mask")
+                self.kinds[key] = extension().attention_mask_kind(json.dumps(doc, allow_nan=False), int(queries),
+                                                                  int(keys))
+        return self.kinds[key]
+
+    # ---- written-out attention ----
+
+    def result(self, node_name: str, value):
+        """A matmul's result (`value`), computed by the fused call when the ops that made it are
+        attention; `value` itself otherwise."""
+        node = self.node_of(value) if isinstance(value, torch.Tensor) else None
+        if node is None or node.target not in _MATMUL_RESULTS or not value.requires_grad:
+            return value
+        handed = self._graph_of(node, wanted=_SOFTMAX_OPS)
+        if handed is None:
+            return value
+        graph, originals = handed
+        arch = (cuda_arch(value.device) or 0) if value.device.type == "cuda" else 0
+        doc = graph_to_dict(graph, "attention")
+        replacement, decisions = extension().attention_in_trace(json.dumps(doc, allow_nan=False), arch)
+        for line in decisions:
+            self._say("attention", f"{node_name} (training trace): {line}")
+        if replacement is None:
+            return value
+        nodes, output = replacement
+        try:
+            fused = self._run(json.loads(nodes), output, originals)
+        except Exception as e:  # noqa: BLE001 - the written-out ops stay, as traced
+            self._say("attention", f"{node_name} (training trace): the fused ops did not run ({type(e).__name__}: {e}); "
+                                   "the written-out ones stay")
+            return value
+        if (fused.shape, fused.dtype) != (value.shape, value.dtype):
+            self._say("attention", f"{node_name} (training trace): the fused result is {fused.dtype}{list(fused.shape)}, "
+                                   f"not {value.dtype}{list(value.shape)}; the written-out ops stay")
+            return value
+        if fused.stride() != value.stride():
+            if not value.is_contiguous():
+                self._say("attention", f"{node_name} (training trace): the written-out result is laid out "
+                                       f"{tuple(value.stride())}; the written-out ops stay")
+                return value
+            # the matmul's result is dense, as later views of it may need (the compiler fuses
+            # the copy into its reader)
+            fused = _ATEN.clone.default(fused, memory_format=torch.contiguous_format)
+        return fused
+
+    def _run(self, nodes: list, output: str, originals: dict):
+        """Runs the new ops, reading the recorded nodes' values (recomputed where no longer
+        held); `originals`: handed-over node name -> recorded node."""
+        new: dict = {}
+
+        def value_of(name: str):
+            if name in new:
+                return new[name]
+            original = originals[name]
+            held = self.values.get(original)
+            return held if held is not None else self._recompute(original)
+
+        def decode(a):
+            if a is None:
+                return None
+            (kind, x), = a.items()
+            if kind == "node":
+                return value_of(x)
+            if kind == "float":
+                return float(x)
+            if kind == "list":
+                return [decode(i) for i in x]
+            if kind in ("dtype", "layout", "memory_format"):
+                return getattr(torch, x)
+            if kind == "device":
+                return torch.device(x)
+            return x
+
+        for n in nodes:
+            target = operator.getitem if n["target"] == "getitem" else _aten_op(n["target"])
+            args = [decode(a) for a in n["args"]]
+            kwargs = {k: decode(a) for k, a in n["kwargs"].items()}
+            bias = _bias_of(target, args, kwargs)
+            if isinstance(bias, torch.Tensor) and bias.requires_grad:
+                # (the fused calls' backwards give no gradient for their bias: T5's position bias)
+                raise ValueError("the mask takes a gradient")
+            new[n["name"]] = target(*args, **kwargs)
+        return new[output]
+
+    def _recompute(self, node: torch.fx.Node):
+        """A recorded op's value again, from its inputs' (an op's scalar that nothing holds)."""
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            raise LookupError(f"no value for {getattr(node, 'name', None)}")
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            raise LookupError(f"{node.name} is random")
+
+        def load(a):
+            if isinstance(a, torch.fx.Node):
+                held = self.values.get(a)
+                return held if held is not None else self._recompute(a)
+            return a
+
+        args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), load)
+        return node.target(*args, **kwargs)
+
+    # ---- the ops handed over ----
+
+    def _graph_of(self, out: torch.fx.Node, wanted: tuple = ()) -> tuple[torch.fx.GraphModule, dict] | None:
+        """The recorded ops up to `_FARTHEST` back from `out` (at most `_MOST_NODES`), as a graph
+        returning it whose inputs are what they read from farther back, and the recorded node
+        each of its nodes copies, by name; None when `wanted` names ops and none is among them."""
+        read = {out}  # ops whose inputs are in the graph
+        seen = {out}
+        level = [out]
+        for _ in range(_FARTHEST):
+            following = []
+            for n in level:
+                for i in n.all_input_nodes:
+                    if i not in seen and len(seen) < _MOST_NODES:
+                        seen.add(i)
+                        following.append(i)
+            level = following
+            read.update(n for n in level if len(seen) < _MOST_NODES)
+        if wanted and not any(n.target in wanted for n in read):
+            return None
+        graph = torch.fx.Graph()
+        env: dict = {}
+        originals: dict = {}
+        for n in self.graph.nodes:  # (graph order is an order of the ops)
+            if n not in seen:
+                continue
+            if n in read and all(i in env for i in n.all_input_nodes):
+                env[n] = graph.node_copy(n, env.__getitem__)
+            else:  # read from farther back: an input
+                env[n] = graph.placeholder(n.name)
+                env[n].meta = dict(n.meta)
+            originals[env[n].name] = n
+        graph.output(env[out])
+        return torch.fx.GraphModule(self.root, graph), originals
+
+    def _say(self, channel: str, text: str) -> None:
+        if channel in self.logs:
+            print(f"[ferrocore:{channel}] {text}", file=sys.stderr)
+
+
+def _bias_of(target, args: list, kwargs: dict):
+    """The additive mask a fused attention call reads, if `target` is one."""
+    if target in (_ATEN._scaled_dot_product_cudnn_attention.default, _ATEN._scaled_dot_product_efficient_attention.default):
+        return args[3] if len(args) > 3 else kwargs.get("attn_bias")
+    if target is _ATEN._scaled_dot_product_flash_attention_for_cpu.default:
+        return kwargs.get("attn_mask")
+    return None
+
+
+def _aten_op(name: str):
+    """`aten.add.Tensor` -> torch.ops.aten.add.Tensor."""
+    namespace, op, overload = name.split(".")
+    if namespace != "aten":
+        raise ValueError(f"not an ATen op: {name}")
+    return getattr(getattr(torch.ops.aten, op), overload)
