@@ -67,7 +67,7 @@ def _both_traces(fn, *inputs):
         table = decompositions.decompositions(training=False)
         try:
             direct_trace.check_graph(gm, example_inputs)
-            direct = direct_trace.trace(gm, example_inputs, table)
+            direct = direct_trace.trace(gm, example_inputs, table, as_written=True)
         except direct_trace.NeedsAot as e:
             direct = str(e)
         aot = []
@@ -310,7 +310,7 @@ def _both_joint_traces(fn, *inputs):
         try:
             direct_trace.check_graph(gm, example_inputs, training=True)
             # (attention as written: AOT autograd rewrites none)
-            joint = direct_trace.trace_joint(gm, example_inputs, table, fuse_attention=False)
+            joint = direct_trace.trace_joint(gm, example_inputs, table, as_written=True)
             direct = joint.graph
             joint_split.eliminate_common_subexpressions(direct.graph)
         except direct_trace.NeedsAot as e:

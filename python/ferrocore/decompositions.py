@@ -41,6 +41,8 @@ def decompositions(training: bool = False) -> dict:
     table.update(foreach.decompositions())
     # (not in torch 2.11's core table: gradient clipping's norms ran as ATen calls on its GPUs)
     table.update(get_decompositions([torch.ops.aten.linalg_vector_norm]))
+    # (not in core ATen's either: FlexAttention's dense form lays its output out with it)
+    table.update(get_decompositions([torch.ops.aten.new_empty_strided]))
     if training:
         aten = torch.ops.aten
         table.update(get_decompositions([

@@ -36,10 +36,10 @@ from torch._dynamo.utils import preserve_rng_state
 from torch._functorch.aot_autograd import aot_autograd_decompositions
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .traced_attention import TracedAttention, is_attention, is_matmul
+from .traced_attention import TracedAttention, flex_attention, is_attention, is_flex_attention, is_matmul
 from .fake_calls import FakeCalls
 from .serialize import module_attr
 
@@ -75,9 +75,11 @@ def check_graph(gm: torch.fx.GraphModule, example_inputs, training: bool = False
     for node in gm.graph.nodes:
         if node.op == "call_module":
             raise NeedsAot(f"{node.name} calls a module")
-        if node.op == "get_attr" and not isinstance(value := module_attr(gm, node.target), torch.Tensor):
+        if node.op == "get_attr" and not isinstance(value := module_attr(gm, node.target), torch.Tensor) and not (
+                isinstance(value, torch.fx.GraphModule) and all(is_flex_attention(u.target) for u in node.users)):
             raise NeedsAot(f"{node.name} is a {type(value).__name__}")
-        if node.op == "call_function" and (isinstance(node.target, torch._ops.HigherOrderOperator)
+        if node.op == "call_function" and ((isinstance(node.target, torch._ops.HigherOrderOperator)
+                                            and not is_flex_attention(node.target))
                                            or (node.target in _GRAD_MODE_CHANGES and not training)):
             raise NeedsAot(f"{node.name} calls {getattr(node.target, '__name__', node.target)}")
         if _symbolic(node.meta.get("example_value")):
@@ -101,10 +103,11 @@ def _symbolic(val) -> bool:
     return False
 
 
-def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict) -> torch.fx.GraphModule:
-    """Dynamo's graph as the core-ATen inference graph AOT autograd would give for it; raises
-    NeedsAot for what only AOT autograd handles. Call `check_graph` first."""
-    with _tracing(example_inputs, decompositions) as (recorder, fakes):
+def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, as_written: bool = False) -> torch.fx.GraphModule:
+    """Dynamo's graph as the core-ATen inference graph AOT autograd would give for it (with a
+    tensor constant of one element as a `scalar_tensor`, unless `as_written`); raises NeedsAot
+    for what only AOT autograd handles. Call `check_graph` first."""
+    with _tracing(example_inputs, decompositions, scalar_constants=not as_written) as (recorder, fakes):
         outputs = _run(gm, fakes, recorder)
     recorder.finish(outputs)
     recorder.graph.eliminate_dead_code()
@@ -129,19 +132,21 @@ class Joint:
 
 
 def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, logs: tuple = (),
-                fuse_attention: bool = True) -> Joint:
+                as_written: bool = False) -> Joint:
     """Dynamo's graph as the joint forward-backward ATen graph AOT autograd would trace for it:
     the forward run with autograd on, then `torch.autograd.grad` of its differentiable outputs
     with respect to the primals that require grad, both recorded. Attention is decided as it is
     traced (`traced_attention`: masks the compiler proves open or causal left out, written-out
     attention run as the fused call; said on the `causal_mask` and `attention` channels of
-    `logs`); `fuse_attention=False` traces the graph as written, as AOT autograd does. Raises NeedsAot for what only AOT autograd
+    `logs`) and one-element tensor constants recorded as `scalar_tensor`; `as_written` traces the graph
+    as AOT autograd does. Raises NeedsAot for what only AOT autograd
     handles. Call `check_graph` first."""
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
-    with _tracing(example_inputs, decompositions, writable_inputs=True) as (recorder, fakes):
+    with _tracing(example_inputs, decompositions, writable_inputs=True, scalar_constants=not as_written) as (recorder,
+                                                                                                           fakes):
         primals = [f.detach().requires_grad_(r) for f, r in zip(fakes, requires)]
         attention = TracedAttention(recorder.graph, recorder.root, recorder.nodes.get, recorder.values,
-                                    logs) if fuse_attention else None
+                                    logs) if not as_written else None
         with torch.enable_grad():
             outputs = _run(gm, primals, recorder, attention)
             if not torch.is_grad_enabled():
@@ -169,12 +174,13 @@ def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, 
 
 
 @contextlib.contextmanager
-def _tracing(example_inputs, decompositions: dict, writable_inputs: bool = False):
+def _tracing(example_inputs, decompositions: dict, writable_inputs: bool = False, scalar_constants: bool = True):
     """The recorder and Dynamo's fake inputs, with the modes a trace runs under."""
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     if fake_mode is None:
         raise NeedsAot("Dynamo's fake mode is not active")
-    recorder = _Recorder({**aot_autograd_decompositions, **decompositions}, fake_mode, writable_inputs)
+    recorder = _Recorder({**aot_autograd_decompositions, **decompositions}, fake_mode, writable_inputs,
+                         scalar_constants)
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.set_multithreading_enabled(False))
         stack.enter_context(preserve_rng_state())
@@ -216,13 +222,16 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", attention
         if node.op == "placeholder":
             env[node] = recorder.placeholder(next(placeholders))
         elif node.op == "get_attr":
-            env[node] = recorder.constant(module_attr(gm, node.target))
+            value = module_attr(gm, node.target)
+            # (a FlexAttention call's score_mod or mask_mod: run as a function)
+            env[node] = value if isinstance(value, torch.fx.GraphModule) else recorder.constant(value)
         elif node.op == "call_function":
             args, kwargs = load(node.args), load(node.kwargs)
             if attention is not None and is_attention(node.target):
                 args, kwargs = attention.arguments(node.name, args, kwargs)
+            target = flex_attention if is_flex_attention(node.target) else node.target
             with recorder:
-                env[node] = node.target(*args, **kwargs)
+                env[node] = target(*args, **kwargs)
                 if attention is not None and is_matmul(node):
                     env[node] = attention.result(node.name, env[node])
             _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
@@ -243,9 +252,13 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", attention
 class _Recorder(TorchDispatchMode):
     """Records the ATen ops that reach it into `graph`, each tensor's producing node by its id."""
 
-    def __init__(self, decompositions: dict, fake_mode, writable_inputs: bool = False) -> None:
+    def __init__(self, decompositions: dict, fake_mode, writable_inputs: bool = False,
+                 scalar_constants: bool = True) -> None:
         super().__init__()
         self.writable_inputs = writable_inputs
+        # a one-element constant (`torch.tensor(-inf)` in FlexAttention's dense form) recorded as
+        # the `scalar_tensor` it is, so that the graph passes read its value
+        self.scalar_constants = scalar_constants
         self.prefix = "primals_" if writable_inputs else "arg"
         self.inputs: dict[int, int] = {}  # id of a placeholder's tensor -> its position
         self.written: dict[int, torch.Tensor] = {}  # position -> the input tensor written into
@@ -359,6 +372,13 @@ class _Recorder(TorchDispatchMode):
         if torch.Tag.data_dependent_output in func.tags or func is torch.ops.aten.is_nonzero.default:
             raise NeedsAot(f"{func} reads tensor data")
         if func is torch.ops.aten.lift_fresh.default:
+            t = args[0]
+            if (self.scalar_constants and t.dim() == 0 and type(t) is torch.Tensor and not t.requires_grad
+                    and not t.is_complex()):
+                with _disable_current_modes():  # (the value itself: no op to record)
+                    value = t.item()
+                with self:
+                    return torch.ops.aten.scalar_tensor.default(value, dtype=t.dtype, device=t.device)
             func = torch.ops.aten.lift_fresh_copy.default  # the constant stays unwritten (as make_fx)
         node = self.graph.create_node("call_function", func, self._node_of(args), self._node_of(_explicit(func, kwargs)),
                                       name=func.overloadpacket.__name__)

@@ -27,6 +27,11 @@ import weakref
 
 import torch
 
+try:  # torch's dense FlexAttention, what eager runs (the scores materialized, the mods by vmap)
+    from torch._higher_order_ops.flex_attention import sdpa_dense as _sdpa_dense
+except ImportError:  # (a torch without FlexAttention)
+    _sdpa_dense = None
+
 from .extension import extension
 from .runtime.triton_launch import cuda_arch
 from .serialize import graph_to_dict
@@ -47,6 +52,24 @@ _SOFTMAX_OPS = (_ATEN.exp.default, _ATEN._softmax.default)
 
 def is_attention(target) -> bool:
     return target is torch._C._nn.scaled_dot_product_attention
+
+
+def _flex_attention_op():
+    return getattr(torch.ops.higher_order, "flex_attention", None)
+
+
+def is_flex_attention(target) -> bool:
+    """A FlexAttention call the trace records as its dense ATen ops (`flex_attention`)."""
+    op = _flex_attention_op()
+    return op is not None and target is op and _sdpa_dense is not None
+
+
+def flex_attention(*args, **kwargs):
+    """A FlexAttention call as torch's dense implementation's ATen ops: the inference graph's
+    `attention` pass fuses them into one attention call where it proves what the mask and score
+    modifications are (a causal `mask_mod` as `is_causal`, an ALiBi-style `score_mod` as the
+    bias); other modifications run as generated kernels over the materialized scores."""
+    return _sdpa_dense(*args, **kwargs)
 
 
 def is_matmul(node: torch.fx.Node) -> bool:

@@ -1,0 +1,101 @@
+"""FlexAttention (`torch.nn.attention.flex_attention`) compiles: the call is traced as torch's
+dense form (what eager runs), and the attention pass fuses it into one attention call where it
+proves the mask and the score modification (a causal `mask_mod` as `is_causal`, an additive
+`score_mod` as the bias); other modifications run as generated kernels. No graph falls back.
+Values, shapes, strides and dtypes as eager's, gradients too."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import ferrocore
+from conftest import TEST_DEVICE
+from helpers import check
+
+pytestmark = pytest.mark.ferrocore_only
+
+# 2^19 scores: the CPU fuses from there
+B, H, S, D = 2, 4, 256, 16
+
+
+def qkv(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, S, D, generator=g, device="cpu").to(TEST_DEVICE, dtype) for _ in range(3)]
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+def sliding_window(b, h, q, kv):
+    return (q >= kv) & (q - kv <= 32)
+
+
+def alibi(score, b, h, q, kv):
+    return score + (h + 1) * 0.125 * (kv - q)
+
+
+def soft_cap(score, b, h, q, kv):
+    return 20 * torch.tanh(score / 20)
+
+
+def block_mask(mask_mod):
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=S, KV_LEN=S, device=TEST_DEVICE)
+
+
+@pytest.fixture
+def attention_log(monkeypatch, capfd):
+    monkeypatch.setenv("FERROCORE_LOGS", "attention")
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")  # the log comes from a compile, not a cache hit
+    capfd.readouterr()
+    return lambda: capfd.readouterr().err
+
+
+@pytest.mark.parametrize("mask_mod, score_mod, fused", [
+    (causal, None, "causal, safe softmax)"),
+    (causal, alibi, "causal, masked, safe softmax)"),
+    (sliding_window, None, "masked, safe softmax)"),
+    (None, alibi, "masked, safe softmax)"),
+], ids=["causal", "causal_alibi", "sliding_window", "alibi"])
+def test_flex_attention_runs_as_one_fused_call(attention_log, mask_mod, score_mod, fused):
+    mask = block_mask(mask_mod) if mask_mod else None
+    check(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
+    assert sum("scaled_dot_product" in op for op in ferrocore.metrics.last["extern_ops"]) == 1
+    log = attention_log()
+    assert "fused:" in log and fused in log, log
+
+
+def test_a_document_mask_read_from_a_tensor(attention_log):
+    document = (torch.arange(S, device=TEST_DEVICE) // 96)
+
+    def same_document(b, h, q, kv):
+        return (document[q] == document[kv]) & (q >= kv)
+
+    mask = block_mask(same_document)
+    check(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_soft_capped_score_runs_as_generated_kernels(attention_log):
+    mask = block_mask(causal)
+    check(lambda q, k, v: flex_attention(q, k, v, score_mod=soft_cap, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
+    assert "not fused" in attention_log()
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="eager FlexAttention has no CPU backward to compare with")
+def test_flex_attention_trains(attention_log):
+    """The training graph differentiates the dense form (no fallback); gradients as eager's."""
+    mask = block_mask(causal)
+
+    def f(q, k, v):
+        return flex_attention(q, k, v, score_mod=alibi, block_mask=mask)
+
+    inputs = qkv()
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    f(*leaves).square().sum().backward()
+    twins = [x.clone().requires_grad_() for x in inputs]
+    got = torch.compile(f, backend="ferrocore")(*twins)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, f(*inputs), rtol=1e-5, atol=1e-5)
+    for a, b in zip(twins, leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+    assert not ferrocore.metrics.last.get("graph_fallbacks")
