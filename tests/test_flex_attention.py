@@ -81,6 +81,25 @@ def test_a_soft_capped_score_runs_as_generated_kernels(attention_log):
     assert "not fused" in attention_log()
 
 
+def test_a_training_trace_of_flex_attention_has_the_fused_backward():
+    """A training graph traces the fused call and its backward (causal, ALiBi as the bias).
+    Eager FlexAttention has no CPU backward, so Dynamo's graph is traced here directly."""
+    from ferrocore import decompositions, direct_trace
+
+    mask = block_mask(causal)
+    joints = []
+
+    def backend(gm, example_inputs):
+        grads = [x.detach().requires_grad_() for x in example_inputs[:3]] + list(example_inputs[3:])
+        joints.append(direct_trace.trace_joint(gm, grads, decompositions.decompositions(training=True)))
+        return gm
+
+    torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=alibi, block_mask=mask), backend=backend)(*qkv())
+    targets = [str(n.target) for n in joints[0].graph.graph.nodes]
+    assert any("scaled_dot_product" in t and "backward" in t for t in targets), targets
+    assert not any("bmm" in t for t in targets), targets
+
+
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="eager FlexAttention has no CPU backward to compare with")
 def test_flex_attention_trains(attention_log):
     """The training graph differentiates the dense form (no fallback); gradients as eager's."""

@@ -229,9 +229,11 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", attention
             args, kwargs = load(node.args), load(node.kwargs)
             if attention is not None and is_attention(node.target):
                 args, kwargs = attention.arguments(node.name, args, kwargs)
-            target = flex_attention if is_flex_attention(node.target) else node.target
+            flex = is_flex_attention(node.target)
             with recorder:
-                env[node] = target(*args, **kwargs)
+                env[node] = (flex_attention if flex else node.target)(*args, **kwargs)
+                if attention is not None and flex:
+                    env[node] = attention.flex_result(node.name, env[node])
                 if attention is not None and is_matmul(node):
                     env[node] = attention.result(node.name, env[node])
             _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))

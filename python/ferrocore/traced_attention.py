@@ -166,6 +166,22 @@ class TracedAttention:
             fused = _ATEN.clone.default(fused, memory_format=torch.contiguous_format)
         return fused
 
+    def flex_result(self, node_name: str, results: tuple) -> tuple:
+        """A FlexAttention call's results (`flex_attention`), its output computed by the fused call
+        when its dense form is attention the compiler fuses (its log-sum-exp and maxima stay)."""
+        out = results[0]
+        node = self.node_of(out) if isinstance(out, torch.Tensor) else None
+        # the dense form lays the matmul's result out like the query: a copy into a fresh tensor
+        if node is None or node.target is not _ATEN.copy.default or not isinstance(node.args[1], torch.fx.Node):
+            return results
+        matmul = self.values.get(node.args[1])
+        if matmul is None:
+            return results
+        fused = self.result(node_name, matmul)
+        if fused is matmul or fused.stride() != out.stride():
+            return results
+        return (fused, *results[1:])
+
     def _run(self, nodes: list, output: str, originals: dict):
         """Runs the new ops, reading the recorded nodes' values (recomputed where no longer
         held); `originals`: handed-over node name -> recorded node."""
