@@ -118,3 +118,28 @@ def test_flex_attention_trains(attention_log):
     for a, b in zip(twins, leaves):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
     assert not ferrocore.metrics.last.get("graph_fallbacks")
+
+
+def test_a_block_mask_created_under_compile(attention_log):
+    def f(q, k, v):
+        mask = create_block_mask(causal, B=None, H=None, Q_LEN=S, KV_LEN=S, device=q.device)
+        return flex_attention(q, k, v, block_mask=mask)
+
+    check(f, *qkv(), atol=1e-5, rtol=1e-5)
+    assert "causal, safe softmax)" in attention_log()
+
+
+def test_a_score_mod_reading_a_bias_table():
+    """A relative-position table indexed by `q - kv` (a captured buffer)."""
+    table = torch.randn(2 * S, device=TEST_DEVICE)
+
+    def relative(score, b, h, q, kv):
+        return score + table[q - kv + S]
+
+    check(lambda q, k, v: flex_attention(q, k, v, score_mod=relative), *qkv(), atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_attention():
+    q, k, v = qkv()
+    check(lambda q, k, v: flex_attention(q, k[:, :2], v[:, :2], block_mask=block_mask(causal), enable_gqa=True),
+          q, k, v, atol=1e-5, rtol=1e-5)
