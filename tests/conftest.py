@@ -109,3 +109,18 @@ def _fresh_dynamo_and_seed():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def compile_log(monkeypatch, capfd):
+    """`compile_log("attention,trace")` turns those log channels on for the compiles that follow
+    (the graph cache off: the lines come from a compile, not a cache hit) and returns a reader of
+    what they printed since."""
+
+    def start(channels: str):
+        monkeypatch.setenv("FERROCORE_LOGS", channels)
+        monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+        capfd.readouterr()
+        return lambda: capfd.readouterr().err
+
+    return start

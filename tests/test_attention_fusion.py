@@ -198,15 +198,14 @@ def test_training_attention_whose_probabilities_are_returned_too():
     grads_against_eager(both, *qkv())
 
 
-def test_training_attention_with_a_learned_bias_stays_written_out(capfd, monkeypatch):
-    """T5's relative position bias takes a gradient, which the fused calls do not give."""
-    monkeypatch.setenv("FERROCORE_LOGS", "attention")
-    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+def test_training_attention_with_a_learned_bias_stays_written_out(compile_log):
+    """T5-style relative position bias takes a gradient, which the fused calls do not give."""
+    read_log = compile_log("attention")
     position_bias = torch.randn(1, H, S, S, device=TEST_DEVICE)
 
     def t5_like(q, k, v, bias):
         return ((q @ k.transpose(-2, -1)) + bias).softmax(-1) @ v
 
     grads_against_eager(t5_like, *qkv(), position_bias)
-    log = capfd.readouterr().err
+    log = read_log()
     assert "(ValueError: the mask takes a gradient); the written-out ones stay" in log, log

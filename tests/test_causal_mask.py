@@ -18,11 +18,8 @@ B, H, S, D = 2, 4, 64, 16
 
 
 @pytest.fixture
-def causal_log(monkeypatch, capfd):
-    monkeypatch.setenv("FERROCORE_LOGS", "causal_mask")
-    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")  # the log comes from a compile, not a cache hit
-    capfd.readouterr()
-    return lambda: capfd.readouterr().err
+def causal_log(compile_log):
+    return compile_log("causal_mask")
 
 
 def qkv(dtype=torch.float32, seq=S):
@@ -183,12 +180,11 @@ def test_a_training_graph_keeps_a_mask_it_cannot_prove(causal_log):
     assert "kept: the mask is an input" in log and "traced so" not in log, log
 
 
-def test_written_out_attention_in_a_training_graph_runs_as_the_fused_call(monkeypatch, capfd):
+def test_written_out_attention_in_a_training_graph_runs_as_the_fused_call(compile_log):
     """Traced as the fused call, so its backward is the fused call's: no saved probabilities."""
-    monkeypatch.setenv("FERROCORE_LOGS", "attention")
-    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+    read_log = compile_log("attention")
     keep_keys = torch.ones(B, 256, dtype=torch.bool, device=TEST_DEVICE)
     keep_keys[1, 200:] = False
     check_training(lambda q, k, v: causal_and_padding(q, k, v, keep_keys, None), *qkv(seq=256), tol=1e-4)
-    log = capfd.readouterr().err
+    log = read_log()
     assert "(training trace): softmax" in log and "fused:" in log and "causal, masked" in log, log

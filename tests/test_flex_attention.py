@@ -44,11 +44,8 @@ def block_mask(mask_mod):
 
 
 @pytest.fixture
-def attention_log(monkeypatch, capfd):
-    monkeypatch.setenv("FERROCORE_LOGS", "attention")
-    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")  # the log comes from a compile, not a cache hit
-    capfd.readouterr()
-    return lambda: capfd.readouterr().err
+def attention_log(compile_log):
+    return compile_log("attention")
 
 
 @pytest.mark.parametrize("mask_mod, score_mod, fused", [
