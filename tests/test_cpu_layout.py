@@ -96,3 +96,23 @@ def test_profiled_kernels_clock_their_calls_and_compute_the_same(monkeypatch):
     counted = {k: v for k, v in kernel_clock.items() if v[1]}
     assert counted and all(calls == 3 and ns > 0 for ns, calls in counted.values()), counted
     assert all(name in open(ferrocore.metrics.last["module_path"]).read() for name in counted)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_group_norm_in_either_layout(layout, affine):
+    """Channels-last: statistics reduced in memory order, applied as a per-channel scale and
+    shift (eager's CPU form); eager's layout: the group statistics applied directly."""
+    conv = torch.nn.Conv2d(3, 32, 3, padding=1)
+    norm = torch.nn.GroupNorm(4, 32, affine=affine)
+    if affine:
+        torch.nn.init.normal_(norm.weight)
+        torch.nn.init.normal_(norm.bias)
+
+    def block(x):
+        return torch.nn.functional.silu(norm(conv(x))) + 1
+
+    with torch.no_grad():
+        x = torch.randn(2, 3, 12, 12) * 3 + 1
+        got = torch.compile(block, backend="ferrocore", options={"conv_layout": layout})(x)
+        torch.testing.assert_close(got, block(x), rtol=1e-5, atol=1e-5)

@@ -249,6 +249,20 @@ impl Ctx<'_> {
 
     /// Returns (mean, variance) over `dims`, both with the kept dims.
     fn variance(&mut self, x: &TensorValue, dims: &[usize], acc: DType, correction: f64) -> (TensorValue, TensorValue) {
+        self.moments(x, dims, acc, correction, None)
+    }
+
+    /// `variance`, or with `rstd_eps` the mean and `1 / sqrt(variance + eps)`, the latter computed
+    /// once per reduced row by the reduction itself: a consumer that reads it per element (a group
+    /// norm's, whose statistics differ along its channels) then does no square root of its own.
+    fn moments(
+        &mut self,
+        x: &TensorValue,
+        dims: &[usize],
+        acc: DType,
+        correction: f64,
+        rstd_eps: Option<f64>,
+    ) -> (TensorValue, TensorValue) {
         let count: i64 = dims.iter().map(|&d| x.size[d]).product();
         let xs = x.clone();
         let mean = self.reduce_node(&x.size, dims, acc, x.device, move |bx, full, _| {
@@ -268,7 +282,15 @@ impl Ctx<'_> {
             let d2 = bx.body.binary(BinaryOp::Mul, d, d);
             let s = bx.body.reduce(ReduceOp::Sum, d2);
             let n = bx.body.constant(Scalar::Float(denom), acc);
-            bx.body.binary(BinaryOp::TrueDiv, s, n)
+            let var = bx.body.binary(BinaryOp::TrueDiv, s, n);
+            match rstd_eps {
+                Some(eps) => {
+                    let e = bx.body.constant(Scalar::Float(eps), acc);
+                    let ve = bx.body.binary(BinaryOp::Add, var, e);
+                    bx.body.unary(UnaryOp::Rsqrt, ve)
+                }
+                None => var,
+            }
         });
         (mean, var)
     }
@@ -620,60 +642,133 @@ impl Ctx<'_> {
             return Ok(Lowered::Tuple(items.into()));
         }
         let acc = out.dtype.compute();
-        let grouped = super::views::reshape(&x, vec![n, g, (c / g) * hw])?;
-        let (mean, var) = self.variance(&grouped, &[2], acc, 0.0);
-        let (vm, mm) = (var.clone(), mean.clone());
-        let rstd = TensorValue {
-            size: vec![n, g],
-            dtype: acc,
-            device: x.device,
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let v = vm.load(bx, idx);
-                    let e = bx.body.constant(Scalar::Float(eps), acc);
-                    let s = bx.body.binary(BinaryOp::Add, v, e);
-                    bx.body.unary(UnaryOp::Rsqrt, s)
-                }),
-                reads: 1,
-                ops: 3,
-            },
+        let channels_last_cpu = self.channels_last && x.size.len() == 4 && self.kernels == KernelLanguage::Cpp;
+        let (mean, rstd) = if channels_last_cpu {
+            // channels-last: a group's elements lie as rows of C/G channels, one per (h, w); a
+            // reduction over the channels within the pixels reads them in memory order, where the
+            // logical order would step by C elements
+            let grouped = super::views::reshape(&x, vec![n, g, c / g, hw])?;
+            let pixels_outer = super::views::permute(&grouped, &[0, 1, 3, 2]);
+            self.moments(&pixels_outer, &[2, 3], acc, 0.0, Some(eps))
+        } else {
+            let grouped = super::views::reshape(&x, vec![n, g, (c / g) * hw])?;
+            self.moments(&grouped, &[2], acc, 0.0, Some(eps))
         };
+        let mm = mean.clone();
         let (xs, rs, dt) = (x.clone(), rstd.clone(), out.dtype);
         let cpg = c / g;
-        let y = TensorValue {
-            size: x.size.clone(),
-            dtype: dt,
-            device: out.device,
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let ch = idx[1].clone();
-                    let r = bx.ranges.clone();
-                    let grp = [idx[0].clone(), ch.floordiv(cpg, &r)];
-                    let v = xs.load(bx, idx);
-                    let v = bx.body.cast(v, acc);
-                    let m = mm.load(bx, &grp);
-                    let s = rs.load(bx, &grp);
-                    let d = bx.body.binary(BinaryOp::Sub, v, m);
-                    let mut o = bx.body.binary(BinaryOp::Mul, d, s);
-                    if let Some(w) = &w {
-                        let wv = w.load(bx, std::slice::from_ref(&ch));
-                        let wv = bx.body.cast(wv, acc);
-                        o = bx.body.binary(BinaryOp::Mul, o, wv);
-                    }
-                    if let Some(b) = &b {
-                        let bv = b.load(bx, std::slice::from_ref(&ch));
-                        let bv = bx.body.cast(bv, acc);
-                        o = bx.body.binary(BinaryOp::Add, o, bv);
-                    }
-                    bx.body.cast(o, dt)
-                }),
-                reads: 5,
-                ops: 8,
-            },
+        let y = if channels_last_cpu {
+            self.group_norm_per_channel(&x, (&mean, &rstd), (w, b), cpg, (acc, dt))
+        } else {
+            TensorValue {
+                size: x.size.clone(),
+                dtype: dt,
+                device: out.device,
+                src: Src::Lazy {
+                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                        let ch = idx[1].clone();
+                        let r = bx.ranges.clone();
+                        let grp = [idx[0].clone(), ch.floordiv(cpg, &r)];
+                        let v = xs.load(bx, idx);
+                        let v = bx.body.cast(v, acc);
+                        let m = mm.load(bx, &grp);
+                        let s = rs.load(bx, &grp);
+                        let d = bx.body.binary(BinaryOp::Sub, v, m);
+                        let mut o = bx.body.binary(BinaryOp::Mul, d, s);
+                        if let Some(w) = &w {
+                            let wv = w.load(bx, std::slice::from_ref(&ch));
+                            let wv = bx.body.cast(wv, acc);
+                            o = bx.body.binary(BinaryOp::Mul, o, wv);
+                        }
+                        if let Some(b) = &b {
+                            let bv = b.load(bx, std::slice::from_ref(&ch));
+                            let bv = bx.body.cast(bv, acc);
+                            o = bx.body.binary(BinaryOp::Add, o, bv);
+                        }
+                        bx.body.cast(o, dt)
+                    }),
+                    reads: 5,
+                    ops: 8,
+                },
+            }
         };
         let m = self.finish_reduction(mean, &m1)?;
         let r = self.finish_reduction(rstd, &m2)?;
         Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(m)), Some(Lowered::Tensor(r))]))
+    }
+
+    /// A channels-last CPU group norm applied as `x * scale + shift`, with `scale` and `shift`
+    /// per (sample, channel) written first (N x C values): the kernel over the pixels then reads
+    /// them in channel order, where the group statistics would be gathered at `channel / (C / G)`
+    /// in its vector loop. Eager's CPU kernel computes the same form.
+    fn group_norm_per_channel(
+        &mut self,
+        x: &TensorValue,
+        (mean, rstd): (&TensorValue, &TensorValue),
+        (w, b): (Option<TensorValue>, Option<TensorValue>),
+        cpg: i64,
+        (acc, dt): (DType, DType),
+    ) -> TensorValue {
+        let (n, c, device) = (x.size[0], x.size[1], x.device);
+        let group = move |bx: &Bx, idx: &[IndexExpr]| [idx[0].clone(), idx[1].floordiv(cpg, &bx.ranges)];
+        let rs = rstd.clone();
+        let scale = TensorValue {
+            size: vec![n, c],
+            dtype: acc,
+            device,
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let s = rs.load(bx, &group(bx, idx));
+                    let Some(w) = &w else { return s };
+                    let wv = w.load(bx, &idx[1..2]);
+                    let wv = bx.body.cast(wv, acc);
+                    bx.body.binary(BinaryOp::Mul, s, wv)
+                }),
+                reads: 2,
+                ops: 2,
+            },
+        };
+        let scale = self.realize(&scale);
+        let (mm, sc) = (mean.clone(), scale.clone());
+        let shift = TensorValue {
+            size: vec![n, c],
+            dtype: acc,
+            device,
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let m = mm.load(bx, &group(bx, idx));
+                    let s = sc.load(bx, idx);
+                    let ms = bx.body.binary(BinaryOp::Mul, m, s);
+                    let Some(b) = &b else { return bx.body.unary(UnaryOp::Neg, ms) };
+                    let bv = b.load(bx, &idx[1..2]);
+                    let bv = bx.body.cast(bv, acc);
+                    bx.body.binary(BinaryOp::Sub, bv, ms)
+                }),
+                reads: 3,
+                ops: 3,
+            },
+        };
+        let shift = self.realize(&shift);
+        let xs = x.clone();
+        TensorValue {
+            size: x.size.clone(),
+            dtype: dt,
+            device,
+            src: Src::Lazy {
+                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+                    let per_channel = [idx[0].clone(), idx[1].clone()];
+                    let v = xs.load(bx, idx);
+                    let v = bx.body.cast(v, acc);
+                    let s = scale.load(bx, &per_channel);
+                    let t = shift.load(bx, &per_channel);
+                    let o = bx.body.binary(BinaryOp::Mul, v, s);
+                    let o = bx.body.binary(BinaryOp::Add, o, t);
+                    bx.body.cast(o, dt)
+                }),
+                reads: 3,
+                ops: 4,
+            },
+        }
     }
 }
 
