@@ -39,9 +39,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .traced_attention import TracedAttention, flex_attention, is_attention, is_flex_attention, is_matmul
 from .fake_calls import FakeCalls
 from .serialize import module_attr
+from .traced_attention import TracedAttention, flex_attention, is_attention, is_flex_attention
 
 
 class NeedsAot(Exception):
@@ -103,7 +103,8 @@ def _symbolic(val) -> bool:
     return False
 
 
-def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, as_written: bool = False) -> torch.fx.GraphModule:
+def trace(gm: torch.fx.GraphModule, example_inputs, decompositions: dict,
+          as_written: bool = False) -> torch.fx.GraphModule:
     """Dynamo's graph as the core-ATen inference graph AOT autograd would give for it (with a
     tensor constant of one element as a `scalar_tensor`, unless `as_written`); raises NeedsAot
     for what only AOT autograd handles. Call `check_graph` first."""
@@ -138,15 +139,16 @@ def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, 
     with respect to the primals that require grad, both recorded. Attention is decided as it is
     traced (`traced_attention`: masks the compiler proves open or causal left out, written-out
     attention run as the fused call; said on the `causal_mask` and `attention` channels of
-    `logs`) and one-element tensor constants recorded as `scalar_tensor`; `as_written` traces the graph
-    as AOT autograd does. Raises NeedsAot for what only AOT autograd
-    handles. Call `check_graph` first."""
+    `logs`), and one-element tensor constants are recorded as `scalar_tensor`; `as_written`
+    traces the graph as AOT autograd does. Raises NeedsAot for what only AOT autograd handles.
+    Call `check_graph` first."""
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
-    with _tracing(example_inputs, decompositions, writable_inputs=True, scalar_constants=not as_written) as (recorder,
-                                                                                                           fakes):
+    tracing = _tracing(example_inputs, decompositions, writable_inputs=True, scalar_constants=not as_written)
+    with tracing as (recorder, fakes):
         primals = [f.detach().requires_grad_(r) for f, r in zip(fakes, requires)]
-        attention = TracedAttention(recorder.graph, recorder.root, recorder.nodes.get, recorder.values,
-                                    logs) if not as_written else None
+        attention = None
+        if not as_written:
+            attention = TracedAttention(recorder.graph, recorder.root, recorder.nodes.get, recorder.keep_values(), logs)
         with torch.enable_grad():
             outputs = _run(gm, primals, recorder, attention)
             if not torch.is_grad_enabled():
@@ -229,20 +231,18 @@ def _run(gm: torch.fx.GraphModule, fakes: list, recorder: "_Recorder", attention
             args, kwargs = load(node.args), load(node.kwargs)
             if attention is not None and is_attention(node.target):
                 args, kwargs = attention.arguments(node.name, args, kwargs)
-            flex = is_flex_attention(node.target)
+            target = flex_attention if is_flex_attention(node.target) else node.target
             with recorder:
-                env[node] = (flex_attention if flex else node.target)(*args, **kwargs)
-                if attention is not None and flex:
-                    env[node] = attention.flex_result(node.name, env[node])
-                if attention is not None and is_matmul(node):
-                    env[node] = attention.result(node.name, env[node])
+                env[node] = target(*args, **kwargs)
+                if attention is not None:
+                    env[node] = attention.after(node, env[node])
             _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
         elif node.op == "call_method":
             self_arg, *args = load(node.args)
             with recorder:
                 env[node] = getattr(self_arg, node.target)(*args, **load(node.kwargs))
-                if attention is not None and is_matmul(node):
-                    env[node] = attention.result(node.name, env[node])
+                if attention is not None:
+                    env[node] = attention.after(node, env[node])
             _tag_autograd_nodes(env[node], node.meta.get("stack_trace"))
         elif node.op == "output":
             return load(node.args[0])
@@ -273,7 +273,7 @@ class _Recorder(TorchDispatchMode):
         self.meta: dict = {}  # the meta of the Dynamo node being run
         # tensor -> the node that made it; weak, as make_fx's proxy slots are
         self.nodes = WeakIdKeyDictionary()
-        self.values = weakref.WeakValueDictionary()  # node -> its tensor, while it lives
+        self.values: weakref.WeakValueDictionary | None = None  # node -> its tensor (`keep_values`)
         self.storages: dict = {}  # storage -> how many recorded tensors have lived on it
         self.read_only: dict[int, torch.Tensor] = {}  # inputs and constants (held: ids stay unique)
         self.placeholders = 0
@@ -284,9 +284,16 @@ class _Recorder(TorchDispatchMode):
     def bind(self, tensor: torch.Tensor, node: torch.fx.Node, val: torch.Tensor | None = None) -> None:
         node.meta["val"] = tensor if val is None else val
         self.nodes[tensor] = node
-        self.values[node] = tensor
+        if self.values is not None:
+            self.values[node] = tensor
         ref = StorageWeakRef(tensor.untyped_storage())
         self.storages[ref] = self.storages.get(ref, 0) + 1
+
+    def keep_values(self) -> weakref.WeakValueDictionary:
+        """From now on, each recorded node's tensor while it lives (what `traced_attention`
+        reads its new ops' inputs from); a trace that reads none does not keep them."""
+        self.values = weakref.WeakValueDictionary()
+        return self.values
 
     def placeholder(self, fake: torch.Tensor) -> torch.Tensor:
         name = f"primals_{self.placeholders + 1}" if self.writable_inputs else f"arg{self.placeholders}_1"
@@ -375,8 +382,8 @@ class _Recorder(TorchDispatchMode):
             raise NeedsAot(f"{func} reads tensor data")
         if func is torch.ops.aten.lift_fresh.default:
             t = args[0]
-            if (self.scalar_constants and t.dim() == 0 and type(t) is torch.Tensor and not t.requires_grad
-                    and not t.is_complex()):
+            if (self.scalar_constants and t.dim() == 0 and type(t) is torch.Tensor
+                    and not t.requires_grad and not t.is_complex()):
                 with _disable_current_modes():  # (the value itself: no op to record)
                     value = t.item()
                 with self:

@@ -79,8 +79,8 @@ def is_matmul(node: torch.fx.Node) -> bool:
 
 class TracedAttention:
     """The attention decisions of one trace, read from the ops recorded so far (`graph`, whose
-    constants `root` holds; `node_of`: tensor -> its node, `values` the reverse). Each mask is read once (Hugging Face
-    builds one mask for every layer)."""
+    constants `root` holds; `node_of`: tensor -> its node, `values` the reverse). Each mask is
+    read once (Hugging Face builds one mask for every layer)."""
 
     def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module, node_of, values: weakref.WeakValueDictionary,
                  logs: tuple = ()) -> None:
@@ -128,6 +128,15 @@ class TracedAttention:
 
     # ---- written-out attention ----
 
+    def after(self, node: torch.fx.Node, value):
+        """Dynamo node `node`'s value, computed by the fused call where it is a matmul's (or a
+        FlexAttention call's) result and the ops that made it are attention."""
+        if is_flex_attention(node.target):
+            return self.flex_result(node.name, value)
+        if is_matmul(node):
+            return self.result(node.name, value)
+        return value
+
     def result(self, node_name: str, value):
         """A matmul's result (`value`), computed by the fused call when the ops that made it are
         attention; `value` itself otherwise."""
@@ -149,12 +158,13 @@ class TracedAttention:
         try:
             fused = self._run(json.loads(nodes), output, originals)
         except Exception as e:  # noqa: BLE001 - the written-out ops stay, as traced
-            self._say("attention", f"{node_name} (training trace): the fused ops did not run ({type(e).__name__}: {e}); "
-                                   "the written-out ones stay")
+            self._say("attention", f"{node_name} (training trace): the fused ops did not run "
+                                   f"({type(e).__name__}: {e}); the written-out ones stay")
             return value
         if (fused.shape, fused.dtype) != (value.shape, value.dtype):
-            self._say("attention", f"{node_name} (training trace): the fused result is {fused.dtype}{list(fused.shape)}, "
-                                   f"not {value.dtype}{list(value.shape)}; the written-out ops stay")
+            self._say("attention", f"{node_name} (training trace): the fused result is "
+                                   f"{fused.dtype}{list(fused.shape)}, not {value.dtype}{list(value.shape)}; "
+                                   "the written-out ops stay")
             return value
         if fused.stride() != value.stride():
             if not value.is_contiguous():
@@ -279,7 +289,8 @@ class TracedAttention:
 
 def _bias_of(target, args: list, kwargs: dict):
     """The additive mask a fused attention call reads, if `target` is one."""
-    if target in (_ATEN._scaled_dot_product_cudnn_attention.default, _ATEN._scaled_dot_product_efficient_attention.default):
+    if target in (_ATEN._scaled_dot_product_cudnn_attention.default,
+                  _ATEN._scaled_dot_product_efficient_attention.default):
         return args[3] if len(args) > 3 else kwargs.get("attn_bias")
     if target is _ATEN._scaled_dot_product_flash_attention_for_cpu.default:
         return kwargs.get("attn_mask")

@@ -654,43 +654,11 @@ impl Ctx<'_> {
             let grouped = super::views::reshape(&x, vec![n, g, (c / g) * hw])?;
             self.moments(&grouped, &[2], acc, 0.0, Some(eps))
         };
-        let mm = mean.clone();
-        let (xs, rs, dt) = (x.clone(), rstd.clone(), out.dtype);
-        let cpg = c / g;
+        let (cpg, dt) = (c / g, out.dtype);
         let y = if channels_last_cpu {
             self.group_norm_per_channel(&x, (&mean, &rstd), (w, b), cpg, (acc, dt))
         } else {
-            TensorValue {
-                size: x.size.clone(),
-                dtype: dt,
-                device: out.device,
-                src: Src::Lazy {
-                    f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                        let ch = idx[1].clone();
-                        let r = bx.ranges.clone();
-                        let grp = [idx[0].clone(), ch.floordiv(cpg, &r)];
-                        let v = xs.load(bx, idx);
-                        let v = bx.body.cast(v, acc);
-                        let m = mm.load(bx, &grp);
-                        let s = rs.load(bx, &grp);
-                        let d = bx.body.binary(BinaryOp::Sub, v, m);
-                        let mut o = bx.body.binary(BinaryOp::Mul, d, s);
-                        if let Some(w) = &w {
-                            let wv = w.load(bx, std::slice::from_ref(&ch));
-                            let wv = bx.body.cast(wv, acc);
-                            o = bx.body.binary(BinaryOp::Mul, o, wv);
-                        }
-                        if let Some(b) = &b {
-                            let bv = b.load(bx, std::slice::from_ref(&ch));
-                            let bv = bx.body.cast(bv, acc);
-                            o = bx.body.binary(BinaryOp::Add, o, bv);
-                        }
-                        bx.body.cast(o, dt)
-                    }),
-                    reads: 5,
-                    ops: 8,
-                },
-            }
+            group_norm_per_group(&x, (&mean, &rstd), (w, b), cpg, (acc, dt))
         };
         let m = self.finish_reduction(mean, &m1)?;
         let r = self.finish_reduction(rstd, &m2)?;
@@ -712,64 +680,70 @@ impl Ctx<'_> {
         let (n, c, device) = (x.size[0], x.size[1], x.device);
         let group = move |bx: &Bx, idx: &[IndexExpr]| [idx[0].clone(), idx[1].floordiv(cpg, &bx.ranges)];
         let rs = rstd.clone();
-        let scale = TensorValue {
-            size: vec![n, c],
-            dtype: acc,
-            device,
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let s = rs.load(bx, &group(bx, idx));
-                    let Some(w) = &w else { return s };
-                    let wv = w.load(bx, &idx[1..2]);
-                    let wv = bx.body.cast(wv, acc);
-                    bx.body.binary(BinaryOp::Mul, s, wv)
-                }),
-                reads: 2,
-                ops: 2,
-            },
-        };
+        let scale = TensorValue::lazy(vec![n, c], acc, device, 2, 2, move |bx, idx| {
+            let s = rs.load(bx, &group(bx, idx));
+            let Some(w) = &w else { return s };
+            let wv = w.load(bx, &idx[1..2]);
+            let wv = bx.body.cast(wv, acc);
+            bx.body.binary(BinaryOp::Mul, s, wv)
+        });
         let scale = self.realize(&scale);
         let (mm, sc) = (mean.clone(), scale.clone());
-        let shift = TensorValue {
-            size: vec![n, c],
-            dtype: acc,
-            device,
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let m = mm.load(bx, &group(bx, idx));
-                    let s = sc.load(bx, idx);
-                    let ms = bx.body.binary(BinaryOp::Mul, m, s);
-                    let Some(b) = &b else { return bx.body.unary(UnaryOp::Neg, ms) };
-                    let bv = b.load(bx, &idx[1..2]);
-                    let bv = bx.body.cast(bv, acc);
-                    bx.body.binary(BinaryOp::Sub, bv, ms)
-                }),
-                reads: 3,
-                ops: 3,
-            },
-        };
+        let shift = TensorValue::lazy(vec![n, c], acc, device, 3, 3, move |bx, idx| {
+            let m = mm.load(bx, &group(bx, idx));
+            let s = sc.load(bx, idx);
+            let ms = bx.body.binary(BinaryOp::Mul, m, s);
+            let Some(b) = &b else { return bx.body.unary(UnaryOp::Neg, ms) };
+            let bv = b.load(bx, &idx[1..2]);
+            let bv = bx.body.cast(bv, acc);
+            bx.body.binary(BinaryOp::Sub, bv, ms)
+        });
         let shift = self.realize(&shift);
         let xs = x.clone();
-        TensorValue {
-            size: x.size.clone(),
-            dtype: dt,
-            device,
-            src: Src::Lazy {
-                f: Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-                    let per_channel = [idx[0].clone(), idx[1].clone()];
-                    let v = xs.load(bx, idx);
-                    let v = bx.body.cast(v, acc);
-                    let s = scale.load(bx, &per_channel);
-                    let t = shift.load(bx, &per_channel);
-                    let o = bx.body.binary(BinaryOp::Mul, v, s);
-                    let o = bx.body.binary(BinaryOp::Add, o, t);
-                    bx.body.cast(o, dt)
-                }),
-                reads: 3,
-                ops: 4,
-            },
-        }
+        TensorValue::lazy(x.size.clone(), dt, device, 3, 4, move |bx, idx| {
+            let per_channel = [idx[0].clone(), idx[1].clone()];
+            let v = xs.load(bx, idx);
+            let v = bx.body.cast(v, acc);
+            let s = scale.load(bx, &per_channel);
+            let t = shift.load(bx, &per_channel);
+            let o = bx.body.binary(BinaryOp::Mul, v, s);
+            let o = bx.body.binary(BinaryOp::Add, o, t);
+            bx.body.cast(o, dt)
+        })
     }
+}
+
+/// A group norm applied with the group statistics read per element: `(x - mean) * rstd`, then
+/// the channel's weight and bias.
+fn group_norm_per_group(
+    x: &TensorValue,
+    (mean, rstd): (&TensorValue, &TensorValue),
+    (w, b): (Option<TensorValue>, Option<TensorValue>),
+    cpg: i64,
+    (acc, dt): (DType, DType),
+) -> TensorValue {
+    let (xs, mm, rs) = (x.clone(), mean.clone(), rstd.clone());
+    TensorValue::lazy(x.size.clone(), dt, x.device, 5, 8, move |bx, idx| {
+        let ch = idx[1].clone();
+        let grp = [idx[0].clone(), ch.floordiv(cpg, &bx.ranges)];
+        let v = xs.load(bx, idx);
+        let v = bx.body.cast(v, acc);
+        let m = mm.load(bx, &grp);
+        let s = rs.load(bx, &grp);
+        let d = bx.body.binary(BinaryOp::Sub, v, m);
+        let mut o = bx.body.binary(BinaryOp::Mul, d, s);
+        if let Some(w) = &w {
+            let wv = w.load(bx, std::slice::from_ref(&ch));
+            let wv = bx.body.cast(wv, acc);
+            o = bx.body.binary(BinaryOp::Mul, o, wv);
+        }
+        if let Some(b) = &b {
+            let bv = b.load(bx, std::slice::from_ref(&ch));
+            let bv = bx.body.cast(bv, acc);
+            o = bx.body.binary(BinaryOp::Add, o, bv);
+        }
+        bx.body.cast(o, dt)
+    })
 }
 
 impl Ctx<'_> {

@@ -60,13 +60,6 @@ struct Ctx<'g> {
     cuda_arch: u32,
 }
 
-/// What `emit` is told beyond the match.
-#[derive(Clone, Copy)]
-struct EmitOptions {
-    /// The call is differentiated: it computes the log-sum-exp its backward reads.
-    log_sum_exp: bool,
-}
-
 fn tensor(g: &Graph, id: NodeId) -> Option<&TensorMeta> {
     g.node(id).meta.tensor()
 }
@@ -380,7 +373,7 @@ pub fn fuse_attention_at(g: Graph, options: &PassOptions, at: Option<(NodeId, No
             }
             Ok(m) => {
                 claimed.extend(m.dead.iter().copied());
-                let text = emit(&g, &mut edit, &m, EmitOptions { log_sum_exp: options.differentiable });
+                let text = emit(&g, &mut edit, &m, options.differentiable);
                 decisions.push(format!("softmax {name}: fused: {text}"));
             }
             Err(why) => decisions.push(format!("softmax {name}: not fused: {why}")),
@@ -808,8 +801,9 @@ impl Emitter<'_, '_> {
     }
 }
 
-/// Writes the fused call for `m` into `edit`; a line saying what it replaced.
-fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, options: EmitOptions) -> String {
+/// Writes the fused call for `m` into `edit`; a line saying what it replaced. `log_sum_exp`: the
+/// call is differentiated, so it computes the log-sum-exp its backward reads.
+fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, log_sum_exp: bool) -> String {
     let first = edit.mark();
     let [b, h, rows, keys, _, kv] = m.dims;
     let (dt, dev) = (m.dtype, m.device);
@@ -844,14 +838,14 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, options: EmitOptions) -> Str
     let bias = bias.unwrap_or(Arg::None);
     let (args, kwargs, meta) = match kernel {
         Kernel::Cudnn => {
-            let lse = Arg::Bool(options.log_sum_exp);
+            let lse = Arg::Bool(log_sum_exp);
             let args = vec![q, k, v, bias, lse, Arg::Float(0.0), causal, Arg::Bool(false)];
             let mut items = vec![Some(out_meta.clone())];
             items.resize(9, None);
             (args, vec![scale_kw], Meta::Tuple(items))
         }
         Kernel::Efficient => {
-            let args = vec![q, k, v, bias, Arg::Bool(options.log_sum_exp), Arg::Float(0.0), causal];
+            let args = vec![q, k, v, bias, Arg::Bool(log_sum_exp), Arg::Float(0.0), causal];
             (args, vec![scale_kw], Meta::Tuple(vec![Some(out_meta.clone()), None, None, None]))
         }
         Kernel::FlashCpu => {
