@@ -515,18 +515,23 @@ def test_cpu_scalars_made_inside_a_gpu_graph_move_to_the_gpu():
     made.meta["val"] = cpu0
     kept = g.call_function(aten.scalar_tensor.default, (3.0,), {"dtype": torch.float32, "device": torch.device("cpu")})
     kept.meta["val"] = cpu0
+    # a literal converted (FlexAttention's `score * 0.125` under vmap): no device named, so the CPU
+    literal = g.call_function(aten._to_copy.default, (0.125,), {"dtype": torch.float32})
+    literal.meta["val"] = cpu0
     with mode:
         put = g.call_function(aten.index_put.default, (px, [pi], copy))
         put.meta["val"] = torch.empty(4, 3, device=gpu)
-        out = g.call_function(aten.mul.Tensor, (put, made))
+        scaled = g.call_function(aten.mul.Tensor, (put, literal))
+        scaled.meta["val"] = torch.empty(4, 3, device=gpu)
+        out = g.call_function(aten.mul.Tensor, (scaled, made))
         out.meta["val"] = torch.empty(4, 3, device=gpu)
     g.output((out, kept))
     gm = torch.fx.GraphModule(root, g)
     with mode:  # as under dynamo: the moved constant must still be a real tensor
         _move_host_scalars(gm, gpu, [])
     assert gm.c.device.type == "meta" and type(gm.c) is torch.Tensor
-    assert [n.meta["val"].device.type for n in (const, copy, made, kept)] == ["meta", "meta", "meta", "cpu"]
-    assert made.kwargs["device"] == gpu and kept.kwargs["device"] == torch.device("cpu")
+    assert [n.meta["val"].device.type for n in (const, copy, made, literal, kept)] == ["meta", "meta", "meta", "meta", "cpu"]
+    assert made.kwargs["device"] == gpu and literal.kwargs["device"] == gpu and kept.kwargs["device"] == torch.device("cpu")
 
 
 def test_kernels_compiled_later_run_on_another_thread_and_errors_surface_at_wait():

@@ -149,10 +149,11 @@ def _move_host_scalar_nodes(gm: torch.fx.GraphModule, device: torch.device) -> N
             # derived from tensors that now all live on the GPU, with no device of its own
             movable = asked is None and all(a.meta["val"].device.type == device.type for a in inputs)
         else:
-            movable = asked is not None and torch.device(asked).type == "cpu"
+            # made from literals: on the CPU where it names no device (`_to_copy(0.125)`)
+            movable = asked is None or torch.device(asked).type == "cpu"
         if not movable:
             continue
-        if asked is not None:
+        if asked is not None or not inputs:
             n.kwargs = {**n.kwargs, "device": device}
         _declare_on(n, device)
 
