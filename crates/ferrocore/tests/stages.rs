@@ -1019,6 +1019,39 @@ fn a_split_variance_reads_its_input_once() {
 }
 
 #[test]
+fn a_kernel_whose_result_a_later_step_reads_runs_just_before_that_step() {
+    // a backward recomputes a value (x's row sums) at its start for a step at its end: the value
+    // is computed just before that step, not held across the two GEMMs in between (x lives until
+    // the last GEMM anyway)
+    let doc = GraphBuilder::new()
+        .input("x", &[256, 256], "float32")
+        .input("g", &[256, 256], "float32")
+        .input("w", &[256, 256], "float32")
+        .call(
+            "r",
+            "aten.sum.dim_IntList",
+            &format!(r#"{},{{"list":[{{"int":1}}]}},{{"bool":true}}"#, node("x")),
+            &meta(&[256, 1], "float32"),
+        )
+        .call("d", "aten.mm.default", &format!("{},{}", node("g"), node("w")), &meta(&[256, 256], "float32"))
+        .call("e", "aten.mm.default", &format!("{},{}", node("d"), node("w")), &meta(&[256, 256], "float32"))
+        .call("y", "aten.mm.default", &format!("{},{}", node("e"), node("r")), &meta(&[256, 1], "float32"))
+        .call("u", "aten.mm.default", &format!("{},{}", node("x"), node("w")), &meta(&[256, 256], "float32"))
+        .output(&["y", "u"]);
+    let (s, module) = wrapper_module(&doc);
+    assert!(
+        s.decision_texts()
+            .iter()
+            .any(|d| d.starts_with("order: ") && d.contains("(a kernel) runs 2 steps later, just before the first step that reads it")),
+        "{:?}\n{module}",
+        s.decision_texts()
+    );
+    let widen = module.find("(x.data_ptr()").unwrap_or(0);
+    let e = module.find("torch.mm(").unwrap_or(usize::MAX);
+    assert!(e < widen, "the GEMMs in between run before the widening kernel:\n{module}");
+}
+
+#[test]
 fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() {
     // a bias gradient summed from g, returned and read by nothing else, runs after the weight
     // gradient's GEMM that also reads g: its result is not live across the GEMM

@@ -4,7 +4,10 @@
 //! LM head's weight gradient (73.6 MB, read only at the end, where the tied embedding's gradient
 //! joins it) before the input gradient's padded weight copy (73.6 MB), so both were live at the
 //! backward's peak. Kernels whose results only the graph returns (parameter gradients) sink the
-//! same way.
+//! same way. A kernel whose result a later step reads runs just before that step: a training
+//! graph's backward recomputes forward values (a group norm's output from its saved input) at
+//! its start, and the UNet level's backward held 70 MB of them until the convolutions that read
+//! them, far down.
 
 use super::{buffer_bytes, returned_buffers, Item};
 use crate::loop_ir::*;
@@ -21,33 +24,43 @@ fn touches(p: &LoopProgram, it: &Item) -> (Vec<BufferId>, Vec<BufferId>) {
     }
 }
 
-/// The results a step allocates when it may sink, else None: a library call (not an ATen
-/// fallback) whose results the graph does not return, or a kernel whose results no other step
-/// reads and of which the graph returns some (a parameter's gradient summed early in the
+/// How far a step sinks.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Sink {
+    /// To just after the last later step that reads one of its operands (those live until then
+    /// anyway).
+    AfterOperands,
+    /// To just before the first step that reads its result.
+    BeforeReader,
+}
+
+/// The results a step allocates when it may sink, and how far, else None: a library call (not
+/// an ATen fallback) whose results the graph does not return; a kernel whose results no other
+/// step reads and of which the graph returns some (a parameter's gradient summed early in the
 /// backward: BERT's decoder bias gradient sat beside its weight gradient's GEMM, the backward's
-/// peak); the others live in its registers. `steps_reading` counts, per buffer, the steps that
-/// read it.
+/// peak; the others live in its registers); a kernel whose results later steps read.
+/// `steps_reading` counts, per buffer, the steps that read it.
 fn sinking_results(
     p: &LoopProgram,
     item: &Item,
     (reads, writes): &(Vec<BufferId>, Vec<BufferId>),
     returned: &[bool],
     steps_reading: &[usize],
-) -> Option<Vec<BufferId>> {
+) -> Option<(Vec<BufferId>, Sink)> {
     let mut outs = writes.clone();
     outs.sort_by_key(|b| b.0);
     outs.dedup();
     match item {
-        Item::Extern(e) if !p.externs[*e].fallback && !outs.iter().any(|b| returned[b.0 as usize]) => Some(outs),
+        Item::Extern(e) if !p.externs[*e].fallback && !outs.iter().any(|b| returned[b.0 as usize]) => Some((outs, Sink::AfterOperands)),
         Item::Extern(_) => None,
         Item::Kernel(_) => {
             let read_here: HashSet<BufferId> = reads.iter().copied().collect();
             let read_elsewhere = |b: &BufferId| steps_reading[b.0 as usize] > usize::from(read_here.contains(b));
             if outs.iter().any(read_elsewhere) {
-                return None;
+                return Some((outs, Sink::BeforeReader));
             }
             let kept: Vec<BufferId> = outs.into_iter().filter(|b| returned[b.0 as usize]).collect();
-            (!kept.is_empty()).then_some(kept)
+            (!kept.is_empty()).then_some((kept, Sink::AfterOperands))
         }
     }
 }
@@ -78,9 +91,9 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
         seen.dedup();
         seen.iter().for_each(|b| steps_reading[b.0 as usize] += 1);
     }
-    let sinking: Vec<Option<Vec<BufferId>>> =
+    let sinking: Vec<Option<(Vec<BufferId>, Sink)>> =
         items.iter().zip(&touched).map(|(it, t)| sinking_results(p, it, t, &returned, &steps_reading)).collect();
-    let gradient_kernel = |j: usize| matches!(items[j], Item::Kernel(_)) && sinking[j].is_some();
+    let gradient_kernel = |j: usize| matches!(items[j], Item::Kernel(_)) && matches!(sinking[j], Some((_, Sink::AfterOperands)));
     // per buffer, the steps (first positions, ascending) that read it, that read it and are no
     // gradient kernel, that write it
     let mut read_by: Vec<Vec<usize>> = vec![Vec::new(); p.buffers.len()];
@@ -110,7 +123,7 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
     let mut after: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut moved = vec![false; n];
     for i in 0..n {
-        let Some(results) = &sinking[i] else { continue };
+        let Some((results, sink)) = &sinking[i] else { continue };
         let outs = &touched[i].1;
         let out_set: HashSet<BufferId> = outs.iter().copied().collect();
         let operands: Vec<BufferId> = touched[i].0.iter().copied().filter(|b| !out_set.contains(b)).collect();
@@ -128,11 +141,16 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
                 limit = limit.min(j - 1);
             }
         }
-        let target = operands.iter().filter_map(|b| last_up_to(&plain_read_by[b.0 as usize], limit)).filter(|&j| j > i).max().unwrap_or(i);
+        let target = match sink {
+            Sink::AfterOperands => {
+                operands.iter().filter_map(|b| last_up_to(&plain_read_by[b.0 as usize], limit)).filter(|&j| j > i).max().unwrap_or(i)
+            }
+            Sink::BeforeReader => limit.max(i),
+        };
         let result: i64 = results.iter().map(|b| buffer_bytes(p, *b)).sum();
-        // operands read by no step up to the target would now live until the step
-        let mut longer_ops: Vec<BufferId> =
-            operands.iter().copied().filter(|b| first_after(&read_by[b.0 as usize], i).is_none_or(|j| j > target)).collect();
+        // operands no later step reads would now live until the step (one read later lives
+        // past it anyway)
+        let mut longer_ops: Vec<BufferId> = operands.iter().copied().filter(|b| first_after(&read_by[b.0 as usize], i).is_none()).collect();
         longer_ops.sort_by_key(|b| b.0);
         longer_ops.dedup();
         let longer: i64 = longer_ops.iter().map(|b| buffer_bytes(p, *b)).sum();
@@ -142,7 +160,11 @@ pub fn sink_steps(p: &LoopProgram, items: &mut Vec<Item>) -> Vec<String> {
                 Item::Kernel(_) => "a kernel".to_string(),
             };
             let name = &p.buffer(results[0]).name;
-            decisions.push(format!("order: {name} ({what}) runs {} steps later, after the last step that reads its operands", target - i));
+            let until = match sink {
+                Sink::AfterOperands => "after the last step that reads its operands",
+                Sink::BeforeReader => "just before the first step that reads it",
+            };
+            decisions.push(format!("order: {name} ({what}) runs {} steps later, {until}", target - i));
             moved[i] = true;
             anchors.insert(target);
             after[target].push(i);
