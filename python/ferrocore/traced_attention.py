@@ -182,6 +182,11 @@ class TracedAttention:
         out = results[0]
         node = self.node_of(out) if isinstance(out, torch.Tensor) else None
         # the dense form lays the matmul's result out like the query: a copy into a fresh tensor
+        # (functionalized on CUDA: the copy scattered into the fresh tensor and viewed again)
+        if node is not None and node.target is _ATEN.as_strided.default and isinstance(node.args[0], torch.fx.Node):
+            scatter = node.args[0]
+            if scatter.target is _ATEN.as_strided_scatter.default and isinstance(scatter.args[1], torch.fx.Node):
+                node = scatter.args[1]
         if node is None or node.target is not _ATEN.copy.default or not isinstance(node.args[1], torch.fx.Node):
             return results
         matmul = self.values.get(node.args[1])
