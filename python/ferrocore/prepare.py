@@ -153,7 +153,7 @@ def _move_host_scalar_nodes(gm: torch.fx.GraphModule, device: torch.device) -> N
             movable = asked is None or torch.device(asked).type == "cpu"
         if not movable:
             continue
-        if asked is not None or not inputs:
+        if not inputs:  # made from literals: told where to be made
             n.kwargs = {**n.kwargs, "device": device}
         _declare_on(n, device)
 
