@@ -36,10 +36,11 @@ def test_triton_kernels_list_valid_candidates(tmp_path, monkeypatch):
     module = types.SimpleNamespace(**{n: None for n in names}, **{"launch_" + n: None for n in names})
     ((_, _, constexprs, launch),), _ = artifact.triton_kernels(compiled, module)
     cands = [tuple(c) for c in launch["candidates"]]
-    assert cands[0] == (launch["grid"], constexprs["XBLOCK"], launch["num_warps"], launch["num_stages"])
+    assert cands[0] == (launch["grid"], (("XBLOCK", constexprs["XBLOCK"]),), launch["num_warps"], launch["num_stages"])
     assert len(cands) > 1 and len(set(cands)) == len(cands)
-    assert {c[1] for c in cands} == {constexprs["XBLOCK"] // 2, constexprs["XBLOCK"], constexprs["XBLOCK"] * 2}
-    for grid, xblock, warps, stages in cands:
+    assert {dict(c[1])["XBLOCK"] for c in cands} == {constexprs["XBLOCK"] // 2, constexprs["XBLOCK"], constexprs["XBLOCK"] * 2}
+    for grid, blocks, warps, stages in cands:
+        xblock = dict(blocks)["XBLOCK"]
         # 64 rows of 300 (a persistent block of 512): the grid covers the rows, blocks fit
         assert grid == -(-64 // xblock) and xblock * 512 <= 8192 and warps in (1, 2, 4, 8, 16)
     assert launch["arg_numel"] == [64 * 300, 64 * 300]
@@ -76,7 +77,7 @@ class _Fn:
 
 
 def test_tuner_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
-    cands = [(64, 1, 4, 1), (32, 2, 4, 1), (64, 1, 8, 1)]
+    cands = [(64, (("XBLOCK", 1),), 4, 1), (32, (("XBLOCK", 2),), 4, 1), (64, (("XBLOCK", 1),), 8, 1)]
     entry = (_Fn(), {"in_ptr0": "*fp32", "out_ptr0": "*fp32"}, {"XBLOCK": 1},
              {"grid": 64, "num_warps": 4, "num_stages": 1, "candidates": cands, "arg_numel": [64, 64]})
     tuner = _tuner(tmp_path, {cands[0]: 3.0, cands[1]: 1.0, cands[2]: 2.0}, monkeypatch)
@@ -85,7 +86,7 @@ def test_tuner_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
     assert (launcher.grid, launcher.constexprs, launcher.num_warps) == (32, {"XBLOCK": 2}, 4)
     assert launcher.bound == f"binary{cands[1]}"
     files = list((tmp_path / "autotune").rglob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["best"] == list(cands[1])
+    assert len(files) == 1 and json.loads(files[0].read_text())["best"] == json.loads(json.dumps(cands[1]))
     # a second compile reads the winner without timing anything
     tuner2 = _tuner(tmp_path, {}, monkeypatch)
     launcher2 = _FakeLauncher()
@@ -96,7 +97,7 @@ def test_tuner_picks_the_fastest_and_caches_it(tmp_path, monkeypatch):
     tuner3 = _tuner(tmp_path, {cands[0]: 1.0, cands[1]: 5.0, cands[2]: 5.0}, monkeypatch)
     launcher3 = _FakeLauncher()
     assert tuner3.tune(entry, launcher3) is False
-    assert launcher3.grid == 64 and json.loads(files[0].read_text())["best"] == list(cands[0])
+    assert launcher3.grid == 64 and json.loads(files[0].read_text())["best"] == json.loads(json.dumps(cands[0]))
     assert not [f for f in os.listdir(files[0].parent) if f.startswith(".tmp-")]
     # another device or other sizes are other entries
     other = (entry[0], entry[1], entry[2], {**entry[3], "arg_numel": [128, 128]})

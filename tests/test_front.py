@@ -113,8 +113,8 @@ def fake(tmp_path, monkeypatch):
 
     serialize = static_compile.serialize_graph
 
-    def remembering(gm, name, *args):
-        doc = serialize(gm, name, *args)
+    def remembering(gm, name, *args, **kwargs):
+        doc = serialize(gm, name, *args, **kwargs)
         graphs[name] = lambda args: gm(*args)
         return doc
 

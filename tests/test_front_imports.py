@@ -306,7 +306,7 @@ LAYERS = (
     # loading, launching, caching and running compiled graphs
     ("runtime", ("runtime", "runtime.*")),
     # one graph of static sizes (one CompileRequest), prepared and compiled by Rust, then loaded
-    ("compile", ("static_compile", "prepare", "padding", "conv_layout")),
+    ("compile", ("static_compile", "prepare", "padding", "gemm_choice", "conv_layout")),
     # graphs with data-dependent or symbolic sizes, cut or specialized into static compiles
     ("dispatch", ("dispatch", "partition")),
     # Dynamo's graph to ATen graphs: the direct trace or AOT autograd, the joint split

@@ -105,6 +105,18 @@ def test_kernel_names_and_configs(interpreted):
     assert "xoffset = tl.program_id(0) * XBLOCK" in src and "tl.full([1], 1000000000, tl.int64)" in src
 
 
+def test_gemm_templates_fuse_their_epilogue(interpreted):
+    # the product, its bias, relu and residual add: one matrix-product kernel, one launch
+    src = "".join(Path(p).read_text() for p in interpreted["gemm_template_addmm_relu_residual"]["modules"])
+    assert re.findall(r"^def (triton_\w+)\(", src, re.M) == ["triton_mm_fused_addmm_relu_add_0"], src
+    assert "acc += tl.dot(a, b, input_precision=\"ieee\")" in src and "torch.ops.aten" not in src
+    assert "'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 32" in src
+    # a product the softmax reads along its rows is stored by its kernel; the softmax is another
+    src = "".join(Path(p).read_text() for p in interpreted["gemm_template_bmm_transposed_softmax"]["modules"])
+    assert re.findall(r"^def (triton_\w+)\(", src, re.M)[0].startswith("triton_mm_fused_bmm")
+    assert len(re.findall(r"^def (triton_\w+)\(", src, re.M)) == 2, src
+
+
 def test_narrow_reductions_split_in_two_stages(interpreted):
     # a full sum of 100003 elements: 48 first-stage programs of 2084 (a prime length: the last
     # chunk wraps around to load in bounds and is masked by position) into a [48] partial

@@ -22,9 +22,9 @@ import torch.nn.functional as F  # noqa: E402
 CASES: dict = {}
 
 
-def case(name: str, atol: float = 1e-5, rtol: float = 1e-5, raises=None, fallback: bool = False):
+def case(name: str, atol: float = 1e-5, rtol: float = 1e-5, raises=None, fallback: bool = False, options=None):
     def register(make):
-        CASES[name] = dict(make=make, atol=atol, rtol=rtol, raises=raises, fallback=fallback)
+        CASES[name] = dict(make=make, atol=atol, rtol=rtol, raises=raises, fallback=fallback, options=options or {})
         return make
 
     return register
@@ -73,6 +73,50 @@ def _():
 @case("broadcasting")
 def _():
     return (lambda a, b, c: a + b * c), (randn(8, 1), randn(1, 16, seed=1), randn(16, seed=2))
+
+
+TEMPLATE = {"gemm_template": "always"}
+
+
+@case("gemm_template_addmm_relu_residual", atol=1e-4, rtol=1e-4, options=TEMPLATE)
+def _():
+    # odd sizes (edge tiles, k steps with a remainder); bias, relu and residual in the epilogue
+    return (lambda x, w, b, r: torch.relu(torch.addmm(b, x, w)) + r), (
+        randn(37, 70), randn(70, 45, seed=1), randn(45, seed=2), randn(37, 45, seed=3))
+
+
+@case("gemm_template_bf16_linear_gelu", atol=2e-2, rtol=2e-2, options=TEMPLATE)
+def _():
+    # a 3-D linear layer in bfloat16: the product rounds to bfloat16 before the bias, as eager's
+    return (lambda x, w, b: F.gelu(F.linear(x, w, b))), (
+        randn(2, 9, 48, dtype=torch.bfloat16), randn(24, 48, seed=1, dtype=torch.bfloat16),
+        randn(24, seed=2, dtype=torch.bfloat16))
+
+
+@case("gemm_template_bmm_transposed_softmax", atol=1e-5, rtol=1e-4, options=TEMPLATE)
+def _():
+    # a batched product of a transposed operand, stored for the softmax that reads its rows
+    return (lambda q, k: torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.125, -1)), (
+        randn(3, 33, 40), randn(3, 50, 40, seed=1))
+
+
+@case("gemm_template_product_read_inside_and_outside", atol=1e-4, rtol=1e-4, options=TEMPLATE)
+def _():
+    # the product is returned and read by the epilogue: stored once, used from registers
+    return (lambda x, w: (x @ w, torch.tanh(x @ w) * 2)), (randn(17, 300), randn(300, 19, seed=1))
+
+
+@case("gemm_template_half_vector_times_matrix", atol=1e-2, rtol=1e-2, options=TEMPLATE)
+def _():
+    # one row, a column-major weight, and a cast out of half precision
+    return (lambda x, w: (x @ w.t()).float() + 1), (randn(1, 64, dtype=torch.float16),
+                                                   randn(80, 64, seed=1, dtype=torch.float16))
+
+
+@case("gemm_template_inner_size_one", atol=1e-5, rtol=1e-5, options=TEMPLATE)
+def _():
+    # k = 1: an outer product
+    return (lambda a, b: torch.mm(a, b) - 1), (randn(20, 1), randn(1, 30, seed=1))
 
 
 @case("permuted_inputs")
@@ -492,7 +536,7 @@ def run_case(name: str) -> dict:
                 return dict(ok=False, detail=f"raised {type(e).__name__}: {e}", entries=entries)
             return dict(ok=False, detail=f"did not raise {spec['raises'].__name__}", entries=entries)
         expected = fn(*args)
-        got = torch.compile(fn, backend="ferrocore")(*args)
+        got = torch.compile(fn, backend="ferrocore", options=spec["options"] or None)(*args)
         detail = _compare(name, got, expected, spec["atol"], spec["rtol"])
         fell_back = any(e.get("graph_fallback") for e in entries)
         if detail is None and fell_back != spec["fallback"]:

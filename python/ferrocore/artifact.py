@@ -61,6 +61,13 @@ def cuda_graph_hazard(graph: dict) -> str | None:
     return "; ".join(graph["cuda_graph_hazards"]) or None
 
 
+def block_constexprs(config: dict) -> dict:
+    """A grid configuration's block constexprs: a matrix-product kernel's tile, else XBLOCK."""
+    if config.get("tile"):
+        return dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), config["tile"]))
+    return {"XBLOCK": config["xblock"]}
+
+
 def triton_kernels(graph: dict, module) -> tuple[list, dict]:
     """Each Triton kernel defined in `module` (the graph's wrapper module), once per name, as
     `(function, signature, constexprs, launch)` for `runtime.precompile.precompile_triton` (launch: grid,
@@ -76,9 +83,10 @@ def triton_kernels(graph: dict, module) -> tuple[list, dict]:
         entries.append((
             namespace[name],
             dict(k["signature"]),
-            {"XBLOCK": config["xblock"]},
+            block_constexprs(config),
             {"grid": config["grid"], "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-             "candidates": [(c["grid"], c["xblock"], c["num_warps"], c["num_stages"]) for c in launch["candidates"]],
+             "candidates": [(c["grid"], tuple(block_constexprs(c).items()), c["num_warps"], c["num_stages"])
+                            for c in launch["candidates"]],
              "arg_numel": list(k["arg_numel"]), "text": kernel_text(graph, k)},
         ))
         launchers[name] = namespace["launch_" + name]

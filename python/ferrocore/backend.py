@@ -55,7 +55,8 @@ MODES = (None, "default", *CUDAGRAPH_MODES, *AUTOTUNE_MODES[1:])
 def ferrocore_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs) -> Callable:
     """Dynamo backend. `options=` (a dict) overrides env options; `mode="reduce-overhead"`
     records GPU graphs (inference, forward and backward) as CUDA graphs,
-    "max-autotune-no-cudagraphs" times each Triton kernel's candidate configurations,
+    "max-autotune-no-cudagraphs" times each Triton kernel's candidate configurations and each
+    GEMM as a template with its epilogue against the library call (`gemm_choice`),
     "max-autotune" does both; another mode, or an unknown option, raises OptionError."""
     with collector_spared():
         try:
@@ -90,6 +91,10 @@ def _compile_named_dynamo_graph(gm: torch.fx.GraphModule, example_inputs, kwargs
         overrides.setdefault("cudagraphs", True)
     if kwargs.get("mode") in AUTOTUNE_MODES:
         overrides.setdefault("autotune", True)
+        # each GEMM as a template with its epilogue where measured faster (FERROCORE_GEMM_TEMPLATE
+        # still says otherwise)
+        if not os.environ.get("FERROCORE_GEMM_TEMPLATE"):
+            overrides.setdefault("gemm_template", "measured")
     opts = _options.build_options(overrides)
     facts["logs"] = opts["logs"]
     _announce_dynamo_recompile(opts)

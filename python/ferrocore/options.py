@@ -26,6 +26,7 @@ _PATH = (str, os.PathLike)
 # each key `options=` may set, and the types it takes
 _TYPES = {"cache_dir": _PATH, "logs": (str, list, tuple), "debug_dir": (*_PATH, type(None)), "cxx": (str,),
           "backend": (str,), "cudagraphs": (bool,), "autotune": (bool,), "conv_layout": (str,), "pad_mm": (str,),
+          "gemm_template": (str,),
           "check_inputs": (bool,), "cache_max_bytes": (int, type(None)), "graph_cache": (bool,),
           "compile_workers": (int,), "progress": (str, bool), "direct_trace": (bool,), "cpp_jobs": (int,),
           # generate the module, leave its C++ uncompiled (Rust's option: a CPU training graph's
@@ -69,7 +70,8 @@ DEFAULT_CACHE_MAX_BYTES = 10 << 30
 # interpreter (set TRITON_INTERPRET=1); "conv_layout": the layout of convolution graphs'
 # activations, "auto" (channels-last on a GPU), "channels_last", "contiguous" (eager's);
 # "pad_mm": unaligned 16-bit GEMMs on padded operands, "measured" (those measured faster on the
-# GPU), "always", "never".
+# GPU), "always", "never"; "gemm_template": GEMMs of Triton graphs as matrix-product kernels
+# whose pointwise readers fuse into them, "never" or "always".
 
 
 @functools.cache
@@ -108,6 +110,8 @@ def build_options(overrides: dict | None = None) -> dict:
         "autotune": _flag(os.environ.get("FERROCORE_AUTOTUNE", "")),
         "conv_layout": (os.environ.get("FERROCORE_CONV_LAYOUT") or compiler_default("conv_layout")).strip().lower(),
         "pad_mm": (os.environ.get("FERROCORE_PAD_MM") or compiler_default("pad_mm")).strip().lower(),
+        # GEMMs of a Triton graph as matrix-product kernels with their pointwise readers fused
+        "gemm_template": (os.environ.get("FERROCORE_GEMM_TEMPLATE") or compiler_default("gemm_template")).strip().lower(),
         # compiled modules check their inputs' sizes, strides, dtypes and devices at each call
         # (measured: about 0.1 us per input); "0" turns the check off
         "check_inputs": _flag(os.environ["FERROCORE_CHECK_INPUTS"]) if os.environ.get("FERROCORE_CHECK_INPUTS")
@@ -134,7 +138,7 @@ def build_options(overrides: dict | None = None) -> dict:
     if opts["debug_dir"] is not None:
         _writable_dir("debug_dir", opts["debug_dir"])
     opts["progress"] = _progress_mode(opts["progress"])
-    for key in ("backend", "pad_mm", "conv_layout"):
+    for key in ("backend", "pad_mm", "conv_layout", "gemm_template"):
         allowed = choices(key)
         if opts[key] not in allowed:  # (from options= or the FERROCORE_ variable)
             raise OptionError(f"ferrocore option {key!r}: {opts[key]!r} is not one of {', '.join(allowed)}")

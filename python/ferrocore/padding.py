@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 
 import torch
 
 from .extension import extension
-from .runtime.measurement import cached_measurement
+from .runtime.measurement import cached_measurement, median_cuda_ms
 
 # padding must beat the GEMM as traced by this much to be worth its copies
 MIN_GAIN = 0.97
@@ -166,19 +165,4 @@ def _measure(target, A: torch.Tensor, B: torch.Tensor) -> tuple:
     def padded():
         return gemm(_zero_padded(A, up(m), up(k)), _zero_padded(B, up(k), up(n)))[..., :m, :n]
 
-    return _median_ms(plain), _median_ms(padded)
-
-
-def _median_ms(fn, reps: int = 7) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return median_cuda_ms(plain), median_cuda_ms(padded)

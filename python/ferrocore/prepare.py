@@ -1,10 +1,11 @@
 """A graph made ready to serialize (`prepare`), part of the static compile: effect tokens
 unwrapped, integer clamp bounds wrapped as eager's kernel takes them, 0-d host scalars moved to
-the graph's GPU, the GEMMs to pad (GPU, `padding`) or the convolution layout (CPU,
-`conv_layout`) chosen.
+the graph's GPU, the GEMMs to pad (GPU, `padding`) or to run as templates (GPU, `gemm_choice`)
+or the convolution layout (CPU, `conv_layout`) chosen.
 
-Part of the compile layer: it imports `padding`, `conv_layout` and `runtime.triton_launch` (and through them the
-runtime), nothing above (tests/test_front_imports.py).
+Part of the compile layer: it imports `padding`, `gemm_choice`, `conv_layout` and
+`runtime.triton_launch` (and through them the runtime), nothing above
+(tests/test_front_imports.py).
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import time
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from . import conv_layout, padding
+from . import conv_layout, gemm_choice, padding
 from .runtime.triton_launch import cuda_arch
 
 
-def prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, measured) -> tuple:
+def prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, measured, compile_region=None) -> tuple:
     """The graph made ready to serialize: effect tokens and clamp bounds unwrapped, host scalars
-    moved to its device, GEMMs to pad (GPU) or the convolution layout (CPU) chosen. Returns
-    (device, host scalars, padded GEMMs, the options with the layout chosen and the GPU's
-    architecture, seconds spent
-    timing GEMMs or layouts: not serialization's)."""
+    moved to its device, GEMMs to pad or to run as templates (GPU) or the convolution layout
+    (CPU) chosen. Returns (device, host scalars, the GEMMs named for the compiler
+    (`padded_matmuls`, `template_matmuls`), the options with the layout chosen and the GPU's
+    architecture, seconds spent timing GEMMs or layouts: not serialization's).
+    `compile_region(gm, opts)` compiles the cut-out graphs `gemm_choice` times."""
     excluded = 0.0
     _unwrap_effects(gm)
     _wrap_integer_clamp_bounds(gm)
@@ -44,11 +46,15 @@ def prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, meas
         _move_host_scalars(gm, device, host_scalars)
         # which library kernels the GPU has (the attention pass's cuDNN call: Hopper)
         opts = {**opts, "cuda_arch": cuda_arch(device) or 0}
-    padded = {}
+    gemms = {}
     if device is not None:
         t = time.perf_counter()
-        padded = padding.padded_matmuls(gm, opts, measured)
+        gemms["padded_matmuls"] = padding.padded_matmuls(gm, opts, measured)
         timings["padding"] = (time.perf_counter() - t) * 1e3
+        if compile_region is not None and opts.get("gemm_template") == "measured":
+            t2 = time.perf_counter()
+            gemms["template_matmuls"] = gemm_choice.template_matmuls(gm, opts, compile_region)
+            timings["gemm_template"] = (time.perf_counter() - t2) * 1e3
         excluded += time.perf_counter() - t
     else:
         t = time.perf_counter()
@@ -59,7 +65,7 @@ def prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, meas
             if "layout" in opts["logs"]:
                 print(f"[ferrocore:layout]\n{name}: {layout[1]}", file=sys.stderr)
         excluded += time.perf_counter() - t
-    return device, host_scalars, padded, opts, excluded
+    return device, host_scalars, gemms, opts, excluded
 
 
 # what the process has been told once

@@ -36,7 +36,7 @@ class UnsupportedGraph(Exception):
 
 def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output_strides: dict | None = None,
                     free_layout_outputs: list | None = None, padded_matmuls: dict | None = None,
-                    donated_inputs: list | None = None) -> str:
+                    donated_inputs: list | None = None, template_matmuls: dict | None = None) -> str:
     """The JSON document for `gm`, named `name`. Lifted tensor constants (`get_attr` nodes)
     become extra inputs after the graph's own: call with `args + lifted_constants(gm)`.
     `output_strides` ({node name: stride}) replaces the metadata strides of output nodes that
@@ -44,7 +44,8 @@ def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output
     the output positions whose layout the compiler may choose (activations a forward graph saves
     for its backward, which is compiled for the strides the forward reports). `padded_matmuls`
     ({GEMM node name: why}) names the GEMMs measured faster on padded operands
-    (`padding.padded_matmuls`). `donated_inputs` lists the input positions whose storage the
+    (`padding.padded_matmuls`); `template_matmuls` those measured faster as matrix-product
+    templates with their epilogue (`gemm_choice.template_matmuls`). `donated_inputs` lists the input positions whose storage the
     compiled graph may overwrite after their last read (a backward's donated saved tensors)."""
     doc = graph_to_dict(gm, name)
     if donated_inputs:
@@ -53,6 +54,8 @@ def serialize_graph(gm: torch.fx.GraphModule | torch.fx.Graph, name: str, output
         doc["free_layout_outputs"] = sorted(int(i) for i in free_layout_outputs)
     if padded_matmuls:
         doc["padded_matmuls"] = {str(k): str(v) for k, v in padded_matmuls.items()}
+    if template_matmuls:
+        doc["template_matmuls"] = {str(k): str(v) for k, v in template_matmuls.items()}
     for node in doc["nodes"]:
         stride = (output_strides or {}).get(node["name"])
         tensor = (node.get("meta") or {}).get("tensor")

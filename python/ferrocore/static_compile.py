@@ -63,6 +63,8 @@ class CompileRequest:
     reported_strides: list | None = None
     kernels_later: KernelsLater | None = None
     measured: padding.Measurements | None = None
+    # the graph's name, where it is not one of the model's (`graph_names`)
+    name: str | None = None
 
 
 class KernelsLater:
@@ -90,12 +92,12 @@ def compile_static(req: CompileRequest, opts: dict) -> Callable:
     """Compiles a graph of static sizes: prepares it (host scalars, GEMM padding, convolution
     layout), serializes it, has Rust compile it, loads the result and wraps its call."""
     gm, timings = req.gm, req.timings
-    name = graph_names.next_name("bw" if req.backward else "fw" if req.saved is not None else "inference")
+    name = req.name or graph_names.next_name("bw" if req.backward else "fw" if req.saved is not None else "inference")
     start = time.perf_counter()
-    device, host_scalars, padded, opts, excluded = prepare.prepare(gm, name, opts, timings, req.measured)
+    device, host_scalars, gemms, opts, excluded = prepare.prepare(gm, name, opts, timings, req.measured, _compile_region)
     start += excluded
     try:
-        graph_json = serialize_graph(gm, name, req.output_strides, req.free_layout, padded, req.donated)
+        graph_json = serialize_graph(gm, name, req.output_strides, req.free_layout, donated_inputs=req.donated, **gemms)
         constants = lifted_constants(gm)
     except UnsupportedGraph as e:
         print(f"[ferrocore:fallback] graph {name} runs eagerly: {e.reason}", file=sys.stderr)
@@ -145,6 +147,12 @@ def compile_static(req: CompileRequest, opts: dict) -> Callable:
     if req.record is not None:
         req.record(graph)
     return _loaded_call(req, graph, result, opts, device, host_scalars, report_path)
+
+
+def _compile_region(gm: torch.fx.GraphModule, opts: dict) -> Callable:
+    """A graph cut out of another to time one of its choices (`gemm_choice`), compiled as it is
+    told (nothing measured again); its call takes a list."""
+    return compile_static(CompileRequest(gm, {}, {}, name="gemm_choice"), opts)
 
 
 def _run_compiler(name: str, graph_json: str, opts: dict, timings: dict, cpp_later: bool) -> dict:

@@ -44,8 +44,11 @@ fn replay_text(g: &Generated) -> String {
         let args: Vec<String> = l.args.iter().map(|b| format!("buf{}", b.0)).collect();
         let shape = match &l.shape {
             LaunchShape::Host => "host".to_string(),
-            LaunchShape::Grid { grid, xblock, num_warps, num_stages } => {
+            LaunchShape::Grid { grid, xblock, num_warps, num_stages, tile: None } => {
                 format!("grid {grid} xblock {xblock} warps {num_warps} stages {num_stages}")
+            }
+            LaunchShape::Grid { grid, num_warps, num_stages, tile: Some(t), .. } => {
+                format!("grid {grid} tile {}x{}x{} warps {num_warps} stages {num_stages}", t.m, t.n, t.k)
             }
         };
         let _ = writeln!(

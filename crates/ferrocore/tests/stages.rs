@@ -7,7 +7,7 @@ use ferrocore::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage, Launch
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
 use ferrocore::graph::build::{meta, node, GraphBuilder};
 use ferrocore::graph::parse_graph;
-use ferrocore::lowering::{lower_graph, lower_graph_with, LowerOptions};
+use ferrocore::lowering::{lower_graph, lower_graph_with, GemmTemplate, LowerOptions};
 use ferrocore::scheduler::{schedule, schedule_for, Decision, Item, KernelId, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
@@ -396,6 +396,33 @@ fn triton_source_of_fused_pointwise_and_reduction_kernels() {
     assert_eq!(names, ["triton_red_fused_relu_add_sum_mul_0", "triton_red_fused_amax_1"], "{src}");
     assert!(src.contains("for r0offset in range(0, 10000, 1024):"), "{src}");
     check("triton_kernels.txt", &src);
+}
+
+#[test]
+fn triton_matrix_product_template_computes_its_epilogue_on_its_tile() {
+    // a bfloat16 linear layer over a transposed weight, its bias and GELU: one kernel whose
+    // programs take 128 x 128 tiles of the [300, 200] result, k in steps of 64 (96 = 64 + 32:
+    // the masked branch), then the epilogue on `x0`, the tile's flat indices
+    let doc = GraphBuilder::new()
+        .input("x", &[300, 96], "bfloat16")
+        .input("w", &[200, 96], "bfloat16")
+        .input("b", &[200], "bfloat16")
+        .call("t", "aten.t.default", &node("w"), &meta(&[96, 200], "bfloat16"))
+        .call("addmm", "aten.addmm.default", &format!("{},{},{}", node("b"), node("x"), node("t")), &meta(&[300, 200], "bfloat16"))
+        .call("gelu", "aten.gelu.default", &node("addmm"), &meta(&[300, 200], "bfloat16"))
+        .output(&["gelu"]);
+    let g = parse_graph(&doc).unwrap();
+    let options = LowerOptions { kernels: KernelLanguage::Triton, gemm_template: GemmTemplate::Always, ..Default::default() };
+    let lowered = lower_graph_with(&g, &options).unwrap();
+    let s = schedule_for(lowered.program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
+    let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
+    let names: Vec<&str> = k.launches.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["triton_mm_fused_addmm_gelu_0"]);
+    let LaunchShape::Grid { grid, tile: Some(tile), .. } = &k.launches[0].shape else { panic!("{:?}", k.launches[0].shape) };
+    assert_eq!((*grid, tile.m, tile.n, tile.k), (6, 128, 128, 64));
+    assert!(k.launches[0].candidates.len() > 4 && k.launches[0].candidates.iter().all(|c| c.tile.is_some()));
+    let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    check("triton_gemm_template.txt", &src);
 }
 
 #[test]

@@ -74,8 +74,8 @@ class Autotuner:
         trial = compiled.get(best) or self._bound(fn, signature, best)
         if trial is None:
             return None
-        grid, xblock, warps, stages = best
-        launcher.grid, launcher.constexprs = grid, {"XBLOCK": xblock}
+        grid, blocks, warps, stages = best
+        launcher.grid, launcher.constexprs = grid, dict(blocks)
         launcher.num_warps, launcher.num_stages = warps, stages
         launcher._fast = launcher._direct = None
         launcher.bind(trial[1], self._index())
@@ -103,8 +103,8 @@ class Autotuner:
             return None
         if compiled is None:
             return None
-        grid, xblock, warps, stages = config
-        launch = TritonLaunch(fn, grid, {"XBLOCK": xblock}, warps, stages)
+        grid, blocks, warps, stages = config
+        launch = TritonLaunch(fn, grid, dict(blocks), warps, stages)
         launch.bind(compiled, self._index())
         return launch, compiled
 
@@ -134,10 +134,11 @@ class Autotuner:
         if data is None:
             return None
         try:
-            best = tuple(data["best"])
+            grid, blocks, warps, stages = data["best"]
+            best = (grid, tuple((name, value) for name, value in blocks), warps, stages)
             if data.get("key") == key and best in candidates:
                 return best
-        except (KeyError, TypeError):
+        except (KeyError, TypeError, ValueError):
             pass
         print(f"[ferrocore:autotune] cache entry {self._entry(key)} is unusable; tuning again", file=sys.stderr)
         return None

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
+
+import torch
 
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -30,3 +33,21 @@ def cached_measurement(cache_dir, family: str, key: list, measure, errors=(Runti
     if cache_dir:
         write_cached_json(cache_dir, entry, {"key": key_text, "ms": ms})
     return ms
+
+
+def median_cuda_ms(fn, reps: int = 7, calls: int = 1) -> float:
+    """Median over `reps` rounds of CUDA-event time per call of `calls` calls of `fn`, after two
+    warm-up calls."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples)

@@ -49,7 +49,7 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
         fn, signature, constexprs, launch = entry
         start = time.perf_counter()
         try:
-            config = (launch["grid"], constexprs["XBLOCK"], launch["num_warps"], launch["num_stages"])
+            config = (launch["grid"], tuple(constexprs.items()), launch["num_warps"], launch["num_stages"])
             compiled = _warmup(fn, signature, device, config)
             if compiled is None:
                 return

@@ -111,8 +111,9 @@ def cuda_arch(device) -> int | None:
 
 
 def _warmup(fn, signature: dict, device, config):
-    """Compiles `fn` for the launch configuration (grid, XBLOCK, num_warps, num_stages)."""
-    grid, xblock, warps, stages = config
+    """Compiles `fn` for the launch configuration (grid, block constexprs as (name, value) pairs,
+    num_warps, num_stages)."""
+    grid, blocks, warps, stages = config
     with torch.cuda.device(device):
         return fn.warmup(*[_TRITON_POINTEE[t] for t in signature.values()], grid=grid,
-                         num_warps=warps, num_stages=stages, XBLOCK=xblock, **triton_support.triton_options())
+                         num_warps=warps, num_stages=stages, **dict(blocks), **triton_support.triton_options())

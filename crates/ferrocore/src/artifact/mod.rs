@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 /// The format's name and version: a reader refuses any other (bumped on every incompatible
 /// change; docs/compiled_graph.md lists them).
 pub const FORMAT: &str = "ferrocore.compiled_graph";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CompiledGraph {
@@ -113,6 +113,22 @@ pub struct GridConfig {
     pub xblock: i64,
     pub num_warps: u32,
     pub num_stages: u32,
+    /// A matrix-product kernel's `[BLOCK_M, BLOCK_N, BLOCK_K]` (its constexprs instead of
+    /// `XBLOCK`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tile: Option<[i64; 3]>,
+}
+
+impl GridConfig {
+    fn of(c: &crate::codegen::TuneConfig) -> GridConfig {
+        GridConfig {
+            grid: c.grid,
+            xblock: c.xblock,
+            num_warps: c.num_warps,
+            num_stages: c.num_stages,
+            tile: c.tile.map(|t| [t.m, t.n, t.k]),
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -319,13 +335,15 @@ fn kernel_entries(s: &Schedule, kernels: &RenderedKernels) -> Vec<Kernel> {
             checks_indices: l.checks_indices,
             launch: match &l.shape {
                 LaunchShape::Host => Launch::Host,
-                LaunchShape::Grid { grid, xblock, num_warps, num_stages } => Launch::Grid {
-                    config: GridConfig { grid: *grid, xblock: *xblock, num_warps: *num_warps, num_stages: *num_stages },
-                    candidates: l
-                        .candidates
-                        .iter()
-                        .map(|c| GridConfig { grid: c.grid, xblock: c.xblock, num_warps: c.num_warps, num_stages: c.num_stages })
-                        .collect(),
+                LaunchShape::Grid { grid, xblock, num_warps, num_stages, tile } => Launch::Grid {
+                    config: GridConfig::of(&crate::codegen::TuneConfig {
+                        grid: *grid,
+                        xblock: *xblock,
+                        num_warps: *num_warps,
+                        num_stages: *num_stages,
+                        tile: *tile,
+                    }),
+                    candidates: l.candidates.iter().map(GridConfig::of).collect(),
                 },
             },
             signature: l.signature.clone(),

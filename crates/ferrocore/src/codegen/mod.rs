@@ -39,8 +39,17 @@ pub enum LaunchShape {
     /// A host function over all `numel` iterations (C++: OpenMP threads inside).
     Host,
     /// A 1-D grid of `grid` programs, each covering `xblock` rows of the flattened outer loop;
-    /// `xblock` is the kernel's `XBLOCK` constexpr.
-    Grid { grid: i64, xblock: i64, num_warps: u32, num_stages: u32 },
+    /// `xblock` is the kernel's `XBLOCK` constexpr. A matrix-product kernel's programs cover a
+    /// `tile` of its outputs instead (its constexprs; `xblock` is then 0).
+    Grid { grid: i64, xblock: i64, num_warps: u32, num_stages: u32, tile: Option<Tile> },
+}
+
+/// A matrix-product kernel's tile: its `BLOCK_M`, `BLOCK_N` and `BLOCK_K` constexprs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tile {
+    pub m: i64,
+    pub n: i64,
+    pub k: i64,
 }
 
 /// A kernel's entry point, the buffers it takes (in parameter order) and how it is launched.
@@ -75,6 +84,7 @@ pub struct TuneConfig {
     pub xblock: i64,
     pub num_warps: u32,
     pub num_stages: u32,
+    pub tile: Option<Tile>,
 }
 
 #[derive(Clone, Debug)]
@@ -220,9 +230,10 @@ pub fn kernel_structure(s: &Schedule, k: &FusedKernel) -> String {
             }
         }
         text.push_str(&format!(
-            "node group {} out {out} {:?} checks {} ranges {:?}\n  {exprs:?}\n  {:?}\n  {:?}\n",
+            "node group {} out {out} {:?}{} checks {} ranges {:?}\n  {exprs:?}\n  {:?}\n  {:?}\n",
             kn.group,
             node.kind(),
+            if node.contraction { " (matrix product)" } else { "" },
             node.checks_indices(),
             kn.ranges,
             kn.body.dtypes,

@@ -12,7 +12,7 @@ use crate::graph::parse_graph;
 use crate::graph::Device;
 use crate::loop_ir::LoopProgram;
 use crate::loop_ir::OutputValue;
-use crate::lowering::{lower_graph_with, ConvLayout, LowerOptions, PadMm};
+use crate::lowering::{lower_graph_with, ConvLayout, GemmTemplate, LowerOptions, PadMm};
 use crate::report::{self, ReportInput};
 use crate::runtime::{self, Progress};
 use crate::scheduler::Schedule;
@@ -42,6 +42,9 @@ pub struct Options {
     pub conv_layout: ConvLayout,
     /// Which unaligned 16-bit GEMMs run on padded operands (`measured`, `always`, `never`).
     pub pad_mm: PadMm,
+    /// Which GEMMs of a Triton graph are matrix-product kernels with their epilogues fused
+    /// (`never`, `measured`: those the graph names, `always`).
+    pub gemm_template: GemmTemplate,
     /// Whether compiled modules check their inputs' sizes, strides, dtypes and devices at each
     /// call (`wrapper/checks.rs`); off only for a measured hot path whose callers guarantee them.
     pub check_inputs: bool,
@@ -95,6 +98,7 @@ pub const LOG_CHANNELS: &[&str] = &[
     "attention",
     "causal_mask",
     "gemm_epilogue",
+    "gemm_template",
 ];
 
 /// What the front needs to know of the compiler's options, as JSON: each option's default, the
@@ -110,12 +114,14 @@ pub fn option_schema() -> String {
             "backend": d.backend,
             "conv_layout": d.conv_layout,
             "pad_mm": d.pad_mm,
+            "gemm_template": d.gemm_template,
             "check_inputs": d.check_inputs,
         },
         "choices": {
             "backend": BackendChoice::ALL,
             "conv_layout": ConvLayout::ALL,
             "pad_mm": PadMm::ALL,
+            "gemm_template": GemmTemplate::ALL,
         },
         "log_channels": LOG_CHANNELS,
     })
@@ -134,6 +140,7 @@ impl Default for Options {
             backend: BackendChoice::Auto,
             conv_layout: ConvLayout::Auto,
             pad_mm: PadMm::Measured,
+            gemm_template: GemmTemplate::Never,
             check_inputs: true,
             front_timings_ms: Vec::new(),
             cuda_arch: 0,
@@ -325,7 +332,11 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     for pass in crate::rewrite::GRAPH_PASSES {
         // a pass that fails leaves the graph as it was: it only ever makes a faster equal graph
         let before = graph.clone();
-        let pass_options = crate::rewrite::PassOptions { cuda_arch: options.cuda_arch, ..Default::default() };
+        let pass_options = crate::rewrite::PassOptions {
+            cuda_arch: options.cuda_arch,
+            gemm_templates: options.gemm_template == GemmTemplate::Always,
+            ..Default::default()
+        };
         let run = std::panic::AssertUnwindSafe(|| (pass.run)(graph, &pass_options));
         let (rewritten, decisions) = match st.time(pass.name, || std::panic::catch_unwind(run)) {
             Ok(result) => result,
@@ -339,11 +350,12 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
     }
     // the backend first: lowering writes reductions and scatters for the language it is told
     let language = options.backend.resolve(graph.devices().iter());
-    let lower_options = LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm, kernels: language };
+    let lower_options =
+        LowerOptions { conv_layout: options.conv_layout, pad_mm: options.pad_mm, gemm_template: options.gemm_template, kernels: language };
     let lowered = st
         .time("lowering", || lower_graph_with(&graph, &lower_options))
         .map_err(|e| CompileError { stage: "lowering", message: e.to_string() })?;
-    for channel in ["layout", "padding"] {
+    for channel in ["layout", "padding", "gemm_template"] {
         let text: Vec<&str> = lowered.decisions.iter().filter(|(c, _)| *c == channel).map(|(_, d)| d.as_str()).collect();
         if !text.is_empty() {
             st.emit(channel, || text.join("\n") + "\n");

@@ -146,6 +146,9 @@ pub struct Graph {
     pub free_layout_outputs: Vec<usize>,
     /// GEMM nodes the front measured faster on padded operands, with what it measured.
     pub padded_matmuls: std::collections::HashMap<String, String>,
+    /// GEMM nodes the front measured faster as matrix-product templates with their epilogue
+    /// (`gemm_template = measured`), with what it measured.
+    pub template_matmuls: std::collections::HashMap<String, String>,
     /// Input positions the caller hands over (a backward's saved activations, which AOT autograd
     /// drops as it calls): their storage may hold a result once they are read for the last time.
     pub donated_inputs: Vec<usize>,
@@ -164,6 +167,7 @@ impl Graph {
             outputs: self.outputs.clone(),
             free_layout_outputs: self.free_layout_outputs.clone(),
             padded_matmuls: self.padded_matmuls.clone(),
+            template_matmuls: self.template_matmuls.clone(),
             donated_inputs: self.donated_inputs.clone(),
             sources: self.sources.clone(),
         }

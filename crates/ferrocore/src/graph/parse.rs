@@ -27,6 +27,7 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
         outputs: Vec::new(),
         free_layout_outputs: Vec::new(),
         padded_matmuls: HashMap::new(),
+        template_matmuls: HashMap::new(),
         donated_inputs: Vec::new(),
         sources: HashMap::new(),
     };
@@ -103,18 +104,8 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     }
     g.free_layout_outputs = positions(&doc, "free_layout_outputs", g.outputs.len(), Some("output"), "output")?;
     g.donated_inputs = positions(&doc, "donated_inputs", g.inputs.len(), None, "input")?;
-    match doc.get("padded_matmuls") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(items)) => {
-            for (name, why) in items {
-                if !by_name.contains_key(name) {
-                    return Err(err(Some(name), "padded_matmuls names no node of the graph"));
-                }
-                g.padded_matmuls.insert(name.clone(), why.as_str().unwrap_or("measured").to_string());
-            }
-        }
-        Some(_) => return Err(err(None, "padded_matmuls must map node names to reasons")),
-    }
+    g.padded_matmuls = named_nodes(&doc, "padded_matmuls", &by_name)?;
+    g.template_matmuls = named_nodes(&doc, "template_matmuls", &by_name)?;
     match doc.get("sources") {
         None | Some(Value::Null) => {}
         Some(Value::Object(items)) => {
@@ -131,6 +122,24 @@ pub fn parse_graph(text: &str) -> Result<Graph, ImportError> {
     super::names::check_names(&g)?;
     super::validate::check_metadata(&g)?;
     Ok(g)
+}
+
+/// A side table naming graph nodes, each with why (`padded_matmuls`, `template_matmuls`).
+fn named_nodes(doc: &Value, key: &str, by_name: &HashMap<String, NodeId>) -> Result<HashMap<String, String>, ImportError> {
+    let mut out = HashMap::new();
+    match doc.get(key) {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(items)) => {
+            for (name, why) in items {
+                if !by_name.contains_key(name) {
+                    return Err(err(Some(name), format!("{key} names no node of the graph")));
+                }
+                out.insert(name.clone(), why.as_str().unwrap_or("measured").to_string());
+            }
+        }
+        Some(_) => return Err(err(None, format!("{key} must map node names to reasons"))),
+    }
+    Ok(out)
 }
 
 /// The list of positions below `count` under `key` (absent: none).

@@ -102,6 +102,12 @@ pub struct LoopNode {
     pub body: LoopBody,
     /// FX node names this node computes (for kernel names and logs).
     pub origins: Vec<String>,
+    /// A matrix product: output ranges `[batch.., m, n]`, one reduction variable `k`, and a body
+    /// that sums `a[.., m, k] * b[.., k, n]` (two loads, their casts, one product) and casts the
+    /// sum to the output's type. Any backend may compute it as written; a GPU backend renders it
+    /// as a tiled matrix product (`codegen::triton::template`). Loop passes leave it as built, and
+    /// only pointwise nodes over its outputs join its kernel (its epilogue).
+    pub contraction: bool,
 }
 
 impl LoopNode {

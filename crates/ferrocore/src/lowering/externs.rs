@@ -175,6 +175,7 @@ impl Ctx<'_> {
                 reduction_ranges: vec![],
                 body,
                 origins: vec![self.node_name()],
+                contraction: false,
             });
         }
         if offset != out.shape[dim] {

@@ -28,6 +28,25 @@ impl PadMm {
     pub const ALL: [PadMm; 3] = [PadMm::Measured, PadMm::Always, PadMm::Never];
 }
 
+/// Which GEMMs of a Triton graph are matrix-product kernels (`LoopNode::contraction`) whose
+/// pointwise readers fuse into them, rather than library calls (`Options::gemm_template`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum GemmTemplate {
+    /// Every GEMM is a library call.
+    #[default]
+    Never,
+    /// Those the graph names in `template_matmuls` (measured faster with their epilogue fused:
+    /// `python/ferrocore/gemm_choice.py`).
+    Measured,
+    /// Every GEMM a template computes (16- and 32-bit floats, unit scales).
+    Always,
+}
+
+impl GemmTemplate {
+    pub const ALL: [GemmTemplate; 3] = [GemmTemplate::Never, GemmTemplate::Measured, GemmTemplate::Always];
+}
+
 /// Elements of a 16-bit float in 16 bytes: cuBLAS's fast kernels want rows aligned to this
 /// (`python/ferrocore/padding.py` reads it through the extension, `GEMM_ALIGN`).
 pub const ALIGN: i64 = 8;
@@ -51,6 +70,9 @@ impl Ctx<'_> {
         let (a, b) = (*a, *b);
         let unit = |v: Option<f64>| v.is_none_or(|x| x == 1.0);
         let plain_addmm = op != AtenOp::Addmm || (unit(self.float_arg(3, "beta")?) && unit(self.float_arg(4, "alpha")?));
+        if plain_addmm && self.takes_template(a, b, &out) {
+            return self.template_gemm(op, a, b, &out).map(Lowered::Tensor);
+        }
         let padded = if plain_addmm { self.padding_for(a, b)? } else { None };
         let gemm = if op == AtenOp::Bmm { AtenOp::Bmm } else { AtenOp::Mm };
         // a padded addmm of one bias row adds it in the library's epilogue, on the padded bias:
@@ -94,6 +116,97 @@ impl Ctx<'_> {
                 bx.body.binary(BinaryOp::Add, p, c)
             },
         )))
+    }
+
+    /// Whether this GEMM is a matrix-product kernel: asked for, Triton's, floats of one type.
+    fn takes_template(&self, a: NodeId, b: NodeId, out: &TensorMeta) -> bool {
+        if self.kernels != KernelLanguage::Triton {
+            return false;
+        }
+        match self.gemm_template {
+            GemmTemplate::Never => return false,
+            GemmTemplate::Measured if !self.graph.template_matmuls.contains_key(&self.graph.node(self.current).name) => return false,
+            GemmTemplate::Measured | GemmTemplate::Always => {}
+        }
+        let (Some(ma), Some(mb)) = (self.graph.node(a).meta.tensor(), self.graph.node(b).meta.tensor()) else { return false };
+        let r = out.shape.len();
+        matches!(out.dtype, DType::F16 | DType::BF16 | DType::F32)
+            && ma.dtype == out.dtype
+            && mb.dtype == out.dtype
+            && ma.device == out.device
+            && mb.device == out.device
+            && ma.shape.len() == r
+            && mb.shape.len() == r
+            && (r == 2 || r == 3)
+            && ma.shape[r - 1] > 0
+            && out.shape.iter().all(|&d| d > 0)
+            && out.stride == contiguous_strides(&out.shape)
+    }
+
+    /// `a @ b` (plus addmm's bias, a pointwise node over the product that fuses into its kernel)
+    /// as a contraction node: sums of products over k, computed in float32, cast to the result's
+    /// type once, as cuBLAS does.
+    fn template_gemm(&mut self, op: AtenOp, a: NodeId, b: NodeId, out: &TensorMeta) -> LResult<TensorValue> {
+        let operand = |cx: &mut Self, n: NodeId| -> LResult<(BufferId, Vec<i64>, i64)> {
+            Ok(match cx.extern_tensor(n, false)? {
+                ExternArg::Buffer(buf) => {
+                    let l = &cx.prog.buffer(buf).layout;
+                    (buf, l.stride.clone(), l.offset)
+                }
+                ExternArg::View { buf, stride, offset, .. } => (buf, stride, offset),
+                _ => return malformed("a GEMM operand is not a tensor"),
+            })
+        };
+        let (abuf, ast, aoff) = operand(self, a)?;
+        let (bbuf, bst, boff) = operand(self, b)?;
+        let r = out.shape.len();
+        let k = self.graph.node(a).meta.tensor().map_or(0, |m| m.shape[r - 1]);
+        let dt = out.dtype;
+        let layout = Layout::contiguous(&out.shape, dt, out.device);
+        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let var = |i: usize| IndexExpr::var(Var(i as u32));
+        // variables: [batch,] m, n, then k
+        let (m, n, kv) = (var(r - 2), var(r - 1), var(r));
+        let mut ia = IndexExpr::constant(aoff).add(&m.scale(ast[r - 2])).add(&kv.scale(ast[r - 1]));
+        let mut ib = IndexExpr::constant(boff).add(&kv.scale(bst[r - 2])).add(&n.scale(bst[r - 1]));
+        if r == 3 {
+            ia = ia.add(&var(0).scale(ast[0]));
+            ib = ib.add(&var(0).scale(bst[0]));
+        }
+        let mut body = LoopBody::default();
+        let la = body.load(abuf, ia, dt);
+        let lb = body.load(bbuf, ib, dt);
+        let (ca, cb) = (body.cast(la, DType::F32), body.cast(lb, DType::F32));
+        let product = body.binary(BinaryOp::Mul, ca, cb);
+        let sum = body.reduce(ReduceOp::Sum, product);
+        let value = body.cast(sum, dt);
+        let out_index: Vec<IndexExpr> = (0..r).map(var).collect();
+        body.set_store(layout.index_of(&out_index), value);
+        let node = LoopNode {
+            output: buf,
+            ranges: out.shape.clone(),
+            reduction_ranges: vec![k],
+            body,
+            origins: vec![self.node_name()],
+            contraction: true,
+        };
+        self.push_node(node);
+        let name = &self.graph.node(self.current).name;
+        let why = self.graph.template_matmuls.get(name).map_or_else(|| "gemm_template = always".to_string(), |w| w.clone());
+        self.decisions.push((
+            "gemm_template",
+            format!("template: {name} {:?} x {k} {} is a matrix-product kernel: {why}", out.shape, dt.torch_name()),
+        ));
+        let product = view_of_layout(buf, &layout);
+        if op != AtenOp::Addmm {
+            return Ok(product);
+        }
+        let bias = self.tensor_arg(0, "self")?;
+        Ok(pointwise(vec![PwIn::Tensor(product), PwIn::Tensor(bias)], out.shape.clone(), dt, out.device, dt, move |bx, v| {
+            let p = bx.body.cast(v[0], dt);
+            let c = bx.body.cast(v[1], dt);
+            bx.body.binary(BinaryOp::Add, p, c)
+        }))
     }
 
     fn callee(op: AtenOp) -> String {
@@ -310,7 +423,14 @@ impl Ctx<'_> {
                 idx[d] = idx[d].add(&IndexExpr::constant(own[d]));
                 let zero = body.constant(Scalar::Int(0), tv.dtype);
                 body.set_store(layout.index_of(&idx), zero);
-                cx.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![cx.node_name()] });
+                cx.push_node(LoopNode {
+                    output: buf,
+                    ranges,
+                    reduction_ranges: vec![],
+                    body,
+                    origins: vec![cx.node_name()],
+                    contraction: false,
+                });
             }
             Some(buf)
         });

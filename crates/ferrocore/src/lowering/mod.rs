@@ -26,7 +26,7 @@ use crate::symbolic::{IndexExpr, Var};
 pub use cpu_conv::runs_compiled as cpu_conv_runs_compiled;
 use externs::{is_custom_op, ExternKind};
 pub use layout::{channels_last_strides, ConvLayout};
-pub use matmul::{PadMm, ALIGN as GEMM_ALIGN};
+pub use matmul::{GemmTemplate, PadMm, ALIGN as GEMM_ALIGN};
 use std::fmt;
 use std::rc::Rc;
 
@@ -174,6 +174,7 @@ pub struct LoweringResult {
 pub struct LowerOptions {
     pub conv_layout: ConvLayout,
     pub pad_mm: PadMm,
+    pub gemm_template: GemmTemplate,
     /// The language the driver chose for the graph's kernels.
     pub kernels: KernelLanguage,
 }
@@ -196,6 +197,7 @@ pub struct Ctx<'g> {
     /// 4-D buffers are laid out channels-last (see `layout`).
     pub channels_last: bool,
     pub pad_mm: PadMm,
+    pub gemm_template: GemmTemplate,
     /// See `LowerOptions::kernels`.
     pub kernels: KernelLanguage,
     /// The device the graph's kernels run on where its tensors are on several (a GPU).
@@ -224,6 +226,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         current: NodeId(0),
         channels_last,
         pad_mm: options.pad_mm,
+        gemm_template: options.gemm_template,
         kernels: options.kernels,
         kernel_device: graph.nodes.iter().find_map(|n| match &n.meta {
             Meta::Tensor(t) if t.device != Device::Cpu => Some(t.device),
@@ -645,7 +648,14 @@ impl<'g> Ctx<'g> {
     pub fn realize_into(&mut self, tv: &TensorValue, layout: Layout) -> TensorValue {
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let (body, ranges) = write_body(tv, &layout);
-        self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+        self.push_node(LoopNode {
+            output: buf,
+            ranges,
+            reduction_ranges: vec![],
+            body,
+            origins: vec![self.node_name()],
+            contraction: false,
+        });
         view_of_layout(buf, &layout)
     }
 

@@ -68,7 +68,14 @@ impl Ctx<'_> {
                 let v = bx.body.cast(v, dtype);
                 bx.body.set_scatter_store(index, terms, v, pass.mode);
             }
-            self.push_node(LoopNode { output: buf, ranges: pass.ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()] });
+            self.push_node(LoopNode {
+                output: buf,
+                ranges: pass.ranges,
+                reduction_ranges: vec![],
+                body,
+                origins: vec![self.node_name()],
+                contraction: false,
+            });
         }
         Ok(view_of_layout(buf, &layout))
     }
@@ -319,7 +326,14 @@ impl Ctx<'_> {
             let s = bx.body.scan(ReduceOp::Sum, m);
             bx.body.set_store(flat, s);
         }
-        self.push_node(LoopNode { output: buf, ranges: vec![], reduction_ranges: vec![numel], body, origins: vec![self.node_name()] });
+        self.push_node(LoopNode {
+            output: buf,
+            ranges: vec![],
+            reduction_ranges: vec![numel],
+            body,
+            origins: vec![self.node_name()],
+            contraction: false,
+        });
         buf
     }
 

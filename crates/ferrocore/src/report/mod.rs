@@ -235,7 +235,10 @@ fn launch_html(h: &mut String, r: &ReportInput, index: &HashMap<&str, usize>, l:
     let name = k.launch_name.as_str();
     let shape = match &k.launch {
         Launch::Host => format!("host function over {} iterations", k.numel),
-        Launch::Grid { config: c, .. } => format!("grid {} x XBLOCK {}, {} warps, {} stages", c.grid, c.xblock, c.num_warps, c.num_stages),
+        Launch::Grid { config: c, .. } => match c.tile {
+            Some([m, n, k]) => format!("grid {} of {m}x{n} tiles (k steps of {k}), {} warps, {} stages", c.grid, c.num_warps, c.num_stages),
+            None => format!("grid {} x XBLOCK {}, {} warps, {} stages", c.grid, c.xblock, c.num_warps, c.num_stages),
+        },
     };
     let _ = writeln!(h, "<div class=\"step\" id=\"kernel-{name}\"><h3>kernel {name}</h3>\n<p class=\"note\">{shape}</p>");
     if k.name != name {

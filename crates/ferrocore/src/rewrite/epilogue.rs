@@ -53,7 +53,7 @@ fn refusal(g: &Graph, addmm: NodeId, uses: &[usize]) -> Option<String> {
 
 /// The graph with each half-precision `addmm` followed only by ReLU or tanh-GELU on the GPU run
 /// as one `_addmm_activation`; a line per activation of an addmm saying which.
-pub fn fuse_gemm_epilogues(g: Graph, _options: &PassOptions) -> (Graph, Vec<String>) {
+pub fn fuse_gemm_epilogues(g: Graph, options: &PassOptions) -> (Graph, Vec<String>) {
     let uses = g.use_counts();
     let mut edit = GraphEdit::new(&g);
     let mut decisions = Vec::new();
@@ -63,6 +63,10 @@ pub fn fuse_gemm_epilogues(g: Graph, _options: &PassOptions) -> (Graph, Vec<Stri
         let addmm = *addmm;
         let Some((AtenOp::Addmm, args, _)) = call(&g, addmm) else { continue };
         let name = &g.node(id).name;
+        if options.gemm_templates || g.template_matmuls.contains_key(&g.node(addmm).name) {
+            decisions.push(format!("{name}: kept apart from {}: the GEMM is a matrix-product template", g.node(addmm).name));
+            continue;
+        }
         if let Some(why) = refusal(&g, addmm, &uses) {
             decisions.push(format!("{name}: kept apart from {}: {why}", g.node(addmm).name));
             continue;

@@ -27,6 +27,10 @@ pub struct PassOptions {
     /// The graph is a forward being traced for training (`traced`): the calls a pass writes
     /// are differentiated, so fused attention computes the log-sum-exp its backward reads.
     pub differentiable: bool,
+    /// Every GEMM becomes a matrix-product kernel that fuses its epilogue itself
+    /// (`gemm_template = always`): no library epilogue is asked for (nor for the GEMMs the graph
+    /// names in `template_matmuls`).
+    pub gemm_templates: bool,
 }
 
 /// The graph passes, in the order they run.

@@ -30,7 +30,7 @@ pub fn attention_in_trace(g: Graph, cuda_arch: u32) -> (Option<Replacement>, Vec
     // only the attention that computes the output: one earlier in the graph was decided when
     // its own matmul was traced
     let Some(softmax) = nearest_softmax(&g, root) else { return (None, Vec::new()) };
-    let options = PassOptions { cuda_arch, differentiable: true };
+    let options = PassOptions { cuda_arch, differentiable: true, ..Default::default() };
     let (fused, decisions) = attention::fuse_attention_at(g, &options, Some((softmax, root)));
     let [Arg::Node(out)] = fused.outputs.as_slice() else { return (None, decisions) };
     if old.contains(&fused.node(*out).name) {

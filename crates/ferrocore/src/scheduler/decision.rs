@@ -25,6 +25,9 @@ pub enum Rejection {
 pub enum NewKernelReason {
     SharesNothing,
     EveryFusionRejected,
+    /// A matrix product (`LoopNode::contraction`) heads a kernel of its own: its template tiles
+    /// the kernel by its outputs.
+    MatrixProduct,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -86,6 +89,7 @@ impl Decision {
                 let why = match reason {
                     NewKernelReason::SharesNothing => "shares no data with an earlier kernel",
                     NewKernelReason::EveryFusionRejected => "every fusion was rejected",
+                    NewKernelReason::MatrixProduct => "a matrix product heads its own kernel; pointwise readers may join it",
                 };
                 write!(s, "new kernel {}: {buffer} ({why})", kernel(*k))
             }

@@ -221,7 +221,13 @@ pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, rewrites: Vec<String>)
                     }
                     None => match PlanBuilder::build(&program, &[n], &placed) {
                         Ok(plan) => {
-                            let reason = if rejected { NewKernelReason::EveryFusionRejected } else { NewKernelReason::SharesNothing };
+                            let reason = if node.contraction {
+                                NewKernelReason::MatrixProduct
+                            } else if rejected {
+                                NewKernelReason::EveryFusionRejected
+                            } else {
+                                NewKernelReason::SharesNothing
+                            };
                             decisions.push(Decision::NewKernel { buffer: out_name.clone(), kernel: KernelId(slots.len()), reason });
                             producer[node.output.0 as usize].add(slots.len());
                             slots.push(Slot::Kernel(Box::new(KernelSlot::new(&program, &returned, n, plan))));
@@ -400,9 +406,9 @@ fn choose_kernel(
     decisions: &mut Vec<Decision>,
 ) -> (Option<Choice>, bool) {
     let node = &p.nodes[n];
-    if node.is_scatter() {
+    if node.is_scatter() || node.contraction {
         // a scatter updates a buffer filled by earlier writers: it runs after all of them,
-        // alone, and nothing joins its kernel
+        // alone, and nothing joins its kernel; a matrix product heads its kernel
         return (None, false);
     }
     let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
@@ -566,7 +572,11 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &s
         words.retain(|w| !MOVING_WORDS.contains(&w.as_str()));
     }
     words.truncate(WORDS);
-    let kind = if plan.groups.iter().any(|g| g.reduction) { "red" } else { "poi" };
+    let kind = match plan.groups.first() {
+        _ if members.first().is_some_and(|&n| p.nodes[n].contraction) => "mm",
+        _ if plan.groups.iter().any(|g| g.reduction) => "red",
+        _ => "poi",
+    };
     format!("{prefix}_{kind}_fused_{}_{index}", words.join("_"))
 }
 

@@ -240,6 +240,14 @@ impl PlanBuilder {
             }
             (s, n.reduction_ranges.clone(), true)
         };
+        if let Some(first) = self.plan.nodes.first() {
+            if n.contraction {
+                return Err(format!("{name} is a matrix product: it heads a kernel of its own"));
+            }
+            if p.nodes[first.node].contraction && (is_red || !inner.is_empty()) {
+                return Err(format!("only pointwise nodes over a matrix product's outputs join its kernel; {name} loops over {inner:?}"));
+            }
+        }
         let kranges: Vec<i64> = std::iter::once(outer).chain(inner.iter().copied()).collect();
         let body = n.body.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &kranges));
         let groups = &self.plan.groups;

@@ -7,6 +7,9 @@ use crate::symbolic::{IndexExpr, Var};
 
 /// Returns the node with merged/dropped dims. Output and reduction dims merge separately.
 pub fn simplify_loops(node: &LoopNode) -> LoopNode {
+    if node.contraction {
+        return node.clone(); // its template needs the (m, n, k) roles of its variables
+    }
     let nr = node.ranges.len();
     let sizes = node.var_ranges();
     // groups[k] = list of original vars merged into new var k, outermost first
@@ -58,6 +61,7 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
         reduction_ranges: new_ranges[n_out..].to_vec(),
         body,
         origins: node.origins.clone(),
+        contraction: false,
     }
 }
 

@@ -121,7 +121,8 @@ pub fn split_reductions(p: &mut LoopProgram, config: &SplitConfig) -> Vec<String
                     names.join(", "),
                     if one_pass { " (a variance: each chunk's sum and Welford M2 in one pass, combined by Chan's formula)" } else { "" }
                 ));
-                p.nodes[n] = LoopNode { output, ranges, reduction_ranges: vec![splits], body: second(&partials), origins };
+                p.nodes[n] =
+                    LoopNode { output, ranges, reduction_ranges: vec![splits], body: second(&partials), origins, contraction: false };
             }
         }
         new_steps.push(step);
@@ -146,6 +147,9 @@ struct Split {
 /// The split of node `n`, or None when the node is not worth or not able to split.
 fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> {
     let node = &p.nodes[n];
+    if node.contraction {
+        return None; // a matrix product is tiled over its outputs by its template
+    }
     let (rid, op, operand) = single_reduction(&node.body)?;
     if matches!(op, ReduceOp::WelfordM2) {
         return None;
@@ -346,7 +350,14 @@ fn first_stage(node: &LoopNode, rid: ValueId, op: ReduceOp, operand: ValueId, sh
     let part_strides = contiguous_strides(&part_size);
     let first_index = (0..=nk).fold(IndexExpr::zero(), |acc, v| acc.add(&IndexExpr::var(Var(v as u32)).scale(part_strides[v])));
     fb.set_store(first_index, partial_value);
-    let first = LoopNode { output: node.output, ranges: part_size.clone(), reduction_ranges: vec![chunk], body: fb, origins: Vec::new() };
+    let first = LoopNode {
+        output: node.output,
+        ranges: part_size.clone(),
+        reduction_ranges: vec![chunk],
+        body: fb,
+        origins: Vec::new(),
+        contraction: false,
+    };
     // the second stage's variables are [kept..., s]
     let index = (0..nk).fold(IndexExpr::var(Var(nk as u32)).scale(part_strides[s_var as usize]), |acc, v| {
         acc.add(&IndexExpr::var(Var(v as u32)).scale(part_strides[v + kept_var as usize]))

@@ -370,6 +370,50 @@ fn fuse_does_not_fuse_across_a_library_call() {
 }
 
 #[test]
+fn fuse_takes_only_pointwise_readers_into_a_matrix_product() {
+    // a GEMM as a contraction node (Triton's template): the relu and residual add over its
+    // result join its kernel; the relu before it does not, nor does a row sum over its result
+    let template = |outputs: &[&str]| {
+        let doc = GraphBuilder::new()
+            .input("a", &[16, 24], "float32")
+            .input("b", &[24, 32], "float32")
+            .input("r", &[16, 32], "float32")
+            .call("pre", "aten.relu.default", &[node("a")], &f32(&[16, 24]))
+            .call("mm", "aten.mm.default", &[node("pre"), node("b")], &f32(&[16, 32]))
+            .call("e", "aten.relu.default", &[node("mm")], &f32(&[16, 32]))
+            .call("add", "aten.add.Tensor", &[node("e"), node("r")], &f32(&[16, 32]))
+            .call("s", "aten.sum.dim_IntList", &[node("mm"), ints(&[1])], &f32(&[16]))
+            .call("u", "aten.unsqueeze.default", &[node("mm"), int(2)], &f32(&[16, 32, 1]))
+            .call("wide", "aten.expand.default", &[node("u"), ints(&[16, 32, 4])], &f32(&[16, 32, 4]))
+            .call("w2", "aten.mul.Tensor", &[node("wide"), node("wide")], &f32(&[16, 32, 4]))
+            .output(outputs);
+        let options = crate::lowering::LowerOptions {
+            kernels: crate::codegen::KernelLanguage::Triton,
+            gemm_template: crate::lowering::GemmTemplate::Always,
+            ..Default::default()
+        };
+        let program = crate::lowering::lower_graph_with(&parse_graph(&doc).unwrap(), &options).unwrap().program;
+        assert_eq!(program.nodes.iter().filter(|n| n.contraction).count(), 1);
+        fuse(program, &ScheduleOptions::CPP, Vec::new()).unwrap()
+    };
+    let s = template(&["add"]);
+    assert_eq!(kernel_members(&s), [vec!["buf3"], vec!["buf4", "buf5"]], "{:#?}", s.decision_texts());
+    let texts = s.decision_texts();
+    assert!(texts.iter().any(|t| t.contains("buf4 (a matrix product heads its own kernel")), "{texts:#?}");
+    assert_eq!(s.storage[4], Storage::Local, "the product lives in registers only");
+    let s = template(&["s"]);
+    assert_eq!(kernel_members(&s), [vec!["buf3"], vec!["buf4"], vec!["buf5"]], "{:#?}", s.decision_texts());
+    let texts = s.decision_texts();
+    assert!(texts.iter().any(|t| t.contains("no fusion: buf5 into kernel cpp_mm_fused_mm_1: reduction buf5 has 16 outputs")), "{texts:#?}");
+    // a pointwise node looping over more than the product's outputs
+    let s = template(&["w2"]);
+    assert_eq!(kernel_members(&s), [vec!["buf3"], vec!["buf4"], vec!["buf5"]], "{:#?}", s.decision_texts());
+    let texts = s.decision_texts();
+    let why = "no fusion: buf5 into kernel cpp_mm_fused_mm_1: only pointwise nodes over a matrix product's outputs join its kernel; buf5 loops over [4]";
+    assert!(texts.iter().any(|t| t == why), "{texts:#?}");
+}
+
+#[test]
 fn fuse_gives_a_scatter_a_kernel_of_its_own() {
     let doc = GraphBuilder::new()
         .input("x", &[10, 4], "float32")

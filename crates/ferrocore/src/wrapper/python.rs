@@ -117,10 +117,14 @@ fn kernel_bindings(g: &CompiledGraph) -> String {
             let _ = write!(m, "{}{nl}\n\n", unit.source);
             for k in g.kernels.iter().filter(|k| bound.insert(k.name.as_str())) {
                 if let crate::artifact::Launch::Grid { config: c, .. } = &k.launch {
+                    let constexprs = match c.tile {
+                        Some([bm, bn, bk]) => format!("{{'BLOCK_M': {bm}, 'BLOCK_N': {bn}, 'BLOCK_K': {bk}}}"),
+                        None => format!("{{'XBLOCK': {}}}", c.xblock),
+                    };
                     let _ = writeln!(
                         m,
-                        "launch_{0} = TritonLaunch({0}, {1}, {{'XBLOCK': {2}}}, {3}, {4})",
-                        k.name, c.grid, c.xblock, c.num_warps, c.num_stages
+                        "launch_{0} = TritonLaunch({0}, {1}, {constexprs}, {2}, {3})",
+                        k.name, c.grid, c.num_warps, c.num_stages
                     );
                 }
             }

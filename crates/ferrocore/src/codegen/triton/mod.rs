@@ -10,6 +10,7 @@
 //! What this backend cannot render yet is a typed `Unsupported` error, never a wrong kernel.
 
 mod dialect;
+mod template;
 
 use super::writer::{local_reads_by_node, write_group, Computed, Locals, Section, SectionText};
 use super::{
@@ -91,6 +92,14 @@ impl KernelBackend for TritonBackend {
             if let Item::Kernel(k) = it {
                 check_supported(s, k, self.cpu_tensors)?;
                 let params = Params::of(s, k)?;
+                if template::is_matrix_product(s, k) {
+                    let product = template::MatrixProduct::of(s, k, &params)?;
+                    let mut launch = template::launch(s, k, &params, &product);
+                    let write = || template::write(s, k, &params, &product);
+                    definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, write)?;
+                    launches.push(launch);
+                    continue;
+                }
                 let geo = Geometry::of(s, k, &params);
                 let mut launch = launch(s, k, &params, &geo);
                 definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, || write_kernel(s, k, &params, &geo))?;
@@ -629,7 +638,24 @@ fn launch(s: &Schedule, k: &FusedKernel, params: &Params, geo: &Geometry) -> Ker
         block_max: geo.block_max,
         idx32_reach: geo.idx32.then_some(IDX32_LIMIT),
     };
-    let base = TuneConfig { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1 };
+    let base = TuneConfig { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1, tile: None };
+    let (args, arg_numel) = launch_args(p, params);
+    KernelLaunch {
+        name: k.name.clone(),
+        args,
+        checks_indices: params.checks_indices,
+        numel: kernel_numel(k),
+        shape: LaunchShape::Grid { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1, tile: None },
+        signature: params.signature.clone(),
+        candidates: candidates(&space, base),
+        arg_numel,
+        text: 0..0, // placed by `render`
+    }
+}
+
+/// A kernel's buffer arguments in parameter order, and the elements each spans (in its
+/// signature's element type; the error flag's one last).
+fn launch_args(p: &LoopProgram, params: &Params) -> (Vec<BufferId>, Vec<i64>) {
     let args: Vec<BufferId> = params.read.iter().chain(&params.written).copied().collect();
     let mut arg_numel: Vec<i64> = args
         .iter()
@@ -641,17 +667,7 @@ fn launch(s: &Schedule, k: &FusedKernel, params: &Params, geo: &Geometry) -> Ker
     if params.checks_indices {
         arg_numel.push(1);
     }
-    KernelLaunch {
-        name: k.name.clone(),
-        args,
-        checks_indices: params.checks_indices,
-        numel: kernel_numel(k),
-        shape: LaunchShape::Grid { grid: geo.grid, xblock: geo.xblock, num_warps: geo.warps, num_stages: 1 },
-        signature: params.signature.clone(),
-        candidates: candidates(&space, base),
-        arg_numel,
-        text: 0..0, // placed by `render`
-    }
+    (args, arg_numel)
 }
 
 /// What bounds a kernel's launch configurations.
@@ -698,7 +714,7 @@ fn candidates(s: &Space, base: TuneConfig) -> Vec<TuneConfig> {
             }
             let stages: &[u32] = if s.looped && x == base.xblock { &[1, 2] } else { &[1] };
             for &st in stages {
-                let c = TuneConfig { grid, xblock: x, num_warps: w, num_stages: st };
+                let c = TuneConfig { grid, xblock: x, num_warps: w, num_stages: st, tile: None };
                 if !out.contains(&c) {
                     out.push(c);
                 }

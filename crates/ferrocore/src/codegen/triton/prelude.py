@@ -334,7 +334,18 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     @ferro_jit
     def ferro_store_bf16(x):
         return ferro_round_bf16(x).to(tl.bfloat16)
+
+    # the interpreter multiplies bfloat16 blocks as raw integers: float32 holds them exactly
+    @ferro_jit
+    def ferro_dot(a, b):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 else:
+
+    # a matrix-product template's step: 16-bit operands into float32 sums (tensor cores)
+    @ferro_jit
+    def ferro_dot(a, b):
+        return tl.dot(a, b)
+
     from triton.language.extra import libdevice
 
     # Linking libdevice costs a kernel's compile ~50 ms (its bitcode is parsed and optimized each

@@ -1,0 +1,113 @@
+"""GEMMs with their epilogues at the shapes real models send, on the GPU: eager, Inductor, and
+ferrocore with the GEMM as a library call and as its matrix-product template (autotuned), side
+by side in one run. A place to find causes (which tile wins where, what the epilogue saves), not
+a result: results are the model benchmark's.
+
+    python bench/gemm_templates.py [--reps 50] [--inductor-autotune] [--only NAME,...]
+
+Prints one table: median ms per call (CUDA events over `--reps` calls, 5 rounds) and each
+compiled variant's ratio to the library form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+# name -> (M, K, N, epilogue): x [M, K] @ w.T [K, N] + b, then the epilogue; the sizes of the
+# model zoo's full-size layers (batch x sequence rows)
+SHAPES = {
+    "gpt2_mlp_up_gelu": (8192, 768, 3072, "gelu_tanh"),
+    "gpt2_mlp_down_residual": (8192, 3072, 768, "residual"),
+    "gpt2_qkv": (8192, 768, 2304, "none"),
+    "gpt2_lm_head": (8192, 768, 50257, "none"),
+    "bert_ffn_gelu": (4096, 768, 3072, "gelu"),
+    "llama_gate_silu": (4096, 2048, 5632, "silu"),
+    "vit_proj_residual": (6304, 768, 768, "residual"),
+    "decode_4096": (64, 4096, 4096, "none"),
+    "odd_1000": (1000, 1000, 1000, "relu"),
+}
+
+
+def make(m, k, n, epilogue, dtype):
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=dtype)
+    r = torch.randn(m, n, device="cuda", dtype=dtype)
+
+    def fn(x, w, b, r):
+        y = F.linear(x, w, b)
+        if epilogue == "gelu_tanh":
+            return F.gelu(y, approximate="tanh")
+        if epilogue == "gelu":
+            return F.gelu(y)
+        if epilogue == "silu":
+            return F.silu(y)
+        if epilogue == "relu":
+            return torch.relu(y)
+        if epilogue == "residual":
+            return y + r
+        return y
+
+    return fn, (x, w, b, r)
+
+
+def cuda_ms(fn, args, reps):
+    fn(*args)
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn(*args)
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) / reps)
+    return statistics.median(rounds)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--inductor-autotune", action="store_true", help="also Inductor in max-autotune-no-cudagraphs")
+    opts = ap.parse_args()
+    variants = {
+        "ferrocore library": dict(backend="ferrocore"),
+        # (max-autotune's kernel tuning; torch.compile takes a mode or options, not both)
+        "ferrocore template": dict(backend="ferrocore", options={"gemm_template": "always", "autotune": True}),
+        "inductor": dict(backend="inductor"),
+    }
+    if opts.inductor_autotune:
+        variants["inductor max-autotune"] = dict(backend="inductor", mode="max-autotune-no-cudagraphs")
+    names = [n for n in SHAPES if not opts.only or n in opts.only.split(",")]
+    print("| shape | M x K x N | eager ms | " + " | ".join(f"{v} ms" for v in variants) + " | template / library |")
+    print("|---" * (4 + len(variants)) + "|")
+    for name in names:
+        m, k, n, epilogue = SHAPES[name]
+        fn, args = make(m, k, n, epilogue, torch.bfloat16)
+        expected = fn(*args)
+        row = [f"{cuda_ms(fn, args, opts.reps):.4f}"]
+        times = {}
+        for label, kw in variants.items():
+            torch._dynamo.reset()
+            try:
+                compiled = torch.compile(lambda *a, f=fn: f(*a), dynamic=False, **kw)
+                got = compiled(*args)
+                err = (got.float() - expected.float()).abs().max().item()
+                scale = expected.float().abs().max().item()
+                times[label] = cuda_ms(compiled, args, opts.reps)
+                row.append(f"{times[label]:.4f}" + ("" if err <= 0.05 * max(scale, 1) else f" (err {err:.3g})"))
+            except Exception as e:  # noqa: BLE001  (a failure is a result)
+                row.append(f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+        lib, tpl = times.get("ferrocore library"), times.get("ferrocore template")
+        ratio = f"{tpl / lib:.2f}" if lib and tpl else "n/a"
+        print(f"| {name} | {m} x {k} x {n} | " + " | ".join(row) + f" | {ratio} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+//! Matrix products (`LoopNode::contraction`) as tiled Triton kernels. Each program computes one
+//! `BLOCK_M x BLOCK_N` tile of the product with `tl.dot` over `BLOCK_K`-wide steps of k (float32
+//! accumulators), then the kernel's epilogue on that tile: the pointwise nodes fusion placed
+//! after the product, written by the kernel writer with `x0` the tile's flat output indices (a
+//! `[BLOCK_M, BLOCK_N]` block), so a bias, an activation, a residual add or a cast costs no
+//! round trip through memory.
+
+use super::dialect::{compute_type, TritonGroup};
+use super::{kernel_numel, launch_args, next_power_of_two, CodegenError, KernelLaunch, LaunchShape, Params, IDX32_LIMIT};
+use crate::codegen::writer::{local_reads_by_node, write_group, Computed, Locals, Section};
+use crate::codegen::{Tile, TuneConfig};
+use crate::graph::DType;
+use crate::loop_ir::*;
+use crate::scheduler::{FusedKernel, LocalRead, LoopGroup, Schedule};
+use crate::symbolic::{Atom, IndexExpr, Var};
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write;
+
+/// Programs along m that sweep the columns together, so the tiles of B they read stay in L2.
+const GROUP_M: i64 = 8;
+
+/// Whether the kernel is a matrix product with its epilogue.
+pub(super) fn is_matrix_product(s: &Schedule, k: &FusedKernel) -> bool {
+    k.plan.nodes.first().is_some_and(|kn| s.program.nodes[kn.node].contraction)
+}
+
+/// One operand's addressing: `offset + batch·b + rows·i + cols·j` for element `[b, i, j]`.
+#[derive(Clone, Debug)]
+struct Operand {
+    buf: BufferId,
+    offset: i64,
+    batch: i64,
+    rows: i64,
+    cols: i64,
+}
+
+/// The product's sizes and operands, read off its loop node.
+pub(super) struct MatrixProduct {
+    batch: i64,
+    m: i64,
+    n: i64,
+    k: i64,
+    a: Operand,
+    b: Operand,
+    dtype: DType,
+    /// Offsets in int64 (some buffer or the output space exceeds int32's reach).
+    idx64: bool,
+}
+
+impl MatrixProduct {
+    pub(super) fn of(s: &Schedule, k: &FusedKernel, params: &Params) -> Result<MatrixProduct, CodegenError> {
+        let p = &s.program;
+        let node = &p.nodes[k.plan.nodes[0].node];
+        let bad = |m: &str| CodegenError::internal(&k.name, format!("matrix product {}: {m}", p.buffer(node.output).name));
+        let r = node.ranges.len();
+        if !(2..=3).contains(&r) || node.reduction_ranges.len() != 1 {
+            return Err(bad("not [batch,] m, n by k"));
+        }
+        let (vm, vn, vk) = (Var(r as u32 - 2), Var(r as u32 - 1), Var(r as u32));
+        let vb = (r == 3).then_some(Var(0));
+        let loads: Vec<(BufferId, &IndexExpr, DType)> = node
+            .body
+            .exprs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| match e {
+                Expr::Load { buf, index } => Some((*buf, index, node.body.dtypes[i])),
+                _ => None,
+            })
+            .collect();
+        if loads.len() != 2 || node.body.exprs.iter().any(|e| matches!(e, Expr::LoadIndirect { .. })) {
+            return Err(bad("not two loads"));
+        }
+        let operand = |(buf, index, _): &(BufferId, &IndexExpr, DType), row: Var, col: Var| -> Option<Operand> {
+            if index.terms.iter().any(|(a, _)| !matches!(a, Atom::Var(_))) {
+                return None;
+            }
+            let other = if row == vm { vn } else { vm };
+            if index.affine_coeff(other)? != 0 {
+                return None;
+            }
+            Some(Operand {
+                buf: *buf,
+                offset: index.constant,
+                batch: vb.map_or(Some(0), |v| index.affine_coeff(v))?,
+                rows: index.affine_coeff(row)?,
+                cols: index.affine_coeff(col)?,
+            })
+        };
+        let (a, b) = match (operand(&loads[0], vm, vk), operand(&loads[1], vk, vn)) {
+            (Some(a), Some(b)) => (a, b),
+            _ => match (operand(&loads[1], vm, vk), operand(&loads[0], vk, vn)) {
+                (Some(a), Some(b)) => (a, b),
+                _ => return Err(bad("operands not addressed as [m, k] and [k, n]")),
+            },
+        };
+        let dtype = loads[0].2;
+        if loads[1].2 != dtype || compute_type(dtype).is_none() {
+            return Err(bad("operands of two types"));
+        }
+        let batch = if r == 3 { node.ranges[0] } else { 1 };
+        let (m, n, kk) = (node.ranges[r - 2], node.ranges[r - 1], node.reduction_ranges[0]);
+        let mut idx64 = batch * m * n + (m + n) * 256 >= IDX32_LIMIT;
+        for b in params.read.iter().chain(&params.written) {
+            idx64 |= p.buffer(*b).layout.storage_numel() >= IDX32_LIMIT;
+        }
+        Ok(MatrixProduct { batch, m, n, k: kk, a, b, dtype, idx64 })
+    }
+
+    /// The tile the kernel launches with before any tuning, then its neighbours an autotuner may
+    /// time; each within the product's sizes (a tile dim at least 16, `tl.dot`'s least).
+    fn configs(&self) -> Vec<TuneConfig> {
+        let wide = self.dtype == DType::F32;
+        // (BLOCK_M, BLOCK_N, BLOCK_K for 16-bit operands, warps, stages)
+        // (H200: large GEMMs took 128 x 128 x 64 at 4 warps, or 8 when the epilogue is heavy;
+        // 768-wide ones 64 x 128; small ones 64 x 64)
+        const SHAPES: [(i64, i64, i64, u32, u32); 10] = [
+            (128, 128, 64, 4, 3),
+            (128, 128, 64, 8, 3),
+            (64, 128, 64, 4, 3),
+            (128, 64, 64, 4, 3),
+            (64, 64, 64, 4, 4),
+            (128, 256, 64, 8, 3),
+            (256, 128, 64, 8, 3),
+            (128, 128, 32, 4, 4),
+            (64, 64, 32, 4, 5),
+            (32, 64, 128, 4, 3),
+        ];
+        let fit = |block: i64, size: i64| block.min(next_power_of_two(size).max(16));
+        let mut out: Vec<TuneConfig> = Vec::new();
+        for (bm, bn, bk, warps, stages) in SHAPES {
+            let bk = if wide { bk / 2 } else { bk };
+            let tile = Tile { m: fit(bm, self.m), n: fit(bn, self.n), k: fit(bk, self.k) };
+            // small tiles need fewer warps (a warp's share of a 16 x 16 tile is tiny)
+            let warps = if tile.m * tile.n <= 64 * 64 { warps.min(4) } else { warps };
+            let grid = self.batch * cdiv(self.m, tile.m) * cdiv(self.n, tile.n);
+            let c = TuneConfig { grid, xblock: 0, num_warps: warps, num_stages: stages, tile: Some(tile) };
+            if !out.contains(&c) {
+                out.push(c);
+            }
+        }
+        out
+    }
+}
+
+fn cdiv(a: i64, b: i64) -> i64 {
+    (a + b - 1) / b
+}
+
+/// The kernel's launch: the first configuration, the others as the autotuner's candidates.
+pub(super) fn launch(s: &Schedule, k: &FusedKernel, params: &Params, mp: &MatrixProduct) -> KernelLaunch {
+    let candidates = mp.configs();
+    let first = candidates[0];
+    let (args, arg_numel) = launch_args(&s.program, params);
+    KernelLaunch {
+        name: k.name.clone(),
+        args,
+        checks_indices: params.checks_indices,
+        numel: kernel_numel(k),
+        shape: LaunchShape::Grid {
+            grid: first.grid,
+            xblock: 0,
+            num_warps: first.num_warps,
+            num_stages: first.num_stages,
+            tile: first.tile,
+        },
+        signature: params.signature.clone(),
+        candidates,
+        arg_numel,
+        text: 0..0, // placed by `render`
+    }
+}
+
+/// The kernel's definition: the tile's product, then its epilogue.
+pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, mp: &MatrixProduct) -> Result<String, CodegenError> {
+    let mut out = String::new();
+    write_product(&mut out, k, params, mp)?;
+    write_epilogue(&mut out, s, k, params)?;
+    Ok(out)
+}
+
+/// The signature, the program's tile and the loop over k into `acc`; then `x0`, `xmask` and
+/// `xzero` over the tile as every kernel has them.
+fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &MatrixProduct) -> Result<(), CodegenError> {
+    let ptr = |o: &Operand| params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "operand without a pointer"));
+    let (pa, pb) = (ptr(&mp.a)?, ptr(&mp.b)?);
+    let mut all = params.names.clone();
+    all.extend(["BLOCK_M: tl.constexpr".into(), "BLOCK_N: tl.constexpr".into(), "BLOCK_K: tl.constexpr".into()]);
+    let (m, n, kk) = (mp.m, mp.n, mp.k);
+    let wide = |e: &str| if mp.idx64 { format!("{e}.to(tl.int64)") } else { e.to_string() };
+    let _ = writeln!(out, "@ferro_jit\ndef {}({}):", k.name, all.join(", "));
+    let _ = writeln!(out, "    pid = {}", wide("tl.program_id(0)"));
+    let _ = writeln!(out, "    tiles_m = {}", cdiv_text(m, "BLOCK_M"));
+    let _ = writeln!(out, "    tiles_n = {}", cdiv_text(n, "BLOCK_N"));
+    if mp.batch > 1 {
+        out.push_str("    zb = pid // (tiles_m * tiles_n)\n    pid = pid % (tiles_m * tiles_n)\n");
+    } else {
+        out.push_str("    zb = 0\n");
+    }
+    // programs in groups of GROUP_M tile rows, column by column
+    let _ = writeln!(out, "    width = {GROUP_M} * tiles_n");
+    let _ = writeln!(out, "    first_m = (pid // width) * {GROUP_M}");
+    let _ = writeln!(out, "    group_m = tl.minimum(tiles_m - first_m, {GROUP_M})");
+    out.push_str("    pid_m = first_m + (pid % width) % group_m\n    pid_n = (pid % width) // group_m\n");
+    let _ = writeln!(out, "    rm = pid_m * BLOCK_M + {}", wide("tl.arange(0, BLOCK_M)"));
+    let _ = writeln!(out, "    rn = pid_n * BLOCK_N + {}", wide("tl.arange(0, BLOCK_N)"));
+    let _ = writeln!(out, "    rk = {}", wide("tl.arange(0, BLOCK_K)"));
+    // rows and columns past the edge read the first ones again (their results are not stored)
+    let _ = writeln!(out, "    am = rm % {m}");
+    let _ = writeln!(out, "    bn = rn % {n}");
+    let (a, b) = (&mp.a, &mp.b);
+    let _ = writeln!(out, "    a_ptrs = {pa} + ({} + zb * {} + am[:, None] * {} + rk[None, :] * {})", a.offset, a.batch, a.rows, a.cols);
+    let _ = writeln!(out, "    b_ptrs = {pb} + ({} + zb * {} + rk[:, None] * {} + bn[None, :] * {})", b.offset, b.batch, b.rows, b.cols);
+    out.push_str("    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)\n");
+    let _ = writeln!(out, "    for k0 in range(0, {kk}, BLOCK_K):");
+    let _ = writeln!(out, "        if {kk} % BLOCK_K == 0:");
+    out.push_str("            a = tl.load(a_ptrs)\n            b = tl.load(b_ptrs)\n");
+    out.push_str("        else:\n");
+    let _ = writeln!(out, "            a = tl.load(a_ptrs, mask=rk[None, :] < {kk} - k0, other=0.0)");
+    let _ = writeln!(out, "            b = tl.load(b_ptrs, mask=rk[:, None] < {kk} - k0, other=0.0)");
+    // float32 operands multiply in float32, as eager does unless TF32 is allowed
+    let dot = if mp.dtype == DType::F32 { "tl.dot(a, b, input_precision=\"ieee\")" } else { "ferro_dot(a, b)" };
+    let _ = writeln!(out, "        acc += {dot}");
+    let _ = writeln!(out, "        a_ptrs += BLOCK_K * {}", a.cols);
+    let _ = writeln!(out, "        b_ptrs += BLOCK_K * {}", b.rows);
+    let _ = writeln!(out, "    x0 = zb * {} + rm[:, None] * {n} + rn[None, :]", m * n);
+    let _ = writeln!(out, "    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})");
+    out.push_str("    xzero = x0 * 0\n");
+    Ok(())
+}
+
+fn cdiv_text(size: i64, block: &str) -> String {
+    format!("({size} + {block} - 1) // {block}")
+}
+
+/// The product's store (if its result is read outside the kernel) and the epilogue's nodes,
+/// through the kernel writer. The product's node is written as a read of `acc`, cast to its type.
+fn write_epilogue(out: &mut String, s: &Schedule, k: &FusedKernel, params: &Params) -> Result<(), CodegenError> {
+    let p = &s.program;
+    let product = p.nodes[k.plan.nodes[0].node].output;
+    let mut kernel = k.clone();
+    {
+        let kn = &mut kernel.plan.nodes[0];
+        let store = kn.body.store.clone().ok_or_else(|| CodegenError::internal(&k.name, "a product without a store"))?;
+        let dtype = kn.body.dtype(store.value);
+        let mut body = LoopBody::default();
+        let acc = body.load(product, store.index.clone(), DType::F32);
+        let value = body.cast(acc, dtype);
+        body.set_store(store.index, value);
+        kn.body = body;
+    }
+    let mut reads_at = local_reads_by_node(&kernel);
+    reads_at.entry(0).or_default().push((product, LocalRead::Forwarded));
+    let mut locals = Locals::new();
+    locals.insert(product, ("acc".to_string(), Section::Pre));
+    let empty: HashSet<BufferId> = params.read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect();
+    let var_name = |v: Var| format!("x{}", v.0);
+    let mut shared: Computed = HashMap::new();
+    let mut tmp = 0usize;
+    for (gi, g) in kernel.plan.groups.iter().enumerate() {
+        // the product's group loops over k: here its node is one read of `acc`
+        let group = LoopGroup { inner: Vec::new(), reduction: false, nodes: g.nodes.clone() };
+        let mut dialect = TritonGroup {
+            storage: &s.storage,
+            ptr: &params.ptr,
+            var_name: &var_name,
+            two_d: false,
+            looped: false,
+            terms_per_lane: 1,
+            rblock: 1,
+            full_mask: "xmask".into(),
+            err_ptr: params.checks_indices.then_some("err_ptr"),
+            empty: empty.clone(),
+            accs: Vec::new(),
+        };
+        let mut computed: Computed = shared.iter().map(|(t, (v, _))| (t.clone(), (v.clone(), Section::Pre))).collect();
+        let code = write_group(&mut dialect, s, &kernel, &group, &mut locals, &reads_at, &mut tmp, Some(&mut computed))?;
+        for (text, value) in computed {
+            if !text.starts_with("tl.load(out_ptr") {
+                shared.insert(text, value);
+            }
+        }
+        let _ = writeln!(out, "    # {}", if gi == 0 { "the product, cast to its type" } else { "epilogue" });
+        for section in [&code.pre, &code.inner, &code.post] {
+            for line in section.lines() {
+                let _ = writeln!(out, "    {line}");
+            }
+        }
+    }
+    Ok(())
+}

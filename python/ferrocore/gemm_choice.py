@@ -1,0 +1,175 @@
+"""Which GEMMs of a GPU graph run as ferrocore's matrix-product template with their epilogue fused
+(`gemm_template="measured"`, max-autotune's setting), measured on the device, cached on disk, and
+named in the graph for the Rust lowering (`template_matmuls` in the graph document).
+
+The choice is between the library call followed by a kernel of its pointwise readers, and one
+template kernel computing both. Each GEMM is cut out of the graph with its likely epilogue (the
+pointwise nodes and views over its result; what they read besides is an input of the cut-out
+graph), compiled both ways (the template's tiles autotuned) and timed on random data of the same shapes, strides
+and dtypes (median of CUDA-event timings of each whole call). The template is kept where it is
+faster by a margin. Decisions are cached per region (its ops, arguments, shapes, strides, dtypes),
+device and versions under `cache_dir/gemm_template`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+
+from .runtime.measurement import cached_measurement, median_cuda_ms
+from .runtime.versions import versions
+
+# the template must beat the library call and its epilogue kernel by this much (timings move by
+# a few percent from run to run)
+MIN_GAIN = 0.97
+# nodes of an epilogue cut out with its GEMM, at most
+MAX_EPILOGUE = 12
+_GEMMS = {
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.bmm.default: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+}
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Callable) -> dict:
+    """{GEMM node name: what was measured} for the GEMMs faster as templates with their epilogue;
+    `compile_region(gm, opts)` compiles a cut-out region (the static compile, without measuring)."""
+    if opts.get("gemm_template") != "measured" or not torch.cuda.is_available():
+        return {}
+    chosen = {}
+    for n in gm.graph.nodes:
+        if not _is_gemm(n):
+            continue
+        region = _Region.of(n)
+        key = [*region.key, torch.cuda.get_device_name(n.meta["val"].device)]
+        ms = cached_measurement(opts.get("cache_dir"), "gemm_template", key,
+                                lambda r=region: r.measure(opts, compile_region),
+                                errors=(RuntimeError, torch.OutOfMemoryError))
+        if ms is None:
+            continue
+        library, template = ms
+        why = f"measured {template:.4f} ms as a template with {len(region.nodes) - 1} epilogue nodes, {library:.4f} ms as a library call"
+        if template < MIN_GAIN * library:
+            chosen[n.name] = why
+        elif "gemm_template" in opts.get("logs", ()):
+            print(f"[ferrocore:gemm_template] {n.name} stays a library call: {why}", file=sys.stderr)
+    return chosen
+
+
+def _is_gemm(n: torch.fx.Node) -> bool:
+    if n.op != "call_function" or n.target not in _GEMMS:
+        return False
+    if n.target is torch.ops.aten.addmm.default and (n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1):
+        return False
+    vals = [n.args[i].meta.get("val") if isinstance(n.args[i], torch.fx.Node) else None for i in _GEMMS[n.target]]
+    out = n.meta.get("val")
+    return (isinstance(out, torch.Tensor) and out.device.type == "cuda" and out.dtype in _FLOATS and out.numel() > 0
+            and all(isinstance(v, torch.Tensor) and v.dtype == out.dtype for v in vals))
+
+
+def _pointwise(n: torch.fx.Node) -> bool:
+    tags = getattr(n.target, "tags", ())
+    return torch.Tag.pointwise in tags or n.target in _VIEWS
+
+
+class _Region:
+    """A GEMM and the pointwise nodes and views over its result (its likely epilogue), as a graph
+    of their own whose inputs are what they read from memory."""
+
+    def __init__(self, nodes: list, gm: torch.fx.GraphModule, inputs: list):
+        self.nodes, self.gm, self.inputs = nodes, gm, inputs
+        self.key = self._key()
+
+    @staticmethod
+    def of(gemm: torch.fx.Node) -> "_Region":
+        numel = gemm.meta["val"].numel()
+        inside = {gemm}
+        order = {n: i for i, n in enumerate(gemm.graph.nodes)}
+        frontier = [gemm]
+        while frontier and len(inside) <= MAX_EPILOGUE:
+            for u in list(frontier.pop(0).users):
+                val = u.meta.get("val")
+                if u in inside or u.op != "call_function" or not _pointwise(u):
+                    continue
+                if not isinstance(val, torch.Tensor) or val.numel() != numel:
+                    continue
+                # what it reads besides the region are tensors in memory (random data here)
+                outside = [a for a in u.all_input_nodes if a not in inside]
+                if any(not isinstance(a.meta.get("val"), torch.Tensor) for a in outside):
+                    continue
+                inside.add(u)
+                frontier.append(u)
+        nodes = sorted(inside, key=order.__getitem__)
+        graph = torch.fx.Graph()
+        env: dict = {}
+        inputs = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                if a not in inside and a not in env:
+                    p = graph.placeholder(f"in{len(inputs)}")
+                    p.meta["val"] = a.meta["val"]
+                    env[a] = p
+                    inputs.append(a.meta["val"])
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        outs = [env[n] for n in nodes if n is nodes[-1] or any(u not in inside for u in n.users)]
+        graph.output(tuple(outs))
+        return _Region(nodes, torch.fx.GraphModule(torch.nn.Module(), graph), inputs)
+
+    def _key(self) -> list:
+        # nodes by position: a model's repeated layers are one entry
+        position = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+
+        def describe(a):
+            if isinstance(a, torch.fx.Node):
+                return f"%{position[a]}"
+            if isinstance(a, (list, tuple)):
+                return [describe(x) for x in a]
+            return repr(a)
+
+        ops = [[str(n.target), describe(list(n.args)), describe(dict(n.kwargs))] for n in self.gm.graph.nodes
+               if n.op == "call_function"]
+        tensors = [[list(t.shape), list(t.stride()), str(t.dtype), str(t.device.type)] for t in self.inputs]
+        return [ops, tensors, list(versions()[:3])]
+
+    def measure(self, opts: dict, compile_region: Callable) -> tuple:
+        """(ms as a library call and a kernel, ms as a template): GPU time per call."""
+        device = self.inputs[0].device
+        with torch.cuda.device(device):
+            args = [_random_like(t) for t in self.inputs]
+            base = {**opts, "cudagraphs": False, "logs": [], "debug_dir": None}
+            library = compile_region(self.gm, {**base, "gemm_template": "never"})
+            template = compile_region(self.gm, {**base, "gemm_template": "always", "autotune": True})
+            return _gpu_ms(lambda: library(list(args))), _gpu_ms(lambda: template(list(args)))
+
+
+def _random_like(t: torch.Tensor) -> torch.Tensor:
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return torch.randn(span, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+
+
+def _gpu_ms(fn, calls: int = 5) -> float:
+    """GPU time per call of `fn`: calls recorded as a CUDA graph and replayed, so that what is
+    timed is the kernels, not the host's launches (a small GEMM's library call and its epilogue
+    kernel launch twice where the template launches once: back to back on the host, the two
+    measured the host's time, and 2x apart from one run to the next); CUDA events around the
+    plain calls where a recording fails."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError:
+        return median_cuda_ms(fn, calls=calls)
+    return median_cuda_ms(graph.replay) / calls

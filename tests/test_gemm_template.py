@@ -1,0 +1,91 @@
+"""GEMMs as matrix-product templates with their epilogues (`gemm_template="always"`) on the GPU,
+against eager: values, shapes, strides, dtypes, and the epilogue in the product's kernel. Without
+a GPU the same kernels run under Triton's interpreter (tests/triton_cases.py, `gemm_template_*`);
+here they run compiled for the device, at the sizes and layouts models use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TEST_DEVICE
+from helpers import check
+
+gpu = pytest.mark.skipif(TEST_DEVICE == "cpu", reason="templates are Triton's: the GPU (interpreter: triton_cases.py)")
+
+
+@pytest.fixture
+def templates(monkeypatch):
+    monkeypatch.setenv("FERROCORE_GEMM_TEMPLATE", "always")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_linear_bias_gelu_is_one_kernel(templates, dtype):
+    x, w, b = torch.randn(300, 256, dtype=dtype), torch.randn(384, 256, dtype=dtype) / 16, torch.randn(384, dtype=dtype)
+    check(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"), x, w, b, expect_kernels=1)
+
+
+@gpu
+def test_residual_and_returned_product(templates):
+    x, w, r = torch.randn(4, 100, 192, dtype=torch.bfloat16), torch.randn(192, 192, dtype=torch.bfloat16) / 14, torch.randn(4, 100, 192, dtype=torch.bfloat16)
+    check(lambda x, w, r: (x @ w, (x @ w) + r), x, w, r)
+
+
+@gpu
+def test_batched_transposed_operands(templates):
+    q, k = torch.randn(12, 257, 64, dtype=torch.bfloat16), torch.randn(12, 200, 64, dtype=torch.bfloat16)
+    check(lambda q, k: torch.bmm(q, k.transpose(1, 2)) * 0.125, q, k, expect_kernels=1)
+
+
+@gpu
+@pytest.mark.parametrize("mkn", [(1, 4096, 1024), (1000, 1000, 1000), (8, 3, 50257), (2048, 8, 16)])
+def test_odd_shapes(templates, mkn):
+    m, k, n = mkn
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    check(lambda a, b: torch.relu(a @ b), a, b, expect_kernels=1)
+
+
+@gpu
+def test_long_inner_dim_sums_in_float32(templates):
+    # 65536 terms: the float32 accumulator keeps the sum as accurate as cuBLAS's
+    a, b = torch.randn(64, 65536), torch.randn(65536, 48)
+    check(lambda a, b: a @ b, a, b, atol=2e-3, rtol=1e-4)
+
+
+@gpu
+def test_measured_choice_is_cached_and_matches_eager(monkeypatch):
+    # max-autotune's setting: each GEMM timed both ways; the timings are cached on disk
+    import os
+    from pathlib import Path
+
+    monkeypatch.setenv("FERROCORE_GEMM_TEMPLATE", "measured")
+    monkeypatch.setenv("FERROCORE_AUTOTUNE", "1")
+    x, w, b = torch.randn(512, 384, dtype=torch.bfloat16), torch.randn(768, 384, dtype=torch.bfloat16) / 20, torch.randn(768, dtype=torch.bfloat16)
+    check(lambda x, w, b: F.silu(F.linear(x, w, b)) * 2, x, w, b)
+    entries = list((Path(os.environ["FERROCORE_CACHE_DIR"]) / "gemm_template").rglob("*.json"))
+    assert entries, "no measurement was cached"
+
+
+def test_measured_regions_are_a_gemm_and_its_pointwise_readers():
+    # what max-autotune times against the library: the GEMM, the view and the pointwise nodes
+    # over its result (the residual is an input of the cut-out graph), not the softmax after them
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ferrocore import gemm_choice
+
+    def f(x, w, b, r):
+        h = F.gelu(torch.addmm(b, x.view(-1, 16), w).view(2, 4, 8)) + r
+        return torch.softmax(h, -1)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 4, 16), torch.randn(16, 8), torch.randn(8), torch.randn(2, 4, 8))
+    addmm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default)
+    region = gemm_choice._Region.of(addmm)
+    names = [str(n.target) for n in region.nodes]
+    assert names == ["aten.addmm.default", "aten.view.default", "aten.gelu.default", "aten.add.Tensor"], names
+    assert [list(t.shape) for t in region.inputs] == [[8], [8, 16], [16, 8], [2, 4, 8]]
+    # the same region traced again is the same cache entry
+    again = gemm_choice._Region.of(next(n for n in make_fx(f, tracing_mode="fake")(
+        torch.randn(2, 4, 16), torch.randn(16, 8), torch.randn(8), torch.randn(2, 4, 8)).graph.nodes
+        if n.target is torch.ops.aten.addmm.default))
+    assert again.key == region.key
