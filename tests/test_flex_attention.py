@@ -140,3 +140,28 @@ def test_grouped_query_attention():
     q, k, v = qkv()
     check(lambda q, k, v: flex_attention(q, k[:, :2], v[:, :2], block_mask=block_mask(causal), enable_gqa=True),
           q, k, v, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+def test_a_float32_score_mod_over_half_precision_inputs_is_not_rounded(attention_log, training):
+    """Eager adds a score_mod's values in float32; a bfloat16 call's bias would round ALiBi's
+    slope x distance (up to 127 here, a step of 0.5), so the scores stay float32."""
+    if training and TEST_DEVICE == "cpu":
+        pytest.skip("eager FlexAttention has no CPU backward to compare with")
+    inputs = qkv(torch.bfloat16)
+
+    def f(q, k, v):
+        return flex_attention(q, k, v, score_mod=alibi)
+
+    leaves = [x.clone().requires_grad_(training) for x in inputs]
+    expected = f(*leaves)
+    twins = [x.clone().requires_grad_(training) for x in inputs]
+    got = torch.compile(f, backend="ferrocore")(*twins)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    if training:
+        expected.float().square().sum().backward()
+        got.float().square().sum().backward()
+        for a, b in zip(twins, leaves):
+            torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
+    else:
+        assert "would round" in attention_log()

@@ -119,6 +119,52 @@ fn always_zero(g: &Graph, id: NodeId, depth: usize) -> bool {
     }
 }
 
+/// Whether every value of `id` is a value of the half type `half`, so that the call's bias (of
+/// the inputs' type) holds it unrounded: a tensor of that type or boolean, constants it holds
+/// exactly, and `where`s, views and casts of those.
+fn exact_in(g: &Graph, id: NodeId, half: DType, depth: usize) -> bool {
+    if tensor(g, id).is_some_and(|t| t.dtype == half || t.dtype == DType::Bool) {
+        return true;
+    }
+    let Some((op, args, _)) = call(g, id) else { return false };
+    if depth > 16 {
+        return false;
+    }
+    let input = |i: usize| match args.get(i) {
+        Some(Arg::Node(n)) => exact_in(g, *n, half, depth + 1),
+        a => scalar_of(a).is_some_and(|v| holds(half, v)),
+    };
+    use AtenOp::*;
+    match op {
+        ScalarTensor => input(0),
+        Full | FullLike => input(1),
+        WhereSelf => input(1) && input(2),
+        Unsqueeze | Expand | View | UnsafeView | Alias | Clone | Permute | ToCopy | Neg => input(0),
+        _ => false,
+    }
+}
+
+/// Whether `half` (float16 or bfloat16) represents `v` exactly.
+fn holds(half: DType, v: f64) -> bool {
+    if v == 0.0 || v.is_infinite() {
+        return true;
+    }
+    let f = v as f32;
+    if f as f64 != v || !f.is_finite() {
+        return false;
+    }
+    match half {
+        DType::BF16 => f.to_bits() & 0xffff == 0,
+        // 11 significant bits, exponents from -14 (subnormals below, spaced 2^-24)
+        DType::F16 => {
+            let a = v.abs();
+            let step = if a < 2f64.powi(-14) { 2f64.powi(-24) } else { 2f64.powi(a.log2().floor() as i32 - 10) };
+            a <= 65504.0 && (a / step).fract() == 0.0
+        }
+        _ => true,
+    }
+}
+
 const FLOATS: [DType; 3] = [DType::F16, DType::BF16, DType::F32];
 
 impl Ctx<'_> {
@@ -429,6 +475,18 @@ impl Ctx<'_> {
         }
         if kdim != kv {
             return Err(format!("head dims differ (keys {kdim}, values {kv})"));
+        }
+        if matches!(dtype, DType::F16 | DType::BF16) {
+            // the call's bias has the inputs' type: a wider bias would be rounded there (an
+            // ALiBi score_mod's slope x distance moved bfloat16 outputs by 2.4 at 1024 keys)
+            for step in &steps {
+                if let Step::Add(o) | Step::Subtract(o) = step {
+                    if !exact_in(g, *o, dtype, 0) {
+                        let wide = tensor(g, *o).map_or(DType::F32, |t| t.dtype);
+                        return Err(format!("{} adds {wide} values that {dtype} would round", g.node(*o).name));
+                    }
+                }
+            }
         }
         let (root, root_4d) = self.result_root(bmm2, [b, h, m, kv], dtype, &mut dead)?;
         for o in [&q, &k, &v] {

@@ -196,3 +196,56 @@ fn a_gpu_not_known_to_be_hopper_gets_the_memory_efficient_kernel() {
     let (_, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &PassOptions { cuda_arch: 0, ..Default::default() });
     assert!(decisions[0].contains("aten._scaled_dot_product_efficient_attention"), "{decisions:?}");
 }
+
+/// bfloat16 attention on CUDA whose scores get `bias` (a `[M, N]` input of `bias_dtype`,
+/// through a `_to_copy` to float32 when `cast`) added in float32, as FlexAttention's dense form
+/// adds a score_mod's values.
+fn biased_half_graph(bias_dtype: &str, cast: bool) -> String {
+    let [b, h, m, d] = DIMS;
+    let n = m;
+    let bf = |s: &[i64]| meta(s, "bfloat16");
+    let builder = GraphBuilder::new()
+        .input("q", &[b, h, m, d], "bfloat16")
+        .input("kt", &[b, h, d, n], "bfloat16")
+        .input("v", &[b, h, n, d], "bfloat16")
+        .input("bias", &[m, n], bias_dtype)
+        .call("q3", "aten.view.default", &[node("q"), ints(&[b * h, m, d])], &bf(&[b * h, m, d]))
+        .call("kt3", "aten.view.default", &[node("kt"), ints(&[b * h, d, n])], &bf(&[b * h, d, n]))
+        .call("v3", "aten.view.default", &[node("v"), ints(&[b * h, n, d])], &bf(&[b * h, n, d]))
+        .call("scores", "aten.bmm.default", &[node("q3"), node("kt3")], &bf(&[b * h, m, n]))
+        .call("scores4", "aten.view.default", &[node("scores"), ints(&[b, h, m, n])], &bf(&[b, h, m, n]))
+        .call("scaled", "aten.mul.Tensor", &[node("scores4"), float(0.25)], &bf(&[b, h, m, n]));
+    let builder = if cast {
+        builder.call_kw("wide", "aten._to_copy.default", &[node("bias")], r#""dtype":{"dtype":"float32"}"#, &f32(&[m, n]))
+    } else {
+        builder.call("wide", "aten.alias.default", &[node("bias")], &f32(&[m, n]))
+    };
+    builder
+        .call("biased", "aten.add.Tensor", &[node("scaled"), node("wide")], &f32(&[b, h, m, n]))
+        .call("probs", "aten._softmax.default", &[node("biased"), int(-1), boolean(false)], &f32(&[b, h, m, n]))
+        .call_kw("probs_half", "aten._to_copy.default", &[node("probs")], r#""dtype":{"dtype":"bfloat16"}"#, &bf(&[b, h, m, n]))
+        .call("probs3", "aten.view.default", &[node("probs_half"), ints(&[b * h, m, n])], &bf(&[b * h, m, n]))
+        .call("out3", "aten.bmm.default", &[node("probs3"), node("v3")], &bf(&[b * h, m, d]))
+        .call("out", "aten.view.default", &[node("out3"), ints(&[b, h, m, d])], &bf(&[b, h, m, d]))
+        .output(&["out"])
+        .replace(r#""device":"cpu""#, r#""device":"cuda:0""#)
+}
+
+#[test]
+fn a_float32_bias_is_not_rounded_into_a_half_precision_call() {
+    // a score_mod's float32 values (ALiBi's slope x distance) would be rounded to bfloat16
+    let (g, decisions) = fused(&biased_half_graph("float32", false));
+    assert_eq!(decisions, ["softmax probs: not fused: wide adds float32 values that bfloat16 would round"]);
+    assert!(call_targets(&g).contains(&"aten.bmm.default"));
+    // bfloat16 values widened to float32 lose nothing there
+    let (_, decisions) = fused(&biased_half_graph("bfloat16", true));
+    assert!(decisions[0].contains("aten._scaled_dot_product_cudnn_attention"), "{decisions:?}");
+}
+
+#[test]
+fn half_types_hold_what_they_hold() {
+    assert!(holds(DType::BF16, 256.0) && holds(DType::BF16, -0.5) && holds(DType::BF16, f64::NEG_INFINITY));
+    assert!(!holds(DType::BF16, 256.5) && !holds(DType::BF16, 0.1));
+    assert!(holds(DType::F16, 2048.0) && holds(DType::F16, 2f64.powi(-24)) && holds(DType::F16, 65504.0));
+    assert!(!holds(DType::F16, 2049.0) && !holds(DType::F16, 65536.0) && !holds(DType::F16, 0.1));
+}
