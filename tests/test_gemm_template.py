@@ -67,6 +67,31 @@ def test_measured_choice_is_cached_and_matches_eager(monkeypatch):
     assert entries, "no measurement was cached"
 
 
+@gpu
+def test_default_mode_takes_the_cached_choice(monkeypatch, tmp_path):
+    # a measurement cached by max-autotune decides the default mode's compile; with nothing
+    # cached the GEMM stays a library call (nothing is timed outside max-autotune)
+    import ferrocore
+    from ferrocore import gemm_choice
+
+    monkeypatch.setattr(gemm_choice, "MIN_GAIN", 1e9)  # the template wins whatever was timed
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+    x, w, b = torch.randn(256, 128, dtype=torch.bfloat16), torch.randn(320, 128, dtype=torch.bfloat16) / 12, torch.randn(320, dtype=torch.bfloat16)
+
+    def f(x, w, b):
+        return torch.relu(F.linear(x, w, b)) - 1
+
+    def gemm_calls():
+        return sum("mm" in op for op in ferrocore.metrics.last["extern_ops"])
+
+    for mode, cache, calls in (("cached", tmp_path / "empty", 1), ("measured", tmp_path / "c", 0), ("cached", tmp_path / "c", 0)):
+        monkeypatch.setenv("FERROCORE_CACHE_DIR", str(cache))
+        monkeypatch.setenv("FERROCORE_GEMM_TEMPLATE", mode)
+        torch._dynamo.reset()
+        check(f, x, w, b, expect_kernels=1)
+        assert gemm_calls() == calls, (mode, ferrocore.metrics.last["extern_ops"])
+
+
 def test_measured_regions_are_a_gemm_and_its_pointwise_readers():
     # what max-autotune times against the library: the GEMM, the view and the pointwise nodes
     # over its result (the residual is an input of the cut-out graph), not the softmax after them

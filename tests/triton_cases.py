@@ -87,10 +87,19 @@ def _():
 
 @case("gemm_template_bf16_linear_gelu", atol=2e-2, rtol=2e-2, options=TEMPLATE)
 def _():
-    # a 3-D linear layer in bfloat16: the product rounds to bfloat16 before the bias, as eager's
+    # a 3-D linear layer in bfloat16
     return (lambda x, w, b: F.gelu(F.linear(x, w, b))), (
         randn(2, 9, 48, dtype=torch.bfloat16), randn(24, 48, seed=1, dtype=torch.bfloat16),
         randn(24, seed=2, dtype=torch.bfloat16))
+
+
+@case("gemm_template_addmm_rounds_once", atol=0, rtol=0, options=TEMPLATE)
+def _():
+    # 256.5 - 256 is 0.5 when the bias is added before rounding to bfloat16 (eager's addmm), 0
+    # when the product is rounded first (bfloat16's step at 256 is 2)
+    a = torch.tensor([[256.0, 0.5]] * 20, dtype=torch.bfloat16)
+    return (lambda c, a, b: torch.addmm(c, a, b)), (
+        torch.full((24,), -256.0, dtype=torch.bfloat16), a, torch.ones(2, 24, dtype=torch.bfloat16))
 
 
 @case("gemm_template_bmm_transposed_softmax", atol=1e-5, rtol=1e-4, options=TEMPLATE)

@@ -1,6 +1,8 @@
 """Which GEMMs of a GPU graph run as ferrocore's matrix-product template with their epilogue fused
 (`gemm_template="measured"`, max-autotune's setting), measured on the device, cached on disk, and
-named in the graph for the Rust lowering (`template_matmuls` in the graph document).
+named in the graph for the Rust lowering (`template_matmuls` in the graph document). The default
+mode (`gemm_template="cached"`) reads the decisions an earlier measurement cached and times
+nothing: a GEMM never measured stays a library call.
 
 The choice is between the library call followed by a kernel of its pointwise readers, and one
 template kernel computing both. Each GEMM is cut out of the graph with its likely epilogue (the
@@ -14,6 +16,7 @@ device and versions under `cache_dir/gemm_template`.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -24,6 +27,8 @@ from .runtime.versions import versions
 # the template must beat the library call and its epilogue kernel by this much (timings move by
 # a few percent from run to run)
 MIN_GAIN = 0.97
+# the cache entries' family (cache_dir/gemm_template/..)
+FAMILY = "gemm_template"
 # nodes of an epilogue cut out with its GEMM, at most
 MAX_EPILOGUE = 12
 _GEMMS = {
@@ -38,21 +43,25 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Callable) -> dict:
     """{GEMM node name: what was measured} for the GEMMs faster as templates with their epilogue;
     `compile_region(gm, opts)` compiles a cut-out region (the static compile, without measuring)."""
-    if opts.get("gemm_template") != "measured" or not torch.cuda.is_available():
+    mode = opts.get("gemm_template")
+    if mode not in ("measured", "cached") or not torch.cuda.is_available():
         return {}
+    if mode == "cached" and not (opts.get("cache_dir") and (Path(opts["cache_dir"]) / FAMILY).is_dir()):
+        return {}  # nothing measured yet (and no region is cut out to find that)
+    measuring = mode == "measured"
     chosen = {}
     for n in gm.graph.nodes:
         if not _is_gemm(n):
             continue
         region = _Region.of(n)
         key = [*region.key, torch.cuda.get_device_name(n.meta["val"].device)]
-        ms = cached_measurement(opts.get("cache_dir"), "gemm_template", key,
-                                lambda r=region: r.measure(opts, compile_region),
+        ms = cached_measurement(opts.get("cache_dir"), FAMILY, key,
+                                (lambda r=region: r.measure(opts, compile_region)) if measuring else None,
                                 errors=(RuntimeError, torch.OutOfMemoryError))
         if ms is None:
             continue
         library, template = ms
-        why = f"measured {template:.4f} ms as a template with {len(region.nodes) - 1} epilogue nodes, {library:.4f} ms as a library call"
+        why = f"{'measured' if measuring else 'cached:'} {template:.4f} ms as a template with {len(region.nodes) - 1} epilogue nodes, {library:.4f} ms as a library call"
         if template < MIN_GAIN * library:
             chosen[n.name] = why
         elif "gemm_template" in opts.get("logs", ()):

@@ -71,7 +71,8 @@ DEFAULT_CACHE_MAX_BYTES = 10 << 30
 # activations, "auto" (channels-last on a GPU), "channels_last", "contiguous" (eager's);
 # "pad_mm": unaligned 16-bit GEMMs on padded operands, "measured" (those measured faster on the
 # GPU), "always", "never"; "gemm_template": GEMMs of Triton graphs as matrix-product kernels
-# whose pointwise readers fuse into them, "never" or "always".
+# whose pointwise readers fuse into them, "cached" (those an earlier "measured" compile found
+# faster), "measured", "always", "never".
 
 
 @functools.cache

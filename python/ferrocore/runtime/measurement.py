@@ -18,13 +18,16 @@ from .cache import read_cached_json, write_cached_json
 def cached_measurement(cache_dir, family: str, key: list, measure, errors=(RuntimeError,)) -> list | None:
     """The timings `measure()` returns (a list of ms) for `key`, measured once and then read from
     cache entry `family/..` (the key's JSON text is stored beside them and must match); None when
-    measuring raised one of `errors`. Runs outside any fake-tensor mode (real tensors)."""
+    measuring raised one of `errors`, or when nothing is cached and `measure` is None (a lookup).
+    Runs outside any fake-tensor mode (real tensors)."""
     key_text = json.dumps(key, sort_keys=True)
     digest = hashlib.sha256(key_text.encode()).hexdigest()
     entry = f"{family}/{digest[:2]}/{digest}.json"
     cached = read_cached_json(cache_dir, entry) if cache_dir else None
     if isinstance(cached, dict) and cached.get("key") == key_text and isinstance(cached.get("ms"), list):
         return cached["ms"]
+    if measure is None:
+        return None
     try:
         with unset_fake_temporarily():
             ms = list(measure())

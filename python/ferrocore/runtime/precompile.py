@@ -35,7 +35,8 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
     configurations (the launch config's `candidates`, heuristic first) are compiled and timed
     on scratch buffers, and the fastest one is bound; winners are cached under
     `cache_dir/autotune`, keyed by the kernel's source, signature, buffer sizes, candidates,
-    device and Triton version. `on_kernel()` is called as each kernel is settled (a progress
+    device and Triton version. Without `autotune`, a matrix-product kernel whose winner is
+    cached takes it (nothing is timed). `on_kernel()` is called as each kernel is settled (a progress
     line's count). `timeline` receives (kernel, where, start, end) per kernel compiled (the
     `kernel_compile` log). Returns counts for the metrics."""
     tick = on_kernel or (lambda: None)
@@ -64,12 +65,17 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
             tick()
 
     tunable = {}
-    if autotune:
+    if autotune or (cache_dir and any(_is_template(e) for e in kernels)):
         tuner = Autotuner(device, Path(cache_dir) / "autotune" if cache_dir else None)
         for e in kernels:
             launcher = launchers.get(getattr(e[0], "__name__", None))
-            if launcher is not None and len(e[3].get("candidates") or ()) > 1:
-                tunable[id(e)] = (launcher, *tuner.lookup(e))
+            if launcher is None or len(e[3].get("candidates") or ()) < 2 or not (autotune or _is_template(e)):
+                continue
+            key, best = tuner.lookup(e)
+            # outside max-autotune a matrix-product kernel takes the tile an earlier tuning
+            # cached (the one its measured choice over the library was made with), never times
+            if autotune or best is not None:
+                tunable[id(e)] = (launcher, key, best)
     rest = [e for e in kernels if id(e) not in tunable]
     if arch is not None and cache_dir is not None and not triton_support.launch_hooks_active():
         rest = _bind_binaries(rest, launchers, index, arch, cache_dir, unit, workers, stats, compile_one, tick,
@@ -97,6 +103,11 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
                     stats["autotune_cache_hits"] += int(hit)
                     tick()
     return stats
+
+
+def _is_template(entry) -> bool:
+    """Whether a kernel is a matrix product (its configurations are tiles)."""
+    return any(name == "BLOCK_M" for name, _ in entry[2].items())
 
 
 def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, unit: str | None,

@@ -140,7 +140,7 @@ impl Default for Options {
             backend: BackendChoice::Auto,
             conv_layout: ConvLayout::Auto,
             pad_mm: PadMm::Measured,
-            gemm_template: GemmTemplate::Never,
+            gemm_template: GemmTemplate::Cached,
             check_inputs: true,
             front_timings_ms: Vec::new(),
             cuda_arch: 0,

@@ -34,17 +34,20 @@ impl PadMm {
 #[serde(rename_all = "snake_case")]
 pub enum GemmTemplate {
     /// Every GEMM is a library call.
-    #[default]
     Never,
-    /// Those the graph names in `template_matmuls` (measured faster with their epilogue fused:
-    /// `python/ferrocore/gemm_choice.py`).
+    /// Those the graph names in `template_matmuls` from measurements already cached (an earlier
+    /// `measured` compile's): nothing is timed while compiling. The default mode's.
+    #[default]
+    Cached,
+    /// Those the graph names in `template_matmuls` (measured faster with their epilogue fused,
+    /// now or earlier: `python/ferrocore/gemm_choice.py`).
     Measured,
     /// Every GEMM a template computes (16- and 32-bit floats, unit scales).
     Always,
 }
 
 impl GemmTemplate {
-    pub const ALL: [GemmTemplate; 3] = [GemmTemplate::Never, GemmTemplate::Measured, GemmTemplate::Always];
+    pub const ALL: [GemmTemplate; 4] = [GemmTemplate::Never, GemmTemplate::Cached, GemmTemplate::Measured, GemmTemplate::Always];
 }
 
 /// Elements of a 16-bit float in 16 bytes: cuBLAS's fast kernels want rows aligned to this
@@ -125,8 +128,12 @@ impl Ctx<'_> {
         }
         match self.gemm_template {
             GemmTemplate::Never => return false,
-            GemmTemplate::Measured if !self.graph.template_matmuls.contains_key(&self.graph.node(self.current).name) => return false,
-            GemmTemplate::Measured | GemmTemplate::Always => {}
+            GemmTemplate::Cached | GemmTemplate::Measured
+                if !self.graph.template_matmuls.contains_key(&self.graph.node(self.current).name) =>
+            {
+                return false
+            }
+            GemmTemplate::Cached | GemmTemplate::Measured | GemmTemplate::Always => {}
         }
         let (Some(ma), Some(mb)) = (self.graph.node(a).meta.tensor(), self.graph.node(b).meta.tensor()) else { return false };
         let r = out.shape.len();
@@ -145,7 +152,8 @@ impl Ctx<'_> {
 
     /// `a @ b` (plus addmm's bias, a pointwise node over the product that fuses into its kernel)
     /// as a contraction node: sums of products over k, computed in float32, cast to the result's
-    /// type once, as cuBLAS does.
+    /// type once, as cuBLAS does. addmm's product stays in float32 (its one reader is the bias
+    /// add, in its kernel): the sum with the bias is rounded once, as eager's addmm rounds it.
     fn template_gemm(&mut self, op: AtenOp, a: NodeId, b: NodeId, out: &TensorMeta) -> LResult<TensorValue> {
         let operand = |cx: &mut Self, n: NodeId| -> LResult<(BufferId, Vec<i64>, i64)> {
             Ok(match cx.extern_tensor(n, false)? {
@@ -162,7 +170,8 @@ impl Ctx<'_> {
         let r = out.shape.len();
         let k = self.graph.node(a).meta.tensor().map_or(0, |m| m.shape[r - 1]);
         let dt = out.dtype;
-        let layout = Layout::contiguous(&out.shape, dt, out.device);
+        let product_dt = if op == AtenOp::Addmm { DType::F32 } else { dt };
+        let layout = Layout::contiguous(&out.shape, product_dt, out.device);
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let var = |i: usize| IndexExpr::var(Var(i as u32));
         // variables: [batch,] m, n, then k
@@ -179,7 +188,7 @@ impl Ctx<'_> {
         let (ca, cb) = (body.cast(la, DType::F32), body.cast(lb, DType::F32));
         let product = body.binary(BinaryOp::Mul, ca, cb);
         let sum = body.reduce(ReduceOp::Sum, product);
-        let value = body.cast(sum, dt);
+        let value = body.cast(sum, product_dt);
         let out_index: Vec<IndexExpr> = (0..r).map(var).collect();
         body.set_store(layout.index_of(&out_index), value);
         let node = LoopNode {
@@ -202,10 +211,9 @@ impl Ctx<'_> {
             return Ok(product);
         }
         let bias = self.tensor_arg(0, "self")?;
-        Ok(pointwise(vec![PwIn::Tensor(product), PwIn::Tensor(bias)], out.shape.clone(), dt, out.device, dt, move |bx, v| {
-            let p = bx.body.cast(v[0], dt);
-            let c = bx.body.cast(v[1], dt);
-            bx.body.binary(BinaryOp::Add, p, c)
+        Ok(pointwise(vec![PwIn::Tensor(product), PwIn::Tensor(bias)], out.shape.clone(), dt, out.device, DType::F32, |bx, v| {
+            let c = bx.body.cast(v[1], DType::F32);
+            bx.body.binary(BinaryOp::Add, v[0], c)
         }))
     }
 
