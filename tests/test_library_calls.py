@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from conftest import TEST_DEVICE
+from helpers import check
 
 pytestmark = pytest.mark.ferrocore_only
 
@@ -297,3 +299,25 @@ def test_channels_last_only_where_convolutions_dominate():
     assert layout_log(2).startswith("layout: channels-last for 4-D activations: 1 convolutions")
     # a lone convolution among hundreds of nodes (a transformer's patch embedding) is left as is
     assert layout_log(200).startswith("layout: eager's: 1 convolution(s) among")
+
+
+def test_a_library_result_copied_into_a_fresh_tensor_of_its_layout_is_not_copied():
+    # `out = empty(..); out.copy_(a @ b)` (FlexAttention's output is spelled so): the GEMM's
+    # buffer is the copy; a copy of an input stays a copy
+    a, b = torch.randn(64, 48, device=TEST_DEVICE), torch.randn(48, 32, device=TEST_DEVICE)
+
+    def into_fresh(a, b):
+        out = torch.empty(64, 32, device=a.device)
+        out.copy_(a @ b)
+        return out
+
+    check(into_fresh, a, b, expect_kernels=0)
+
+    def copy_of_input(a):
+        out = torch.empty(64, 48, device=a.device)
+        out.copy_(a)
+        return out
+
+    check(copy_of_input, a, expect_kernels=1)
+    torch._dynamo.reset()
+    assert torch.compile(copy_of_input, backend="ferrocore")(a).data_ptr() != a.data_ptr()

@@ -470,6 +470,22 @@ impl Ctx<'_> {
         Ok(TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads: 1, ops: 4 } })
     }
 
+    /// Whether `t` is a whole computed or returned buffer (never a graph input) laid out as
+    /// `out`, of its size and dtype.
+    fn holds_as_laid_out(&self, t: &TensorValue, out: &TensorMeta) -> bool {
+        let Some((buf, stride, offset)) = t.strided() else { return false };
+        let b = self.prog.buffer(buf);
+        t.size == out.shape
+            && t.dtype == out.dtype
+            && offset == 0
+            && out.storage_offset == 0
+            && !matches!(b.source, BufferSource::Input(_))
+            && b.layout.offset == 0
+            && b.layout.numel() == t.numel()
+            && b.layout.size == out.shape
+            && (0..stride.len()).all(|i| out.shape[i] == 1 || (stride[i] == out.stride[i] && b.layout.stride[i] == stride[i]))
+    }
+
     pub(super) fn lower_copy(&mut self, op: AtenOp) -> LResult<TensorValue> {
         let out = self.out_meta()?.clone();
         let src = match op {
@@ -496,6 +512,11 @@ impl Ctx<'_> {
         let size = out.shape.clone();
         if let PwIn::Tensor(t) = &src {
             broadcast_shapes(&[&t.size, &size])?;
+            if op == AtenOp::Copy && self.holds_as_laid_out(t, &out) {
+                // `copy(empty_strided(..), x)` (FlexAttention's output, traced `out.copy_(x)`)
+                // where x is already a whole buffer of that layout: the buffer is the copy
+                return Ok(t.clone());
+            }
         }
         let cd = out.dtype;
         Ok(pointwise(vec![src], size, out.dtype, out.device, cd, move |bx, v| bx.body.cast(v[0], cd)))

@@ -288,7 +288,10 @@ impl Ctx<'_> {
             let input = first.and_then(|n| tensor(self.g, n));
             use AtenOp::*;
             let next = match op {
-                View | UnsafeView | Clone | Alias => first,
+                // (each keeps the elements' row-major order: between two nodes of the target
+                // shape they are the identity; FlexAttention's key and value pass an unsqueeze,
+                // an expand and a clone for grouped-query heads even when the groups are of one)
+                View | UnsafeView | Clone | Alias | Unsqueeze => first,
                 Expand if input.is_some_and(|i| i.shape == t.shape) => first,
                 Permute if matches!(args.get(1), Some(Arg::List(d)) if *d == [Arg::Int(0), Arg::Int(1), Arg::Int(3), Arg::Int(2)]) => {
                     flipped = !flipped;
