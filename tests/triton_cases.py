@@ -128,6 +128,19 @@ def _():
     return (lambda a, b: torch.mm(a, b) - 1), (randn(20, 1), randn(1, 30, seed=1))
 
 
+@case("channels_last_group_norm_silu", atol=1e-4, rtol=1e-4, options={"conv_layout": "channels_last"})
+def _():
+    # a convolution graph's group norm: its statistics reduced in memory order (pixels outer,
+    # the group's channels inner), over a concatenation
+    def f(a, b, gw, gb, w):
+        x = torch.cat([a, b], 1)
+        return F.conv2d(F.silu(F.group_norm(x, 4, gw, gb)), w, padding=1)
+
+    cl = torch.channels_last
+    return f, (randn(2, 8, 6, 5).to(memory_format=cl), randn(2, 8, 6, 5, seed=1).to(memory_format=cl),
+               randn(16, seed=2), randn(16, seed=3), randn(4, 16, 3, 3, seed=4))
+
+
 @case("permuted_inputs")
 def _():
     return (lambda a, b: (a.t() * 2 + b).exp()), (randn(16, 12), randn(12, 16, seed=1))
