@@ -130,8 +130,7 @@ def _():
 
 @case("channels_last_group_norm_silu", atol=1e-4, rtol=1e-4, options={"conv_layout": "channels_last"})
 def _():
-    # a convolution graph's group norm: its statistics reduced in memory order (pixels outer,
-    # the group's channels inner), over a concatenation
+    # a convolution graph's group norm over a concatenation of channels-last inputs
     def f(a, b, gw, gb, w):
         x = torch.cat([a, b], 1)
         return F.conv2d(F.silu(F.group_norm(x, 4, gw, gb)), w, padding=1)
