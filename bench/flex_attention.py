@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from ferrocore.runtime.measurement import median_cuda_ms
+
 HEADS, DIM = 16, 64
 WINDOW = 256
 # (the CPU: a smoke run of the script itself, in float32)
@@ -76,21 +78,12 @@ CASES = ["causal", "sliding_window", "document", "alibi", "causal_alibi"]
 
 
 def cuda_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
+    """Median ms per call over 5 rounds of `reps` calls (CUDA events; wall time on the CPU)."""
     if not torch.cuda.is_available():  # (a smoke run on the CPU)
-        return statistics.median(_wall_ms(fn) for _ in range(reps))
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
+        for _ in range(2):
             fn()
-        end.record()
-        end.synchronize()
-        rounds.append(start.elapsed_time(end) / reps)
-    return statistics.median(rounds)
+        return statistics.median(_wall_ms(fn) for _ in range(reps))
+    return median_cuda_ms(fn, reps=5, calls=reps)
 
 
 def _wall_ms(fn) -> float:
