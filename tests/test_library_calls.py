@@ -321,3 +321,14 @@ def test_a_library_result_copied_into_a_fresh_tensor_of_its_layout_is_not_copied
     check(copy_of_input, a, expect_kernels=1)
     torch._dynamo.reset()
     assert torch.compile(copy_of_input, backend="ferrocore")(a).data_ptr() != a.data_ptr()
+
+    def product_and_its_copy(a, b):
+        y = a @ b
+        out = torch.empty(64, 32, device=a.device)
+        out.copy_(y)
+        return y, out
+
+    torch._dynamo.reset()
+    y, out = torch.compile(product_and_its_copy, backend="ferrocore")(a, b)
+    assert y.data_ptr() != out.data_ptr(), "two returned tensors share a storage"
+    torch.testing.assert_close(out, a @ b)

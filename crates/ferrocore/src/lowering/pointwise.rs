@@ -486,6 +486,17 @@ impl Ctx<'_> {
             && (0..stride.len()).all(|i| out.shape[i] == 1 || (stride[i] == out.stride[i] && b.layout.stride[i] == stride[i]))
     }
 
+    /// Whether the copy is the only reader of `src` and no other value lowered so far lies in
+    /// its buffer: the copy then takes the buffer over without two values sharing a storage (a
+    /// caller writing into one returned tensor would change the other).
+    fn only_reader_of_buffer(&self, t: &TensorValue) -> bool {
+        let (Some(Arg::Node(src)), Some((buf, _, _))) = (self.arg(1, "src"), t.strided()) else { return false };
+        self.uses[src.0 as usize] == 1
+            && self.values.iter().enumerate().all(|(i, v)| {
+                i == src.0 as usize || !matches!(v, Some(Lowered::Tensor(o)) if o.strided().is_some_and(|(b, _, _)| b == buf))
+            })
+    }
+
     pub(super) fn lower_copy(&mut self, op: AtenOp) -> LResult<TensorValue> {
         let out = self.out_meta()?.clone();
         let src = match op {
@@ -512,7 +523,7 @@ impl Ctx<'_> {
         let size = out.shape.clone();
         if let PwIn::Tensor(t) = &src {
             broadcast_shapes(&[&t.size, &size])?;
-            if op == AtenOp::Copy && self.holds_as_laid_out(t, &out) {
+            if op == AtenOp::Copy && self.holds_as_laid_out(t, &out) && self.only_reader_of_buffer(t) {
                 // `copy(empty_strided(..), x)` (FlexAttention's output, traced `out.copy_(x)`)
                 // where x is already a whole buffer of that layout: the buffer is the copy
                 return Ok(t.clone());
