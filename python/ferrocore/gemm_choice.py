@@ -42,13 +42,14 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Callable) -> dict:
     """{GEMM node name: what was measured} for the GEMMs faster as templates with their epilogue;
-    `compile_region(gm, opts)` compiles a cut-out region (the static compile, without measuring)."""
+    `compile_region(gm, opts)` compiles a cut-out region (the static compile, without measuring;
+    without one, only what is cached is read)."""
     mode = opts.get("gemm_template")
     if mode not in ("measured", "cached") or not torch.cuda.is_available():
         return {}
     if mode == "cached" and not (opts.get("cache_dir") and (Path(opts["cache_dir"]) / FAMILY).is_dir()):
         return {}  # nothing measured yet (and no region is cut out to find that)
-    measuring = mode == "measured"
+    measuring = mode == "measured" and compile_region is not None
     chosen = {}
     for n in gm.graph.nodes:
         if not _is_gemm(n):

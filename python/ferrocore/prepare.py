@@ -51,7 +51,7 @@ def prepare(gm: torch.fx.GraphModule, name: str, opts: dict, timings: dict, meas
         t = time.perf_counter()
         gemms["padded_matmuls"] = padding.padded_matmuls(gm, opts, measured)
         timings["padding"] = (time.perf_counter() - t) * 1e3
-        if opts.get("gemm_template") == "cached" or (compile_region is not None and opts.get("gemm_template") == "measured"):
+        if opts.get("gemm_template") in ("cached", "measured"):
             t2 = time.perf_counter()
             gemms["template_matmuls"] = gemm_choice.template_matmuls(gm, opts, compile_region)
             timings["gemm_template"] = (time.perf_counter() - t2) * 1e3

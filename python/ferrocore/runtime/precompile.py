@@ -107,7 +107,7 @@ def precompile_triton(kernels, device, launchers: dict | None = None, autotune: 
 
 def _is_template(entry) -> bool:
     """Whether a kernel is a matrix product (its configurations are tiles)."""
-    return any(name == "BLOCK_M" for name, _ in entry[2].items())
+    return "BLOCK_M" in entry[2]
 
 
 def _bind_binaries(entries: list, launchers: dict, index: int, arch: int, cache_dir: str, unit: str | None,

@@ -36,7 +36,8 @@ pub enum GemmTemplate {
     /// Every GEMM is a library call.
     Never,
     /// Those the graph names in `template_matmuls` from measurements already cached (an earlier
-    /// `measured` compile's): nothing is timed while compiling. The default mode's.
+    /// `measured` compile's): nothing is timed while compiling. The default mode's. The lowering
+    /// treats it as `Measured`; only the front's choice of what it names differs.
     #[default]
     Cached,
     /// Those the graph names in `template_matmuls` (measured faster with their epilogue fused,

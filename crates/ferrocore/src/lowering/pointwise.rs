@@ -481,7 +481,6 @@ impl Ctx<'_> {
             && out.storage_offset == 0
             && !matches!(b.source, BufferSource::Input(_))
             && b.layout.offset == 0
-            && b.layout.numel() == t.numel()
             && b.layout.size == out.shape
             && (0..stride.len()).all(|i| out.shape[i] == 1 || (stride[i] == out.stride[i] && b.layout.stride[i] == stride[i]))
     }
