@@ -72,6 +72,25 @@ def test_a_document_mask_read_from_a_tensor(attention_log):
     check(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the attention kernel is a Triton template")
+@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi"])
+def test_a_float32_score_mod_runs_in_the_attention_kernel(attention_log, name):
+    """Inference in bfloat16: a float32 score_mod (and the mask beside it) is computed inside
+    ferrocore's attention kernel (no library call, no stored scores); values as eager's."""
+    document = torch.arange(S, device=TEST_DEVICE) // 96
+    mask_mod, score_mod = {
+        "alibi": (None, alibi),
+        "causal_alibi": (causal, alibi),
+        "document_alibi": (lambda b, h, q, kv: (document[q] == document[kv]) & (q >= kv), alibi),
+    }[name]
+    mask = block_mask(mask_mod) if mask_mod else None
+    inputs = qkv(torch.bfloat16)
+    f = lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)  # noqa: E731
+    check(f, *inputs, atol=2e-2, rtol=2e-2)
+    assert not ferrocore.metrics.last["extern_ops"], ferrocore.metrics.last["extern_ops"]
+    assert "fused_attention_overrideable" in attention_log()
+
+
 def test_a_soft_capped_score_runs_as_generated_kernels(attention_log):
     mask = block_mask(causal)
     check(lambda q, k, v: flex_attention(q, k, v, score_mod=soft_cap, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
@@ -163,5 +182,7 @@ def test_a_float32_score_mod_over_half_precision_inputs_is_not_rounded(attention
         got.float().square().sum().backward()
         for a, b in zip(twins, leaves):
             torch.testing.assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
-    else:
+    elif TEST_DEVICE == "cpu":
         assert "would round" in attention_log()
+    else:  # ferrocore's attention kernel adds the bias in float32
+        assert "fused_attention_overrideable" in attention_log()

@@ -115,6 +115,51 @@ def _():
     return (lambda x, w: (x @ w, torch.tanh(x @ w) * 2)), (randn(17, 300), randn(300, 19, seed=1))
 
 
+def _written_out_attention(mask_of, bias_of=None, keys=72):
+    """bfloat16 attention as a model writes it: scores in float32, a float32 bias and a boolean
+    mask over positions, a softmax, a product with the values."""
+    def attend(q, k, v):
+        scores = (q @ k.transpose(-1, -2)).float() * 0.25
+        i = torch.arange(q.shape[-2])[:, None]
+        j = torch.arange(k.shape[-2])[None, :]
+        if bias_of is not None:
+            scores = scores + bias_of(i, j)
+        scores = scores.masked_fill(~mask_of(i, j), float("-inf"))
+        return torch.softmax(scores, -1).to(q.dtype) @ v
+
+    return attend, (randn(2, 3, 80, 16, dtype=torch.bfloat16), randn(2, 3, keys, 16, seed=1, dtype=torch.bfloat16),
+                    randn(2, 3, keys, 16, seed=2, dtype=torch.bfloat16))
+
+
+def _slope(i, j):
+    return (j - i).float() * 0.37
+
+
+@case("attention_template_float32_bias_sliding_window", atol=2e-2, rtol=2e-2)
+def _():
+    # the mask closes whole key tiles (skipped) and parts of others; 80 rows by 72 keys leave
+    # partial tiles on both edges
+    return _written_out_attention(lambda i, j: (j <= i) & (i - j < 20), _slope)
+
+
+@case("attention_template_float32_bias", atol=2e-2, rtol=2e-2)
+def _():
+    # an ALiBi-like slope x distance, float32 as the graph adds it (not rounded to bfloat16)
+    return _written_out_attention(lambda i, j: j <= i + 3, _slope)
+
+
+@case("attention_template_causal_float32_bias", atol=2e-2, rtol=2e-2)
+def _():
+    # a proven causal mask: the key loop stops at each query tile's diagonal
+    return _written_out_attention(lambda i, j: j <= i, _slope, keys=80)
+
+
+@case("attention_template_row_with_no_key", atol=2e-2, rtol=2e-2)
+def _():
+    # row 0 has no open key: NaN, as eager's plain softmax gives
+    return _written_out_attention(lambda i, j: (j < i) & (i - j < 20), _slope)
+
+
 @case("gemm_template_half_vector_times_matrix", atol=1e-2, rtol=1e-2, options=TEMPLATE)
 def _():
     # one row, a column-major weight, and a cast out of half precision

@@ -233,7 +233,7 @@ pub fn kernel_structure(s: &Schedule, k: &FusedKernel) -> String {
             "node group {} out {out} {:?}{} checks {} ranges {:?}\n  {exprs:?}\n  {:?}\n  {:?}\n",
             kn.group,
             node.kind(),
-            if node.contraction { " (matrix product)" } else { "" },
+            if node.is_matrix_product() { " (matrix product)" } else { "" },
             node.checks_indices(),
             kn.ranges,
             kn.body.dtypes,

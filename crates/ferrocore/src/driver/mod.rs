@@ -335,6 +335,7 @@ fn generate_in(st: &mut Stages, graph_json: &str) -> Result<(Generation, Vec<Fal
         let pass_options = crate::rewrite::PassOptions {
             cuda_arch: options.cuda_arch,
             gemm_templates: options.gemm_template == GemmTemplate::Always,
+            triton_kernels: options.backend.resolve(graph.devices().iter()) == KernelLanguage::Triton,
             ..Default::default()
         };
         let run = std::panic::AssertUnwindSafe(|| (pass.run)(graph, &pass_options));

@@ -102,12 +102,40 @@ pub struct LoopNode {
     pub body: LoopBody,
     /// FX node names this node computes (for kernel names and logs).
     pub origins: Vec<String>,
+    /// A node a backend renders from a template rather than by walking its loops.
+    pub template: Option<Template>,
+}
+
+/// The templates a loop node may be (`LoopNode::template`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Template {
     /// A matrix product: output ranges `[batch.., m, n]`, one reduction variable `k`, and a body
     /// that sums `a[.., m, k] * b[.., k, n]` (two loads, their casts, one product) and casts the
     /// sum to the output's type. Any backend may compute it as written; a GPU backend renders it
     /// as a tiled matrix product (`codegen::triton::template`). Loop passes leave it as built, and
     /// only pointwise nodes over its outputs join its kernel (its epilogue).
-    pub contraction: bool,
+    MatrixProduct,
+    Attention(Attention),
+}
+
+/// Fused attention over output ranges `[B, H, M, D]` and keys `n` (the reduction variable):
+/// `out[b, h, m] = softmax_n(q[b, h, m] · k[b, h, n] · scale + bias(b, h, m, n)) · v[b, h, n]`,
+/// where the bias (float32, -inf where a mask closes a key) is the body's value `bias`, computed
+/// over variables (b, h, m, n) = (0, 1, 2, 4) from the exprs before it. A row whose keys are all
+/// closed gives 0. The rest of the body reads q, k and v at (b, h, m, d) and (b, h, n, d) (what
+/// the scheduler and the memory plan see of the node) and sums their product with the bias over
+/// n: a stand-in, not the node's value; only a backend with an attention template (Triton)
+/// computes it. Loop passes leave it as built, and nothing joins its kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Attention {
+    pub scale: f64,
+    /// The bias closes every key after the query's own (square scores): no key tile past the
+    /// diagonal is visited.
+    pub causal: bool,
+    pub bias: ValueId,
+    pub q: ValueId,
+    pub k: ValueId,
+    pub v: ValueId,
 }
 
 impl LoopNode {
@@ -118,6 +146,15 @@ impl LoopNode {
             NodeKind::Reduction
         } else {
             NodeKind::Pointwise
+        }
+    }
+    pub fn is_matrix_product(&self) -> bool {
+        self.template == Some(Template::MatrixProduct)
+    }
+    pub fn attention(&self) -> Option<&Attention> {
+        match &self.template {
+            Some(Template::Attention(a)) => Some(a),
+            _ => None,
         }
     }
     /// Sizes of all variables, output ranges first.

@@ -103,7 +103,7 @@ mod tests {
         let mut body = LoopBody::default();
         let x = body.load(b, IndexExpr::var(Var(3)), DType::F32);
         body.set_store(IndexExpr::var(Var(0)), x);
-        p.nodes.push(LoopNode { output: b, ranges: vec![4], reduction_ranges: vec![], body, origins: vec![], contraction: false });
+        p.nodes.push(LoopNode { output: b, ranges: vec![4], reduction_ranges: vec![], body, origins: vec![], template: None });
         assert!(p.verify().unwrap_err().contains("uses v3"));
 
         let mut body = LoopBody::default();

@@ -259,14 +259,7 @@ impl Ctx<'_> {
             let r = bx.body.cast(sum, out.dtype);
             bx.body.set_store(layout.index_of(&idx), r);
         }
-        self.push_node(LoopNode {
-            output: obuf,
-            ranges,
-            reduction_ranges: vec![],
-            body,
-            origins: vec![self.node_name()],
-            contraction: false,
-        });
+        self.push_node(LoopNode { output: obuf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()], template: None });
         Ok(Lowered::Tensor(view_of_layout(obuf, &layout)))
     }
 

@@ -176,7 +176,7 @@ impl Ctx<'_> {
                 reduction_ranges: vec![],
                 body,
                 origins: vec![self.node_name()],
-                contraction: false,
+                template: None,
             });
         }
         if offset != out.shape[dim] {

@@ -198,7 +198,7 @@ impl Ctx<'_> {
             reduction_ranges: vec![k],
             body,
             origins: vec![self.node_name()],
-            contraction: true,
+            template: Some(Template::MatrixProduct),
         };
         self.push_node(node);
         let name = &self.graph.node(self.current).name;
@@ -438,7 +438,7 @@ impl Ctx<'_> {
                     reduction_ranges: vec![],
                     body,
                     origins: vec![cx.node_name()],
-                    contraction: false,
+                    template: None,
                 });
             }
             Some(buf)

@@ -4,6 +4,7 @@
 //! recompute are realized into buffers. Views never copy: they remap indices. An op we cannot
 //! lower becomes a logged ATen fallback call, never an error.
 
+mod attention;
 mod cpu_conv;
 mod creation;
 mod externs;
@@ -507,6 +508,10 @@ impl<'g> Ctx<'g> {
             Histc => t(self.lower_histc()?),
             Convolution | ConvolutionBackward => self.lower_convolution(op)?,
             Mm | Bmm | Addmm => self.lower_matmul(op)?,
+            FusedAttention => match self.lower_attention_template()? {
+                Some(lowered) => lowered,
+                None => self.lower_extern(op)?,
+            },
             Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward | PdistForward | EmbeddingBag | AddmmActivation => {
                 self.lower_extern(op)?
             }
@@ -520,7 +525,6 @@ impl<'g> Ctx<'g> {
             | EfficientAttentionBackward
             | CudnnAttention
             | CudnnAttentionBackward
-            | FusedAttention
             | FusedAttentionBackward
             | GroupedMm
             | TransformerEncoderLayer
@@ -648,14 +652,7 @@ impl<'g> Ctx<'g> {
     pub fn realize_into(&mut self, tv: &TensorValue, layout: Layout) -> TensorValue {
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let (body, ranges) = write_body(tv, &layout);
-        self.push_node(LoopNode {
-            output: buf,
-            ranges,
-            reduction_ranges: vec![],
-            body,
-            origins: vec![self.node_name()],
-            contraction: false,
-        });
+        self.push_node(LoopNode { output: buf, ranges, reduction_ranges: vec![], body, origins: vec![self.node_name()], template: None });
         view_of_layout(buf, &layout)
     }
 

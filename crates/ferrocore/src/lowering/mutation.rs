@@ -114,7 +114,7 @@ impl<'g> Ctx<'g> {
             others.clear();
         }
         let origins = vec![self.graph.node(m.node).name.clone()];
-        (LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins, contraction: false }, others)
+        (LoopNode { output: dst, ranges, reduction_ranges: vec![], body, origins, template: None }, others)
     }
 
     /// The write of `m`'s value from a copy of it made now, before any input is written.

@@ -478,7 +478,7 @@ impl PoolKernel<'_> {
             let r = bx.body.cast(result, dtype);
             bx.body.set_store(layout.index_of(&out_idx), r);
         }
-        cx.push_node(LoopNode { output: obuf, ranges, reduction_ranges, body, origins: vec![cx.node_name()], contraction: false });
+        cx.push_node(LoopNode { output: obuf, ranges, reduction_ranges, body, origins: vec![cx.node_name()], template: None });
         view_of_layout(obuf, &layout)
     }
 

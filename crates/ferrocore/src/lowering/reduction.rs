@@ -42,7 +42,7 @@ impl Ctx<'_> {
             let v = bx.body.cast(v, dtype);
             bx.body.set_store(layout.index_of(&kept_idx), v);
         }
-        self.push_node(LoopNode { output: buf, ranges, reduction_ranges, body: lb, origins: vec![self.node_name()], contraction: false });
+        self.push_node(LoopNode { output: buf, ranges, reduction_ranges, body: lb, origins: vec![self.node_name()], template: None });
         view_of_layout(buf, &layout)
     }
 
@@ -143,7 +143,7 @@ impl Ctx<'_> {
             let s = bx.body.scan(rop, v);
             bx.body.set_store(layout.index_of(&full), s);
         }
-        self.push_node(LoopNode { output: buf, ranges, reduction_ranges, body, origins: vec![self.node_name()], contraction: false });
+        self.push_node(LoopNode { output: buf, ranges, reduction_ranges, body, origins: vec![self.node_name()], template: None });
         self.finish_reduction(view_of_layout(buf, &layout), &out)
     }
 

@@ -74,7 +74,7 @@ impl Ctx<'_> {
                 reduction_ranges: vec![],
                 body,
                 origins: vec![self.node_name()],
-                contraction: false,
+                template: None,
             });
         }
         Ok(view_of_layout(buf, &layout))
@@ -332,7 +332,7 @@ impl Ctx<'_> {
             reduction_ranges: vec![numel],
             body,
             origins: vec![self.node_name()],
-            contraction: false,
+            template: None,
         });
         buf
     }

@@ -58,6 +58,8 @@ struct Ctx<'g> {
     uses: Vec<usize>,
     users: Vec<Vec<NodeId>>,
     cuda_arch: u32,
+    differentiable: bool,
+    triton_kernels: bool,
 }
 
 fn tensor(g: &Graph, id: NodeId) -> Option<&TensorMeta> {
@@ -346,6 +348,10 @@ enum Kernel {
     Cudnn,
     Efficient,
     FlashCpu,
+    /// ferrocore's own attention kernel (`_scaled_dot_product_fused_attention_overrideable`, the
+    /// backend's hook, lowered to `Template::Attention`): the bias is computed inside it, in
+    /// float32, tile by tile, and tiles it closes entirely are skipped.
+    Template,
 }
 
 impl Kernel {
@@ -364,6 +370,7 @@ impl Kernel {
             Kernel::Cudnn => AtenOp::CudnnAttention,
             Kernel::Efficient => AtenOp::EfficientAttention,
             Kernel::FlashCpu => AtenOp::FlashAttentionCpu,
+            Kernel::Template => AtenOp::FusedAttention,
         }
     }
 }
@@ -404,7 +411,14 @@ pub fn fuse_attention(g: Graph, options: &PassOptions) -> (Graph, Vec<String>) {
 /// `fuse_attention`, of the attention at softmax `at` whose result is `root` alone when given.
 pub fn fuse_attention_at(g: Graph, options: &PassOptions, at: Option<(NodeId, NodeId)>) -> (Graph, Vec<String>) {
     let root = at.map(|(_, r)| r);
-    let cx = Ctx { g: &g, uses: g.use_counts(), users: g.users(), cuda_arch: options.cuda_arch };
+    let cx = Ctx {
+        g: &g,
+        uses: g.use_counts(),
+        users: g.users(),
+        cuda_arch: options.cuda_arch,
+        differentiable: options.differentiable,
+        triton_kernels: options.triton_kernels,
+    };
     let mut edit = GraphEdit::new(&g);
     let mut decisions = Vec::new();
     let mut claimed: HashSet<NodeId> = HashSet::new();
@@ -479,14 +493,15 @@ impl Ctx<'_> {
         if kdim != kv {
             return Err(format!("head dims differ (keys {kdim}, values {kv})"));
         }
+        // the library calls' bias has the inputs' type: a wider bias would be rounded there (an
+        // ALiBi score_mod's slope x distance moved bfloat16 outputs by 2.4 at 1024 keys)
+        let mut wide_bias = None;
         if matches!(dtype, DType::F16 | DType::BF16) {
-            // the call's bias has the inputs' type: a wider bias would be rounded there (an
-            // ALiBi score_mod's slope x distance moved bfloat16 outputs by 2.4 at 1024 keys)
             for step in &steps {
                 if let Step::Add(o) | Step::Subtract(o) = step {
                     if !exact_in(g, *o, dtype, 0) {
                         let wide = tensor(g, *o).map_or(DType::F32, |t| t.dtype);
-                        return Err(format!("{} adds {wide} values that {dtype} would round", g.node(*o).name));
+                        wide_bias = Some(format!("{} adds {wide} values that {dtype} would round", g.node(*o).name));
                     }
                 }
             }
@@ -497,7 +512,12 @@ impl Ctx<'_> {
         }
         let causal = causal_fill(g, &steps, [m, n]);
         let rows_open = causal.is_some() && steps.iter().filter(|s| s.is_mask()).count() == 1;
-        let kernel = self.kernel(device, dtype, [b, h, m, n, kdim], !rows_open && steps.iter().any(Step::is_mask))?;
+        let template = self.template(device, dtype, kdim, wide_bias.is_some());
+        let kernel = match (template, wide_bias) {
+            (Ok(()), _) => Kernel::Template,
+            (Err(why), Some(wide)) => return Err(format!("{wide}, and no attention template: {why}")),
+            (Err(_), None) => self.kernel(device, dtype, [b, h, m, n, kdim], !rows_open && steps.iter().any(Step::is_mask))?,
+        };
         let root_is_output = g.outputs.contains(&Arg::Node(root));
         Ok(Match {
             bmm1,
@@ -590,6 +610,34 @@ impl Ctx<'_> {
             }
             _ => Ok(kernel),
         }
+    }
+
+    /// Whether ferrocore's attention kernel takes these inputs (`Kernel::Template`), or why not:
+    /// half-precision CUDA inputs of an inference graph whose scores take a float32 bias no
+    /// library call holds (an ALiBi slope x distance), which would otherwise run unfused. (A
+    /// mask alone stays the library call's bias: on the H200 the kernel, which computes the mask
+    /// on every tile of keys to skip the closed ones, ran sliding-window masks at 0.13x to 0.02x
+    /// of Inductor's block-sparse FlexAttention over 1k to 8k keys, where cuDNN with the stored
+    /// mask ran at 0.36x to 0.03x.)
+    fn template(&self, device: Device, dtype: DType, kdim: i64, wanted: bool) -> Result<(), String> {
+        if !wanted {
+            return Err("no mask a library call cannot take as well".into());
+        }
+        // (CPU tensors whose loops are Triton kernels run it in Triton's interpreter)
+        let gpu = match device {
+            Device::Cuda(_) => self.cuda_arch >= 80,
+            _ => self.triton_kernels,
+        };
+        if !gpu || !self.triton_kernels || !matches!(dtype, DType::F16 | DType::BF16) {
+            return Err("not half-precision inputs of Triton kernels on a GPU of sm_80 or later".into());
+        }
+        if self.differentiable {
+            return Err("the graph is differentiated (the kernel has no backward yet)".into());
+        }
+        if ![16, 32, 64, 128].contains(&kdim) {
+            return Err(format!("head dim {kdim} (the kernel takes 16, 32, 64 or 128)"));
+        }
+        Ok(())
     }
 
     /// The softmax's consumer: itself, or torch's safe softmax around it (`where(row all -inf,
@@ -873,8 +921,9 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, log_sum_exp: bool) -> String
     let q = e.operand(&m.q, "query");
     let k = e.operand(&m.k, "key");
     let v = e.operand(&m.v, "value");
-    // the kernel applies a causal mask itself: the bias is every other mask
-    let (bias, chain_scale) = e.replay(&m.steps, m.causal);
+    // the library kernels apply a causal mask themselves: their bias is every other mask
+    let skip = if kernel == Kernel::Template { None } else { m.causal };
+    let (bias, chain_scale) = e.replay(&m.steps, skip);
     let scale = m.q.scale * m.k.scale * chain_scale;
     // rows the mask fills with -inf entirely: eager's softmax gives NaN there (0 under the safe
     // softmax); the kernels give 0 and a log-sum-exp that does not tell (0 on the CPU). Found
@@ -882,17 +931,24 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, log_sum_exp: bool) -> String
     // of its bias, a +inf it would have met is found there too
     let row_fixes = match (&bias, m.causal) {
         _ if m.rows_open => None,
+        // (the template gives such rows 0, as the safe softmax does)
+        _ if kernel == Kernel::Template && m.safe => None,
+        (Some(bn), _) if kernel == Kernel::Template => Some(e.row_fixes(bn.clone(), false)),
         (_, Some(_)) => e.replay(&m.steps, None).0.map(|full| e.row_fixes(full, true)),
         (Some(bn), None) => Some(e.row_fixes(bn.clone(), false)),
         (None, None) => None,
     };
-    let bias = bias.map(|bn| e.call_bias(bn, [b, h, rows, keys], dt));
+    let bias = match kernel {
+        // (float32, as the graph computes it)
+        Kernel::Template => bias.map(|bn| e.four_d(bn)),
+        _ => bias.map(|bn| e.call_bias(bn, [b, h, rows, keys], dt)),
+    };
     let has_bias = bias.is_some();
     let causal = Arg::Bool(m.causal.is_some());
     // the call; its output is laid out [B, rows, H, head] and seen as [B, H, rows, head]
     // (cuDNN's in the query's dim order); a library result laid out otherwise is copied
     let out_meta = match kernel {
-        Kernel::Cudnn => strided(&[b, h, rows, kv], &matching_strides(&e.meta(&q), kv), dt, dev),
+        Kernel::Cudnn | Kernel::Template => strided(&[b, h, rows, kv], &matching_strides(&e.meta(&q), kv), dt, dev),
         _ => strided(&[b, h, rows, kv], &[rows * h * kv, kv, h * kv, 1], dt, dev),
     };
     let scale_kw = ("scale".to_string(), Arg::Float(scale));
@@ -908,6 +964,13 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, log_sum_exp: bool) -> String
         Kernel::Efficient => {
             let args = vec![q, k, v, bias, Arg::Bool(log_sum_exp), Arg::Float(0.0), causal];
             (args, vec![scale_kw], Meta::Tuple(vec![Some(out_meta.clone()), None, None, None]))
+        }
+        Kernel::Template => {
+            // (is_causal: the bias holds the causal mask too; the kernel stops at the diagonal)
+            let args = vec![q, k, v, bias, Arg::Float(0.0), causal, Arg::Bool(false)];
+            let mut items = vec![Some(out_meta.clone())];
+            items.resize(9, None);
+            (args, vec![scale_kw], Meta::Tuple(items))
         }
         Kernel::FlashCpu => {
             let args = vec![q, k, v, Arg::Float(0.0), causal];

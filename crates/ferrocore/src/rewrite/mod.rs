@@ -31,6 +31,8 @@ pub struct PassOptions {
     /// (`gemm_template = always`): no library epilogue is asked for (nor for the GEMMs the graph
     /// names in `template_matmuls`).
     pub gemm_templates: bool,
+    /// The graph's loops run in Triton kernels (CUDA, or CPU tensors under Triton's interpreter).
+    pub triton_kernels: bool,
 }
 
 /// The graph passes, in the order they run.

@@ -91,7 +91,7 @@ fn rewrite(node: &LoopNode, complex_out: bool) -> Option<LoopNode> {
     } else {
         body.set_store(index, value);
     }
-    Some(LoopNode { output: node.output, ranges, reduction_ranges: Vec::new(), body, origins: node.origins.clone(), contraction: false })
+    Some(LoopNode { output: node.output, ranges, reduction_ranges: Vec::new(), body, origins: node.origins.clone(), template: None })
 }
 
 impl Rewriter<'_> {

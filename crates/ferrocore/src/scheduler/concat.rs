@@ -176,7 +176,7 @@ fn merge(writer: &LoopNode, reader: &LoopNode, buf: BufferId, dims: &[Option<usi
         reduction_ranges: vec![],
         body,
         origins: [writer.origins.clone(), reader.origins.clone()].concat(),
-        contraction: false,
+        template: None,
     })
 }
 

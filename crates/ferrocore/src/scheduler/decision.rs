@@ -25,9 +25,11 @@ pub enum Rejection {
 pub enum NewKernelReason {
     SharesNothing,
     EveryFusionRejected,
-    /// A matrix product (`LoopNode::contraction`) heads a kernel of its own: its template tiles
+    /// A matrix product (`Template::MatrixProduct`) heads a kernel of its own: its template tiles
     /// the kernel by its outputs.
     MatrixProduct,
+    /// A fused attention (`Template::Attention`) is a kernel of its own.
+    Attention,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -90,6 +92,7 @@ impl Decision {
                     NewKernelReason::SharesNothing => "shares no data with an earlier kernel",
                     NewKernelReason::EveryFusionRejected => "every fusion was rejected",
                     NewKernelReason::MatrixProduct => "a matrix product heads its own kernel; pointwise readers may join it",
+                    NewKernelReason::Attention => "a fused attention is a kernel of its own",
                 };
                 write!(s, "new kernel {}: {buffer} ({why})", kernel(*k))
             }

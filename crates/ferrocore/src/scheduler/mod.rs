@@ -221,8 +221,10 @@ pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, rewrites: Vec<String>)
                     }
                     None => match PlanBuilder::build(&program, &[n], &placed) {
                         Ok(plan) => {
-                            let reason = if node.contraction {
+                            let reason = if node.is_matrix_product() {
                                 NewKernelReason::MatrixProduct
+                            } else if node.attention().is_some() {
+                                NewKernelReason::Attention
                             } else if rejected {
                                 NewKernelReason::EveryFusionRejected
                             } else {
@@ -406,9 +408,9 @@ fn choose_kernel(
     decisions: &mut Vec<Decision>,
 ) -> (Option<Choice>, bool) {
     let node = &p.nodes[n];
-    if node.is_scatter() || node.contraction {
+    if node.is_scatter() || node.template.is_some() {
         // a scatter updates a buffer filled by earlier writers: it runs after all of them,
-        // alone, and nothing joins its kernel; a matrix product heads its kernel
+        // alone, and nothing joins its kernel; a template heads its kernel
         return (None, false);
     }
     let reads: Vec<BufferId> = node.reads().into_iter().map(|(b, _)| b).collect();
@@ -573,7 +575,8 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &s
     }
     words.truncate(WORDS);
     let kind = match plan.groups.first() {
-        _ if members.first().is_some_and(|&n| p.nodes[n].contraction) => "mm",
+        _ if members.first().is_some_and(|&n| p.nodes[n].is_matrix_product()) => "mm",
+        _ if members.first().is_some_and(|&n| p.nodes[n].attention().is_some()) => "attn",
         _ if plan.groups.iter().any(|g| g.reduction) => "red",
         _ => "poi",
     };

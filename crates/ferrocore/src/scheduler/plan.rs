@@ -241,10 +241,13 @@ impl PlanBuilder {
             (s, n.reduction_ranges.clone(), true)
         };
         if let Some(first) = self.plan.nodes.first() {
-            if n.contraction {
-                return Err(format!("{name} is a matrix product: it heads a kernel of its own"));
+            if n.template.is_some() {
+                return Err(format!("{name} is a template: it heads a kernel of its own"));
             }
-            if p.nodes[first.node].contraction && (is_red || !inner.is_empty()) {
+            if p.nodes[first.node].attention().is_some() {
+                return Err(format!("nothing joins a fused attention's kernel ({name})"));
+            }
+            if p.nodes[first.node].is_matrix_product() && (is_red || !inner.is_empty()) {
                 return Err(format!("only pointwise nodes over a matrix product's outputs join its kernel; {name} loops over {inner:?}"));
             }
         }

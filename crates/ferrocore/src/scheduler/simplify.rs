@@ -7,8 +7,8 @@ use crate::symbolic::{IndexExpr, Var};
 
 /// Returns the node with merged/dropped dims. Output and reduction dims merge separately.
 pub fn simplify_loops(node: &LoopNode) -> LoopNode {
-    if node.contraction {
-        return node.clone(); // its template needs the (m, n, k) roles of its variables
+    if node.template.is_some() {
+        return node.clone(); // its template needs the roles of its variables
     }
     let nr = node.ranges.len();
     let sizes = node.var_ranges();
@@ -61,7 +61,7 @@ pub fn simplify_loops(node: &LoopNode) -> LoopNode {
         reduction_ranges: new_ranges[n_out..].to_vec(),
         body,
         origins: node.origins.clone(),
-        contraction: false,
+        template: None,
     }
 }
 

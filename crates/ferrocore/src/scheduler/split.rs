@@ -121,8 +121,7 @@ pub fn split_reductions(p: &mut LoopProgram, config: &SplitConfig) -> Vec<String
                     names.join(", "),
                     if one_pass { " (a variance: each chunk's sum and Welford M2 in one pass, combined by Chan's formula)" } else { "" }
                 ));
-                p.nodes[n] =
-                    LoopNode { output, ranges, reduction_ranges: vec![splits], body: second(&partials), origins, contraction: false };
+                p.nodes[n] = LoopNode { output, ranges, reduction_ranges: vec![splits], body: second(&partials), origins, template: None };
             }
         }
         new_steps.push(step);
@@ -147,8 +146,8 @@ struct Split {
 /// The split of node `n`, or None when the node is not worth or not able to split.
 fn plan_split(p: &LoopProgram, n: usize, config: &SplitConfig) -> Option<Split> {
     let node = &p.nodes[n];
-    if node.contraction {
-        return None; // a matrix product is tiled over its outputs by its template
+    if node.template.is_some() {
+        return None; // a template tiles its kernel itself
     }
     let (rid, op, operand) = single_reduction(&node.body)?;
     if matches!(op, ReduceOp::WelfordM2) {
@@ -356,7 +355,7 @@ fn first_stage(node: &LoopNode, rid: ValueId, op: ReduceOp, operand: ValueId, sh
         reduction_ranges: vec![chunk],
         body: fb,
         origins: Vec::new(),
-        contraction: false,
+        template: None,
     };
     // the second stage's variables are [kept..., s]
     let index = (0..nk).fold(IndexExpr::var(Var(nk as u32)).scale(part_strides[s_var as usize]), |acc, v| {

@@ -393,7 +393,7 @@ fn fuse_takes_only_pointwise_readers_into_a_matrix_product() {
             ..Default::default()
         };
         let program = crate::lowering::lower_graph_with(&parse_graph(&doc).unwrap(), &options).unwrap().program;
-        assert_eq!(program.nodes.iter().filter(|n| n.contraction).count(), 1);
+        assert_eq!(program.nodes.iter().filter(|n| n.is_matrix_product()).count(), 1);
         fuse(program, &ScheduleOptions::CPP, Vec::new()).unwrap()
     };
     let s = template(&["add"]);

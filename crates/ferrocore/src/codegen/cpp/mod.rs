@@ -101,6 +101,10 @@ pub fn prelude(complex: bool) -> String {
 }
 
 fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenError> {
+    if k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].attention().is_some()) {
+        // (its body is a stand-in; the graph pass writes the template for Triton graphs only)
+        return Err(CodegenError::unsupported(&k.name, "a fused attention has no C++ template"));
+    }
     let mut params = Params::of(s, k);
     let (rows, row_decls) = scratch_rows(s, k, &mut params.ptr);
     let threads = Threads::of(s, k);

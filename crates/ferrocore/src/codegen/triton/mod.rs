@@ -9,6 +9,7 @@
 //! Index math is int32 only where every index of the kernel provably fits, int64 otherwise.
 //! What this backend cannot render yet is a typed `Unsupported` error, never a wrong kernel.
 
+mod attention;
 mod dialect;
 mod template;
 
@@ -92,6 +93,14 @@ impl KernelBackend for TritonBackend {
             if let Item::Kernel(k) = it {
                 check_supported(s, k, self.cpu_tensors)?;
                 let params = Params::of(s, k)?;
+                if attention::attention_of(s, k).is_some() {
+                    let ak = attention::AttentionKernel::of(s, k, &params)?;
+                    let mut launch = attention::launch(s, k, &params, &ak);
+                    let write = || attention::write(s, k, &params, &ak);
+                    definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, write)?;
+                    launches.push(launch);
+                    continue;
+                }
                 if template::is_matrix_product(s, k) {
                     let product = template::MatrixProduct::of(s, k, &params)?;
                     let mut launch = template::launch(s, k, &params, &product);

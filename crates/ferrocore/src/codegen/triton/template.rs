@@ -21,7 +21,7 @@ const GROUP_M: i64 = 8;
 
 /// Whether the kernel is a matrix product with its epilogue.
 pub(super) fn is_matrix_product(s: &Schedule, k: &FusedKernel) -> bool {
-    k.plan.nodes.first().is_some_and(|kn| s.program.nodes[kn.node].contraction)
+    k.plan.nodes.first().is_some_and(|kn| s.program.nodes[kn.node].is_matrix_product())
 }
 
 /// One operand's addressing: `offset + batch·b + rows·i + cols·j` for element `[b, i, j]`.

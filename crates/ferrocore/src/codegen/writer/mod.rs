@@ -177,6 +177,21 @@ pub fn write_group<D: Dialect>(
     Ok(text)
 }
 
+/// The value a body stores, written in a dialect but not stored: the text of each section and
+/// the value's name (a template computes it inside loops of its own: an attention's bias).
+pub fn write_value<D: Dialect>(d: &mut D, body: &LoopBody, ranges: &[i64], tmp: &mut usize) -> Result<(SectionText, String), String> {
+    let replace = HashMap::new();
+    let values = Values::new(tmp, D::ASSIGN, D::KERNEL_SECTION, None, ranges);
+    let mut em = Emitter { d, v: values, replace: &replace };
+    let vals = body.visit(&mut em);
+    let Emitter { v, .. } = em;
+    if let Some(why) = v.unsupported {
+        return Err(why);
+    }
+    let store = body.store.as_ref().ok_or("a body without a value")?;
+    Ok((v.text, vals[store.value.0 as usize].clone()))
+}
+
 /// Each node's reads of in-kernel values (looked up per node: kernels of thousands of nodes).
 pub fn local_reads_by_node(k: &FusedKernel) -> HashMap<usize, Vec<(BufferId, LocalRead)>> {
     let mut at: HashMap<usize, Vec<(BufferId, LocalRead)>> = HashMap::new();

@@ -235,7 +235,11 @@ fn biased_half_graph(bias_dtype: &str, cast: bool) -> String {
 fn a_float32_bias_is_not_rounded_into_a_half_precision_call() {
     // a score_mod's float32 values (ALiBi's slope x distance) would be rounded to bfloat16
     let (g, decisions) = fused(&biased_half_graph("float32", false));
-    assert_eq!(decisions, ["softmax probs: not fused: wide adds float32 values that bfloat16 would round"]);
+    assert_eq!(decisions.len(), 1);
+    assert!(
+        decisions[0].starts_with("softmax probs: not fused: wide adds float32 values that bfloat16 would round, and no attention template"),
+        "{decisions:?}"
+    );
     assert!(call_targets(&g).contains(&"aten.bmm.default"));
     // bfloat16 values widened to float32 lose nothing there
     let (_, decisions) = fused(&biased_half_graph("bfloat16", true));
@@ -248,4 +252,19 @@ fn half_types_hold_what_they_hold() {
     assert!(!holds(DType::BF16, 256.5) && !holds(DType::BF16, 0.1));
     assert!(holds(DType::F16, 2048.0) && holds(DType::F16, 2f64.powi(-24)) && holds(DType::F16, 65504.0));
     assert!(!holds(DType::F16, 2049.0) && !holds(DType::F16, 65536.0) && !holds(DType::F16, 0.1));
+}
+
+#[test]
+fn a_float32_bias_goes_to_the_attention_template_in_triton_inference_graphs() {
+    let text = biased_half_graph("float32", false);
+    let triton = PassOptions { cuda_arch: 90, triton_kernels: true, ..Default::default() };
+    let (g, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &triton);
+    assert!(decisions[0].contains("aten._scaled_dot_product_fused_attention_overrideable"), "{decisions:?}");
+    assert!(!call_targets(&g).contains(&"aten.bmm.default"));
+    // the bias reaches the call in float32, unrounded
+    assert!(!call_targets(&g).contains(&"aten._to_copy.default"), "{:?}", call_targets(&g));
+    // a differentiated graph keeps the written-out ops (the template has no backward)
+    let training = PassOptions { differentiable: true, ..triton };
+    let (_, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &training);
+    assert!(decisions[0].contains("differentiated"), "{decisions:?}");
 }

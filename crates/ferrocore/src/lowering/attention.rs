@@ -1,0 +1,94 @@
+//! Fused attention with a computed bias (`_scaled_dot_product_fused_attention_overrideable`,
+//! which the `attention` graph pass writes for Triton graphs) as one `Template::Attention` node:
+//! the bias stays a lazy value, so its computation (a mask built from positions, a document id
+//! gathered per key, an ALiBi slope times a distance) is inlined into the kernel's key loop and
+//! never stored.
+
+use super::pointwise::{broadcast_index, broadcast_shapes};
+use super::*;
+
+impl Ctx<'_> {
+    /// The call as an attention node, or None where no template takes it (the library call runs).
+    pub(super) fn lower_attention_template(&mut self) -> LResult<Option<Lowered>> {
+        if !self.triton_kernels() || self.float_arg(4, "dropout_p")?.unwrap_or(0.0) != 0.0 {
+            return Ok(None);
+        }
+        // (a causal call's bias closes the keys after each query's own as well: `is_causal`
+        // only tells the kernel it may stop at the diagonal)
+        let causal = matches!(self.arg(5, "is_causal"), Some(Arg::Bool(true)));
+        let Some(Arg::Node(bias_node)) = self.arg(3, "attn_bias").cloned() else { return Ok(None) };
+        let Meta::Tuple(items) = self.meta() else { return malformed("fused attention returns a tuple") };
+        let Some(Some(Meta::Tensor(out))) = items.first() else { return malformed("fused attention has no output") };
+        let [b, h, m, d] = out.shape[..] else { return malformed("fused attention's output is not 4-D") };
+        let mut operands = Vec::new();
+        for (i, key) in [(0, "query"), (1, "key"), (2, "value")] {
+            let Some(Arg::Node(n)) = self.arg(i, key).cloned() else { return malformed(format!("{key} is not a tensor")) };
+            let Some(t) = self.graph.node(n).meta.tensor() else { return malformed(format!("{key} has no metadata")) };
+            if t.shape.len() != 4 || t.dtype != out.dtype || t.shape[3] != d || t.shape[0] != b || t.shape[1] != h {
+                return malformed(format!("{key} shaped {:?} ({}) for an output {:?}", t.shape, t.dtype, out.shape));
+            }
+            operands.push((self.extern_tensor(n, false)?, t.shape[2]));
+        }
+        let n_keys = operands[1].1;
+        if operands[2].1 != n_keys || operands[0].1 != m {
+            return malformed("query, key and value rows disagree");
+        }
+        if causal && m != n_keys {
+            return Ok(None);
+        }
+        let bias = self.tensor_of(bias_node)?;
+        if broadcast_shapes(&[&bias.size, &[b, h, m, n_keys]])? != [b, h, m, n_keys] {
+            return malformed(format!("a bias shaped {:?} for scores [{b}, {h}, {m}, {n_keys}]", bias.size));
+        }
+        let scale = self.float_arg(7, "scale")?.unwrap_or(1.0 / (d as f64).sqrt());
+
+        // variables: b, h, m, d over the output, then the key n
+        let var = |i: u32| IndexExpr::var(Var(i));
+        let mut body = LoopBody::default();
+        let mut bx = Bx { body: &mut body, ranges: vec![b, h, m, d, n_keys] };
+        let bias_value = bias.load(&mut bx, &broadcast_index(&bias.size, &[var(0), var(1), var(2), var(4)]));
+        let bias_value = bx.body.cast(bias_value, DType::F32);
+        let mut loads = Vec::new();
+        for ((arg, _), row) in operands.iter().zip([var(2), var(4), var(4)]) {
+            let (buf, stride, offset) = match arg {
+                ExternArg::Buffer(buf) => {
+                    let l = &self.prog.buffer(*buf).layout;
+                    (*buf, l.stride.clone(), l.offset)
+                }
+                ExternArg::View { buf, stride, offset, .. } => (*buf, stride.clone(), *offset),
+                _ => return malformed("an attention operand is not a tensor"),
+            };
+            let index =
+                [var(0), var(1), row, var(3)].iter().zip(&stride).fold(IndexExpr::constant(offset), |e, (v, st)| e.add(&v.scale(*st)));
+            let value = bx.body.load(buf, index, out.dtype);
+            loads.push(value);
+        }
+        // the stand-in the scheduler sees: every read, summed over the keys
+        let wide: Vec<ValueId> = loads.iter().map(|&l| bx.body.cast(l, DType::F32)).collect();
+        let product = wide.iter().fold(bias_value, |acc, &x| bx.body.binary(BinaryOp::Mul, acc, x));
+        let sum = bx.body.reduce(ReduceOp::Sum, product);
+        let value = bx.body.cast(sum, out.dtype);
+        let layout = Layout { size: out.shape.clone(), stride: out.stride.clone(), offset: 0, dtype: out.dtype, device: out.device };
+        body.set_store(layout.index_of(&[var(0), var(1), var(2), var(3)]), value);
+        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let template = Template::Attention(Attention { scale, causal, bias: bias_value, q: loads[0], k: loads[1], v: loads[2] });
+        self.push_node(LoopNode {
+            output: buf,
+            ranges: vec![b, h, m, d],
+            reduction_ranges: vec![n_keys],
+            body,
+            origins: vec![self.node_name()],
+            template: Some(template),
+        });
+        self.decisions.push((
+            "attention",
+            format!(
+                "template: {} [{b}, {h}, {m}, {d}] over {n_keys} keys is an attention kernel, its bias computed inside",
+                self.node_name()
+            ),
+        ));
+        let mut tuple = vec![Some(Lowered::Tensor(view_of_layout(buf, &layout)))];
+        tuple.resize(items.len(), None);
+        Ok(Some(Lowered::Tuple(tuple)))
+    }
+}
