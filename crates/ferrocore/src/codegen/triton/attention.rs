@@ -7,7 +7,7 @@
 //! diagonal.
 
 use super::dialect::TritonGroup;
-use super::{kernel_numel, launch_args, CodegenError, KernelLaunch, LaunchShape, Params, IDX32_LIMIT};
+use super::{CodegenError, KernelLaunch, Params, IDX32_LIMIT};
 use crate::codegen::writer::write_value;
 use crate::codegen::{Tile, TuneConfig};
 use crate::graph::DType;
@@ -128,26 +128,7 @@ fn cdiv(a: i64, b: i64) -> i64 {
 
 /// The kernel's launch: the first configuration, the others as the autotuner's candidates.
 pub(super) fn launch(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKernel) -> KernelLaunch {
-    let candidates = ak.configs();
-    let first = candidates[0];
-    let (args, arg_numel) = launch_args(&s.program, params);
-    KernelLaunch {
-        name: k.name.clone(),
-        args,
-        checks_indices: params.checks_indices,
-        numel: kernel_numel(k),
-        shape: LaunchShape::Grid {
-            grid: first.grid,
-            xblock: 0,
-            num_warps: first.num_warps,
-            num_stages: first.num_stages,
-            tile: first.tile,
-        },
-        signature: params.signature.clone(),
-        candidates,
-        arg_numel,
-        text: 0..0, // placed by `render`
-    }
+    super::template::tiled_launch(s, k, params, ak.configs())
 }
 
 /// The kernel's definition.

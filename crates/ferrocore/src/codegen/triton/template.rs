@@ -149,7 +149,12 @@ fn cdiv(a: i64, b: i64) -> i64 {
 
 /// The kernel's launch: the first configuration, the others as the autotuner's candidates.
 pub(super) fn launch(s: &Schedule, k: &FusedKernel, params: &Params, mp: &MatrixProduct) -> KernelLaunch {
-    let candidates = mp.configs();
+    tiled_launch(s, k, params, mp.configs())
+}
+
+/// A template kernel's launch over tiles (`BLOCK_M`, `BLOCK_N`, `BLOCK_K`): the first of
+/// `candidates`, all of them the autotuner's.
+pub(super) fn tiled_launch(s: &Schedule, k: &FusedKernel, params: &Params, candidates: Vec<TuneConfig>) -> KernelLaunch {
     let first = candidates[0];
     let (args, arg_numel) = launch_args(&s.program, params);
     KernelLaunch {
