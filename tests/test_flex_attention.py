@@ -73,15 +73,17 @@ def test_a_document_mask_read_from_a_tensor(attention_log):
 
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the attention kernel is a Triton template")
-@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi"])
-def test_a_float32_score_mod_runs_in_the_attention_kernel(attention_log, name):
-    """Inference in bfloat16: a float32 score_mod (and the mask beside it) is computed inside
-    ferrocore's attention kernel (no library call, no stored scores); values as eager's."""
+@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi", "sliding_window"])
+def test_runs_in_the_attention_kernel(attention_log, name):
+    """Inference in bfloat16: a float32 score_mod (and the mask beside it), or a mask built from
+    positions, is computed inside ferrocore's attention kernel (no library call, no stored
+    scores); values as eager's."""
     document = torch.arange(S, device=TEST_DEVICE) // 96
     mask_mod, score_mod = {
         "alibi": (None, alibi),
         "causal_alibi": (causal, alibi),
         "document_alibi": (lambda b, h, q, kv: (document[q] == document[kv]) & (q >= kv), alibi),
+        "sliding_window": (sliding_window, None),
     }[name]
     mask = block_mask(mask_mod) if mask_mod else None
     inputs = qkv(torch.bfloat16)

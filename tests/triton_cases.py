@@ -135,6 +135,12 @@ def _slope(i, j):
     return (j - i).float() * 0.37
 
 
+@case("attention_template_sliding_window", atol=2e-2, rtol=2e-2)
+def _():
+    # a band of keys built from positions: each query tile visits the key tiles of its band
+    return _written_out_attention(lambda i, j: (j <= i) & (i - j < 20))
+
+
 @case("attention_template_float32_bias_sliding_window", atol=2e-2, rtol=2e-2)
 def _():
     # the mask closes whole key tiles (skipped) and parts of others; 80 rows by 72 keys leave

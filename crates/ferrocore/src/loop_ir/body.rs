@@ -498,6 +498,84 @@ impl LoopBody {
         })
     }
 
+    /// The body with its int64 arithmetic on loop indices and constants (index values, sums,
+    /// differences, products, selections and widening casts of them) computed in int32 wherever
+    /// every value it can take over `ranges` fits: the same values, at half the cost on a GPU
+    /// (an int64 operation is two, an int64-to-float conversion several). A value read by
+    /// anything else is widened back to int64 where it is read.
+    pub fn with_narrow_index_arithmetic(&self, ranges: &[i64]) -> LoopBody {
+        type Range = (i128, i128);
+        let fits = |(lo, hi): Range| lo >= i32::MIN as i128 && hi <= i32::MAX as i128;
+        let mut range: Vec<Option<Range>> = Vec::with_capacity(self.exprs.len());
+        for (i, e) in self.exprs.iter().enumerate() {
+            let of = |v: &ValueId| range[v.0 as usize];
+            let r = if self.dtypes[i] != DType::I64 {
+                None
+            } else {
+                match e {
+                    Expr::Index(ix) => Some(ix.bounds(ranges)),
+                    Expr::Constant(Scalar::Int(c)) => Some((*c as i128, *c as i128)),
+                    Expr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul), a, b) => {
+                        of(a).zip(of(b)).map(|((al, ah), (bl, bh))| match op {
+                            BinaryOp::Add => (al + bl, ah + bh),
+                            BinaryOp::Sub => (al - bh, ah - bl),
+                            _ => {
+                                let p = [al * bl, al * bh, ah * bl, ah * bh];
+                                (*p.iter().min().unwrap(), *p.iter().max().unwrap())
+                            }
+                        })
+                    }
+                    Expr::Where(_, a, b) => of(a).zip(of(b)).map(|((al, ah), (bl, bh))| (al.min(bl), ah.max(bh))),
+                    Expr::Cast(x) => match self.dtypes[x.0 as usize] {
+                        DType::Bool => Some((0, 1)),
+                        DType::I32 => Some((i32::MIN as i128, i32::MAX as i128)),
+                        _ => None,
+                    },
+                    _ => None,
+                }
+            };
+            range.push(r.filter(|r| fits(*r)));
+        }
+        let narrow: Vec<bool> = range.iter().map(Option::is_some).collect();
+        let mut out = LoopBody { inlined: self.inlined.clone(), ..LoopBody::default() };
+        let mut new_id: Vec<ValueId> = Vec::with_capacity(self.exprs.len());
+        let mut wide: HashMap<u32, ValueId> = HashMap::new();
+        for (i, e) in self.exprs.iter().enumerate() {
+            let id = if narrow[i] {
+                // (its operands are narrow too: only they give a range)
+                let map = |v: ValueId| Some(new_id[v.0 as usize]);
+                out.push_copy(e, DType::I32, &map).expect("operands are mapped")
+            } else if reads_narrow(e, self.dtypes[i], &narrow) {
+                let map = |v: ValueId| Some(new_id[v.0 as usize]);
+                out.push_copy(e, self.dtypes[i], &map).expect("operands are mapped")
+            } else {
+                for v in e.operands() {
+                    if narrow[v.0 as usize] && !wide.contains_key(&v.0) {
+                        let w = out.cast(new_id[v.0 as usize], DType::I64);
+                        wide.insert(v.0, w);
+                    }
+                }
+                let map = |v: ValueId| Some(if narrow[v.0 as usize] { wide[&v.0] } else { new_id[v.0 as usize] });
+                out.push_copy(e, self.dtypes[i], &map).expect("operands are mapped")
+            };
+            new_id.push(id);
+        }
+        // (a stored value and a scatter's terms are read as int64)
+        let as_read = |out: &mut LoopBody, v: ValueId| {
+            if narrow[v.0 as usize] {
+                out.cast(new_id[v.0 as usize], DType::I64)
+            } else {
+                new_id[v.0 as usize]
+            }
+        };
+        if let Some(st) = &self.store {
+            let value = as_read(&mut out, st.value);
+            let terms = st.terms.iter().map(|(v, c)| (as_read(&mut out, *v), *c)).collect();
+            out.store = Some(Store { value, terms, ..st.clone() });
+        }
+        out
+    }
+
     /// Every index expression of the body (loads, index values, the store).
     pub fn indices(&self) -> Vec<&IndexExpr> {
         let mut out: Vec<&IndexExpr> = self
@@ -513,5 +591,16 @@ impl LoopBody {
             out.push(&s.index);
         }
         out
+    }
+}
+
+/// Whether `e` (of `dtype`) gives the same value from its int operands in int32 as in int64: a
+/// conversion to a float or a truth value, a comparison of two narrowed values.
+fn reads_narrow(e: &Expr, dtype: DType, narrow: &[bool]) -> bool {
+    use BinaryOp::*;
+    match e {
+        Expr::Cast(x) => narrow[x.0 as usize] && (dtype.is_float() || dtype == DType::Bool),
+        Expr::Binary(Eq | Ne | Lt | Le | Gt | Ge, a, b) => narrow[a.0 as usize] && narrow[b.0 as usize],
+        _ => false,
     }
 }

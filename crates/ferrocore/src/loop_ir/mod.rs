@@ -129,9 +129,6 @@ pub enum Template {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Attention {
     pub scale: f64,
-    /// The bias closes every key after the query's own (square scores): no key tile past the
-    /// diagonal is visited.
-    pub causal: bool,
     pub bias: ValueId,
     pub q: ValueId,
     pub k: ValueId,

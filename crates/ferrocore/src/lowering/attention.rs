@@ -13,9 +13,9 @@ impl Ctx<'_> {
         if !self.triton_kernels() || self.float_arg(4, "dropout_p")?.unwrap_or(0.0) != 0.0 {
             return Ok(None);
         }
-        // (a causal call's bias closes the keys after each query's own as well: `is_causal`
-        // only tells the kernel it may stop at the diagonal)
-        let causal = matches!(self.arg(5, "is_causal"), Some(Arg::Bool(true)));
+        if matches!(self.arg(5, "is_causal"), Some(Arg::Bool(true))) {
+            return Ok(None); // (the attention pass writes every mask into the bias)
+        }
         let Some(Arg::Node(bias_node)) = self.arg(3, "attn_bias").cloned() else { return Ok(None) };
         let Meta::Tuple(items) = self.meta() else { return malformed("fused attention returns a tuple") };
         let Some(Some(Meta::Tensor(out))) = items.first() else { return malformed("fused attention has no output") };
@@ -32,9 +32,6 @@ impl Ctx<'_> {
         let n_keys = operands[1].1;
         if operands[2].1 != n_keys || operands[0].1 != m {
             return malformed("query, key and value rows disagree");
-        }
-        if causal && m != n_keys {
-            return Ok(None);
         }
         let bias = self.tensor_of(bias_node)?;
         if broadcast_shapes(&[&bias.size, &[b, h, m, n_keys]])? != [b, h, m, n_keys] {
@@ -71,7 +68,7 @@ impl Ctx<'_> {
         let layout = Layout { size: out.shape.clone(), stride: out.stride.clone(), offset: 0, dtype: out.dtype, device: out.device };
         body.set_store(layout.index_of(&[var(0), var(1), var(2), var(3)]), value);
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
-        let template = Template::Attention(Attention { scale, causal, bias: bias_value, q: loads[0], k: loads[1], v: loads[2] });
+        let template = Template::Attention(Attention { scale, bias: bias_value, q: loads[0], k: loads[1], v: loads[2] });
         self.push_node(LoopNode {
             output: buf,
             ranges: vec![b, h, m, d],

@@ -146,6 +146,24 @@ fn exact_in(g: &Graph, id: NodeId, half: DType, depth: usize) -> bool {
     }
 }
 
+/// Whether `id` is computed from no graph input (from positions and constants: a mask built
+/// with `arange`), as far as 256 nodes tell.
+fn reads_no_input(g: &Graph, id: NodeId, seen: &mut HashSet<NodeId>) -> bool {
+    if !seen.insert(id) {
+        return true;
+    }
+    let NodeKind::Call { args, kwargs, .. } = &g.node(id).kind else { return false };
+    if seen.len() >= 256 {
+        return false;
+    }
+    let mut read = |a: &Arg| match a {
+        Arg::Node(n) => reads_no_input(g, *n, seen),
+        Arg::List(items) => items.iter().all(|i| !matches!(i, Arg::Node(_))),
+        _ => true,
+    };
+    args.iter().chain(kwargs.iter().map(|(_, a)| a)).all(&mut read)
+}
+
 /// Whether `half` (float16 or bfloat16) represents `v` exactly.
 fn holds(half: DType, v: f64) -> bool {
     if v == 0.0 || v.is_infinite() {
@@ -512,7 +530,15 @@ impl Ctx<'_> {
         }
         let causal = causal_fill(g, &steps, [m, n]);
         let rows_open = causal.is_some() && steps.iter().filter(|s| s.is_mask()).count() == 1;
-        let template = self.template(device, dtype, kdim, wide_bias.is_some());
+        // masks the kernel computes from positions alone (a data-dependent one, a document id
+        // gathered per key, ran at 0.03x to 0.12x of Inductor's there, its gathers per tile)
+        let fills: Vec<NodeId> = steps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| if let Step::Fill { cond, .. } = s { (Some(i) != causal).then_some(*cond) } else { None })
+            .collect();
+        let positional = !fills.is_empty() && fills.iter().all(|c| reads_no_input(g, *c, &mut HashSet::new()));
+        let template = self.template(device, dtype, kdim, wide_bias.is_some() || positional);
         let kernel = match (template, wide_bias) {
             (Ok(()), _) => Kernel::Template,
             (Err(why), Some(wide)) => return Err(format!("{wide}, and no attention template: {why}")),
@@ -614,11 +640,12 @@ impl Ctx<'_> {
 
     /// Whether ferrocore's attention kernel takes these inputs (`Kernel::Template`), or why not:
     /// half-precision CUDA inputs of an inference graph whose scores take a float32 bias no
-    /// library call holds (an ALiBi slope x distance), which would otherwise run unfused. (A
-    /// mask alone stays the library call's bias: on the H200 the kernel, which computes the mask
-    /// on every tile of keys to skip the closed ones, ran sliding-window masks at 0.13x to 0.02x
-    /// of Inductor's block-sparse FlexAttention over 1k to 8k keys, where cuDNN with the stored
-    /// mask ran at 0.36x to 0.03x.)
+    /// library call holds (an ALiBi slope x distance), which would otherwise run unfused, or a
+    /// mask built from positions that closes keys other than a causal one: the kernel computes
+    /// the mask per tile of keys (a library call reads it stored, over every tile), and visits
+    /// only the key tiles of a band the mask proves (a sliding window: 0.72x to 0.77x of
+    /// Inductor's block-sparse FlexAttention on the H200 over 1k to 8k keys, where cuDNN with
+    /// the stored mask ran at 0.18x to 0.03x).
     fn template(&self, device: Device, dtype: DType, kdim: i64, wanted: bool) -> Result<(), String> {
         if !wanted {
             return Err("no mask a library call cannot take as well".into());
@@ -966,8 +993,8 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, log_sum_exp: bool) -> String
             (args, vec![scale_kw], Meta::Tuple(vec![Some(out_meta.clone()), None, None, None]))
         }
         Kernel::Template => {
-            // (is_causal: the bias holds the causal mask too; the kernel stops at the diagonal)
-            let args = vec![q, k, v, bias, Arg::Float(0.0), causal, Arg::Bool(false)];
+            // (the bias holds every mask, the causal one too: the kernel reads its band from it)
+            let args = vec![q, k, v, bias, Arg::Float(0.0), Arg::Bool(false), Arg::Bool(false)];
             let mut items = vec![Some(out_meta.clone())];
             items.resize(9, None);
             (args, vec![scale_kw], Meta::Tuple(items))

@@ -3,8 +3,9 @@
 //! `BLOCK_N` at a time, with a running maximum and sum per row (the online softmax) and float32
 //! accumulators. The bias is the node's own body written by the kernel writer over the tile
 //! (`b`, `h`, the rows `rm[:, None]`, the keys `rn[None, :]`): a mask or score modification is
-//! computed where it is used and never stored. Under a causal mask the key loop ends at the
-//! diagonal.
+//! computed where it is used and never stored. Where the bias proves that a query sees only
+//! keys in a band around its own position (causal, sliding-window masks: `key_band`), each
+//! query tile visits only the key tiles of its band.
 
 use super::dialect::TritonGroup;
 use super::{CodegenError, KernelLaunch, Params, IDX32_LIMIT};
@@ -44,8 +45,9 @@ pub(super) struct AttentionKernel {
     /// the writer computes what reads the rows alone (`Section::Pre`: a query's document id)
     /// once, before the key loop.
     bias: LoopBody,
-    /// No key past the query's own is open: the loop stops at the diagonal.
-    causal: bool,
+    /// What the bias proves of the keys it leaves open (`key_band`): the loop visits only the
+    /// key tiles a query tile may see.
+    band: Vec<Bound>,
     idx64: bool,
 }
 
@@ -79,13 +81,15 @@ impl AttentionKernel {
         let subst: Vec<Option<IndexExpr>> =
             [Some(1), Some(2), Some(0), None, Some(3)].iter().map(|v| v.map(|i| IndexExpr::var(Var(i)))).collect();
         let ranges = [m, b, h, n];
-        let bias = bias.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &ranges));
-        let mut idx64 = b * h * m * n.max(d) >= IDX32_LIMIT;
+        let bias = bias.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &ranges)).with_narrow_index_arithmetic(&ranges);
+        // (the scores are never stored: only the buffers and the bias's addresses bound the offsets)
+        let mut idx64 = bias.indices().iter().any(|e| e.bounds(&ranges).1 >= IDX32_LIMIT as i128);
         for buf in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*buf).layout.storage_numel() >= IDX32_LIMIT;
         }
+        let band = key_band(&bias);
         Ok(AttentionKernel {
-            causal: a.causal,
+            band,
             dims: [b, h, m, n, d],
             q: operand(a.q, 2)?,
             k: operand(a.k, 4)?,
@@ -106,7 +110,7 @@ impl AttentionKernel {
         let shapes: &[(i64, i64, u32, u32)] = if d > 64 {
             &[(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)]
         } else {
-            &[(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
+            &[(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
         };
         let fit = |block: i64, size: i64| block.min(super::next_power_of_two(size).max(16));
         let mut out: Vec<TuneConfig> = Vec::new();
@@ -164,20 +168,31 @@ pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attenti
     for line in bias.rows.lines() {
         let _ = writeln!(out, "    {line}");
     }
-    // (no branch skips a closed tile: Triton pipelines the loads of a loop without one, which
-    // ran an ALiBi bias 2.6x as fast on the H200 as skipping did; the causal loop stops early)
-    let end = if ak.causal { format!("tl.minimum({n}, (pid_m + 1) * BLOCK_M)") } else { n.to_string() };
-    let _ = writeln!(out, "    for n0 in range(0, {end}, BLOCK_N):");
+    // the key tiles the query tile may see (no branch skips a closed tile inside the loop:
+    // Triton pipelines the loads of a loop without one, which ran an ALiBi bias 2.6x as fast
+    // on the H200 as skipping did)
+    let (start, end) = band_text(&ak.band, n);
+    let _ = writeln!(out, "    m_first = pid_m * BLOCK_M\n    m_last = m_first + BLOCK_M - 1");
+    let _ = writeln!(out, "    start = {start}\n    end = {end}");
+    let _ = writeln!(out, "    rn = start + {}", wide("tl.arange(0, BLOCK_N)"));
+    let _ = writeln!(out, "    k_ptrs = {pk} + ({})", at(&ak.k, "rn[None, :]", "rd[:, None]"));
+    let _ = writeln!(out, "    v_ptrs = {pv} + ({})", at(&ak.v, "rn[:, None]", "rd[None, :]"));
+    let _ = writeln!(out, "    for n0 in range(start, end, BLOCK_N):");
     let _ = writeln!(out, "        rn = n0 + {}", wide("tl.arange(0, BLOCK_N)"));
     let _ = writeln!(out, "        tile_mask = xmask & (rn[None, :] < {n})");
     for line in bias.tile.lines() {
         let _ = writeln!(out, "        {line}");
     }
-    // (keys past the edge are -inf)
-    out.push_str("        bias = tl.where(tile_mask, bias + tl.zeros([BLOCK_M, BLOCK_N], tl.float32), float(\"-inf\"))\n");
+    // keys past the edge are -inf (a tile-sized test only where the keys do not fill the tiles)
+    let _ = writeln!(out, "        if {n} % BLOCK_N != 0:");
+    let _ = writeln!(out, "            bias = tl.where(rn[None, :] < {n}, bias, float(\"-inf\"))");
     let pad = "        ";
-    let _ = writeln!(out, "{pad}kn = rn % {n}");
-    let _ = writeln!(out, "{pad}kt = tl.load({pk} + ({}))", at(&ak.k, "kn[None, :]", "rd[:, None]"));
+    let _ = writeln!(out, "{pad}if {n} % BLOCK_N != 0:");
+    let _ = writeln!(out, "{pad}    kt = tl.load(k_ptrs, mask=rn[None, :] < {n}, other=0.0)");
+    let _ = writeln!(out, "{pad}    vt = tl.load(v_ptrs, mask=rn[:, None] < {n}, other=0.0)");
+    let _ = writeln!(out, "{pad}else:");
+    let _ = writeln!(out, "{pad}    kt = tl.load(k_ptrs)");
+    let _ = writeln!(out, "{pad}    vt = tl.load(v_ptrs)");
     let _ = writeln!(out, "{pad}s = ferro_dot(q, kt) * {} + bias", super::dialect::float_lit(ak.scale));
     let _ = writeln!(out, "{pad}m_new = tl.maximum(m_i, tl.max(s, 1))");
     // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
@@ -185,9 +200,10 @@ pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attenti
     let _ = writeln!(out, "{pad}p = tl.exp(s - m_use[:, None])");
     let _ = writeln!(out, "{pad}alpha = tl.exp(m_i - m_use)");
     let _ = writeln!(out, "{pad}l_i = l_i * alpha + tl.sum(p, 1)");
-    let _ = writeln!(out, "{pad}vt = tl.load({pv} + ({}))", at(&ak.v, "kn[:, None]", "rd[None, :]"));
     let _ = writeln!(out, "{pad}acc = acc * alpha[:, None] + ferro_dot(p.to(vt.dtype), vt)");
     let _ = writeln!(out, "{pad}m_i = m_new");
+    let _ = writeln!(out, "{pad}k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
+    let _ = writeln!(out, "{pad}v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
     // a row whose keys are all closed gives 0 (the safe softmax's answer)
     out.push_str("    result = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)\n");
     let _ = writeln!(
@@ -237,4 +253,235 @@ fn bias_text(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKerne
     let (text, value) =
         write_value(&mut dialect, &ak.bias, &[m, b, h, n], &mut tmp).map_err(|why| CodegenError::unsupported(&k.name, why))?;
     Ok(BiasText { rows: format!("{}{}", text.kernel, text.pre), tile: format!("{}{}bias = {value}\n", text.inner, text.post) })
+}
+
+/// A bound the bias proves on the keys it leaves open for query `m`: `key >= slope·m + offset`
+/// (`lower`), or `key <= slope·m + offset`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Bound {
+    lower: bool,
+    slope: i64,
+    offset: i64,
+}
+
+/// `c + a·m + b·n >= 0` over the query `m` (variable 0) and the key `n` (variable 3).
+type Constraint = (i64, i64, i64);
+
+/// An integer value of the bias as `c + a·m + b·n`.
+type Affine = (i64, i64, i64);
+
+/// What a float value of the bias is known to need for not being -inf.
+enum Open {
+    Never,
+    /// Every one of these holds where the value is not -inf (none known: it may be anything).
+    When(Vec<Constraint>),
+}
+
+/// What the walk over the bias knows of each value so far.
+#[derive(Default)]
+struct Facts {
+    affine: Vec<Option<Affine>>,
+    /// Necessary conditions for a truth value to be true, and to be false.
+    truth: Vec<(Vec<Constraint>, Vec<Constraint>)>,
+    open: Vec<Open>,
+}
+
+impl Facts {
+    fn affine(&self, v: &ValueId) -> Option<Affine> {
+        self.affine[v.0 as usize]
+    }
+    fn truth(&self, v: &ValueId) -> (Vec<Constraint>, Vec<Constraint>) {
+        self.truth[v.0 as usize].clone()
+    }
+    fn open(&self, v: &ValueId) -> Option<Vec<Constraint>> {
+        match &self.open[v.0 as usize] {
+            Open::Never => None,
+            Open::When(c) => Some(c.clone()),
+        }
+    }
+}
+
+/// The bounds on the open keys that the bias proves: it is `where(cond, x, -inf)` (through
+/// sums, casts and positive scales), with `cond` a conjunction of comparisons of affine
+/// functions of the query and key positions. (A +inf meeting a -inf would give NaN where a tile
+/// is skipped; biases do not hold +inf.)
+pub(super) fn key_band(body: &LoopBody) -> Vec<Bound> {
+    let Some(store) = &body.store else { return Vec::new() };
+    let mut facts = Facts::default();
+    for (i, e) in body.exprs.iter().enumerate() {
+        let dt = body.dtypes[i];
+        // (narrower integers wrap)
+        let a = if matches!(dt, DType::I32 | DType::I64) { affine_of(e, &facts) } else { None };
+        let t = if dt == DType::Bool { truth_of(body, e, &facts) } else { Default::default() };
+        let o = if dt.is_float() { open_of(body, e, &facts) } else { Open::When(Vec::new()) };
+        facts.affine.push(a.filter(|(c, x, y)| c.abs() < 1 << 40 && x.abs() < 1 << 20 && y.abs() < 1 << 20));
+        facts.truth.push(t);
+        facts.open.push(o);
+    }
+    let Some(constraints) = facts.open(&store.value) else { return Vec::new() };
+    // c + a·m ± n >= 0: n >= -a·m - c, or n <= a·m + c
+    let mut out: Vec<Bound> = Vec::new();
+    for (c, a, b) in constraints {
+        let bound = match b {
+            1 => Bound { lower: true, slope: -a, offset: -c },
+            -1 => Bound { lower: false, slope: a, offset: c },
+            _ => continue,
+        };
+        if !out.contains(&bound) {
+            out.push(bound);
+        }
+    }
+    out
+}
+
+/// An integer value as an affine function of the query and key positions.
+fn affine_of(e: &Expr, f: &Facts) -> Option<Affine> {
+    let add = |p: Affine, q: Affine, s: i64| (p.0 + s * q.0, p.1 + s * q.1, p.2 + s * q.2);
+    match e {
+        Expr::Index(ix) => {
+            let mut vs = Vec::new();
+            ix.vars(&mut vs);
+            let only = vs.iter().all(|v| v.0 == 0 || v.0 == 3) && ix.terms.iter().all(|(a, _)| matches!(a, Atom::Var(_)));
+            only.then(|| (ix.constant, ix.affine_coeff(Var(0)).unwrap_or(0), ix.affine_coeff(Var(3)).unwrap_or(0)))
+        }
+        Expr::Constant(Scalar::Int(c)) => Some((*c, 0, 0)),
+        Expr::Cast(x) => f.affine(x),
+        Expr::Binary(BinaryOp::Add, x, y) => f.affine(x).zip(f.affine(y)).map(|(p, q)| add(p, q, 1)),
+        Expr::Binary(BinaryOp::Sub, x, y) => f.affine(x).zip(f.affine(y)).map(|(p, q)| add(p, q, -1)),
+        Expr::Binary(BinaryOp::Mul, x, y) => match (f.affine(x), f.affine(y)) {
+            (Some(p), Some((c, 0, 0))) | (Some((c, 0, 0)), Some(p)) => Some((p.0 * c, p.1 * c, p.2 * c)),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// A truth value's necessary conditions for being true, and for being false.
+fn truth_of(body: &LoopBody, e: &Expr, f: &Facts) -> (Vec<Constraint>, Vec<Constraint>) {
+    let is_false = |v: &ValueId| matches!(body.exprs[v.0 as usize], Expr::Constant(Scalar::Int(0) | Scalar::Bool(false)));
+    match e {
+        Expr::Binary(op @ (BinaryOp::Ge | BinaryOp::Gt | BinaryOp::Le | BinaryOp::Lt), x, y) => match (f.affine(x), f.affine(y)) {
+            (Some(p), Some(q)) => {
+                // x - y >= 0 (>= and >), or y - x >= 0 (<= and <), less 1 when strict
+                let (p, q) = if matches!(op, BinaryOp::Ge | BinaryOp::Gt) { (p, q) } else { (q, p) };
+                let d = (p.0 - q.0, p.1 - q.1, p.2 - q.2);
+                let strict = matches!(op, BinaryOp::Gt | BinaryOp::Lt) as i64;
+                (vec![(d.0 - strict, d.1, d.2)], vec![(strict - d.0 - 1, -d.1, -d.2)])
+            }
+            _ => Default::default(),
+        },
+        Expr::Binary(BinaryOp::LogicalAnd | BinaryOp::BitAnd, x, y) => ([f.truth(x).0, f.truth(y).0].concat(), Vec::new()),
+        Expr::Binary(BinaryOp::LogicalOr | BinaryOp::BitOr, x, y) => (Vec::new(), [f.truth(x).1, f.truth(y).1].concat()),
+        Expr::Binary(BinaryOp::Eq, x, y) if is_false(y) => (f.truth(x).1, f.truth(x).0),
+        Expr::Unary(UnaryOp::LogicalNot | UnaryOp::BitwiseNot, x) => (f.truth(x).1, f.truth(x).0),
+        Expr::Cast(x) if body.dtypes[x.0 as usize] == DType::Bool => f.truth(x),
+        _ => Default::default(),
+    }
+}
+
+/// What a float value needs for not being -inf.
+fn open_of(body: &LoopBody, e: &Expr, f: &Facts) -> Open {
+    let positive = |v: &ValueId| matches!(body.exprs[v.0 as usize], Expr::Constant(Scalar::Float(c)) if c > 0.0 && c.is_finite());
+    let when = |o: Option<Vec<Constraint>>| o.map_or(Open::Never, Open::When);
+    match e {
+        Expr::Constant(Scalar::Float(c)) if *c == f64::NEG_INFINITY => Open::Never,
+        Expr::Where(c, x, y) => match (f.open(x), f.open(y)) {
+            (None, None) => Open::Never,
+            (Some(o), None) => Open::When([f.truth(c).0, o].concat()),
+            (None, Some(o)) => Open::When([f.truth(c).1, o].concat()),
+            _ => Open::When(Vec::new()),
+        },
+        Expr::Binary(BinaryOp::Add | BinaryOp::Sub, x, y) => when(f.open(x).zip(f.open(y)).map(|(p, q)| [p, q].concat())),
+        Expr::Binary(BinaryOp::Mul, x, y) if positive(y) => when(f.open(x)),
+        Expr::Binary(BinaryOp::Mul, x, y) if positive(x) => when(f.open(y)),
+        Expr::Cast(x) if body.dtypes[x.0 as usize].is_float() => when(f.open(x)),
+        _ => Open::When(Vec::new()),
+    }
+}
+
+/// The first key tile (aligned) and the end of the keys a query tile (rows `m_first` to
+/// `m_last`) visits.
+fn band_text(band: &[Bound], n: i64) -> (String, String) {
+    let at = |b: &Bound, m: &str| format!("{} * {m} + {}", b.slope, b.offset);
+    let (mut start, mut end) = ("0".to_string(), n.to_string());
+    for b in band {
+        // the bound over the tile's rows: its loosest end (the bound is linear in the row)
+        if b.lower {
+            start = format!("tl.maximum({start}, tl.minimum({}, {}))", at(b, "m_first"), at(b, "m_last"));
+        } else {
+            end = format!("tl.minimum({end}, tl.maximum({}, {}) + 1)", at(b, "m_first"), at(b, "m_last"));
+        }
+    }
+    if start != "0" {
+        start = format!("(({start}) // BLOCK_N) * BLOCK_N");
+    }
+    (start, end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `where(cond, 0, -inf)` over (m, b, h, n) as the attention pass writes a mask, its index
+    /// arithmetic narrowed as the kernel computes it.
+    fn mask_body(cond: impl Fn(&mut LoopBody, ValueId, ValueId) -> ValueId) -> LoopBody {
+        let mut body = LoopBody::default();
+        let m = body.index(IndexExpr::var(Var(0)), DType::I64);
+        let n = body.index(IndexExpr::var(Var(3)), DType::I64);
+        let c = cond(&mut body, m, n);
+        let zero = body.constant(Scalar::Float(0.0), DType::F32);
+        let closed = body.constant(Scalar::Float(f64::NEG_INFINITY), DType::F32);
+        let bias = body.where_(c, zero, closed);
+        body.set_store(IndexExpr::zero(), bias);
+        body.with_narrow_index_arithmetic(&[1024, 2, 4, 1024])
+    }
+
+    #[test]
+    fn a_sliding_window_is_a_band_of_keys() {
+        // (n <= m) & (m - n < 256)
+        let body = mask_body(|b, m, n| {
+            let causal = b.binary(BinaryOp::Le, n, m);
+            let distance = b.binary(BinaryOp::Sub, m, n);
+            let window = b.constant(Scalar::Int(256), DType::I64);
+            let near = b.binary(BinaryOp::Lt, distance, window);
+            b.binary(BinaryOp::BitAnd, causal, near)
+        });
+        let band = key_band(&body);
+        assert_eq!(band, [Bound { lower: false, slope: 1, offset: 0 }, Bound { lower: true, slope: 1, offset: -255 }]);
+        let (start, end) = band_text(&band, 1024);
+        assert_eq!(start, "((tl.maximum(0, tl.minimum(1 * m_first + -255, 1 * m_last + -255))) // BLOCK_N) * BLOCK_N");
+        assert_eq!(end, "tl.minimum(1024, tl.maximum(1 * m_first + 0, 1 * m_last + 0) + 1)");
+    }
+
+    #[test]
+    fn a_mask_filled_where_it_fails_is_read_through_its_negation() {
+        // masked_fill(~(n <= m), -inf): where(not c, -inf, 0)
+        let mut body = LoopBody::default();
+        let m = body.index(IndexExpr::var(Var(0)), DType::I64);
+        let n = body.index(IndexExpr::var(Var(3)), DType::I64);
+        let c = body.binary(BinaryOp::Le, n, m);
+        let not = body.unary(UnaryOp::LogicalNot, c);
+        let zero = body.constant(Scalar::Float(0.0), DType::F32);
+        let closed = body.constant(Scalar::Float(f64::NEG_INFINITY), DType::F32);
+        let bias = body.where_(not, closed, zero);
+        body.set_store(IndexExpr::zero(), bias);
+        assert_eq!(key_band(&body), [Bound { lower: false, slope: 1, offset: 0 }]);
+    }
+
+    #[test]
+    fn a_mask_with_an_unknown_part_proves_only_what_it_knows() {
+        // (n <= m) | (n == 0): a disjunction proves nothing; a mask of another variable neither
+        let body = mask_body(|b, m, n| {
+            let causal = b.binary(BinaryOp::Le, n, m);
+            let zero = b.constant(Scalar::Int(0), DType::I64);
+            let first = b.binary(BinaryOp::Eq, n, zero);
+            b.binary(BinaryOp::BitOr, causal, first)
+        });
+        assert_eq!(key_band(&body), []);
+        let body = mask_body(|b, _, n| {
+            let head = b.index(IndexExpr::var(Var(2)), DType::I64);
+            b.binary(BinaryOp::Le, n, head)
+        });
+        assert_eq!(key_band(&body), []);
+    }
 }
