@@ -1,7 +1,9 @@
 """FlexAttention (`torch.nn.attention.flex_attention`) compiles: the call is traced as torch's
 dense form (what eager runs), and the attention pass fuses it into one attention call where it
 proves the mask and the score modification (a causal `mask_mod` as `is_causal`, an additive
-`score_mod` as the bias); other modifications run as generated kernels. No graph falls back.
+`score_mod` as the bias; in half precision on a GPU, a float32 `score_mod` or a mask built from
+positions as ferrocore's own attention kernel); other modifications run as generated kernels.
+No graph falls back.
 Values, shapes, strides and dtypes as eager's, gradients too."""
 
 import pytest

@@ -604,3 +604,33 @@ fn reads_narrow(e: &Expr, dtype: DType, narrow: &[bool]) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::symbolic::Var;
+
+    #[test]
+    fn index_arithmetic_that_fits_is_computed_in_int32_and_widened_where_read() {
+        let mut body = LoopBody::default();
+        let i = body.index(IndexExpr::var(Var(0)), DType::I64);
+        let j = body.index(IndexExpr::var(Var(1)), DType::I64);
+        let d = body.binary(BinaryOp::Sub, i, j);
+        let far = body.constant(Scalar::Int(1 << 40), DType::I64);
+        let big = body.binary(BinaryOp::Mul, d, far); // (beyond int32: stays int64)
+        let f = body.cast(d, DType::F32);
+        let sum = body.binary(BinaryOp::Add, big, d);
+        let g = body.cast(sum, DType::F32);
+        let out = body.binary(BinaryOp::Add, f, g);
+        body.set_store(IndexExpr::zero(), out);
+        let narrow = body.with_narrow_index_arithmetic(&[1024, 1024]);
+        let dtype_of =
+            |e: &dyn Fn(&Expr) -> bool| narrow.exprs.iter().zip(&narrow.dtypes).filter(|(x, _)| e(x)).map(|(_, d)| *d).collect::<Vec<_>>();
+        assert_eq!(dtype_of(&|e| matches!(e, Expr::Binary(BinaryOp::Sub, ..))), [DType::I32]);
+        assert_eq!(dtype_of(&|e| matches!(e, Expr::Binary(BinaryOp::Mul, ..))), [DType::I64]);
+        // the difference is read as int64 by the product and the sum, as int32 by its conversion
+        let widened = narrow.exprs.iter().zip(&narrow.dtypes).filter(|(e, d)| matches!(e, Expr::Cast(_)) && **d == DType::I64).count();
+        assert_eq!(widened, 1);
+        assert_eq!(narrow.dtype(narrow.store.as_ref().unwrap().value), DType::F32);
+    }
+}
