@@ -8,6 +8,7 @@
 //! query tile visits only the key tiles of its band.
 
 use super::dialect::TritonGroup;
+use super::template::{cdiv, tile_dim};
 use super::{CodegenError, KernelLaunch, Params, IDX32_LIMIT};
 use crate::codegen::writer::write_value;
 use crate::codegen::{Tile, TuneConfig};
@@ -112,10 +113,9 @@ impl AttentionKernel {
         } else {
             &[(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
         };
-        let fit = |block: i64, size: i64| block.min(super::next_power_of_two(size).max(16));
         let mut out: Vec<TuneConfig> = Vec::new();
         for &(bm, bn, warps, stages) in shapes {
-            let tile = Tile { m: fit(bm, m), n: fit(bn, n), k: d };
+            let tile = Tile { m: tile_dim(bm, m), n: tile_dim(bn, n), k: d };
             let grid = b * h * cdiv(m, tile.m);
             let c = TuneConfig { grid, xblock: 0, num_warps: warps, num_stages: stages, tile: Some(tile) };
             if !out.contains(&c) {
@@ -124,10 +124,6 @@ impl AttentionKernel {
         }
         out
     }
-}
-
-fn cdiv(a: i64, b: i64) -> i64 {
-    (a + b - 1) / b
 }
 
 /// The kernel's launch: the first configuration, the others as the autotuner's candidates.

@@ -126,11 +126,10 @@ impl MatrixProduct {
             (64, 64, 32, 4, 5),
             (32, 64, 128, 4, 3),
         ];
-        let fit = |block: i64, size: i64| block.min(next_power_of_two(size).max(16));
         let mut out: Vec<TuneConfig> = Vec::new();
         for (bm, bn, bk, warps, stages) in SHAPES {
             let bk = if wide { bk / 2 } else { bk };
-            let tile = Tile { m: fit(bm, self.m), n: fit(bn, self.n), k: fit(bk, self.k) };
+            let tile = Tile { m: tile_dim(bm, self.m), n: tile_dim(bn, self.n), k: tile_dim(bk, self.k) };
             // small tiles need fewer warps (a warp's share of a 16 x 16 tile is tiny)
             let warps = if tile.m * tile.n <= 64 * 64 { warps.min(4) } else { warps };
             let grid = self.batch * cdiv(self.m, tile.m) * cdiv(self.n, tile.n);
@@ -143,8 +142,14 @@ impl MatrixProduct {
     }
 }
 
-fn cdiv(a: i64, b: i64) -> i64 {
+pub(super) fn cdiv(a: i64, b: i64) -> i64 {
     (a + b - 1) / b
+}
+
+/// A tile's extent along a dim of `size`: `block`, or less for a small dim (at least 16,
+/// `tl.dot`'s least).
+pub(super) fn tile_dim(block: i64, size: i64) -> i64 {
+    block.min(next_power_of_two(size).max(16))
 }
 
 /// The kernel's launch: the first configuration, the others as the autotuner's candidates.
