@@ -7,7 +7,6 @@
 //! keys in a band around its own position (causal, sliding-window masks: `key_band`), each
 //! query tile visits only the key tiles of its band.
 
-use super::dialect::TritonGroup;
 use super::template::{cdiv, tile_dim};
 use super::{CodegenError, KernelLaunch, Params, IDX32_LIMIT};
 use crate::codegen::writer::write_value;
@@ -16,7 +15,6 @@ use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, Schedule};
 use crate::symbolic::{Atom, IndexExpr, Var};
-use std::collections::HashSet;
 use std::fmt::Write;
 
 /// The kernel's attention node, when it is one.
@@ -131,89 +129,102 @@ pub(super) fn launch(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attent
     super::template::tiled_launch(s, k, params, ak.configs())
 }
 
-/// The kernel's definition.
+/// The kernel's definition: its program's queries, the loop over the key tiles of their band,
+/// the normalized result.
 pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKernel) -> Result<String, CodegenError> {
     let ptr = |o: &Operand| params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "an operand without a pointer"));
-    let (pq, pk, pv, po) = (ptr(&ak.q)?, ptr(&ak.k)?, ptr(&ak.v)?, ptr(&ak.out)?);
-    let [_, h, m, n, d] = ak.dims;
-    let wide = |e: &str| if ak.idx64 { format!("{e}.to(tl.int64)") } else { e.to_string() };
-    let at = |o: &Operand, row: &str, col: &str| {
-        let [sb, sh, sr, sc] = o.stride;
-        format!("{} + off_b * {sb} + off_h * {sh} + {row} * {sr} + {col} * {sc}", o.offset)
-    };
+    let [pq, pk, pv, po] = [ptr(&ak.q)?, ptr(&ak.k)?, ptr(&ak.v)?, ptr(&ak.out)?];
+    let bias = bias_text(s, k, params, ak)?;
     let mut all = params.names.clone();
     all.extend(["BLOCK_M: tl.constexpr".into(), "BLOCK_N: tl.constexpr".into(), "BLOCK_K: tl.constexpr".into()]);
-    let mut out = String::new();
-    let _ = writeln!(out, "@ferro_jit\ndef {}({}):", k.name, all.join(", "));
-    let _ = writeln!(out, "    pid = {}", wide("tl.program_id(0)"));
-    let _ = writeln!(out, "    tiles_m = ({m} + BLOCK_M - 1) // BLOCK_M");
-    out.push_str("    pid_m = pid % tiles_m\n    off_bh = pid // tiles_m\n");
-    let _ = writeln!(out, "    off_b = off_bh // {h}\n    off_h = off_bh % {h}");
-    let _ = writeln!(out, "    rm = pid_m * BLOCK_M + {}", wide("tl.arange(0, BLOCK_M)"));
-    let _ = writeln!(out, "    rd = {}", wide("tl.arange(0, BLOCK_K)"));
-    // rows past the edge read the first ones again (their results are not stored)
-    let _ = writeln!(out, "    qm = rm % {m}");
-    let _ = writeln!(out, "    q = tl.load({pq} + ({}))", at(&ak.q, "qm[:, None]", "rd[None, :]"));
-    out.push_str("    m_i = tl.full([BLOCK_M], float(\"-inf\"), tl.float32)\n");
-    out.push_str("    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)\n");
-    out.push_str("    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)\n");
-    let bias = bias_text(s, k, params, ak)?;
-    let _ = writeln!(out, "    xmask = rm[:, None] < {m}");
-    // (one shape for the whole kernel: Triton keeps a loop-carried name's type)
-    out.push_str("    xzero = rm[:, None] * 0 + tl.arange(0, BLOCK_N)[None, :] * 0\n");
-    for line in bias.rows.lines() {
-        let _ = writeln!(out, "    {line}");
-    }
-    // the key tiles the query tile may see (no branch skips a closed tile inside the loop:
-    // Triton pipelines the loads of a loop without one, which ran an ALiBi bias 2.6x as fast
-    // on the H200 as skipping did)
-    let (start, end) = band_text(&ak.band, n);
-    let _ = writeln!(out, "    m_first = pid_m * BLOCK_M\n    m_last = m_first + BLOCK_M - 1");
-    let _ = writeln!(out, "    start = {start}\n    end = {end}");
-    let _ = writeln!(out, "    rn = start + {}", wide("tl.arange(0, BLOCK_N)"));
-    let _ = writeln!(out, "    k_ptrs = {pk} + ({})", at(&ak.k, "rn[None, :]", "rd[:, None]"));
-    let _ = writeln!(out, "    v_ptrs = {pv} + ({})", at(&ak.v, "rn[:, None]", "rd[None, :]"));
-    let _ = writeln!(out, "    for n0 in range(start, end, BLOCK_N):");
-    let _ = writeln!(out, "        rn = n0 + {}", wide("tl.arange(0, BLOCK_N)"));
-    let _ = writeln!(out, "        tile_mask = xmask & (rn[None, :] < {n})");
-    for line in bias.tile.lines() {
-        let _ = writeln!(out, "        {line}");
-    }
-    // keys past the edge are -inf (a tile-sized test only where the keys do not fill the tiles)
-    let _ = writeln!(out, "        if {n} % BLOCK_N != 0:");
-    let _ = writeln!(out, "            bias = tl.where(rn[None, :] < {n}, bias, float(\"-inf\"))");
-    let pad = "        ";
-    let _ = writeln!(out, "{pad}if {n} % BLOCK_N != 0:");
-    let _ = writeln!(out, "{pad}    kt = tl.load(k_ptrs, mask=rn[None, :] < {n}, other=0.0)");
-    let _ = writeln!(out, "{pad}    vt = tl.load(v_ptrs, mask=rn[:, None] < {n}, other=0.0)");
-    let _ = writeln!(out, "{pad}else:");
-    let _ = writeln!(out, "{pad}    kt = tl.load(k_ptrs)");
-    let _ = writeln!(out, "{pad}    vt = tl.load(v_ptrs)");
-    let _ = writeln!(out, "{pad}s = ferro_dot(q, kt) * {} + bias", super::dialect::float_lit(ak.scale));
-    let _ = writeln!(out, "{pad}m_new = tl.maximum(m_i, tl.max(s, 1))");
-    // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
-    let _ = writeln!(out, "{pad}m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)");
-    let _ = writeln!(out, "{pad}p = tl.exp(s - m_use[:, None])");
-    let _ = writeln!(out, "{pad}alpha = tl.exp(m_i - m_use)");
-    let _ = writeln!(out, "{pad}l_i = l_i * alpha + tl.sum(p, 1)");
-    let _ = writeln!(out, "{pad}acc = acc * alpha[:, None] + ferro_dot(p.to(vt.dtype), vt)");
-    let _ = writeln!(out, "{pad}m_i = m_new");
-    let _ = writeln!(out, "{pad}k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
-    let _ = writeln!(out, "{pad}v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
+    let mut out = format!("@ferro_jit\ndef {}({}):\n", k.name, all.join(", "));
+    write_queries(&mut out, ak, &pq, &bias.rows);
+    write_key_loop(&mut out, ak, &pk, &pv, &bias.tile);
+    let m = ak.dims[2];
     // a row whose keys are all closed gives 0 (the safe softmax's answer)
     out.push_str("    result = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)\n");
-    let _ = writeln!(
-        out,
-        "    tl.store({po} + ({}), {}, mask=rm[:, None] < {m})",
-        at(&ak.out, "rm[:, None]", "rd[None, :]"),
-        store_value(ak.dtype)
-    );
-    let _ = d;
+    let at = ak.out.at("rm[:, None]", "rd[None, :]");
+    let _ = writeln!(out, "    tl.store({po} + ({at}), {}, mask=rm[:, None] < {m})", super::dialect::store_conv("result", ak.dtype));
     Ok(out)
 }
 
-fn store_value(dt: DType) -> String {
-    super::dialect::store_conv("result", dt)
+impl Operand {
+    /// The offset of element `[off_b, off_h, row, col]`.
+    fn at(&self, row: &str, col: &str) -> String {
+        let [sb, sh, sr, sc] = self.stride;
+        format!("{} + off_b * {sb} + off_h * {sh} + {row} * {sr} + {col} * {sc}", self.offset)
+    }
+}
+
+impl AttentionKernel {
+    /// `e` in the kernel's index type.
+    fn wide(&self, e: &str) -> String {
+        if self.idx64 {
+            format!("{e}.to(tl.int64)")
+        } else {
+            e.to_string()
+        }
+    }
+}
+
+/// The program's (batch, head) and query rows, its queries loaded, the running maximum, sum
+/// and accumulator, and the bias's part that reads the rows alone (`rows`).
+fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str) {
+    let [_, h, m, _, _] = ak.dims;
+    let _ = writeln!(out, "    pid = {}", ak.wide("tl.program_id(0)"));
+    let _ = writeln!(out, "    tiles_m = ({m} + BLOCK_M - 1) // BLOCK_M");
+    out.push_str("    pid_m = pid % tiles_m\n    off_bh = pid // tiles_m\n");
+    let _ = writeln!(out, "    off_b = off_bh // {h}\n    off_h = off_bh % {h}");
+    let _ = writeln!(out, "    rm = pid_m * BLOCK_M + {}", ak.wide("tl.arange(0, BLOCK_M)"));
+    let _ = writeln!(out, "    rd = {}", ak.wide("tl.arange(0, BLOCK_K)"));
+    // rows past the edge read the first ones again (their results are not stored)
+    let _ = writeln!(out, "    qm = rm % {m}");
+    let _ = writeln!(out, "    q = tl.load({pq} + ({}))", ak.q.at("qm[:, None]", "rd[None, :]"));
+    out.push_str("    m_i = tl.full([BLOCK_M], float(\"-inf\"), tl.float32)\n");
+    out.push_str("    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)\n");
+    out.push_str("    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)\n");
+    let _ = writeln!(out, "    xmask = rm[:, None] < {m}");
+    // (one shape for the whole kernel: Triton keeps a loop-carried name's type)
+    out.push_str("    xzero = rm[:, None] * 0 + tl.arange(0, BLOCK_N)[None, :] * 0\n");
+    for line in rows.lines() {
+        let _ = writeln!(out, "    {line}");
+    }
+}
+
+/// The loop over the key tiles the query tile may see: the bias over the tile (`tile`), the
+/// scores, the online softmax's update, the values' product. No branch skips a closed tile
+/// inside the loop: Triton pipelines the loads of a loop without one (a branch made an ALiBi
+/// bias 2.6x slower on the H200).
+fn write_key_loop(out: &mut String, ak: &AttentionKernel, pk: &str, pv: &str, tile: &str) {
+    let n = ak.dims[3];
+    let (start, end) = band_text(&ak.band, n);
+    out.push_str("    m_first = pid_m * BLOCK_M\n    m_last = m_first + BLOCK_M - 1\n");
+    let _ = writeln!(out, "    start = {start}\n    end = {end}");
+    let _ = writeln!(out, "    rn = start + {}", ak.wide("tl.arange(0, BLOCK_N)"));
+    let _ = writeln!(out, "    k_ptrs = {pk} + ({})", ak.k.at("rn[None, :]", "rd[:, None]"));
+    let _ = writeln!(out, "    v_ptrs = {pv} + ({})", ak.v.at("rn[:, None]", "rd[None, :]"));
+    out.push_str("    for n0 in range(start, end, BLOCK_N):\n");
+    let _ = writeln!(out, "        rn = n0 + {}", ak.wide("tl.arange(0, BLOCK_N)"));
+    let _ = writeln!(out, "        tile_mask = xmask & (rn[None, :] < {n})");
+    for line in tile.lines() {
+        let _ = writeln!(out, "        {line}");
+    }
+    // keys past the edge: -inf, and not read (a constexpr test: only where the keys do not fill
+    // the tiles)
+    let _ = writeln!(out, "        if {n} % BLOCK_N != 0:");
+    let _ = writeln!(out, "            bias = tl.where(rn[None, :] < {n}, bias, float(\"-inf\"))");
+    let _ = writeln!(out, "            kt = tl.load(k_ptrs, mask=rn[None, :] < {n}, other=0.0)");
+    let _ = writeln!(out, "            vt = tl.load(v_ptrs, mask=rn[:, None] < {n}, other=0.0)");
+    out.push_str("        else:\n            kt = tl.load(k_ptrs)\n            vt = tl.load(v_ptrs)\n");
+    let _ = writeln!(out, "        s = ferro_dot(q, kt) * {} + bias", super::dialect::float_lit(ak.scale));
+    out.push_str("        m_new = tl.maximum(m_i, tl.max(s, 1))\n");
+    // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
+    out.push_str("        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)\n");
+    out.push_str("        p = tl.exp(s - m_use[:, None])\n        alpha = tl.exp(m_i - m_use)\n");
+    out.push_str("        l_i = l_i * alpha + tl.sum(p, 1)\n");
+    out.push_str("        acc = acc * alpha[:, None] + ferro_dot(p.to(vt.dtype), vt)\n        m_i = m_new\n");
+    let _ = writeln!(out, "        k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
+    let _ = writeln!(out, "        v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
 }
 
 /// The bias's code: what reads the query rows alone (before the key loop, where `xmask` is
@@ -231,19 +242,7 @@ fn bias_text(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKerne
         2 => "off_h".to_string(),
         _ => "rn[None, :]".to_string(),
     };
-    let mut dialect = TritonGroup {
-        storage: &s.storage,
-        ptr: &params.ptr,
-        var_name: &var_name,
-        two_d: true,
-        looped: false,
-        terms_per_lane: 1,
-        rblock: 1,
-        full_mask: "tile_mask".into(),
-        err_ptr: params.checks_indices.then_some("err_ptr"),
-        empty: HashSet::new(),
-        accs: Vec::new(),
-    };
+    let mut dialect = super::template_group(s, params, &var_name, true, "tile_mask");
     let [b, h, m, n, _] = ak.dims;
     let mut tmp = 0usize;
     let (text, value) =

@@ -679,6 +679,32 @@ fn launch_args(p: &LoopProgram, params: &Params) -> (Vec<BufferId>, Vec<i64>) {
     (args, arg_numel)
 }
 
+/// The dialect a template writes the graph's part of its kernel in (a product's epilogue, an
+/// attention's bias): one pass over the template's own block, no loop of its own; `full_mask`
+/// masks the block, and buffers without elements are never read.
+fn template_group<'a>(
+    s: &'a Schedule,
+    params: &'a Params,
+    var_name: &'a dyn Fn(Var) -> String,
+    two_d: bool,
+    full_mask: &str,
+) -> TritonGroup<'a> {
+    let p = &s.program;
+    TritonGroup {
+        storage: &s.storage,
+        ptr: &params.ptr,
+        var_name,
+        two_d,
+        looped: false,
+        terms_per_lane: 1,
+        rblock: 1,
+        full_mask: full_mask.into(),
+        err_ptr: params.checks_indices.then_some("err_ptr"),
+        empty: params.read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect(),
+        accs: Vec::new(),
+    }
+}
+
 /// What bounds a kernel's launch configurations.
 struct Space {
     tiled: bool,

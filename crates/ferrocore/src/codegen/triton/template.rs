@@ -5,15 +5,15 @@
 //! `[BLOCK_M, BLOCK_N]` block), so a bias, an activation, a residual add or a cast costs no
 //! round trip through memory.
 
-use super::dialect::{compute_type, TritonGroup};
-use super::{kernel_numel, launch_args, next_power_of_two, CodegenError, KernelLaunch, LaunchShape, Params, IDX32_LIMIT};
+use super::dialect::compute_type;
+use super::{kernel_numel, launch_args, next_power_of_two, template_group, CodegenError, KernelLaunch, LaunchShape, Params, IDX32_LIMIT};
 use crate::codegen::writer::{local_reads_by_node, write_group, Computed, Locals, Section};
 use crate::codegen::{Tile, TuneConfig};
 use crate::graph::DType;
 use crate::loop_ir::*;
 use crate::scheduler::{FusedKernel, LocalRead, LoopGroup, Schedule};
 use crate::symbolic::{Atom, IndexExpr, Var};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt::Write;
 
 /// Programs along m that sweep the columns together, so the tiles of B they read stay in L2.
@@ -263,26 +263,13 @@ fn write_epilogue(out: &mut String, s: &Schedule, k: &FusedKernel, params: &Para
     reads_at.entry(0).or_default().push((product, LocalRead::Forwarded));
     let mut locals = Locals::new();
     locals.insert(product, ("acc".to_string(), Section::Pre));
-    let empty: HashSet<BufferId> = params.read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect();
     let var_name = |v: Var| format!("x{}", v.0);
     let mut shared: Computed = HashMap::new();
     let mut tmp = 0usize;
     for (gi, g) in kernel.plan.groups.iter().enumerate() {
         // the product's group loops over k: here its node is one read of `acc`
         let group = LoopGroup { inner: Vec::new(), reduction: false, nodes: g.nodes.clone() };
-        let mut dialect = TritonGroup {
-            storage: &s.storage,
-            ptr: &params.ptr,
-            var_name: &var_name,
-            two_d: false,
-            looped: false,
-            terms_per_lane: 1,
-            rblock: 1,
-            full_mask: "xmask".into(),
-            err_ptr: params.checks_indices.then_some("err_ptr"),
-            empty: empty.clone(),
-            accs: Vec::new(),
-        };
+        let mut dialect = template_group(s, params, &var_name, false, "xmask");
         let mut computed: Computed = shared.iter().map(|(t, (v, _))| (t.clone(), (v.clone(), Section::Pre))).collect();
         let code = write_group(&mut dialect, s, &kernel, &group, &mut locals, &reads_at, &mut tmp, Some(&mut computed))?;
         for (text, value) in computed {
