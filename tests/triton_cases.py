@@ -166,6 +166,35 @@ def _():
     return _written_out_attention(lambda i, j: (j < i) & (i - j < 20), _slope)
 
 
+def _document_attention(strict: bool):
+    """bfloat16 attention whose mask reads a tensor: a document id per position (three packed
+    documents over 300 positions), causal within each document."""
+    def attend(q, k, v, document):
+        scores = (q @ k.transpose(-1, -2)).float() * 0.25
+        i = torch.arange(q.shape[-2])[:, None]
+        j = torch.arange(k.shape[-2])[None, :]
+        causal = (j < i) if strict else (j <= i)
+        scores = scores.masked_fill(~((document[i] == document[j]) & causal), float("-inf"))
+        return torch.softmax(scores, -1).to(q.dtype) @ v
+
+    document = torch.repeat_interleave(torch.arange(3), torch.tensor([70, 150, 80]))
+    return attend, (randn(1, 2, 300, 16, dtype=torch.bfloat16), randn(1, 2, 300, 16, seed=1, dtype=torch.bfloat16),
+                    randn(1, 2, 300, 16, seed=2, dtype=torch.bfloat16), document)
+
+
+@case("attention_template_document_mask", atol=2e-2, rtol=2e-2)
+def _():
+    # a mask read from a tensor: each query tile visits only the keys between its rows' first
+    # and last open one (computed before the kernel, once for both heads)
+    return _document_attention(strict=False)
+
+
+@case("attention_template_document_mask_row_with_no_key", atol=2e-2, rtol=2e-2)
+def _():
+    # each document's first row has no open key: NaN, as eager's plain softmax gives
+    return _document_attention(strict=True)
+
+
 @case("gemm_template_half_vector_times_matrix", atol=1e-2, rtol=1e-2, options=TEMPLATE)
 def _():
     # one row, a column-major weight, and a cast out of half precision

@@ -97,7 +97,7 @@ fn address_range(index: &IndexExpr, terms: &[(ValueId, i64)], ranges: &[i64], va
 
 /// The range of each value of a body: exact for index arithmetic (constants, loop indices,
 /// checked indices, `+ - * // %`, max/min, selects), the type's range for loaded data.
-fn value_ranges(body: &LoopBody, ranges: &[i64]) -> Vec<Range> {
+pub(super) fn value_ranges(body: &LoopBody, ranges: &[i64]) -> Vec<Range> {
     let mut out: Vec<Range> = Vec::with_capacity(body.exprs.len());
     for (i, e) in body.exprs.iter().enumerate() {
         let r = |v: &ValueId| out.get(v.0 as usize).copied().unwrap_or(UNBOUNDED);
@@ -178,7 +178,7 @@ fn binary_range(op: BinaryOp, (a0, a1): Range, (b0, b1): Range) -> Option<Range>
 }
 
 /// The values a `dt` holds (floats: unbounded).
-fn type_range(dt: DType) -> Range {
+pub(super) fn type_range(dt: DType) -> Range {
     match dt {
         DType::Bool => (0, 1),
         DType::U8 => (0, u8::MAX as i128),

@@ -5,6 +5,7 @@
 
 mod body;
 mod bounds;
+mod direct;
 mod print;
 mod verify;
 
@@ -133,6 +134,20 @@ pub struct Attention {
     pub q: ValueId,
     pub k: ValueId,
     pub v: ValueId,
+    /// Where the bias reads tensors (a document id per key), so that no bound on the keys a
+    /// query sees follows from positions alone: loads, at (b, h, m), of the first and the last
+    /// key the bias leaves open for that row (`KeyRange` nodes compute them before this one).
+    pub keys: Option<KeyRange>,
+}
+
+/// The open keys of each query row of an attention: two int32 buffers over `[B', H', M]` (B' is
+/// 1 where the bias does not vary over the batch, H' likewise), computed by reductions over the
+/// keys of the bias (`min` of the open keys' positions, N where none is open; `max`, -1 where
+/// none is), and the attention body's loads of them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KeyRange {
+    pub first: ValueId,
+    pub last: ValueId,
 }
 
 impl LoopNode {

@@ -60,15 +60,22 @@ impl Ctx<'_> {
             let value = bx.body.load(buf, index, out.dtype);
             loads.push(value);
         }
+        let keys = self.key_range(&bias, [b, h, m, n_keys])?.map(|[first, last]| KeyRange {
+            first: bx.body.load(first.0, first.1.clone(), DType::I32),
+            last: bx.body.load(last.0, last.1.clone(), DType::I32),
+        });
         // the stand-in the scheduler sees: every read, summed over the keys
-        let wide: Vec<ValueId> = loads.iter().map(|&l| bx.body.cast(l, DType::F32)).collect();
+        let mut wide: Vec<ValueId> = loads.iter().map(|&l| bx.body.cast(l, DType::F32)).collect();
+        if let Some(k) = keys {
+            wide.extend([k.first, k.last].map(|x| bx.body.cast(x, DType::F32)));
+        }
         let product = wide.iter().fold(bias_value, |acc, &x| bx.body.binary(BinaryOp::Mul, acc, x));
         let sum = bx.body.reduce(ReduceOp::Sum, product);
         let value = bx.body.cast(sum, out.dtype);
         let layout = Layout { size: out.shape.clone(), stride: out.stride.clone(), offset: 0, dtype: out.dtype, device: out.device };
         body.set_store(layout.index_of(&[var(0), var(1), var(2), var(3)]), value);
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
-        let template = Template::Attention(Attention { scale, bias: bias_value, q: loads[0], k: loads[1], v: loads[2] });
+        let template = Template::Attention(Attention { scale, bias: bias_value, q: loads[0], k: loads[1], v: loads[2], keys });
         self.push_node(LoopNode {
             output: buf,
             ranges: vec![b, h, m, d],
@@ -87,5 +94,73 @@ impl Ctx<'_> {
         let mut tuple = vec![Some(Lowered::Tensor(view_of_layout(buf, &layout)))];
         tuple.resize(items.len(), None);
         Ok(Some(Lowered::Tuple(tuple)))
+    }
+
+    /// Where the bias reads tensors no larger than one head's scores (a document id gathered
+    /// per query and per key) and may close keys, two reductions over the keys: each query
+    /// row's first and last open key (`KeyRange`), so the kernel visits only the key tiles
+    /// between them (a packed document's). They are computed once for every batch and head the
+    /// bias does not vary over. Returns each buffer with the attention's index of it (over b,
+    /// h, m = variables 0, 1, 2).
+    fn key_range(&mut self, bias: &TensorValue, dims: [i64; 4]) -> LResult<Option<[(BufferId, IndexExpr); 2]>> {
+        let [b, h, m, n] = dims;
+        let var = |i: u32| IndexExpr::var(Var(i));
+        let mut probe = LoopBody::default();
+        let mut bx = Bx { body: &mut probe, ranges: vec![b, h, m, n] };
+        bias.load(&mut bx, &broadcast_index(&bias.size, &[var(0), var(1), var(2), var(3)]));
+        let mut read = false;
+        for e in &probe.exprs {
+            if let Expr::Load { buf, .. } | Expr::LoadIndirect { buf, .. } = e {
+                if self.prog.buffer(*buf).layout.storage_numel() >= m * n {
+                    return Ok(None); // (a stored mask: the kernel reads it per tile)
+                }
+                read = true;
+            }
+        }
+        let closes = probe.exprs.iter().any(|e| matches!(e, Expr::Constant(Scalar::Float(f)) if *f == f64::NEG_INFINITY));
+        if !read || !closes {
+            return Ok(None);
+        }
+        let mut vars = Vec::new();
+        for ix in probe.indices() {
+            ix.vars(&mut vars);
+        }
+        let varies = |v: u32| vars.contains(&Var(v));
+        let (rb, rh) = (if varies(0) { b } else { 1 }, if varies(1) { h } else { 1 });
+        let at = |v: u32, extent: i64| if extent > 1 { var(v) } else { IndexExpr::zero() };
+        let layout = Layout::contiguous(&[rb, rh, m], DType::I32, bias.device);
+        let index = layout.index_of(&[at(0, rb), at(1, rh), var(2)]);
+        let mut out = Vec::new();
+        for (op, none) in [(ReduceOp::Min, n), (ReduceOp::Max, -1)] {
+            let mut body = LoopBody::default();
+            let mut bx = Bx { body: &mut body, ranges: vec![rb, rh, m, n] };
+            let value = bias.load(&mut bx, &broadcast_index(&bias.size, &[at(0, rb), at(1, rh), var(2), var(3)]));
+            let value = bx.body.cast(value, DType::F32);
+            let closed = bx.body.constant(Scalar::Float(f64::NEG_INFINITY), DType::F32);
+            let open = bx.body.binary(BinaryOp::Ne, value, closed);
+            let key = bx.body.index(var(3), DType::I32);
+            let none = bx.body.constant(Scalar::Int(none), DType::I32);
+            let key = bx.body.where_(open, key, none);
+            let reduced = bx.body.reduce(op, key);
+            body.set_store(layout.index_of(&[var(0), var(1), var(2)]), reduced);
+            let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+            self.push_node(LoopNode {
+                output: buf,
+                ranges: vec![rb, rh, m],
+                reduction_ranges: vec![n],
+                body,
+                origins: vec![self.node_name()],
+                template: None,
+            });
+            out.push((buf, index.clone()));
+        }
+        self.decisions.push((
+            "attention",
+            format!(
+                "template: {} reads tensors for its bias: each query row's first and last open key computed over [{rb}, {rh}, {m}] by {n} keys",
+                self.node_name()
+            ),
+        ));
+        Ok(out.try_into().ok())
     }
 }

@@ -146,22 +146,28 @@ fn exact_in(g: &Graph, id: NodeId, half: DType, depth: usize) -> bool {
     }
 }
 
-/// Whether `id` is computed from no graph input (from positions and constants: a mask built
-/// with `arange`), as far as 256 nodes tell.
-fn reads_no_input(g: &Graph, id: NodeId, seen: &mut HashSet<NodeId>) -> bool {
+/// Whether `id` is computed from positions, constants and graph inputs of fewer than `limit`
+/// elements (a mask built with `arange`, or from a document id per position; not a stored
+/// mask), as far as 256 nodes tell.
+fn computed_mask(g: &Graph, id: NodeId, limit: i64, seen: &mut HashSet<NodeId>) -> bool {
     if !seen.insert(id) {
         return true;
     }
-    let NodeKind::Call { args, kwargs, .. } = &g.node(id).kind else { return false };
+    let NodeKind::Call { args, kwargs, .. } = &g.node(id).kind else {
+        return tensor(g, id).is_some_and(|t| t.numel() < limit);
+    };
     if seen.len() >= 256 {
         return false;
     }
-    let mut read = |a: &Arg| match a {
-        Arg::Node(n) => reads_no_input(g, *n, seen),
-        Arg::List(items) => items.iter().all(|i| !matches!(i, Arg::Node(_))),
+    args.iter().chain(kwargs.iter().map(|(_, a)| a)).all(|a| computed_arg(g, a, limit, seen))
+}
+
+fn computed_arg(g: &Graph, a: &Arg, limit: i64, seen: &mut HashSet<NodeId>) -> bool {
+    match a {
+        Arg::Node(n) => computed_mask(g, *n, limit, seen),
+        Arg::List(items) => items.iter().all(|i| computed_arg(g, i, limit, seen)),
         _ => true,
-    };
-    args.iter().chain(kwargs.iter().map(|(_, a)| a)).all(&mut read)
+    }
 }
 
 /// Whether `half` (float16 or bfloat16) represents `v` exactly.
@@ -530,15 +536,15 @@ impl Ctx<'_> {
         }
         let causal = causal_fill(g, &steps, [m, n]);
         let rows_open = causal.is_some() && steps.iter().filter(|s| s.is_mask()).count() == 1;
-        // masks the kernel computes from positions alone (a data-dependent one, a document id
-        // gathered per key, ran at 0.03x to 0.12x of Inductor's there, its gathers per tile)
+        // masks the kernel computes per tile (from positions, or a document id per position;
+        // not a stored mask, which a library call reads as fast)
         let fills: Vec<NodeId> = steps
             .iter()
             .enumerate()
             .filter_map(|(i, s)| if let Step::Fill { cond, .. } = s { (Some(i) != causal).then_some(*cond) } else { None })
             .collect();
-        let positional = !fills.is_empty() && fills.iter().all(|c| reads_no_input(g, *c, &mut HashSet::new()));
-        let template = self.template(device, dtype, kdim, wide_bias.is_some() || positional);
+        let computed = !fills.is_empty() && fills.iter().all(|c| computed_mask(g, *c, m * n, &mut HashSet::new()));
+        let template = self.template(device, dtype, kdim, wide_bias.is_some() || computed);
         let kernel = match (template, wide_bias) {
             (Ok(()), _) => Kernel::Template,
             (Err(why), Some(wide)) => return Err(format!("{wide}, and no attention template: {why}")),
@@ -641,11 +647,12 @@ impl Ctx<'_> {
     /// Whether ferrocore's attention kernel takes these inputs (`Kernel::Template`), or why not:
     /// half-precision CUDA inputs of an inference graph whose scores take a float32 bias no
     /// library call holds (an ALiBi slope x distance), which would otherwise run unfused, or a
-    /// mask built from positions that closes keys other than a causal one: the kernel computes
-    /// the mask per tile of keys (a library call reads it stored, over every tile), and visits
-    /// only the key tiles of a band the mask proves (a sliding window: 0.72x to 0.77x of
-    /// Inductor's block-sparse FlexAttention on the H200 over 1k to 8k keys, where cuDNN with
-    /// the stored mask ran at 0.18x to 0.03x).
+    /// mask computed from positions (or a document id per position) that closes keys other
+    /// than a causal one: the kernel computes the mask per tile of keys (a library call reads
+    /// it stored, over every tile), and visits only the key tiles of a band the mask proves (a
+    /// sliding window: 0.72x to 0.77x of Inductor's block-sparse FlexAttention on the H200
+    /// over 1k to 8k keys, where cuDNN with the stored mask ran at 0.18x to 0.03x) or, for a
+    /// mask read from tensors, the keys between each row's first and last open one.
     fn template(&self, device: Device, dtype: DType, kdim: i64, wanted: bool) -> Result<(), String> {
         if !wanted {
             return Err("no mask a library call cannot take as well".into());

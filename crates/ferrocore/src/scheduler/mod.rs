@@ -138,6 +138,7 @@ pub fn program_passes(opts: &ScheduleOptions) -> Vec<ProgramPass> {
         passes.push(ProgramPass { name: "complex_as_real", run: |p, _| complex_as_real(p) });
     }
     passes.push(ProgramPass { name: "inline_concat", run: |p, _| concat::inline_concat_readers(p) });
+    passes.push(ProgramPass { name: "direct_reads", run: |p, _| direct_reads(p) });
     passes.push(ProgramPass {
         name: "simplify_loops",
         run: |p, _| {
@@ -163,6 +164,22 @@ pub fn program_passes(opts: &ScheduleOptions) -> Vec<ProgramPass> {
         },
     });
     passes
+}
+
+/// Gathers at loop positions as plain loads in every node but a template's (whose values have
+/// roles: its backend reads the bias's own), `LoopBody::with_direct_reads`.
+fn direct_reads(p: &mut LoopProgram) -> Vec<String> {
+    let mut out = Vec::new();
+    for node in p.nodes.iter_mut().filter(|n| n.template.is_none()) {
+        if let Some(body) = node.body.with_direct_reads(&node.var_ranges()) {
+            node.body = body;
+            out.push(format!(
+                "direct reads: {} gathers only at loop positions; they are plain loads",
+                p.buffers[node.output.0 as usize].name
+            ));
+        }
+    }
+    out
 }
 
 /// Fusion of a rewritten program into kernels, then their order, each buffer's storage and the

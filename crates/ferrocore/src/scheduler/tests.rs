@@ -71,8 +71,11 @@ fn schedule_cpp(doc: &str) -> Schedule {
 #[test]
 fn program_passes_run_in_order_and_only_where_the_backend_asks() {
     let names = |opts: &ScheduleOptions| program_passes(opts).iter().map(|pass| pass.name).collect::<Vec<_>>();
-    assert_eq!(names(&ScheduleOptions::CPP), ["dead_nodes", "inline_concat", "simplify_loops", "drop_empty"]);
-    assert_eq!(names(&ALL_PASSES), ["dead_nodes", "complex_as_real", "inline_concat", "simplify_loops", "welford", "split", "drop_empty"]);
+    assert_eq!(names(&ScheduleOptions::CPP), ["dead_nodes", "inline_concat", "direct_reads", "simplify_loops", "drop_empty"]);
+    assert_eq!(
+        names(&ALL_PASSES),
+        ["dead_nodes", "complex_as_real", "inline_concat", "direct_reads", "simplify_loops", "welford", "split", "drop_empty"]
+    );
 }
 
 // ----- dead_nodes -----

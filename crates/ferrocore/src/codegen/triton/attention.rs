@@ -47,6 +47,9 @@ pub(super) struct AttentionKernel {
     /// What the bias proves of the keys it leaves open (`key_band`): the loop visits only the
     /// key tiles a query tile may see.
     band: Vec<Bound>,
+    /// Each query row's first and last open key, where the bias reads tensors (`KeyRange`):
+    /// addressed as `[b, h, row]`.
+    keys: Option<[Operand; 2]>,
     idx64: bool,
 }
 
@@ -80,15 +83,21 @@ impl AttentionKernel {
         let subst: Vec<Option<IndexExpr>> =
             [Some(1), Some(2), Some(0), None, Some(3)].iter().map(|v| v.map(|i| IndexExpr::var(Var(i)))).collect();
         let ranges = [m, b, h, n];
-        let bias = bias.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &ranges)).with_narrow_index_arithmetic(&ranges);
+        let bias = bias.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &ranges));
+        let bias = bias.with_direct_reads(&ranges).unwrap_or(bias).with_narrow_index_arithmetic(&ranges);
         // (the scores are never stored: only the buffers and the bias's addresses bound the offsets)
         let mut idx64 = bias.indices().iter().any(|e| e.bounds(&ranges).1 >= IDX32_LIMIT as i128);
         for buf in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*buf).layout.storage_numel() >= IDX32_LIMIT;
         }
         let band = key_band(&bias);
+        let keys = match a.keys {
+            Some(k) => Some([operand(k.first, 2)?, operand(k.last, 2)?]),
+            None => None,
+        };
         Ok(AttentionKernel {
             band,
+            keys,
             dims: [b, h, m, n, d],
             q: operand(a.q, 2)?,
             k: operand(a.k, 4)?,
@@ -134,12 +143,16 @@ pub(super) fn launch(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attent
 pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKernel) -> Result<String, CodegenError> {
     let ptr = |o: &Operand| params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "an operand without a pointer"));
     let [pq, pk, pv, po] = [ptr(&ak.q)?, ptr(&ak.k)?, ptr(&ak.v)?, ptr(&ak.out)?];
+    let keys = match &ak.keys {
+        Some([first, last]) => Some([(ptr(first)?, first), (ptr(last)?, last)]),
+        None => None,
+    };
     let bias = bias_text(s, k, params, ak)?;
     let mut all = params.names.clone();
     all.extend(["BLOCK_M: tl.constexpr".into(), "BLOCK_N: tl.constexpr".into(), "BLOCK_K: tl.constexpr".into()]);
     let mut out = format!("@ferro_jit\ndef {}({}):\n", k.name, all.join(", "));
     write_queries(&mut out, ak, &pq, &bias.rows);
-    write_key_loop(&mut out, ak, &pk, &pv, &bias.tile);
+    write_key_loop(&mut out, ak, keys, &pk, &pv, &bias.tile);
     let m = ak.dims[2];
     // a row whose keys are all closed gives 0 (the safe softmax's answer)
     out.push_str("    result = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)\n");
@@ -195,17 +208,25 @@ fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str) {
 /// scores, the online softmax's update, the values' product. No branch skips a closed tile
 /// inside the loop: Triton pipelines the loads of a loop without one (a branch made an ALiBi
 /// bias 2.6x slower on the H200).
-fn write_key_loop(out: &mut String, ak: &AttentionKernel, pk: &str, pv: &str, tile: &str) {
-    let n = ak.dims[3];
+fn write_key_loop(out: &mut String, ak: &AttentionKernel, keys: Option<[(String, &Operand); 2]>, pk: &str, pv: &str, tile: &str) {
+    let [_, _, m, n, _] = ak.dims;
     let (start, end) = band_text(&ak.band, n);
     out.push_str("    m_first = pid_m * BLOCK_M\n    m_last = m_first + BLOCK_M - 1\n");
     let _ = writeln!(out, "    start = {start}\n    end = {end}");
+    if let Some([(pf, first), (pl, last)]) = keys {
+        // the tile's rows' open keys: from the first row's first to the last row's last
+        let _ = writeln!(out, "    key_first = tl.min(tl.load({pf} + ({}), mask=rm < {m}, other={n}), 0)", first.at("rm", "0"));
+        let _ = writeln!(out, "    key_last = tl.max(tl.load({pl} + ({}), mask=rm < {m}, other=-1), 0)", last.at("rm", "0"));
+        out.push_str("    start = tl.maximum(start, (key_first // BLOCK_N) * BLOCK_N)\n");
+        out.push_str("    end = tl.minimum(end, key_last + 1)\n");
+    }
     let _ = writeln!(out, "    rn = start + {}", ak.wide("tl.arange(0, BLOCK_N)"));
     let _ = writeln!(out, "    k_ptrs = {pk} + ({})", ak.k.at("rn[None, :]", "rd[:, None]"));
     let _ = writeln!(out, "    v_ptrs = {pv} + ({})", ak.v.at("rn[:, None]", "rd[None, :]"));
     out.push_str("    for n0 in range(start, end, BLOCK_N):\n");
     let _ = writeln!(out, "        rn = n0 + {}", ak.wide("tl.arange(0, BLOCK_N)"));
-    let _ = writeln!(out, "        tile_mask = xmask & (rn[None, :] < {n})");
+    let _ = writeln!(out, "        key_mask = rn[None, :] < {n}");
+    out.push_str("        tile_mask = xmask & key_mask\n");
     for line in tile.lines() {
         let _ = writeln!(out, "        {line}");
     }
@@ -243,6 +264,7 @@ fn bias_text(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKerne
         _ => "rn[None, :]".to_string(),
     };
     let mut dialect = super::template_group(s, params, &var_name, true, "tile_mask");
+    dialect.row_free_mask = Some((Var(0), "key_mask".into()));
     let [b, h, m, n, _] = ak.dims;
     let mut tmp = 0usize;
     let (text, value) =

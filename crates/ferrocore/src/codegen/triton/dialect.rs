@@ -213,6 +213,10 @@ pub struct TritonGroup<'a> {
     /// Buffers without elements: a load from one is never used (every access is masked) and
     /// its pointer may point nowhere, so it is not issued.
     pub empty: HashSet<BufferId>,
+    /// (the rows' variable, a mask over one row of the block): an inner load whose index does
+    /// not read the rows' variable takes this mask, so it loads one row, not the whole block
+    /// (an attention kernel's key-side reads: a document id per key).
+    pub row_free_mask: Option<(Var, String)>,
     pub accs: Vec<Acc>,
 }
 
@@ -256,9 +260,14 @@ impl TritonGroup<'_> {
         v.emit_in(Section::Pre, dtype, format!("tl.full({}, 0, {t})", self.shape1()), &[])
     }
 
-    /// A masked load at `address` in `section`, as the value it computes with.
-    fn masked_load(&self, address: &str, section: Section, dtype: DType) -> String {
-        let raw = format!("tl.load({address}, {}, other=0)", self.mask(section));
+    /// A masked load at `address` (of `index`, where it is direct) in `section`, as the value
+    /// it computes with.
+    fn masked_load(&self, address: &str, index: Option<&IndexExpr>, section: Section, dtype: DType) -> String {
+        let mask = match (&self.row_free_mask, index) {
+            (Some((row, mask)), Some(ix)) if section == Section::Inner && !ix.uses(*row) => mask.as_str(),
+            _ => self.mask(section),
+        };
+        let raw = format!("tl.load({address}, {mask}, other=0)");
         match dtype {
             DType::F16 | DType::BF16 => format!("{raw}.to(tl.float32)"),
             _ => raw,
@@ -349,7 +358,7 @@ impl Dialect for TritonGroup<'_> {
             return v.unsupported(format!("no pointer for buffer {}", buf.0));
         };
         let section = v.index_section(index);
-        let e = self.masked_load(&self.address(p, index, v.ranges), section, dtype);
+        let e = self.masked_load(&self.address(p, index, v.ranges), Some(index), section, dtype);
         v.emit_in(section, dtype, e, &[])
     }
 
@@ -365,7 +374,7 @@ impl Dialect for TritonGroup<'_> {
             let _ = write!(addr, " + {c}*{t}");
         }
         let section = terms.iter().map(|(t, _)| v.section_of(t)).fold(v.index_section(index), Section::max);
-        let e = self.masked_load(&addr, section, dtype);
+        let e = self.masked_load(&addr, None, section, dtype);
         let ops: Vec<&String> = terms.iter().map(|(t, _)| t).collect();
         v.emit_in(section, dtype, e, &ops)
     }

@@ -541,6 +541,8 @@ fn write_groups(out: &mut String, s: &Schedule, k: &FusedKernel, params: &Params
             full_mask,
             err_ptr: params.checks_indices.then_some("err_ptr"),
             empty: empty.clone(),
+            // (a row's weights, read by every row of the block: one row of loads, as Inductor's)
+            row_free_mask: (!flat && !g.inner.is_empty()).then(|| (Var(0), format!("r{rp}mask"))),
             accs: Vec::new(),
         };
         // computed before this group: available from its start, like a per-row scalar
@@ -701,6 +703,7 @@ fn template_group<'a>(
         full_mask: full_mask.into(),
         err_ptr: params.checks_indices.then_some("err_ptr"),
         empty: params.read.iter().copied().filter(|b| p.buffer(*b).layout.numel() == 0).collect(),
+        row_free_mask: None,
         accs: Vec::new(),
     }
 }
