@@ -75,11 +75,13 @@ def test_a_document_mask_read_from_a_tensor(attention_log):
 
 
 @pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the attention kernel is a Triton template")
-@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi", "sliding_window"])
+@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi", "document", "sliding_window",
+                                  "grouped_query_sliding_window"])
 def test_runs_in_the_attention_kernel(attention_log, name):
-    """Inference in bfloat16: a float32 score_mod (and the mask beside it), or a mask built from
-    positions, is computed inside ferrocore's attention kernel (no library call, no stored
-    scores). The kernel keeps the scores in float32 where eager rounds them to bfloat16 first,
+    """Inference in bfloat16: a float32 score_mod (and the mask beside it), or a mask computed
+    from positions or a document id per position, is computed inside ferrocore's attention
+    kernel (no library call, no stored scores, one kernel beside the document mask's key
+    ranges). The kernel keeps the scores in float32 where eager rounds them to bfloat16 first,
     so each is measured against a float64 run: ferrocore's error at most eager's (and shapes,
     strides and dtype as eager's)."""
     document = torch.arange(S, device=TEST_DEVICE) // 96
@@ -87,14 +89,21 @@ def test_runs_in_the_attention_kernel(attention_log, name):
         "alibi": (None, alibi),
         "causal_alibi": (causal, alibi),
         "document_alibi": (lambda b, h, q, kv: (document[q] == document[kv]) & (q >= kv), alibi),
+        "document": (lambda b, h, q, kv: (document[q] == document[kv]) & (q >= kv), None),
         "sliding_window": (sliding_window, None),
+        "grouped_query_sliding_window": (sliding_window, None),
     }[name]
     mask = block_mask(mask_mod) if mask_mod else None
     inputs = qkv(torch.bfloat16)
-    f = lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)  # noqa: E731
+    grouped = name.startswith("grouped_query")
+    if grouped:  # (2 key heads for 4 query heads: read where they lie, not repeated first)
+        inputs = [inputs[0], inputs[1][:, :2].contiguous(), inputs[2][:, :2].contiguous()]
+    f = lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=grouped)  # noqa: E731
     expected = f(*inputs)
     got = torch.compile(f, backend="ferrocore")(*inputs)
     assert not ferrocore.metrics.last["extern_ops"], ferrocore.metrics.last["extern_ops"]
+    kernels = 2 if name.startswith("document") else 1  # (a document mask's key ranges: one kernel)
+    assert ferrocore.metrics.last["kernels"] == kernels, ferrocore.metrics.last["kernels"]
     assert (got.shape, got.stride(), got.dtype) == (expected.shape, expected.stride(), expected.dtype)
     exact = f(*[x.double() for x in inputs])
     eager_error = (expected.double() - exact).abs().max().item()

@@ -195,6 +195,22 @@ def _():
     return _document_attention(strict=True)
 
 
+@case("attention_template_grouped_query", atol=2e-2, rtol=2e-2)
+def _():
+    # keys and values of 2 heads shared by 6 query heads (expanded, not copied: the kernel reads
+    # head h // 3)
+    attend, (q, k, v) = _written_out_attention(lambda i, j: (j <= i) & (i - j < 20), _slope)
+    q = randn(2, 6, 80, 16, dtype=torch.bfloat16)
+    k, v = k[:, :2], v[:, :2]
+
+    def grouped(q, k, v):
+        def shared(x):
+            return x[:, :, None].expand(2, 2, 3, *x.shape[2:]).reshape(2, 6, *x.shape[2:])
+        return attend(q, shared(k), shared(v))
+
+    return grouped, (q, k, v)
+
+
 @case("gemm_template_half_vector_times_matrix", atol=1e-2, rtol=1e-2, options=TEMPLATE)
 def _():
     # one row, a column-major weight, and a cast out of half precision

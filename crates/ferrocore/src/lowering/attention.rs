@@ -6,6 +6,7 @@
 
 use super::pointwise::{broadcast_index, broadcast_shapes};
 use super::*;
+use crate::symbolic::Atom;
 
 impl Ctx<'_> {
     /// The call as an attention node, or None where no template takes it (the library call runs).
@@ -27,7 +28,12 @@ impl Ctx<'_> {
             if t.shape.len() != 4 || t.dtype != out.dtype || t.shape[3] != d || t.shape[0] != b || t.shape[1] != h {
                 return malformed(format!("{key} shaped {:?} ({}) for an output {:?}", t.shape, t.dtype, out.shape));
             }
-            operands.push((self.extern_tensor(n, false)?, t.shape[2]));
+            let rows = t.shape[2];
+            let operand = match self.read_in_place(n, [b, h, rows, d])? {
+                Some(tv) => Operand::Read(tv),
+                None => Operand::Stored(self.extern_tensor(n, false)?),
+            };
+            operands.push((operand, rows));
         }
         let n_keys = operands[1].1;
         if operands[2].1 != n_keys || operands[0].1 != m {
@@ -46,13 +52,17 @@ impl Ctx<'_> {
         let bias_value = bias.load(&mut bx, &broadcast_index(&bias.size, &[var(0), var(1), var(2), var(4)]));
         let bias_value = bx.body.cast(bias_value, DType::F32);
         let mut loads = Vec::new();
-        for ((arg, _), row) in operands.iter().zip([var(2), var(4), var(4)]) {
-            let (buf, stride, offset) = match arg {
-                ExternArg::Buffer(buf) => {
+        for ((operand, _), row) in operands.iter().zip([var(2), var(4), var(4)]) {
+            let (buf, stride, offset) = match operand {
+                Operand::Read(tv) => {
+                    loads.push(tv.load(&mut bx, &[var(0), var(1), row, var(3)]));
+                    continue;
+                }
+                Operand::Stored(ExternArg::Buffer(buf)) => {
                     let l = &self.prog.buffer(*buf).layout;
                     (*buf, l.stride.clone(), l.offset)
                 }
-                ExternArg::View { buf, stride, offset, .. } => (*buf, stride.clone(), *offset),
+                Operand::Stored(ExternArg::View { buf, stride, offset, .. }) => (*buf, stride.clone(), *offset),
                 _ => return malformed("an attention operand is not a tensor"),
             };
             let index =
@@ -94,6 +104,26 @@ impl Ctx<'_> {
         let mut tuple = vec![Some(Lowered::Tensor(view_of_layout(buf, &layout)))];
         tuple.resize(items.len(), None);
         Ok(Some(Lowered::Tuple(tuple)))
+    }
+
+    /// Node `n`'s value where reading it is one load of a buffer at (b, h, row, d) strided, the
+    /// head possibly divided (grouped-query attention's keys, repeated per query head: the kernel
+    /// reads the shared head instead of a copy); None where it must be stored first.
+    fn read_in_place(&mut self, n: NodeId, dims: [i64; 4]) -> LResult<Option<TensorValue>> {
+        let tv = self.tensor_of(n)?;
+        let var = |i: u32| IndexExpr::var(Var(i));
+        let mut probe = LoopBody::default();
+        let mut bx = Bx { body: &mut probe, ranges: dims.to_vec() };
+        tv.load(&mut bx, &[var(0), var(1), var(2), var(3)]);
+        let plain = match probe.exprs.as_slice() {
+            [Expr::Load { index, .. }] => index.terms.iter().all(|(a, _)| match a {
+                Atom::Var(_) => true,
+                Atom::FloorDiv(e, _) => *e.as_ref() == var(1),
+                Atom::Mod(..) => false,
+            }),
+            _ => false,
+        };
+        Ok(plain.then_some(tv))
     }
 
     /// Where the bias reads tensors no larger than one head's scores (a document id gathered
@@ -163,4 +193,10 @@ impl Ctx<'_> {
         ));
         Ok(out.try_into().ok())
     }
+}
+
+/// An attention operand: read where it lies (a view, possibly of fewer heads), or stored first.
+enum Operand {
+    Read(TensorValue),
+    Stored(ExternArg),
 }

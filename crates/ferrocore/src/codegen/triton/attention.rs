@@ -23,11 +23,13 @@ pub(super) fn attention_of<'s>(s: &'s Schedule, k: &FusedKernel) -> Option<(&'s 
     node.attention().map(|a| (node, a))
 }
 
-/// One operand's addressing: `offset + b·batch + h·heads + row·rows + d·cols`.
+/// One operand's addressing: `offset + b·batch + (h // group)·heads + row·rows + d·cols`
+/// (`group` > 1: grouped-query attention's keys and values, one head for `group` query heads).
 struct Operand {
     buf: BufferId,
     offset: i64,
     stride: [i64; 4],
+    group: i64,
 }
 
 /// What the kernel is written from, read off the node.
@@ -61,11 +63,20 @@ impl AttentionKernel {
         let (&[b, h, m, d], &[n]) = (&node.ranges[..], &node.reduction_ranges[..]) else { return Err(bad("not [B, H, M, D] by N")) };
         let operand = |value: ValueId, row: u32| -> Result<Operand, CodegenError> {
             let Expr::Load { buf, index } = &node.body.exprs[value.0 as usize] else { return Err(bad("an operand is not a load")) };
-            if index.terms.iter().any(|(a, _)| !matches!(a, Atom::Var(_))) {
-                return Err(bad("an operand is not strided"));
+            let mut group = (1, 0);
+            for (a, c) in &index.terms {
+                match a {
+                    Atom::Var(_) => {}
+                    Atom::FloorDiv(e, g) if **e == IndexExpr::var(Var(1)) && group.0 == 1 => group = (*g, *c),
+                    _ => return Err(bad("an operand is not strided")),
+                }
+            }
+            if group.0 > 1 && index.terms.iter().any(|(a, _)| *a == Atom::Var(Var(1))) {
+                return Err(bad("an operand reads the head twice"));
             }
             let c = |v: u32| index.affine_coeff(Var(v)).unwrap_or(0);
-            Ok(Operand { buf: *buf, offset: index.constant, stride: [c(0), c(1), c(row), c(3)] })
+            let heads = if group.0 > 1 { group.1 } else { c(1) };
+            Ok(Operand { buf: *buf, offset: index.constant, stride: [c(0), heads, c(row), c(3)], group: group.0 })
         };
         let out_layout = &p.buffer(node.output).layout;
         let store = node.body.store.as_ref().ok_or_else(|| bad("no store"))?;
@@ -73,6 +84,7 @@ impl AttentionKernel {
             buf: node.output,
             offset: store.index.constant,
             stride: [0, 1, 2, 3].map(|v| store.index.affine_coeff(Var(v)).unwrap_or(0)),
+            group: 1,
         };
         let mut bias = node.body.clone();
         let keep = a.bias.0 as usize + 1;
@@ -165,7 +177,8 @@ impl Operand {
     /// The offset of element `[off_b, off_h, row, col]`.
     fn at(&self, row: &str, col: &str) -> String {
         let [sb, sh, sr, sc] = self.stride;
-        format!("{} + off_b * {sb} + off_h * {sh} + {row} * {sr} + {col} * {sc}", self.offset)
+        let head = if self.group > 1 { format!("(off_h // {})", self.group) } else { "off_h".to_string() };
+        format!("{} + off_b * {sb} + {head} * {sh} + {row} * {sr} + {col} * {sc}", self.offset)
     }
 }
 
