@@ -75,12 +75,16 @@ impl LoopBody {
         Some(out.without_dead_values())
     }
 
-    /// The body with only the values its store reads (renumbered in order).
+    /// The body with only the values its store reads and its index checks (a bad index is
+    /// reported even where nothing reads the gathered value), renumbered in order.
     pub fn without_dead_values(&self) -> LoopBody {
         let Some(st) = &self.store else { return self.clone() };
-        let mut live = self.live_from(st.value, &|_| None);
-        for (v, _) in &st.terms {
-            for (i, l) in self.live_from(*v, &|_| None).into_iter().enumerate() {
+        let checks = self.exprs.iter().enumerate().filter(|(_, e)| matches!(e, Expr::CheckIndex { .. }));
+        let roots: Vec<ValueId> =
+            std::iter::once(st.value).chain(st.terms.iter().map(|(v, _)| *v)).chain(checks.map(|(i, _)| ValueId(i as u32))).collect();
+        let mut live = vec![false; self.exprs.len()];
+        for root in roots {
+            for (i, l) in self.live_from(root, &|_| None).into_iter().enumerate() {
                 live[i] |= l;
             }
         }
@@ -125,6 +129,19 @@ mod tests {
         assert_eq!(body.exprs.len(), 1, "{:?}", body.exprs);
         let Expr::Load { index, .. } = &body.exprs[0] else { panic!("{:?}", body.exprs) };
         assert_eq!(*index, IndexExpr::var(Var(0)).scale(8).add(&IndexExpr::var(Var(1))).add_const(24));
+    }
+
+    #[test]
+    fn an_unread_check_is_kept() {
+        // a second, unproven gather nothing reads: its bad indices are still reported
+        let mut body = gather(3);
+        let pos = body.index(IndexExpr::var(Var(0)), DType::I64);
+        let shift = body.constant(Scalar::Int(10), DType::I64);
+        let row = body.binary(BinaryOp::Add, pos, shift);
+        body.check_index(row, 16, true);
+        let body = body.with_direct_reads(&[10, 8]).expect("the first gather is proven");
+        assert_eq!(body.exprs.iter().filter(|e| matches!(e, Expr::CheckIndex { .. })).count(), 1);
+        assert!(!body.exprs.iter().any(|e| matches!(e, Expr::LoadIndirect { .. })));
     }
 
     #[test]
