@@ -174,7 +174,7 @@ fn direct_reads(p: &mut LoopProgram) -> Vec<String> {
         if let Some(body) = node.body.with_direct_reads(&node.var_ranges()) {
             node.body = body;
             out.push(format!(
-                "direct reads: {} gathers only at loop positions; they are plain loads",
+                "direct reads: {} reads at loop positions are plain loads, their proven index checks gone",
                 p.buffers[node.output.0 as usize].name
             ));
         }

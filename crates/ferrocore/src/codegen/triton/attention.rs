@@ -103,10 +103,7 @@ impl AttentionKernel {
             idx64 |= p.buffer(*buf).layout.storage_numel() >= IDX32_LIMIT;
         }
         let band = key_band(&bias);
-        let keys = match a.keys {
-            Some(k) => Some([operand(k.first, 2)?, operand(k.last, 2)?]),
-            None => None,
-        };
+        let keys = a.keys.map(|k| Ok::<_, CodegenError>([operand(k.first, 2)?, operand(k.last, 2)?])).transpose()?;
         Ok(AttentionKernel {
             band,
             keys,
@@ -155,10 +152,7 @@ pub(super) fn launch(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attent
 pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKernel) -> Result<String, CodegenError> {
     let ptr = |o: &Operand| params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "an operand without a pointer"));
     let [pq, pk, pv, po] = [ptr(&ak.q)?, ptr(&ak.k)?, ptr(&ak.v)?, ptr(&ak.out)?];
-    let keys = match &ak.keys {
-        Some([first, last]) => Some([(ptr(first)?, first), (ptr(last)?, last)]),
-        None => None,
-    };
+    let keys = ak.keys.as_ref().map(|[first, last]| Ok::<_, CodegenError>([(ptr(first)?, first), (ptr(last)?, last)])).transpose()?;
     let bias = bias_text(s, k, params, ak)?;
     let mut all = params.names.clone();
     all.extend(["BLOCK_M: tl.constexpr".into(), "BLOCK_N: tl.constexpr".into(), "BLOCK_K: tl.constexpr".into()]);

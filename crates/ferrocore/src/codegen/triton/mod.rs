@@ -93,25 +93,19 @@ impl KernelBackend for TritonBackend {
             if let Item::Kernel(k) = it {
                 check_supported(s, k, self.cpu_tensors)?;
                 let params = Params::of(s, k)?;
-                if attention::attention_of(s, k).is_some() {
+                // the launch, and the definition's writer (run only for a text not yet defined)
+                type Write<'w> = Box<dyn FnOnce() -> Result<String, CodegenError> + 'w>;
+                let (mut launch, write): (KernelLaunch, Write) = if attention::attention_of(s, k).is_some() {
                     let ak = attention::AttentionKernel::of(s, k, &params)?;
-                    let mut launch = attention::launch(s, k, &params, &ak);
-                    let write = || attention::write(s, k, &params, &ak);
-                    definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, write)?;
-                    launches.push(launch);
-                    continue;
-                }
-                if template::is_matrix_product(s, k) {
+                    (attention::launch(s, k, &params, &ak), Box::new(move || attention::write(s, k, &params, &ak)))
+                } else if template::is_matrix_product(s, k) {
                     let product = template::MatrixProduct::of(s, k, &params)?;
-                    let mut launch = template::launch(s, k, &params, &product);
-                    let write = || template::write(s, k, &params, &product);
-                    definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, write)?;
-                    launches.push(launch);
-                    continue;
-                }
-                let geo = Geometry::of(s, k, &params);
-                let mut launch = launch(s, k, &params, &geo);
-                definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, || write_kernel(s, k, &params, &geo))?;
+                    (template::launch(s, k, &params, &product), Box::new(move || template::write(s, k, &params, &product)))
+                } else {
+                    let geo = Geometry::of(s, k, &params);
+                    (launch(s, k, &params, &geo), Box::new(move || write_kernel(s, k, &params, &geo)))
+                };
+                definitions.define(&mut source, "\n\n", kernel_structure(s, k), &mut launch, write)?;
                 launches.push(launch);
             }
         }
