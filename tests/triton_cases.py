@@ -22,9 +22,13 @@ import torch.nn.functional as F  # noqa: E402
 CASES: dict = {}
 
 
-def case(name: str, atol: float = 1e-5, rtol: float = 1e-5, raises=None, fallback: bool = False, options=None):
+def case(name: str, atol: float = 1e-5, rtol: float = 1e-5, raises=None, fallback: bool = False, options=None,
+         training: bool = False):
+    """`training`: the floating inputs require grad; the inputs' gradients (of the output's sum
+    weighted by a fixed random tensor) are compared too."""
     def register(make):
-        CASES[name] = dict(make=make, atol=atol, rtol=rtol, raises=raises, fallback=fallback, options=options or {})
+        CASES[name] = dict(make=make, atol=atol, rtol=rtol, raises=raises, fallback=fallback, options=options or {},
+                           training=training)
         return make
 
     return register
@@ -208,6 +212,26 @@ def _():
             return x[:, :, None].expand(2, 2, 3, *x.shape[2:]).reshape(2, 6, *x.shape[2:])
         return attend(q, shared(k), shared(v))
 
+    return grouped, (q, k, v)
+
+
+@case("attention_template_training_sliding_window", atol=5e-2, rtol=2e-2, training=True)
+def _():
+    # forward (with each row's log-sum-exp), the queries' gradient, the keys' and values' in one
+    # kernel: each visits only the tiles of its band (72 keys: a partial tile of keys)
+    return _written_out_attention(lambda i, j: (j <= i) & (i - j < 20), _slope)
+
+
+@case("attention_template_training_document_mask", atol=5e-2, rtol=2e-2, training=True)
+def _():
+    # the keys' gradient visits only the queries between each key tile's first and last
+    return _document_attention(strict=False)
+
+
+@case("attention_template_training_grouped_query", atol=5e-2, rtol=2e-2, training=True)
+def _():
+    # shared key and value heads: each query head's gradient, summed over the group
+    grouped, (q, k, v) = CASES["attention_template_grouped_query"]["make"]()
     return grouped, (q, k, v)
 
 
@@ -628,6 +652,14 @@ def _compare(name, got, exp, atol, rtol):
     return None
 
 
+def _with_gradients(fn, args) -> tuple:
+    """`fn`'s output and the gradients of its floating inputs (fresh leaves)."""
+    leaves = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a for a in args]
+    out = fn(*leaves)
+    out.backward(randn(*out.shape, seed=7, dtype=out.dtype))
+    return (out, *[a.grad for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad])
+
+
 def run_case(name: str) -> dict:
     import ferrocore
     from ferrocore import backend as fc_backend
@@ -652,8 +684,11 @@ def run_case(name: str) -> dict:
             except Exception as e:  # noqa: BLE001
                 return dict(ok=False, detail=f"raised {type(e).__name__}: {e}", entries=entries)
             return dict(ok=False, detail=f"did not raise {spec['raises'].__name__}", entries=entries)
-        expected = fn(*args)
-        got = torch.compile(fn, backend="ferrocore", options=spec["options"] or None)(*args)
+        compiled = torch.compile(fn, backend="ferrocore", options=spec["options"] or None)
+        if spec["training"]:
+            expected, got = _with_gradients(fn, args), _with_gradients(compiled, args)
+        else:
+            expected, got = fn(*args), compiled(*args)
         detail = _compare(name, got, expected, spec["atol"], spec["rtol"])
         fell_back = any(e.get("graph_fallback") for e in entries)
         if detail is None and fell_back != spec["fallback"]:

@@ -41,7 +41,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .fake_calls import FakeCalls
 from .serialize import module_attr
-from .traced_attention import TracedAttention, flex_attention, is_attention, is_flex_attention
+from .traced_attention import (TracedAttention, flex_attention, is_attention, is_flex_attention,
+                               without_random_state)
 
 
 class NeedsAot(Exception):
@@ -133,13 +134,14 @@ class Joint:
 
 
 def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, logs: tuple = (),
-                as_written: bool = False) -> Joint:
+                as_written: bool = False, backend: str = "auto") -> Joint:
     """Dynamo's graph as the joint forward-backward ATen graph AOT autograd would trace for it:
     the forward run with autograd on, then `torch.autograd.grad` of its differentiable outputs
     with respect to the primals that require grad, both recorded. Attention is decided as it is
     traced (`traced_attention`: masks the compiler proves open or causal left out, written-out
     attention run as the fused call; said on the `causal_mask` and `attention` channels of
-    `logs`), and one-element tensor constants are recorded as `scalar_tensor`; `as_written`
+    `logs`; `backend`: the compiler's option, whether its kernels are Triton's), and one-element
+    tensor constants are recorded as `scalar_tensor`; `as_written`
     traces the graph as AOT autograd does. Raises NeedsAot for what only AOT autograd handles.
     Call `check_graph` first."""
     requires = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
@@ -148,7 +150,8 @@ def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, 
         primals = [f.detach().requires_grad_(r) for f, r in zip(fakes, requires)]
         attention = None
         if not as_written:
-            attention = TracedAttention(recorder.graph, recorder.root, recorder.nodes.get, recorder.keep_values(), logs)
+            attention = TracedAttention(recorder.graph, recorder.root, recorder.nodes.get, recorder.keep_values(), logs,
+                                        backend)
         with torch.enable_grad():
             outputs = _run(gm, primals, recorder, attention)
             if not torch.is_grad_enabled():
@@ -169,6 +172,7 @@ def trace_joint(gm: torch.fx.GraphModule, example_inputs, decompositions: dict, 
     grads_iter = iter(grads)
     per_primal = [next(grads_iter, None) if r else None for r in requires]
     written = recorder.finish(outputs, gradients=per_primal)
+    without_random_state(recorder.graph)
     recorder.graph.eliminate_dead_code()
     unsafe_views = [i for i in differentiable if outputs[i]._base is not None and outputs[i]._base.requires_grad]
     return Joint(graph_module(recorder.root, recorder.graph), len(outputs), differentiable, written, requires,

@@ -110,8 +110,10 @@ class TracedAttention:
     read once (Hugging Face builds one mask for every layer)."""
 
     def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module, node_of, values: weakref.WeakValueDictionary,
-                 logs: tuple = ()) -> None:
+                 logs: tuple = (), backend: str = "auto") -> None:
         self.graph = graph
+        self.backend = backend  # the compiler's `backend` option: whether its kernels are Triton's
+        backward_traceable()
         self.root = root
         self.node_of = node_of
         self.values = values  # node -> its tensor, while it lives
@@ -176,7 +178,8 @@ class TracedAttention:
         graph, originals = handed
         arch = (cuda_arch(value.device) or 0) if value.device.type == "cuda" else 0
         doc = graph_to_dict(graph, "attention")
-        replacement, decisions = extension().attention_in_trace(json.dumps(doc, allow_nan=False), arch)
+        replacement, decisions = extension().attention_in_trace(json.dumps(doc, allow_nan=False), arch,
+                                                                           self.backend)
         for line in decisions:
             self._say("attention", f"{node_name} (training trace): {line}")
         if replacement is None:
@@ -320,6 +323,52 @@ class TracedAttention:
     def _say(self, channel: str, text: str) -> None:
         if channel in self.logs:
             print(f"[ferrocore:{channel}] {text}", file=sys.stderr)
+
+
+_FUSED = getattr(_ATEN, "_scaled_dot_product_fused_attention_overrideable", None)
+_FUSED_BACKWARD = getattr(_ATEN, "_scaled_dot_product_fused_attention_overrideable_backward", None)
+_SEED_ARGS = (14, 15)  # the fused call's backward's philox seed and offset
+
+
+def backward_traceable() -> None:
+    """Gives the fused call's backward the fake kernel a trace runs where torch has none (before
+    torch 2.12 only its forward had one): its gradients shaped as its operands. Idempotent."""
+    global _BACKWARD_META
+    if _FUSED_BACKWARD is None or _BACKWARD_META is not None:
+        return
+    if _FUSED_BACKWARD.default in torch._decomp.meta_table:
+        _BACKWARD_META = False
+        return
+
+    def gradients(grad_out, query, key, value, attn_bias, grad_input_mask, *rest, scale=None):
+        bias = torch.empty_like(attn_bias) if attn_bias is not None else None
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), bias
+
+    _BACKWARD_META = torch.library.Library("aten", "IMPL")  # (held: the registration lives as long)
+    _BACKWARD_META.impl("_scaled_dot_product_fused_attention_overrideable_backward", gradients, "Meta")
+
+
+_BACKWARD_META = None
+
+
+def without_random_state(graph: torch.fx.Graph) -> None:
+    """ferrocore's attention kernel (the fused call's backend hook) has no dropout: its backward
+    reads no random state. The seed and offset the hook's forward returns are meta tensors in
+    the trace, which no compiled graph can return; the backward is given the log-sum-exp (a
+    tensor it holds anyway) in their place, and they are left unread."""
+    if _FUSED_BACKWARD is None:
+        return
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not _FUSED_BACKWARD.default:
+            continue
+        args = list(node.args)
+        lse = args[7]
+        for i in _SEED_ARGS:
+            seed = args[i]
+            if (isinstance(seed, torch.fx.Node) and seed.target is operator.getitem
+                    and getattr(seed.args[0], "target", None) is _FUSED.default):
+                args[i] = lse
+        node.args = tuple(args)
 
 
 def _bias_of(target, args: list, kwargs: dict):

@@ -156,7 +156,7 @@ def _traced_directly(gm: torch.fx.GraphModule, example_inputs, opts: dict, overr
             direct_trace.check_graph(gm, example_inputs, training)
             if training:
                 traced = direct_trace.trace_joint(gm, example_inputs, decompositions.decompositions(training=True),
-                                                  logs=tuple(opts["logs"]))
+                                                  logs=tuple(opts["logs"]), backend=opts["backend"])
                 traced_ms = (time.perf_counter() - start) * 1e3
                 gemms = padding.Measurements(traced.graph, opts)  # for both graphs' padding
                 if gpu_of(example_inputs) is None:

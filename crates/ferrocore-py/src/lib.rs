@@ -291,11 +291,14 @@ type TracedReplacement = Option<(String, String)>;
 /// exchange-format nodes and the name of the one whose value is the output, or None; and the
 /// attention pass's lines.
 #[pyfunction]
-fn attention_in_trace(py: Python<'_>, graph_json: &str, cuda_arch: u32) -> PyResult<(TracedReplacement, Vec<String>)> {
+fn attention_in_trace(py: Python<'_>, graph_json: &str, cuda_arch: u32, backend: &str) -> PyResult<(TracedReplacement, Vec<String>)> {
     py.detach(|| {
         guarded("attention_in_trace", || {
             let g = ferrocore::graph::parse_graph(graph_json).map_err(|e| e.to_string())?;
-            let (replacement, decisions) = ferrocore::rewrite::traced::attention_in_trace(g, cuda_arch);
+            let choice: ferrocore::driver::BackendChoice =
+                serde_json::from_value(serde_json::Value::String(backend.to_string())).map_err(|e| format!("backend {backend:?}: {e}"))?;
+            let triton = choice.resolve(g.devices().iter()) == ferrocore::codegen::KernelLanguage::Triton;
+            let (replacement, decisions) = ferrocore::rewrite::traced::attention_in_trace(g, cuda_arch, triton);
             let replacement = replacement.map(|r| (serde_json::Value::Array(r.nodes).to_string(), r.output));
             Ok((replacement, decisions))
         })

@@ -246,7 +246,7 @@ impl<'g> Joint<'g> {
     }
 
     /// Whether a backward op that does not fuse it (a matmul, a convolution, the graph's output)
-    /// reads the value, directly or through views.
+    /// reads the value, directly or through views (a template computes what it reads inline).
     fn materialized_in_backward(&self, i: usize) -> bool {
         if self.is_view(i) {
             return false;
@@ -258,7 +258,7 @@ impl<'g> Joint<'g> {
                 return true;
             }
             for &u in &self.users[cur] {
-                if !self.forward_needs[u] && !self.fusible(u) {
+                if !self.forward_needs[u] && !self.fusible(u) && self.fusion(u) != Some(Fusion::Template) {
                     return true;
                 }
                 if self.is_view(u) && seen.insert(u) {
@@ -408,6 +408,28 @@ mod tests {
         // parameters cost nothing to save: the cut takes them too, at no cost
         let free = JointGraph { free_inputs: vec![0, 1], ..matmul() };
         assert_eq!(saved_values(&free), Ok(vec![0, 1, 3]));
+    }
+
+    #[test]
+    fn an_attention_bias_from_positions_is_recomputed_for_the_backward_kernels() {
+        // 0 q, 1 t, 2 arange, 3 bias = where(..) over [N, N], 4 the fused call, 5 its output,
+        // 6 its log-sum-exp, 7 the backward, 8 dq: the kernels compute the bias inline, so the
+        // backward recomputes it from the positions, not a saved [N, N] tensor
+        let (q, scores) = (1024 * 64 * 2, 1024 * 1024 * 4);
+        let nodes = vec![
+            node(None, &[], q),
+            node(None, &[], q),
+            node(Some("aten.arange.default"), &[], 1024 * 8),
+            node(Some("aten.where.self"), &[2], scores),
+            node(Some("aten._scaled_dot_product_fused_attention_overrideable.default"), &[0, 3], q),
+            node(Some("getitem"), &[4], q),
+            node(Some("getitem"), &[4], 1024 * 4),
+            node(Some("aten._scaled_dot_product_fused_attention_overrideable_backward.default"), &[1, 0, 3, 5, 6], q),
+            node(Some("getitem"), &[7], q),
+        ];
+        let saved = saved_values(&joint(nodes, &[5, 8], 1, 1)).unwrap();
+        assert!(!saved.contains(&3), "{saved:?}");
+        assert!(saved.contains(&5) && saved.contains(&6), "{saved:?}");
     }
 
     #[test]

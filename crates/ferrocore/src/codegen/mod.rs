@@ -9,7 +9,7 @@ pub mod literal;
 pub mod triton;
 pub mod writer;
 
-use crate::loop_ir::{BufferId, Expr};
+use crate::loop_ir::{BufferId, Expr, Template};
 use crate::scheduler::{FusedKernel, LocalRead, Schedule, Storage};
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -230,10 +230,14 @@ pub fn kernel_structure(s: &Schedule, k: &FusedKernel) -> String {
             }
         }
         text.push_str(&format!(
-            "node group {} out {out} {:?}{} checks {} ranges {:?}\n  {exprs:?}\n  {:?}\n  {:?}\n",
+            "node group {} out {out} {:?} {:?} checks {} ranges {:?}\n  {exprs:?}\n  {:?}\n  {:?}\n",
             kn.group,
             node.kind(),
-            if node.is_matrix_product() { " (matrix product)" } else { "" },
+            // (a template's parameters: an attention's scale, pass and results)
+            node.template.as_ref().map(|t| match t {
+                Template::AttentionResult { result, .. } => format!("{result:?}"),
+                t => format!("{t:?}"),
+            }),
             node.checks_indices(),
             kn.ranges,
             kn.body.dtypes,

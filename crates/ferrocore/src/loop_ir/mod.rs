@@ -117,6 +117,23 @@ pub enum Template {
     /// only pointwise nodes over its outputs join its kernel (its epilogue).
     MatrixProduct,
     Attention(Attention),
+    /// A further result of the attention kernel that computes buffer `of` (its head node, which
+    /// comes first): the node's body is a stand-in that reads nothing, and only that kernel
+    /// writes it (`AttentionResult`). The scheduler places it in the head's kernel.
+    AttentionResult {
+        of: BufferId,
+        result: AttentionResult,
+    },
+}
+
+/// The results an attention kernel writes beside its head's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AttentionResult {
+    /// Each query row's log-sum-exp of its scores (float32 `[B, H, M]`, natural log; -inf for
+    /// a row whose keys are all closed), which the backward reads.
+    LogSumExp,
+    /// The values' gradient `[B, H, N, D]`, beside the keys' (`AttentionPass::GradKeyValue`).
+    GradValue,
 }
 
 /// Fused attention over output ranges `[B, H, M, D]` and keys `n` (the reduction variable):
@@ -138,6 +155,31 @@ pub struct Attention {
     /// query sees follows from positions alone: loads, at (b, h, m), of the first and the last
     /// key the bias leaves open for that row (`KeyRange` nodes compute them before this one).
     pub keys: Option<KeyRange>,
+    pub pass: AttentionPass,
+}
+
+/// Which of attention's kernels a node is. The backward's two recompute the probabilities from
+/// the scores and the forward's log-sum-exp (flash attention's backward).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AttentionPass {
+    Forward,
+    /// The queries' gradient over `[B, H, M, D]`, summed over the keys: `dq = scale ·
+    /// Σ_n p·(dp - delta)·k` with `dp = grad_out · v`.
+    GradQuery(Grads),
+    /// The keys' gradient over `[B, H, N, D]`, summed over the queries (variables (b, h, n, d)
+    /// then m: the bias and the rows are the keys' here), and the values' beside it
+    /// (`AttentionResult::GradValue`).
+    GradKeyValue(Grads),
+}
+
+/// What the backward reads beside the forward's operands: loads of the output's gradient (at
+/// the query row), the forward's log-sum-exp and `delta = Σ_d grad_out · out` (each at
+/// (b, h, query)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Grads {
+    pub grad_out: ValueId,
+    pub lse: ValueId,
+    pub delta: ValueId,
 }
 
 /// The open keys of each query row of an attention: two int32 buffers over `[B', H', M]` (B' is
@@ -168,6 +210,17 @@ impl LoopNode {
             Some(Template::Attention(a)) => Some(a),
             _ => None,
         }
+    }
+    /// The attention kernel's head whose kernel writes this node too, and what the node is.
+    pub fn attention_result(&self) -> Option<(BufferId, AttentionResult)> {
+        match &self.template {
+            Some(Template::AttentionResult { of, result }) => Some((*of, *result)),
+            _ => None,
+        }
+    }
+    /// Whether the node is part of an attention kernel (its body a stand-in).
+    pub fn is_attention_part(&self) -> bool {
+        matches!(self.template, Some(Template::Attention(_) | Template::AttentionResult { .. }))
     }
     /// Sizes of all variables, output ranges first.
     pub fn var_ranges(&self) -> Vec<i64> {

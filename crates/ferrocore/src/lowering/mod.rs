@@ -512,6 +512,10 @@ impl<'g> Ctx<'g> {
                 Some(lowered) => lowered,
                 None => self.lower_extern(op)?,
             },
+            FusedAttentionBackward => match self.lower_attention_backward()? {
+                Some(lowered) => lowered,
+                None => self.lower_extern(op)?,
+            },
             Sort | SortStable | Topk | Randperm | FftR2c | FftC2r | CdistForward | PdistForward | EmbeddingBag | AddmmActivation => {
                 self.lower_extern(op)?
             }
@@ -525,7 +529,6 @@ impl<'g> Ctx<'g> {
             | EfficientAttentionBackward
             | CudnnAttention
             | CudnnAttentionBackward
-            | FusedAttentionBackward
             | GroupedMm
             | TransformerEncoderLayer
             | Searchsorted
@@ -1056,6 +1059,9 @@ pub enum Fusion {
     Reduction,
     /// Lowered into loops of its own kind (scans, norms, pools, scatters, ...): not recomputed.
     Other,
+    /// A kernel of its own that computes an operand inline where it reads it (ferrocore's
+    /// attention kernels: the bias, a mask computed from positions, is never stored).
+    Template,
     /// Never recomputed: library calls and ops ferrocore does not lower (nothing fuses them),
     /// and seeded random ops (a recomputation would draw new values).
     Opaque,
@@ -1075,6 +1081,9 @@ pub fn fusion_of(target: &Target) -> Fusion {
         Target::Unknown(_) => return Fusion::Opaque,
         Target::Aten(op) => *op,
     };
+    if matches!(op, FusedAttention | FusedAttentionBackward) {
+        return Fusion::Template;
+    }
     if is_library_call(op) || is_seeded_random(op) {
         return Fusion::Opaque;
     }

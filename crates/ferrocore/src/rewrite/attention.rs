@@ -58,7 +58,6 @@ struct Ctx<'g> {
     uses: Vec<usize>,
     users: Vec<Vec<NodeId>>,
     cuda_arch: u32,
-    differentiable: bool,
     triton_kernels: bool,
 }
 
@@ -435,14 +434,7 @@ pub fn fuse_attention(g: Graph, options: &PassOptions) -> (Graph, Vec<String>) {
 /// `fuse_attention`, of the attention at softmax `at` whose result is `root` alone when given.
 pub fn fuse_attention_at(g: Graph, options: &PassOptions, at: Option<(NodeId, NodeId)>) -> (Graph, Vec<String>) {
     let root = at.map(|(_, r)| r);
-    let cx = Ctx {
-        g: &g,
-        uses: g.use_counts(),
-        users: g.users(),
-        cuda_arch: options.cuda_arch,
-        differentiable: options.differentiable,
-        triton_kernels: options.triton_kernels,
-    };
+    let cx = Ctx { g: &g, uses: g.use_counts(), users: g.users(), cuda_arch: options.cuda_arch, triton_kernels: options.triton_kernels };
     let mut edit = GraphEdit::new(&g);
     let mut decisions = Vec::new();
     let mut claimed: HashSet<NodeId> = HashSet::new();
@@ -664,9 +656,6 @@ impl Ctx<'_> {
         };
         if !gpu || !self.triton_kernels || !matches!(dtype, DType::F16 | DType::BF16) {
             return Err("not half-precision inputs of Triton kernels on a GPU of sm_80 or later".into());
-        }
-        if self.differentiable {
-            return Err("the graph is differentiated (the kernel has no backward yet)".into());
         }
         if ![16, 32, 64, 128].contains(&kdim) {
             return Err(format!("head dim {kdim} (the kernel takes 16, 32, 64 or 128)"));
@@ -1002,7 +991,9 @@ fn emit(g: &Graph, edit: &mut GraphEdit, m: &Match, log_sum_exp: bool) -> String
         Kernel::Template => {
             // (the bias holds every mask, the causal one too: the kernel reads its band from it)
             let args = vec![q, k, v, bias, Arg::Float(0.0), Arg::Bool(false), Arg::Bool(false)];
-            let mut items = vec![Some(out_meta.clone())];
+            // the log-sum-exp of each row's scores, which the backward reads (float32, [B, H, M])
+            let lse = log_sum_exp.then(|| dense_meta(&[b, h, rows], DType::F32, dev));
+            let mut items = vec![Some(out_meta.clone()), lse];
             items.resize(9, None);
             (args, vec![scale_kw], Meta::Tuple(items))
         }

@@ -21,8 +21,10 @@ pub struct Replacement {
 }
 
 /// The replacement for the value `g` returns (its one output) when it is written-out attention
-/// the `attention` pass fuses, with the pass's lines; None when it is not.
-pub fn attention_in_trace(g: Graph, cuda_arch: u32) -> (Option<Replacement>, Vec<String>) {
+/// the `attention` pass fuses, with the pass's lines; None when it is not. `triton_kernels`: the
+/// graph's loops are Triton kernels (ferrocore's attention kernel, forward and backward, may run
+/// it).
+pub fn attention_in_trace(g: Graph, cuda_arch: u32, triton_kernels: bool) -> (Option<Replacement>, Vec<String>) {
     let old: HashSet<String> = g.nodes.iter().map(|n| n.name.clone()).collect();
     let g = fold_softmax(g);
     let [Arg::Node(root)] = g.outputs.as_slice() else { return (None, vec!["the graph returns no one value".into()]) };
@@ -30,7 +32,7 @@ pub fn attention_in_trace(g: Graph, cuda_arch: u32) -> (Option<Replacement>, Vec
     // only the attention that computes the output: one earlier in the graph was decided when
     // its own matmul was traced
     let Some(softmax) = nearest_softmax(&g, root) else { return (None, Vec::new()) };
-    let options = PassOptions { cuda_arch, differentiable: true, ..Default::default() };
+    let options = PassOptions { cuda_arch, differentiable: true, triton_kernels, ..Default::default() };
     let (fused, decisions) = attention::fuse_attention_at(g, &options, Some((softmax, root)));
     let [Arg::Node(out)] = fused.outputs.as_slice() else { return (None, decisions) };
     if old.contains(&fused.node(*out).name) {

@@ -31,7 +31,7 @@ pub(super) fn reuse_dying_buffers(s: &mut Schedule) -> Vec<String> {
         // a group's emission order with readers moved ahead of an in-place writer (one per kernel)
         let mut reorder: Option<(usize, Vec<usize>)> = None;
         for (pos, kn) in k.plan.nodes.iter().enumerate() {
-            if s.program.nodes[kn.node].attention().is_some() {
+            if s.program.nodes[kn.node].is_attention_part() {
                 continue; // (its body is a stand-in: which element it reads where is the template's)
             }
             let out = s.program.nodes[kn.node].output;

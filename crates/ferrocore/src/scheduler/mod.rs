@@ -215,6 +215,25 @@ pub fn fuse(program: LoopProgram, opts: &ScheduleOptions, rewrites: Vec<String>)
             Step::Node(n) => {
                 let node = &program.nodes[n];
                 let out_name = program.buffer(node.output).name.clone();
+                if let Some((head, _)) = node.attention_result() {
+                    // (written by the head's kernel, as its template computes it)
+                    let si = producer[head.0 as usize].latest.filter(|&si| matches!(slots[si], Slot::Kernel(_)));
+                    let Some(si) = si else {
+                        return Err(SchedulerError { message: format!("{out_name}: no kernel computes {}", program.buffer(head).name) });
+                    };
+                    if let Slot::Kernel(k) = &mut slots[si] {
+                        let with = member_names(&program, &k.members);
+                        decisions.push(Decision::Fuse {
+                            buffer: out_name,
+                            kernel: KernelId(si),
+                            with,
+                            shared_bytes: output_bytes(&program, n),
+                        });
+                        k.attach(&program, &returned, n);
+                    }
+                    producer[node.output.0 as usize].add(si);
+                    continue;
+                }
                 if node.is_scatter() {
                     decisions.push(Decision::Scatter { buffer: out_name.clone() });
                 }
@@ -326,6 +345,12 @@ impl KernelSlot {
 
     fn add(&mut self, p: &LoopProgram, returned: &[bool], n: usize, joined: Joined) {
         self.plan.apply(p, joined);
+        self.note(p, returned, n);
+    }
+
+    /// Adds a further result of the kernel's template (`Template::AttentionResult`).
+    fn attach(&mut self, p: &LoopProgram, returned: &[bool], n: usize) {
+        self.plan.attach(p, n);
         self.note(p, returned, n);
     }
 

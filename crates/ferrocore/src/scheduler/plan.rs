@@ -184,6 +184,19 @@ impl PlanBuilder {
         self.plan
     }
 
+    /// Adds node `n`, a further result of the template that heads the plan, beside its head (in
+    /// its group): the template writes it; its body is a stand-in that reads nothing.
+    pub(super) fn attach(&mut self, p: &LoopProgram, n: usize) {
+        let node = &p.nodes[n];
+        let group = self.plan.nodes.first().map_or(0, |h| h.group);
+        let pos = self.plan.nodes.len();
+        self.writers.entry(node.output).or_default().push(pos);
+        self.plan.nodes.push(KernelNode { node: n, group, body: node.body.clone(), ranges: node.var_ranges() });
+        if let Some(g) = self.plan.groups.get_mut(group) {
+            g.nodes.push(pos);
+        }
+    }
+
     /// How many of the plan's nodes write `b`.
     pub(super) fn writer_count(&self, b: BufferId) -> usize {
         self.writers.get(&b).map_or(0, Vec::len)

@@ -32,24 +32,36 @@ struct Operand {
     group: i64,
 }
 
+/// The backward's further operands (`Grads`): each at (b, h, query row).
+struct GradOperands {
+    grad_out: Operand,
+    lse: Operand,
+    delta: Operand,
+}
+
 /// What the kernel is written from, read off the node.
 pub(super) struct AttentionKernel {
-    /// B, H, M (query rows), N (keys), D (head dim)
+    /// B, H, the program's rows (queries; keys for the keys' gradient), what its loop walks
+    /// (keys; queries), D (head dim)
     dims: [i64; 5],
+    pass: AttentionPass,
     q: Operand,
     k: Operand,
     v: Operand,
     out: Operand,
+    grads: Option<GradOperands>,
+    /// The kernel's further results (`Template::AttentionResult`) and where each is stored.
+    results: Vec<(AttentionResult, Operand)>,
     dtype: DType,
     scale: f64,
-    /// The bias alone (the node's exprs up to it, its value stored) over variables (m, b, h, n):
-    /// the writer computes what reads the rows alone (`Section::Pre`: a query's document id)
-    /// once, before the key loop.
+    /// The bias alone (the node's exprs up to it, its value stored) over variables (row, b, h,
+    /// col): the writer computes what reads the rows alone (`Section::Pre`: a query's document
+    /// id) once, before the loop.
     bias: LoopBody,
-    /// What the bias proves of the keys it leaves open (`key_band`): the loop visits only the
-    /// key tiles a query tile may see.
+    /// What the bias proves of the keys it leaves open (`key_band`, over queries and keys): the
+    /// loop visits only the tiles a program's rows may see.
     band: Vec<Bound>,
-    /// Each query row's first and last open key, where the bias reads tensors (`KeyRange`):
+    /// Each row's first and last open column, where the bias reads tensors (`KeyRange`):
     /// addressed as `[b, h, row]`.
     keys: Option<[Operand; 2]>,
     idx64: bool,
@@ -60,7 +72,10 @@ impl AttentionKernel {
         let p = &s.program;
         let (node, a) = attention_of(s, k).ok_or_else(|| CodegenError::internal(&k.name, "not an attention"))?;
         let bad = |m: &str| CodegenError::internal(&k.name, format!("attention {}: {m}", p.buffer(node.output).name));
-        let (&[b, h, m, d], &[n]) = (&node.ranges[..], &node.reduction_ranges[..]) else { return Err(bad("not [B, H, M, D] by N")) };
+        let (&[b, h, rows, d], &[cols]) = (&node.ranges[..], &node.reduction_ranges[..]) else { return Err(bad("not [B, H, M, D] by N")) };
+        let keys_major = matches!(a.pass, AttentionPass::GradKeyValue(_));
+        // the variables of the query and the key rows
+        let (qrow, krow) = if keys_major { (4, 2) } else { (2, 4) };
         let operand = |value: ValueId, row: u32| -> Result<Operand, CodegenError> {
             let Expr::Load { buf, index } = &node.body.exprs[value.0 as usize] else { return Err(bad("an operand is not a load")) };
             let mut group = (1, 0);
@@ -79,39 +94,60 @@ impl AttentionKernel {
             Ok(Operand { buf: *buf, offset: index.constant, stride: [c(0), heads, c(row), c(3)], group: group.0 })
         };
         let out_layout = &p.buffer(node.output).layout;
-        let store = node.body.store.as_ref().ok_or_else(|| bad("no store"))?;
-        let out = Operand {
-            buf: node.output,
-            offset: store.index.constant,
-            stride: [0, 1, 2, 3].map(|v| store.index.affine_coeff(Var(v)).unwrap_or(0)),
-            group: 1,
+        let stored = |node: &LoopNode| -> Result<Operand, CodegenError> {
+            let store = node.body.store.as_ref().ok_or_else(|| bad("no store"))?;
+            let stride = [0, 1, 2, 3].map(|v| store.index.affine_coeff(Var(v)).unwrap_or(0));
+            Ok(Operand { buf: node.output, offset: store.index.constant, stride, group: 1 })
+        };
+        let out = stored(node)?;
+        let mut results = Vec::new();
+        for kn in &k.plan.nodes[1..] {
+            let other = &p.nodes[kn.node];
+            let Some((_, result)) = other.attention_result() else { return Err(bad("a node that is no attention result joined it")) };
+            results.push((result, stored(other)?));
+        }
+        let grads = match a.pass {
+            AttentionPass::Forward => None,
+            AttentionPass::GradQuery(g) | AttentionPass::GradKeyValue(g) => {
+                Some(GradOperands { grad_out: operand(g.grad_out, qrow)?, lse: operand(g.lse, qrow)?, delta: operand(g.delta, qrow)? })
+            }
         };
         let mut bias = node.body.clone();
         let keep = a.bias.0 as usize + 1;
         bias.exprs.truncate(keep);
         bias.dtypes.truncate(keep);
         bias.set_store(IndexExpr::zero(), a.bias);
-        // node variables (b, h, m, d, n) as (1, 2, 0, -, 3)
-        let subst: Vec<Option<IndexExpr>> =
-            [Some(1), Some(2), Some(0), None, Some(3)].iter().map(|v| v.map(|i| IndexExpr::var(Var(i)))).collect();
-        let ranges = [m, b, h, n];
-        let bias = bias.rewrite_indices(&|e: &IndexExpr| e.substitute(&subst, &ranges));
-        let bias = bias.with_direct_reads(&ranges).unwrap_or(bias).with_narrow_index_arithmetic(&ranges);
+        // node variables (b, h, row, d, col) as (1, 2, 0, -, 3): the kernel's rows and columns
+        let var = |i: u32| Some(IndexExpr::var(Var(i)));
+        let ranges = [rows, b, h, cols];
+        let text = bias.rewrite_indices(&|e: &IndexExpr| e.substitute(&[var(1), var(2), var(0), None, var(3)], &ranges));
+        let text = text.with_direct_reads(&ranges).unwrap_or(text).with_narrow_index_arithmetic(&ranges);
+        // and as (query, b, h, key), which the band is proven over
+        let band = if keys_major {
+            let forward = [cols, b, h, rows];
+            let body = bias.rewrite_indices(&|e: &IndexExpr| e.substitute(&[var(1), var(2), var(3), None, var(0)], &forward));
+            key_band(&body.with_direct_reads(&forward).unwrap_or(body).with_narrow_index_arithmetic(&forward))
+        } else {
+            key_band(&text)
+        };
         // (the scores are never stored: only the buffers and the bias's addresses bound the offsets)
-        let mut idx64 = bias.indices().iter().any(|e| e.bounds(&ranges).1 >= IDX32_LIMIT as i128);
+        let mut idx64 = text.indices().iter().any(|e| e.bounds(&ranges).1 >= IDX32_LIMIT as i128);
         for buf in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*buf).layout.storage_numel() >= IDX32_LIMIT;
         }
-        let band = key_band(&bias);
+        let bias = text;
         let keys = a.keys.map(|k| Ok::<_, CodegenError>([operand(k.first, 2)?, operand(k.last, 2)?])).transpose()?;
         Ok(AttentionKernel {
             band,
             keys,
-            dims: [b, h, m, n, d],
-            q: operand(a.q, 2)?,
-            k: operand(a.k, 4)?,
-            v: operand(a.v, 4)?,
+            dims: [b, h, rows, cols, d],
+            pass: a.pass,
+            q: operand(a.q, qrow)?,
+            k: operand(a.k, krow)?,
+            v: operand(a.v, krow)?,
             out,
+            grads,
+            results,
             dtype: out_layout.dtype,
             scale: a.scale,
             bias,
@@ -123,8 +159,15 @@ impl AttentionKernel {
     /// (BLOCK_M, BLOCK_N, warps, stages).
     fn configs(&self) -> Vec<TuneConfig> {
         let [b, h, m, n, d] = self.dims;
-        // (the head dim sets the register load: 8 warps for 128-wide heads)
-        let shapes: &[(i64, i64, u32, u32)] = if d > 64 {
+        // (the head dim sets the register load: 8 warps for 128-wide heads; the backward holds
+        // two or three accumulators of the program's rows)
+        let shapes: &[(i64, i64, u32, u32)] = if self.pass != AttentionPass::Forward {
+            if d > 64 {
+                &[(64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2)]
+            } else {
+                &[(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2), (64, 64, 4, 3)]
+            }
+        } else if d > 64 {
             &[(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)]
         } else {
             &[(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
@@ -153,18 +196,73 @@ pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attenti
     let ptr = |o: &Operand| params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "an operand without a pointer"));
     let [pq, pk, pv, po] = [ptr(&ak.q)?, ptr(&ak.k)?, ptr(&ak.v)?, ptr(&ak.out)?];
     let keys = ak.keys.as_ref().map(|[first, last]| Ok::<_, CodegenError>([(ptr(first)?, first), (ptr(last)?, last)])).transpose()?;
+    let result = |what: AttentionResult| -> Result<Option<(String, &Operand)>, CodegenError> {
+        ak.results.iter().find(|(r, _)| *r == what).map(|(_, o)| Ok((ptr(o)?, o))).transpose()
+    };
     let bias = bias_text(s, k, params, ak)?;
     let mut all = params.names.clone();
     all.extend(["BLOCK_M: tl.constexpr".into(), "BLOCK_N: tl.constexpr".into(), "BLOCK_K: tl.constexpr".into()]);
     let mut out = format!("@ferro_jit\ndef {}({}):\n", k.name, all.join(", "));
-    write_queries(&mut out, ak, &pq, &bias.rows);
-    write_key_loop(&mut out, ak, keys, &pk, &pv, &bias.tile);
     let m = ak.dims[2];
-    // a row whose keys are all closed gives 0 (the safe softmax's answer)
-    out.push_str("    result = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)\n");
-    let at = ak.out.at("rm[:, None]", "rd[None, :]");
-    let _ = writeln!(out, "    tl.store({po} + ({at}), {}, mask=rm[:, None] < {m})", super::dialect::store_conv("result", ak.dtype));
+    let grads = match &ak.grads {
+        Some(g) => Some((g, [ptr(&g.grad_out)?, ptr(&g.lse)?, ptr(&g.delta)?])),
+        None => None,
+    };
+    match (ak.pass, grads) {
+        (AttentionPass::GradKeyValue(_), Some((g, p))) => {
+            let (pdv, dv) = result(AttentionResult::GradValue)?.ok_or_else(|| CodegenError::internal(&k.name, "no values' gradient"))?;
+            let grad = GradPointers { g, grad_out: &p[0], lse: &p[1], delta: &p[2] };
+            write_grad_key_value(&mut out, ak, keys, [&pq, &pk, &pv], &grad, &bias);
+            let n = ak.dims[2];
+            for (name, (ptr, o)) in [("dk", (&po, &ak.out)), ("dv", (&pdv, dv))] {
+                let at = o.at("rn[:, None]", "rd[None, :]");
+                let _ =
+                    writeln!(out, "    tl.store({ptr} + ({at}), {}, mask=rn[:, None] < {n})", super::dialect::store_conv(name, ak.dtype));
+            }
+        }
+        (AttentionPass::GradQuery(_), Some((g, p))) => {
+            let grad = GradPointers { g, grad_out: &p[0], lse: &p[1], delta: &p[2] };
+            write_queries(&mut out, ak, &pq, &bias.rows, Some(&grad));
+            write_key_loop(&mut out, ak, keys, &pk, &pv, &bias.tile, true);
+            let at = ak.out.at("rm[:, None]", "rd[None, :]");
+            let _ = writeln!(out, "    dq = dq * {}", super::dialect::float_lit(ak.scale));
+            let _ = writeln!(out, "    tl.store({po} + ({at}), {}, mask=rm[:, None] < {m})", super::dialect::store_conv("dq", ak.dtype));
+        }
+        _ => {
+            write_queries(&mut out, ak, &pq, &bias.rows, None);
+            write_key_loop(&mut out, ak, keys, &pk, &pv, &bias.tile, false);
+            // a row whose keys are all closed gives 0 (the safe softmax's answer)
+            out.push_str("    result = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)\n");
+            let at = ak.out.at("rm[:, None]", "rd[None, :]");
+            let _ =
+                writeln!(out, "    tl.store({po} + ({at}), {}, mask=rm[:, None] < {m})", super::dialect::store_conv("result", ak.dtype));
+            if let Some((pl, lse)) = result(AttentionResult::LogSumExp)? {
+                // -inf where no key is open (the backward's probabilities are then 0)
+                out.push_str("    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float(\"-inf\"))\n");
+                let _ = writeln!(out, "    tl.store({pl} + ({}), lse, mask=rm < {m})", lse.at("rm", "0"));
+            }
+        }
+    }
     Ok(out)
+}
+
+/// The backward's further operands and their pointers.
+struct GradPointers<'a> {
+    g: &'a GradOperands,
+    grad_out: &'a str,
+    lse: &'a str,
+    delta: &'a str,
+}
+
+impl GradPointers<'_> {
+    /// The log-sum-exp and delta of query rows `rows` (a 1-D index), as `lse` and `delta`; a
+    /// closed row's -inf log-sum-exp read as 0 (its probabilities are exp(-inf) = 0).
+    fn write_rows(&self, out: &mut String, indent: &str, rows: &str, mask: Option<&str>) {
+        let masked = |other: &str| mask.map_or(String::new(), |m| format!(", mask={m}, other={other}"));
+        let _ = writeln!(out, "{indent}lse = tl.load({} + ({}){})", self.lse, self.g.lse.at(rows, "0"), masked("0.0"));
+        let _ = writeln!(out, "{indent}lse = tl.where(lse == float(\"-inf\"), 0.0, lse)");
+        let _ = writeln!(out, "{indent}delta = tl.load({} + ({}){})", self.delta, self.g.delta.at(rows, "0"), masked("0.0"));
+    }
 }
 
 impl Operand {
@@ -189,7 +287,7 @@ impl AttentionKernel {
 
 /// The program's (batch, head) and query rows, its queries loaded, the running maximum, sum
 /// and accumulator, and the bias's part that reads the rows alone (`rows`).
-fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str) {
+fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str, grads: Option<&GradPointers>) {
     let [_, h, m, _, _] = ak.dims;
     let _ = writeln!(out, "    pid = {}", ak.wide("tl.program_id(0)"));
     let _ = writeln!(out, "    tiles_m = ({m} + BLOCK_M - 1) // BLOCK_M");
@@ -200,9 +298,15 @@ fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str) {
     // rows past the edge read the first ones again (their results are not stored)
     let _ = writeln!(out, "    qm = rm % {m}");
     let _ = writeln!(out, "    q = tl.load({pq} + ({}))", ak.q.at("qm[:, None]", "rd[None, :]"));
-    out.push_str("    m_i = tl.full([BLOCK_M], float(\"-inf\"), tl.float32)\n");
-    out.push_str("    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)\n");
-    out.push_str("    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)\n");
+    if let Some(g) = grads {
+        let _ = writeln!(out, "    do = tl.load({} + ({}))", g.grad_out, g.g.grad_out.at("qm[:, None]", "rd[None, :]"));
+        g.write_rows(out, "    ", "qm", None);
+        out.push_str("    dq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)\n");
+    } else {
+        out.push_str("    m_i = tl.full([BLOCK_M], float(\"-inf\"), tl.float32)\n");
+        out.push_str("    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)\n");
+        out.push_str("    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)\n");
+    }
     let _ = writeln!(out, "    xmask = rm[:, None] < {m}");
     // (one shape for the whole kernel: Triton keeps a loop-carried name's type)
     out.push_str("    xzero = rm[:, None] * 0 + tl.arange(0, BLOCK_N)[None, :] * 0\n");
@@ -215,7 +319,15 @@ fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str) {
 /// scores, the online softmax's update, the values' product. No branch skips a closed tile
 /// inside the loop: Triton pipelines the loads of a loop without one (a branch made an ALiBi
 /// bias 2.6x slower on the H200).
-fn write_key_loop(out: &mut String, ak: &AttentionKernel, keys: Option<[(String, &Operand); 2]>, pk: &str, pv: &str, tile: &str) {
+fn write_key_loop(
+    out: &mut String,
+    ak: &AttentionKernel,
+    keys: Option<[(String, &Operand); 2]>,
+    pk: &str,
+    pv: &str,
+    tile: &str,
+    grad: bool,
+) {
     let [_, _, m, n, _] = ak.dims;
     let (start, end) = band_text(&ak.band, n);
     out.push_str("    m_first = pid_m * BLOCK_M\n    m_last = m_first + BLOCK_M - 1\n");
@@ -245,6 +357,16 @@ fn write_key_loop(out: &mut String, ak: &AttentionKernel, keys: Option<[(String,
     let _ = writeln!(out, "            vt = tl.load(v_ptrs, mask=rn[:, None] < {n}, other=0.0)");
     out.push_str("        else:\n            kt = tl.load(k_ptrs)\n            vt = tl.load(v_ptrs)\n");
     let _ = writeln!(out, "        s = ferro_dot(q, kt) * {} + bias", super::dialect::float_lit(ak.scale));
+    if grad {
+        // the probabilities again, from the forward's log-sum-exp; dS = P * (dP - delta)
+        out.push_str("        p = tl.exp(s - lse[:, None])\n");
+        out.push_str("        dp = ferro_dot(do, tl.trans(vt))\n");
+        out.push_str("        ds = p * (dp - delta[:, None])\n");
+        out.push_str("        dq += ferro_dot(ds.to(kt.dtype), tl.trans(kt))\n");
+        let _ = writeln!(out, "        k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
+        let _ = writeln!(out, "        v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
+        return;
+    }
     out.push_str("        m_new = tl.maximum(m_i, tl.max(s, 1))\n");
     // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
     out.push_str("        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)\n");
@@ -253,6 +375,92 @@ fn write_key_loop(out: &mut String, ak: &AttentionKernel, keys: Option<[(String,
     out.push_str("        acc = acc * alpha[:, None] + ferro_dot(p.to(vt.dtype), vt)\n        m_i = m_new\n");
     let _ = writeln!(out, "        k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
     let _ = writeln!(out, "        v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
+}
+
+/// The keys' and values' gradient: each program holds a `BLOCK_M` tile of keys of one (batch,
+/// head) and walks the queries that may see them, `BLOCK_N` at a time, with the transposed
+/// scores recomputed from the forward's log-sum-exp: `dV += Pᵀ·dO`, `dK += (Pᵀ∘(dPᵀ - delta))·Q`.
+fn write_grad_key_value(
+    out: &mut String,
+    ak: &AttentionKernel,
+    ranges: Option<[(String, &Operand); 2]>,
+    [pq, pk, pv]: [&str; 3],
+    g: &GradPointers,
+    bias: &BiasText,
+) {
+    let [_, h, n, m, _] = ak.dims;
+    let _ = writeln!(out, "    pid = {}", ak.wide("tl.program_id(0)"));
+    out.push_str("    # (BLOCK_M: the program's keys; BLOCK_N: the queries of one step)\n");
+    let _ = writeln!(out, "    tiles_n = ({n} + BLOCK_M - 1) // BLOCK_M");
+    out.push_str("    pid_n = pid % tiles_n\n    off_bh = pid // tiles_n\n");
+    let _ = writeln!(out, "    off_b = off_bh // {h}\n    off_h = off_bh % {h}");
+    let _ = writeln!(out, "    rn = pid_n * BLOCK_M + {}", ak.wide("tl.arange(0, BLOCK_M)"));
+    let _ = writeln!(out, "    rd = {}", ak.wide("tl.arange(0, BLOCK_K)"));
+    let _ = writeln!(out, "    kn = rn % {n}");
+    let _ = writeln!(out, "    kk = tl.load({pk} + ({}))", ak.k.at("kn[:, None]", "rd[None, :]"));
+    let _ = writeln!(out, "    vv = tl.load({pv} + ({}))", ak.v.at("kn[:, None]", "rd[None, :]"));
+    out.push_str("    dk = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)\n");
+    out.push_str("    dv = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)\n");
+    let _ = writeln!(out, "    xmask = rn[:, None] < {n}");
+    out.push_str("    xzero = rn[:, None] * 0 + tl.arange(0, BLOCK_N)[None, :] * 0\n");
+    for line in bias.rows.lines() {
+        let _ = writeln!(out, "    {line}");
+    }
+    out.push_str("    n_first = pid_n * BLOCK_M\n    n_last = n_first + BLOCK_M - 1\n");
+    let (start, end) = query_band_text(&ak.band, m);
+    let _ = writeln!(out, "    start = {start}\n    end = {end}");
+    if let Some([(pf, first), (pl, last)]) = ranges {
+        // the tile's keys' queries: from the first key's first to the last key's last
+        let _ = writeln!(out, "    query_first = tl.min(tl.load({pf} + ({}), mask=rn < {n}, other={m}), 0)", first.at("rn", "0"));
+        let _ = writeln!(out, "    query_last = tl.max(tl.load({pl} + ({}), mask=rn < {n}, other=-1), 0)", last.at("rn", "0"));
+        out.push_str("    start = tl.maximum(start, (query_first // BLOCK_N) * BLOCK_N)\n");
+        out.push_str("    end = tl.minimum(end, query_last + 1)\n");
+    }
+    let _ = writeln!(out, "    rm = start + {}", ak.wide("tl.arange(0, BLOCK_N)"));
+    let _ = writeln!(out, "    q_ptrs = {pq} + ({})", ak.q.at("rm[None, :]", "rd[:, None]"));
+    let _ = writeln!(out, "    do_ptrs = {} + ({})", g.grad_out, g.g.grad_out.at("rm[None, :]", "rd[:, None]"));
+    out.push_str("    for m0 in range(start, end, BLOCK_N):\n");
+    let _ = writeln!(out, "        rm = m0 + {}", ak.wide("tl.arange(0, BLOCK_N)"));
+    let _ = writeln!(out, "        query_mask = rm[None, :] < {m}");
+    out.push_str("        tile_mask = xmask & query_mask\n");
+    for line in bias.tile.lines() {
+        let _ = writeln!(out, "        {line}");
+    }
+    // queries past the edge: -inf, and not read (only where the queries do not fill the tiles)
+    let _ = writeln!(out, "        if {m} % BLOCK_N != 0:");
+    let _ = writeln!(out, "            bias = tl.where(rm[None, :] < {m}, bias, float(\"-inf\"))");
+    let _ = writeln!(out, "            qt = tl.load(q_ptrs, mask=rm[None, :] < {m}, other=0.0)");
+    let _ = writeln!(out, "            dot = tl.load(do_ptrs, mask=rm[None, :] < {m}, other=0.0)");
+    g.write_rows(out, "            ", "rm", Some(&format!("rm < {m}")));
+    out.push_str("        else:\n            qt = tl.load(q_ptrs)\n            dot = tl.load(do_ptrs)\n");
+    g.write_rows(out, "            ", "rm", None);
+    let _ = writeln!(out, "        st = ferro_dot(kk, qt) * {} + bias", super::dialect::float_lit(ak.scale));
+    out.push_str("        pt = tl.exp(st - lse[None, :])\n");
+    out.push_str("        dv += ferro_dot(pt.to(qt.dtype), tl.trans(dot))\n");
+    out.push_str("        dpt = ferro_dot(vv, dot)\n");
+    out.push_str("        dst = pt * (dpt - delta[None, :])\n");
+    out.push_str("        dk += ferro_dot(dst.to(qt.dtype), tl.trans(qt))\n");
+    let _ = writeln!(out, "        q_ptrs += BLOCK_N * {}", ak.q.stride[2]);
+    let _ = writeln!(out, "        do_ptrs += BLOCK_N * {}", g.g.grad_out.stride[2]);
+    let _ = writeln!(out, "    dk = dk * {}", super::dialect::float_lit(ak.scale));
+}
+
+/// The first query tile (aligned) and the end of the queries a tile of keys (`n_first` to
+/// `n_last`) is seen by, from the band's bounds of slope 1 (`key <= query + c`: from the first
+/// key's `- c`; `key >= query + c`: to the last key's `- c`).
+fn query_band_text(band: &[Bound], m: i64) -> (String, String) {
+    let (mut start, mut end) = ("0".to_string(), m.to_string());
+    for b in band.iter().filter(|b| b.slope == 1) {
+        if b.lower {
+            end = format!("tl.minimum({end}, n_last - ({}) + 1)", b.offset);
+        } else {
+            start = format!("tl.maximum({start}, n_first - ({}))", b.offset);
+        }
+    }
+    if start != "0" {
+        start = format!("(({start}) // BLOCK_N) * BLOCK_N");
+    }
+    (start, end)
 }
 
 /// The bias's code: what reads the query rows alone (before the key loop, where `xmask` is
@@ -264,14 +472,18 @@ struct BiasText {
 
 /// The bias over the tile through the kernel writer.
 fn bias_text(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKernel) -> Result<BiasText, CodegenError> {
+    // (the program's rows and the loop's columns: queries and keys, or keys and queries)
+    let keys_major = matches!(ak.pass, AttentionPass::GradKeyValue(_));
+    let (row, col, col_mask) =
+        if keys_major { ("rn[:, None]", "rm[None, :]", "query_mask") } else { ("rm[:, None]", "rn[None, :]", "key_mask") };
     let var_name = |v: Var| match v.0 {
-        0 => "rm[:, None]".to_string(),
+        0 => row.to_string(),
         1 => "off_b".to_string(),
         2 => "off_h".to_string(),
-        _ => "rn[None, :]".to_string(),
+        _ => col.to_string(),
     };
     let mut dialect = super::template_group(s, params, &var_name, true, "tile_mask");
-    dialect.row_free_mask = Some((Var(0), "key_mask".into()));
+    dialect.row_free_mask = Some((Var(0), col_mask.into()));
     let [b, h, m, n, _] = ak.dims;
     let mut tmp = 0usize;
     let (text, value) =

@@ -255,7 +255,7 @@ fn half_types_hold_what_they_hold() {
 }
 
 #[test]
-fn a_float32_bias_goes_to_the_attention_template_in_triton_inference_graphs() {
+fn a_float32_bias_goes_to_the_attention_template_in_triton_graphs() {
     let text = biased_half_graph("float32", false);
     let triton = PassOptions { cuda_arch: 90, triton_kernels: true, ..Default::default() };
     let (g, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &triton);
@@ -263,8 +263,14 @@ fn a_float32_bias_goes_to_the_attention_template_in_triton_inference_graphs() {
     assert!(!call_targets(&g).contains(&"aten.bmm.default"));
     // the bias reaches the call in float32, unrounded
     assert!(!call_targets(&g).contains(&"aten._to_copy.default"), "{:?}", call_targets(&g));
-    // a differentiated graph keeps the written-out ops (the template has no backward)
+    // a differentiated graph's call also computes each row's log-sum-exp, which the backward
+    // (ferrocore's attention kernels too) reads
     let training = PassOptions { differentiable: true, ..triton };
-    let (_, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &training);
-    assert!(decisions[0].contains("differentiated"), "{decisions:?}");
+    let (g, decisions) = fuse_attention(parse_graph(&text).expect("parses"), &training);
+    assert!(decisions[0].contains("aten._scaled_dot_product_fused_attention_overrideable"), "{decisions:?}");
+    let call =
+        g.nodes.iter().find(|n| matches!(&n.kind, NodeKind::Call { target: Target::Aten(AtenOp::FusedAttention), .. })).expect("a call");
+    let Meta::Tuple(items) = &call.meta else { panic!("{:?}", call.meta) };
+    let lse = items[1].as_ref().and_then(Meta::tensor).expect("a log-sum-exp");
+    assert_eq!((lse.dtype, lse.shape.len()), (DType::F32, 3));
 }

@@ -63,7 +63,7 @@ fn a_written_out_softmax_is_folded_back() {
 
 #[test]
 fn traced_attention_is_computed_by_a_fused_call_that_keeps_its_log_sum_exp() {
-    let (replacement, decisions) = attention_in_trace(graph(&traced_attention("cuda:0", -1)), 90);
+    let (replacement, decisions) = attention_in_trace(graph(&traced_attention("cuda:0", -1)), 90, true);
     let r = replacement.unwrap_or_else(|| panic!("not replaced: {decisions:?}"));
     let targets: Vec<&str> = r.nodes.iter().filter_map(|n| n["target"].as_str()).collect();
     assert!(targets.contains(&"aten._scaled_dot_product_cudnn_attention.default"), "{targets:?}");
@@ -92,6 +92,6 @@ fn a_matmul_that_is_no_attention_is_left_alone() {
         .input("b", &[4, 8, 8], "float32")
         .call("c", "aten.bmm.default", &[node("a"), node("b")], &f32(&[4, 8, 8]))
         .output(&["c"]);
-    let (replacement, _) = attention_in_trace(graph(&text), 90);
+    let (replacement, _) = attention_in_trace(graph(&text), 90, true);
     assert!(replacement.is_none());
 }
