@@ -151,6 +151,29 @@ def test_trains_in_the_attention_kernels(attention_log, name):
     assert "fused_attention_overrideable" in attention_log()
 
 
+def test_the_attention_hook_runs_outside_the_kernels():
+    """A graph holding torch's attention hook that runs eagerly (a graph fallback) computes what
+    ferrocore's attention kernels compute: values and gradients as autograd's through the
+    written-out softmax, a row with every key closed giving 0."""
+    from ferrocore import attention_hook
+
+    attention_hook.register()
+    q, k, v = [x.requires_grad_() for x in qkv()]
+    i, j = torch.arange(S, device=TEST_DEVICE)[:, None], torch.arange(S, device=TEST_DEVICE)[None, :]
+    bias = torch.where((j <= i) & (i > 0), 0.0, float("-inf")) + 0.01 * (j - i)  # (row 0: every key closed)
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q, k, v, bias[None, None], scale=0.25)
+    closed = (bias == float("-inf")).all(-1, keepdim=True)  # (the safe softmax: 0 there)
+    probs = torch.softmax((q @ k.transpose(-1, -2) * 0.25 + bias).masked_fill(closed, 0.0), -1).masked_fill(closed, 0.0)
+    expected = probs @ v
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert (out[:, :, 0] == 0).all() and (lse[:, :, 0] == float("-inf")).all()
+    grad = torch.randn_like(out)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_fused_attention_overrideable_backward(
+        grad, q, k, v, bias[None, None], [True, True, True, False], out, lse, None, None, S, S, 0.0, False, lse, lse,
+        scale=0.25)
+    torch.testing.assert_close((dq, dk, dv), torch.autograd.grad(expected, (q, k, v), grad), rtol=1e-4, atol=1e-4)
+
+
 def test_a_soft_capped_score_runs_as_generated_kernels(attention_log):
     mask = block_mask(causal)
     check(lambda q, k, v: flex_attention(q, k, v, score_mod=soft_cap, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)

@@ -37,6 +37,7 @@ try:  # its two steps: the attention, then its output copied into the query's st
 except ImportError:
     _math_attention = _permute_strides = None
 
+from . import attention_hook
 from .extension import extension
 from .runtime.triton_launch import cuda_arch
 from .serialize import graph_to_dict
@@ -113,7 +114,7 @@ class TracedAttention:
                  logs: tuple = (), backend: str = "auto") -> None:
         self.graph = graph
         self.backend = backend  # the compiler's `backend` option: whether its kernels are Triton's
-        backward_traceable()
+        attention_hook.register()
         self.root = root
         self.node_of = node_of
         self.values = values  # node -> its tensor, while it lives
@@ -328,27 +329,6 @@ class TracedAttention:
 _FUSED = getattr(_ATEN, "_scaled_dot_product_fused_attention_overrideable", None)
 _FUSED_BACKWARD = getattr(_ATEN, "_scaled_dot_product_fused_attention_overrideable_backward", None)
 _SEED_ARGS = (14, 15)  # the fused call's backward's philox seed and offset
-
-
-def backward_traceable() -> None:
-    """Gives the fused call's backward the fake kernel a trace runs where torch has none (before
-    torch 2.12 only its forward had one): its gradients shaped as its operands. Idempotent."""
-    global _BACKWARD_META
-    if _FUSED_BACKWARD is None or _BACKWARD_META is not None:
-        return
-    if _FUSED_BACKWARD.default in torch._decomp.meta_table:
-        _BACKWARD_META = False
-        return
-
-    def gradients(grad_out, query, key, value, attn_bias, grad_input_mask, *rest, scale=None):
-        bias = torch.empty_like(attn_bias) if attn_bias is not None else None
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), bias
-
-    _BACKWARD_META = torch.library.Library("aten", "IMPL")  # (held: the registration lives as long)
-    _BACKWARD_META.impl("_scaled_dot_product_fused_attention_overrideable_backward", gradients, "Meta")
-
-
-_BACKWARD_META = None
 
 
 def without_random_state(graph: torch.fx.Graph) -> None:

@@ -160,17 +160,18 @@ impl AttentionKernel {
     fn configs(&self) -> Vec<TuneConfig> {
         let [b, h, m, n, d] = self.dims;
         // (the head dim sets the register load: 8 warps for 128-wide heads; the backward holds
-        // two or three accumulators of the program's rows)
-        let shapes: &[(i64, i64, u32, u32)] = if self.pass != AttentionPass::Forward {
-            if d > 64 {
-                &[(64, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (128, 32, 8, 2)]
-            } else {
-                &[(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 4, 2), (64, 64, 4, 3)]
+        // two or three accumulators of the program's rows. First: each list's fastest on the
+        // H200 at 4k keys, by the autotuner over an ALiBi and a sliding-window bias:
+        // docs/triton_kernels.md)
+        let shapes: &[(i64, i64, u32, u32)] = match (self.pass, d > 64) {
+            (AttentionPass::GradQuery(_), true) => &[(128, 64, 8, 3), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2)],
+            (AttentionPass::GradQuery(_), false) => &[(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (128, 32, 4, 2)],
+            (AttentionPass::GradKeyValue(_), true) => &[(64, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (128, 32, 8, 2)],
+            (AttentionPass::GradKeyValue(_), false) => &[(64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 4, 2)],
+            (AttentionPass::Forward, true) => &[(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)],
+            (AttentionPass::Forward, false) => {
+                &[(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
             }
-        } else if d > 64 {
-            &[(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)]
-        } else {
-            &[(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
         };
         let mut out: Vec<TuneConfig> = Vec::new();
         for &(bm, bn, warps, stages) in shapes {
