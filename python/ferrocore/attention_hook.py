@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 _ATEN = torch.ops.aten
 _FORWARD = "_scaled_dot_product_fused_attention_overrideable"
@@ -35,11 +36,13 @@ def register() -> None:
 
 
 def _runs_on_cpu() -> bool:
-    q = torch.zeros(1, 1, 1, 8)
-    try:
-        getattr(_ATEN, _FORWARD)(q, q, q)
-    except NotImplementedError:
-        return False
+    # (outside the trace's modes: under a fake mode the hook's fake kernel would answer)
+    with _disable_current_modes():
+        q = torch.zeros(1, 1, 1, 8)
+        try:
+            getattr(_ATEN, _FORWARD)(q, q, q)
+        except NotImplementedError:
+            return False
     return True
 
 
