@@ -74,16 +74,9 @@ def test_a_document_mask_read_from_a_tensor(attention_log):
     check(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the attention kernel is a Triton template")
-@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi", "document", "sliding_window",
-                                  "grouped_query_sliding_window"])
-def test_runs_in_the_attention_kernel(attention_log, name):
-    """Inference in bfloat16: a float32 score_mod (and the mask beside it), or a mask computed
-    from positions or a document id per position, is computed inside ferrocore's attention
-    kernel (no library call, no stored scores, one kernel beside the document mask's key
-    ranges). The kernel keeps the scores in float32 where eager rounds them to bfloat16 first,
-    so each is measured against a float64 run: ferrocore's error at most eager's (and shapes,
-    strides and dtype as eager's)."""
+def kernel_case(name: str):
+    """A FlexAttention call the attention kernels take (bfloat16 inputs), by name: the call and
+    its inputs (grouped-query: 2 key heads for 4 query heads, read where they lie)."""
     document = torch.arange(S, device=TEST_DEVICE) // 96
     mask_mod, score_mod = {
         "alibi": (None, alibi),
@@ -96,9 +89,22 @@ def test_runs_in_the_attention_kernel(attention_log, name):
     mask = block_mask(mask_mod) if mask_mod else None
     inputs = qkv(torch.bfloat16)
     grouped = name.startswith("grouped_query")
-    if grouped:  # (2 key heads for 4 query heads: read where they lie, not repeated first)
+    if grouped:
         inputs = [inputs[0], inputs[1][:, :2].contiguous(), inputs[2][:, :2].contiguous()]
-    f = lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=grouped)  # noqa: E731
+    return (lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=grouped)), inputs
+
+
+@pytest.mark.skipif(TEST_DEVICE == "cpu", reason="the attention kernel is a Triton template")
+@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi", "document", "sliding_window",
+                                  "grouped_query_sliding_window"])
+def test_runs_in_the_attention_kernel(attention_log, name):
+    """Inference in bfloat16: a float32 score_mod (and the mask beside it), or a mask computed
+    from positions or a document id per position, is computed inside ferrocore's attention
+    kernel (no library call, no stored scores, one kernel beside the document mask's key
+    ranges). The kernel keeps the scores in float32 where eager rounds them to bfloat16 first,
+    so each is measured against a float64 run: ferrocore's error at most eager's (and shapes,
+    strides and dtype as eager's)."""
+    f, inputs = kernel_case(name)
     expected = f(*inputs)
     got = torch.compile(f, backend="ferrocore")(*inputs)
     assert not ferrocore.metrics.last["extern_ops"], ferrocore.metrics.last["extern_ops"]
@@ -119,20 +125,7 @@ def test_trains_in_the_attention_kernels(attention_log, name):
     the backward is ferrocore's two attention kernels (the queries' gradient; the keys' and the
     values'), no library call and no stored scores. Output and gradients measured against a
     float64 run: ferrocore's error at most twice eager's (each is a few bfloat16 steps)."""
-    document = torch.arange(S, device=TEST_DEVICE) // 96
-    mask_mod, score_mod = {
-        "alibi": (None, alibi),
-        "causal_alibi": (causal, alibi),
-        "document": (lambda b, h, q, kv: (document[q] == document[kv]) & (q >= kv), None),
-        "sliding_window": (sliding_window, None),
-        "grouped_query_sliding_window": (sliding_window, None),
-    }[name]
-    mask = block_mask(mask_mod) if mask_mod else None
-    inputs = qkv(torch.bfloat16)
-    grouped = name.startswith("grouped_query")
-    if grouped:
-        inputs = [inputs[0], inputs[1][:, :2].contiguous(), inputs[2][:, :2].contiguous()]
-    f = lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=grouped)  # noqa: E731
+    f, inputs = kernel_case(name)
     grad = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(3), device="cpu").to(TEST_DEVICE, torch.bfloat16)
 
     def run(fn, dtype):

@@ -310,8 +310,8 @@ LAYERS = (
     # graphs with data-dependent or symbolic sizes, cut or specialized into static compiles
     ("dispatch", ("dispatch", "partition")),
     # Dynamo's graph to ATen graphs: the direct trace or AOT autograd, the joint split
-    ("tracing", ("tracing", "decompositions", "direct_trace", "traced_attention", "fake_calls", "joint_split",
-                 "foreach")),
+    ("tracing", ("tracing", "decompositions", "direct_trace", "traced_attention", "attention_hook", "fake_calls",
+                 "joint_split", "foreach")),
     # the Dynamo backend: modes, options, the compiled-graph cache's lookup
     ("entry", ("", "backend")),
 )

@@ -58,7 +58,8 @@ impl Ctx<'_> {
         let n_items = items.len();
         let out = out.clone();
         let scale = self.float_arg(7, "scale")?;
-        let x = self.attention_inputs([0, 1, 2].map(|i| self.arg(i, ["query", "key", "value"][i]).cloned()), bias_node, &out, scale)?;
+        let operands = [self.arg(0, "query").cloned(), self.arg(1, "key").cloned(), self.arg(2, "value").cloned()];
+        let x = self.attention_inputs(operands, bias_node, &out, scale)?;
         let [b, h, m, _, d] = x.dims;
         let keys = self.key_range(&x.bias, [b, h, m, x.dims[3]], false)?;
         let layout = Layout { size: out.shape.clone(), stride: out.stride.clone(), offset: 0, dtype: out.dtype, device: out.device };
@@ -105,7 +106,7 @@ impl Ctx<'_> {
         let (gq, gk, gv) = (gq.clone(), gk.clone(), gv.clone());
         let n_items = items.len();
         let scale = self.float_arg(16, "scale")?;
-        let operands = [1, 2, 3].map(|i| self.arg(i, ["", "query", "key", "value"][i]).cloned());
+        let operands = [self.arg(1, "query").cloned(), self.arg(2, "key").cloned(), self.arg(3, "value").cloned()];
         let x = self.attention_inputs(operands, bias_node, &gq, scale)?;
         let [b, h, m, n, d] = x.dims;
         let node_of = |a: Option<&Arg>, what: &str| match a {

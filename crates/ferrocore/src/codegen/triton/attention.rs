@@ -333,12 +333,8 @@ fn write_key_loop(
     let (start, end) = band_text(&ak.band, n);
     out.push_str("    m_first = pid_m * BLOCK_M\n    m_last = m_first + BLOCK_M - 1\n");
     let _ = writeln!(out, "    start = {start}\n    end = {end}");
-    if let Some([(pf, first), (pl, last)]) = keys {
-        // the tile's rows' open keys: from the first row's first to the last row's last
-        let _ = writeln!(out, "    key_first = tl.min(tl.load({pf} + ({}), mask=rm < {m}, other={n}), 0)", first.at("rm", "0"));
-        let _ = writeln!(out, "    key_last = tl.max(tl.load({pl} + ({}), mask=rm < {m}, other=-1), 0)", last.at("rm", "0"));
-        out.push_str("    start = tl.maximum(start, (key_first // BLOCK_N) * BLOCK_N)\n");
-        out.push_str("    end = tl.minimum(end, key_last + 1)\n");
+    if let Some(keys) = keys {
+        write_open_range(out, keys, "rm", [m, n], "key");
     }
     let _ = writeln!(out, "    rn = start + {}", ak.wide("tl.arange(0, BLOCK_N)"));
     let _ = writeln!(out, "    k_ptrs = {pk} + ({})", ak.k.at("rn[None, :]", "rd[:, None]"));
@@ -410,12 +406,8 @@ fn write_grad_key_value(
     out.push_str("    n_first = pid_n * BLOCK_M\n    n_last = n_first + BLOCK_M - 1\n");
     let (start, end) = query_band_text(&ak.band, m);
     let _ = writeln!(out, "    start = {start}\n    end = {end}");
-    if let Some([(pf, first), (pl, last)]) = ranges {
-        // the tile's keys' queries: from the first key's first to the last key's last
-        let _ = writeln!(out, "    query_first = tl.min(tl.load({pf} + ({}), mask=rn < {n}, other={m}), 0)", first.at("rn", "0"));
-        let _ = writeln!(out, "    query_last = tl.max(tl.load({pl} + ({}), mask=rn < {n}, other=-1), 0)", last.at("rn", "0"));
-        out.push_str("    start = tl.maximum(start, (query_first // BLOCK_N) * BLOCK_N)\n");
-        out.push_str("    end = tl.minimum(end, query_last + 1)\n");
+    if let Some(queries) = ranges {
+        write_open_range(out, queries, "rn", [n, m], "query");
     }
     let _ = writeln!(out, "    rm = start + {}", ak.wide("tl.arange(0, BLOCK_N)"));
     let _ = writeln!(out, "    q_ptrs = {pq} + ({})", ak.q.at("rm[None, :]", "rd[:, None]"));
@@ -444,6 +436,16 @@ fn write_grad_key_value(
     let _ = writeln!(out, "        q_ptrs += BLOCK_N * {}", ak.q.stride[2]);
     let _ = writeln!(out, "        do_ptrs += BLOCK_N * {}", g.g.grad_out.stride[2]);
     let _ = writeln!(out, "    dk = dk * {}", super::dialect::float_lit(ak.scale));
+}
+
+/// `start` and `end` narrowed to the columns the program's rows (`row`, `[rows, cols]`) leave
+/// open: from the first row's first open column (`ranges`, tile-aligned) to the last row's
+/// last (the names bound are `{what}_first` and `{what}_last`).
+fn write_open_range(out: &mut String, [(pf, first), (pl, last)]: [(String, &Operand); 2], row: &str, [rows, cols]: [i64; 2], what: &str) {
+    let _ = writeln!(out, "    {what}_first = tl.min(tl.load({pf} + ({}), mask={row} < {rows}, other={cols}), 0)", first.at(row, "0"));
+    let _ = writeln!(out, "    {what}_last = tl.max(tl.load({pl} + ({}), mask={row} < {rows}, other=-1), 0)", last.at(row, "0"));
+    let _ = writeln!(out, "    start = tl.maximum(start, ({what}_first // BLOCK_N) * BLOCK_N)");
+    let _ = writeln!(out, "    end = tl.minimum(end, {what}_last + 1)");
 }
 
 /// The first query tile (aligned) and the end of the queries a tile of keys (`n_first` to
