@@ -227,17 +227,22 @@ impl Ctx<'_> {
         let sum = bx.body.reduce(ReduceOp::Sum, product);
         let value = bx.body.cast(sum, layout.dtype);
         body.set_store(layout.index_of(&[var(0), var(1), var(2), var(3)]), value);
-        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let template = Template::Attention(Attention { scale: x.scale, bias, q, k, v, keys, pass });
-        self.push_node(LoopNode {
-            output: buf,
-            ranges: vec![b, h, rows, d],
-            reduction_ranges: vec![cols],
-            body,
-            origins: vec![self.node_name()],
-            template: Some(template),
-        });
-        buf
+        self.push_computed(layout, [vec![b, h, rows, d], vec![cols]], body, Some(template))
+    }
+
+    /// A fresh buffer of `layout` written by a loop node of this call over `ranges` (output
+    /// ranges, reduction ranges).
+    fn push_computed(
+        &mut self,
+        layout: &Layout,
+        [ranges, reduction_ranges]: [Vec<i64>; 2],
+        body: LoopBody,
+        template: Option<Template>,
+    ) -> BufferId {
+        let output = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        self.push_node(LoopNode { output, ranges, reduction_ranges, body, origins: vec![self.node_name()], template });
+        output
     }
 
     /// A further result of the attention kernel computing `head`, laid out as `layout`.
@@ -246,16 +251,7 @@ impl Ctx<'_> {
         let zero = body.constant(Scalar::Float(0.0), layout.dtype);
         let vars: Vec<IndexExpr> = (0..layout.size.len() as u32).map(|i| IndexExpr::var(Var(i))).collect();
         body.set_store(layout.index_of(&vars), zero);
-        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
-        self.push_node(LoopNode {
-            output: buf,
-            ranges: layout.size.clone(),
-            reduction_ranges: vec![],
-            body,
-            origins: vec![self.node_name()],
-            template: Some(Template::AttentionResult { of: head, result }),
-        });
-        buf
+        self.push_computed(layout, [layout.size.clone(), vec![]], body, Some(Template::AttentionResult { of: head, result }))
     }
 
     /// `delta[b, h, m] = Σ_d grad_out · out` in float32 (the backward's correction of each row).
@@ -278,16 +274,7 @@ impl Ctx<'_> {
         let sum = bx.body.reduce(ReduceOp::Sum, product);
         let layout = Layout::contiguous(&[b, h, m], DType::F32, go.device);
         body.set_store(layout.index_of(&[var(0), var(1), var(2)]), sum);
-        let buf = self.prog.add_buffer(layout, BufferSource::Computed);
-        self.push_node(LoopNode {
-            output: buf,
-            ranges: vec![b, h, m],
-            reduction_ranges: vec![d],
-            body,
-            origins: vec![self.node_name()],
-            template: None,
-        });
-        Ok(buf)
+        Ok(self.push_computed(&layout, [vec![b, h, m], vec![d]], body, None))
     }
 
     /// Node `n` (shaped `dims`) as the kernels read it: in place where one strided load reads
@@ -380,15 +367,7 @@ impl Ctx<'_> {
             let key = bx.body.where_(open, key, none);
             let reduced = bx.body.reduce(op, key);
             body.set_store(layout.index_of(&[var(0), var(1), var(2)]), reduced);
-            let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
-            self.push_node(LoopNode {
-                output: buf,
-                ranges: vec![rb, rh, rows],
-                reduction_ranges: vec![cols],
-                body,
-                origins: vec![self.node_name()],
-                template: None,
-            });
+            let buf = self.push_computed(&layout, [vec![rb, rh, rows], vec![cols]], body, None);
             out.push((buf, index.clone()));
         }
         self.decisions.push((

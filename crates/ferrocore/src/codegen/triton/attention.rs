@@ -286,16 +286,23 @@ impl AttentionKernel {
     }
 }
 
+/// The program's (batch, head) and its `BLOCK_M` rows `r{axis}` (queries `m`, or keys `n` for
+/// the keys' gradient), and the head dim `rd`.
+fn write_program(out: &mut String, ak: &AttentionKernel, axis: char) {
+    let [_, h, rows, _, _] = ak.dims;
+    let _ = writeln!(out, "    pid = {}", ak.wide("tl.program_id(0)"));
+    let _ = writeln!(out, "    tiles_{axis} = ({rows} + BLOCK_M - 1) // BLOCK_M");
+    let _ = writeln!(out, "    pid_{axis} = pid % tiles_{axis}\n    off_bh = pid // tiles_{axis}");
+    let _ = writeln!(out, "    off_b = off_bh // {h}\n    off_h = off_bh % {h}");
+    let _ = writeln!(out, "    r{axis} = pid_{axis} * BLOCK_M + {}", ak.wide("tl.arange(0, BLOCK_M)"));
+    let _ = writeln!(out, "    rd = {}", ak.wide("tl.arange(0, BLOCK_K)"));
+}
+
 /// The program's (batch, head) and query rows, its queries loaded, the running maximum, sum
 /// and accumulator, and the bias's part that reads the rows alone (`rows`).
 fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str, grads: Option<&GradPointers>) {
-    let [_, h, m, _, _] = ak.dims;
-    let _ = writeln!(out, "    pid = {}", ak.wide("tl.program_id(0)"));
-    let _ = writeln!(out, "    tiles_m = ({m} + BLOCK_M - 1) // BLOCK_M");
-    out.push_str("    pid_m = pid % tiles_m\n    off_bh = pid // tiles_m\n");
-    let _ = writeln!(out, "    off_b = off_bh // {h}\n    off_h = off_bh % {h}");
-    let _ = writeln!(out, "    rm = pid_m * BLOCK_M + {}", ak.wide("tl.arange(0, BLOCK_M)"));
-    let _ = writeln!(out, "    rd = {}", ak.wide("tl.arange(0, BLOCK_K)"));
+    let m = ak.dims[2];
+    write_program(out, ak, 'm');
     // rows past the edge read the first ones again (their results are not stored)
     let _ = writeln!(out, "    qm = rm % {m}");
     let _ = writeln!(out, "    q = tl.load({pq} + ({}))", ak.q.at("qm[:, None]", "rd[None, :]"));
@@ -385,14 +392,9 @@ fn write_grad_key_value(
     g: &GradPointers,
     bias: &BiasText,
 ) {
-    let [_, h, n, m, _] = ak.dims;
-    let _ = writeln!(out, "    pid = {}", ak.wide("tl.program_id(0)"));
+    let [_, _, n, m, _] = ak.dims;
     out.push_str("    # (BLOCK_M: the program's keys; BLOCK_N: the queries of one step)\n");
-    let _ = writeln!(out, "    tiles_n = ({n} + BLOCK_M - 1) // BLOCK_M");
-    out.push_str("    pid_n = pid % tiles_n\n    off_bh = pid // tiles_n\n");
-    let _ = writeln!(out, "    off_b = off_bh // {h}\n    off_h = off_bh % {h}");
-    let _ = writeln!(out, "    rn = pid_n * BLOCK_M + {}", ak.wide("tl.arange(0, BLOCK_M)"));
-    let _ = writeln!(out, "    rd = {}", ak.wide("tl.arange(0, BLOCK_K)"));
+    write_program(out, ak, 'n');
     let _ = writeln!(out, "    kn = rn % {n}");
     let _ = writeln!(out, "    kk = tl.load({pk} + ({}))", ak.k.at("kn[:, None]", "rd[None, :]"));
     let _ = writeln!(out, "    vv = tl.load({pv} + ({}))", ak.v.at("kn[:, None]", "rd[None, :]"));
