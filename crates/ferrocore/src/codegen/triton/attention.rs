@@ -367,16 +367,14 @@ fn write_key_loop(
         out.push_str("        dp = ferro_dot(do, tl.trans(vt))\n");
         out.push_str("        ds = p * (dp - delta[:, None])\n");
         out.push_str("        dq += ferro_dot(ds.to(kt.dtype), tl.trans(kt))\n");
-        let _ = writeln!(out, "        k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
-        let _ = writeln!(out, "        v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
-        return;
+    } else {
+        out.push_str("        m_new = tl.maximum(m_i, tl.max(s, 1))\n");
+        // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
+        out.push_str("        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)\n");
+        out.push_str("        p = tl.exp(s - m_use[:, None])\n        alpha = tl.exp(m_i - m_use)\n");
+        out.push_str("        l_i = l_i * alpha + tl.sum(p, 1)\n");
+        out.push_str("        acc = acc * alpha[:, None] + ferro_dot(p.to(vt.dtype), vt)\n        m_i = m_new\n");
     }
-    out.push_str("        m_new = tl.maximum(m_i, tl.max(s, 1))\n");
-    // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
-    out.push_str("        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)\n");
-    out.push_str("        p = tl.exp(s - m_use[:, None])\n        alpha = tl.exp(m_i - m_use)\n");
-    out.push_str("        l_i = l_i * alpha + tl.sum(p, 1)\n");
-    out.push_str("        acc = acc * alpha[:, None] + ferro_dot(p.to(vt.dtype), vt)\n        m_i = m_new\n");
     let _ = writeln!(out, "        k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
     let _ = writeln!(out, "        v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
 }
