@@ -109,7 +109,7 @@ def test_gemm_templates_fuse_their_epilogue(interpreted):
     # the product, its bias, relu and residual add: one matrix-product kernel, one launch
     src = "".join(Path(p).read_text() for p in interpreted["gemm_template_addmm_relu_residual"]["modules"])
     assert re.findall(r"^def (triton_\w+)\(", src, re.M) == ["triton_mm_fused_addmm_relu_add_0"], src
-    assert "acc += tl.dot(a, b, input_precision=\"ieee\")" in src and "torch.ops.aten" not in src
+    assert "acc = tl.dot(a, b, acc, input_precision=\"ieee\")" in src and "torch.ops.aten" not in src
     assert "'BLOCK_M': 64, 'BLOCK_N': 64, 'BLOCK_K': 32" in src
     # a product the softmax reads along its rows is stored by its kernel; the softmax is another
     src = "".join(Path(p).read_text() for p in interpreted["gemm_template_bmm_transposed_softmax"]["modules"])

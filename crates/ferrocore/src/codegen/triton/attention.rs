@@ -7,9 +7,10 @@
 //! keys in a band around its own position (causal, sliding-window masks: `key_band`), each
 //! query tile visits only the key tiles of its band.
 
+use super::bias_split::{split_bias, SplitBias, LOG2E};
 use super::template::{cdiv, tile_dim};
 use super::{CodegenError, KernelLaunch, Params, IDX32_LIMIT};
-use crate::codegen::writer::write_value;
+use crate::codegen::writer::write_values;
 use crate::codegen::{Tile, TuneConfig};
 use crate::graph::DType;
 use crate::loop_ir::*;
@@ -54,10 +55,10 @@ pub(super) struct AttentionKernel {
     results: Vec<(AttentionResult, Operand)>,
     dtype: DType,
     scale: f64,
-    /// The bias alone (the node's exprs up to it, its value stored) over variables (row, b, h,
-    /// col): the writer computes what reads the rows alone (`Section::Pre`: a query's document
-    /// id) once, before the loop.
-    bias: LoopBody,
+    /// The bias alone over variables (row, b, h, col, the program's first row), as the scores
+    /// take it (`split_bias`): the writer computes what reads the rows alone (`Section::Pre`: a
+    /// query's document id) once, before the loop.
+    bias: SplitBias,
     /// What the bias proves of the keys it leaves open (`key_band`, over queries and keys): the
     /// loop visits only the tiles a program's rows may see.
     band: Vec<Bound>,
@@ -135,7 +136,8 @@ impl AttentionKernel {
         for buf in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*buf).layout.storage_numel() >= IDX32_LIMIT;
         }
-        let bias = text;
+        let (query, key) = if keys_major { (Var(3), Var(0)) } else { (Var(0), Var(3)) };
+        let bias = split_bias(&text, [query, key, Var(4)], rows.max(cols)).ok_or_else(|| bad("a bias without a value"))?;
         let keys = a.keys.map(|k| Ok::<_, CodegenError>([operand(k.first, 2)?, operand(k.last, 2)?])).transpose()?;
         Ok(AttentionKernel {
             band,
@@ -169,6 +171,11 @@ impl AttentionKernel {
             (AttentionPass::GradKeyValue(_), true) => &[(64, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (128, 32, 8, 2)],
             (AttentionPass::GradKeyValue(_), false) => &[(64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 4, 2)],
             (AttentionPass::Forward, true) => &[(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2)],
+            // (a query tile that sees every key skips none: taller tiles read the keys and
+            // values half as often; a band or key ranges skip more with shorter ones)
+            (AttentionPass::Forward, false) if self.band.is_empty() && self.keys.is_none() => {
+                &[(128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
+            }
             (AttentionPass::Forward, false) => {
                 &[(64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
             }
@@ -223,14 +230,14 @@ pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attenti
         }
         (AttentionPass::GradQuery(_), Some((g, p))) => {
             let grad = GradPointers { g, grad_out: &p[0], lse: &p[1], delta: &p[2] };
-            write_queries(&mut out, ak, &pq, &bias.rows, Some(&grad));
+            write_queries(&mut out, ak, &pq, &bias, Some(&grad));
             write_key_loop(&mut out, ak, keys, &pk, &pv, &bias.tile, true);
             let at = ak.out.at("rm[:, None]", "rd[None, :]");
             let _ = writeln!(out, "    dq = dq * {}", super::dialect::float_lit(ak.scale));
             let _ = writeln!(out, "    tl.store({po} + ({at}), {}, mask=rm[:, None] < {m})", super::dialect::store_conv("dq", ak.dtype));
         }
         _ => {
-            write_queries(&mut out, ak, &pq, &bias.rows, None);
+            write_queries(&mut out, ak, &pq, &bias, None);
             write_key_loop(&mut out, ak, keys, &pk, &pv, &bias.tile, false);
             // a row whose keys are all closed gives 0 (the safe softmax's answer)
             out.push_str("    result = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)\n");
@@ -239,7 +246,13 @@ pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attenti
                 writeln!(out, "    tl.store({po} + ({at}), {}, mask=rm[:, None] < {m})", super::dialect::store_conv("result", ak.dtype));
             if let Some((pl, lse)) = result(AttentionResult::LogSumExp)? {
                 // -inf where no key is open (the backward's probabilities are then 0)
-                out.push_str("    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float(\"-inf\"))\n");
+                // (natural units, with the query part the scores left out)
+                let plus = bias.query.as_ref().map_or(String::new(), |q| format!(" + {}", query_vector(q, true)));
+                let _ = writeln!(
+                    out,
+                    "    lse = tl.where(l_i > 0, (m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0))) * {}{plus}, float(\"-inf\"))",
+                    super::dialect::float_lit(std::f64::consts::LN_2)
+                );
                 let _ = writeln!(out, "    tl.store({pl} + ({}), lse, mask=rm < {m})", lse.at("rm", "0"));
             }
         }
@@ -300,7 +313,7 @@ fn write_program(out: &mut String, ak: &AttentionKernel, axis: char) {
 
 /// The program's (batch, head) and query rows, its queries loaded, the running maximum, sum
 /// and accumulator, and the bias's part that reads the rows alone (`rows`).
-fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str, grads: Option<&GradPointers>) {
+fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, bias: &BiasText, grads: Option<&GradPointers>) {
     let m = ak.dims[2];
     write_program(out, ak, 'm');
     // rows past the edge read the first ones again (their results are not stored)
@@ -318,8 +331,13 @@ fn write_queries(out: &mut String, ak: &AttentionKernel, pq: &str, rows: &str, g
     let _ = writeln!(out, "    xmask = rm[:, None] < {m}");
     // (one shape for the whole kernel: Triton keeps a loop-carried name's type)
     out.push_str("    xzero = rm[:, None] * 0 + tl.arange(0, BLOCK_N)[None, :] * 0\n");
-    for line in rows.lines() {
+    for line in bias.rows.lines() {
         let _ = writeln!(out, "    {line}");
+    }
+    if grads.is_some() {
+        // the scores' base-2 log-sum-exp, less the query part they leave out
+        let less = bias.query.as_ref().map_or(String::new(), |q| format!(" - {}", query_vector(q, true)));
+        let _ = writeln!(out, "    lse = (lse{less}) * {}", super::dialect::float_lit(LOG2E));
     }
 }
 
@@ -360,20 +378,22 @@ fn write_key_loop(
     let _ = writeln!(out, "            kt = tl.load(k_ptrs, mask=rn[None, :] < {n}, other=0.0)");
     let _ = writeln!(out, "            vt = tl.load(v_ptrs, mask=rn[:, None] < {n}, other=0.0)");
     out.push_str("        else:\n            kt = tl.load(k_ptrs)\n            vt = tl.load(v_ptrs)\n");
-    let _ = writeln!(out, "        s = ferro_dot(q, kt) * {} + bias", super::dialect::float_lit(ak.scale));
+    // (scores in base 2: one exp2 each, the scale and log2(e) one factor; the kernels compile
+    // without FMA contraction, so the multiply-adds are written as such)
+    let _ = writeln!(out, "        s = tl.fma(ferro_dot(q, kt), {}, bias)", super::dialect::float_lit(ak.scale * LOG2E));
     if grad {
         // the probabilities again, from the forward's log-sum-exp; dS = P * (dP - delta)
-        out.push_str("        p = tl.exp(s - lse[:, None])\n");
+        out.push_str("        p = ferro_exp2_ftz(s - lse[:, None])\n");
         out.push_str("        dp = ferro_dot(do, tl.trans(vt))\n");
         out.push_str("        ds = p * (dp - delta[:, None])\n");
-        out.push_str("        dq += ferro_dot(ds.to(kt.dtype), tl.trans(kt))\n");
+        out.push_str("        dq = ferro_dot_acc(ds.to(kt.dtype), tl.trans(kt), dq)\n");
     } else {
         out.push_str("        m_new = tl.maximum(m_i, tl.max(s, 1))\n");
         // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
         out.push_str("        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)\n");
-        out.push_str("        p = tl.exp(s - m_use[:, None])\n        alpha = tl.exp(m_i - m_use)\n");
-        out.push_str("        l_i = l_i * alpha + tl.sum(p, 1)\n");
-        out.push_str("        acc = acc * alpha[:, None] + ferro_dot(p.to(vt.dtype), vt)\n        m_i = m_new\n");
+        out.push_str("        p = ferro_exp2_ftz(s - m_use[:, None])\n        alpha = ferro_exp2_ftz(m_i - m_use)\n");
+        out.push_str("        l_i = tl.fma(l_i, alpha, tl.sum(p, 1))\n");
+        out.push_str("        acc = ferro_dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None])\n        m_i = m_new\n");
     }
     let _ = writeln!(out, "        k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
     let _ = writeln!(out, "        v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
@@ -427,12 +447,14 @@ fn write_grad_key_value(
     g.write_rows(out, "            ", "rm", Some(&format!("rm < {m}")));
     out.push_str("        else:\n            qt = tl.load(q_ptrs)\n            dot = tl.load(do_ptrs)\n");
     g.write_rows(out, "            ", "rm", None);
-    let _ = writeln!(out, "        st = ferro_dot(kk, qt) * {} + bias", super::dialect::float_lit(ak.scale));
-    out.push_str("        pt = tl.exp(st - lse[None, :])\n");
-    out.push_str("        dv += ferro_dot(pt.to(qt.dtype), tl.trans(dot))\n");
+    let less = bias.query.as_ref().map_or(String::new(), |q| format!(" - {}", query_vector(q, false)));
+    let _ = writeln!(out, "        lse = (lse{less}) * {}", super::dialect::float_lit(LOG2E));
+    let _ = writeln!(out, "        st = tl.fma(ferro_dot(kk, qt), {}, bias)", super::dialect::float_lit(ak.scale * LOG2E));
+    out.push_str("        pt = ferro_exp2_ftz(st - lse[None, :])\n");
+    out.push_str("        dv = ferro_dot_acc(pt.to(qt.dtype), tl.trans(dot), dv)\n");
     out.push_str("        dpt = ferro_dot(vv, dot)\n");
     out.push_str("        dst = pt * (dpt - delta[None, :])\n");
-    out.push_str("        dk += ferro_dot(dst.to(qt.dtype), tl.trans(qt))\n");
+    out.push_str("        dk = ferro_dot_acc(dst.to(qt.dtype), tl.trans(qt), dk)\n");
     let _ = writeln!(out, "        q_ptrs += BLOCK_N * {}", ak.q.stride[2]);
     let _ = writeln!(out, "        do_ptrs += BLOCK_N * {}", g.g.grad_out.stride[2]);
     let _ = writeln!(out, "    dk = dk * {}", super::dialect::float_lit(ak.scale));
@@ -466,32 +488,52 @@ fn query_band_text(band: &[Bound], m: i64) -> (String, String) {
     (start, end)
 }
 
-/// The bias's code: what reads the query rows alone (before the key loop, where `xmask` is
-/// `[BLOCK_M, 1]`), and the rest over a tile of keys (`tile_mask`), binding `bias`.
+/// The bias's code: what reads the program's rows alone (before the loop, where `xmask` is
+/// `[BLOCK_M, 1]`), and the rest over a tile (`tile_mask`), binding `bias` (base 2); and the
+/// name of the query part taken out of the scores (natural units), where one is.
 struct BiasText {
     rows: String,
     tile: String,
+    query: Option<String>,
 }
 
 /// The bias over the tile through the kernel writer.
 fn bias_text(s: &Schedule, k: &FusedKernel, params: &Params, ak: &AttentionKernel) -> Result<BiasText, CodegenError> {
     // (the program's rows and the loop's columns: queries and keys, or keys and queries)
     let keys_major = matches!(ak.pass, AttentionPass::GradKeyValue(_));
-    let (row, col, col_mask) =
-        if keys_major { ("rn[:, None]", "rm[None, :]", "query_mask") } else { ("rm[:, None]", "rn[None, :]", "key_mask") };
+    let (row, col, col_mask, first) = if keys_major {
+        ("rn[:, None]", "rm[None, :]", "query_mask", "(pid_n * BLOCK_M)")
+    } else {
+        ("rm[:, None]", "rn[None, :]", "key_mask", "(pid_m * BLOCK_M)")
+    };
     let var_name = |v: Var| match v.0 {
         0 => row.to_string(),
         1 => "off_b".to_string(),
         2 => "off_h".to_string(),
-        _ => col.to_string(),
+        3 => col.to_string(),
+        _ => first.to_string(),
     };
     let mut dialect = super::template_group(s, params, &var_name, true, "tile_mask");
     dialect.row_free_mask = Some((Var(0), col_mask.into()));
     let [b, h, m, n, _] = ak.dims;
     let mut tmp = 0usize;
-    let (text, value) =
-        write_value(&mut dialect, &ak.bias, &[m, b, h, n], &mut tmp).map_err(|why| CodegenError::unsupported(&k.name, why))?;
-    Ok(BiasText { rows: format!("{}{}", text.kernel, text.pre), tile: format!("{}{}bias = {value}\n", text.inner, text.post) })
+    let values: Vec<ValueId> = [Some(ak.bias.scores), ak.bias.query].into_iter().flatten().collect();
+    // (the rows, batch, head and first row are fixed before the loop)
+    let outer = 0b10111;
+    let (text, names) = write_values(&mut dialect, &ak.bias.body, &values, &[m, b, h, n, m], outer, &mut tmp)
+        .map_err(|why| CodegenError::unsupported(&k.name, why))?;
+    Ok(BiasText {
+        rows: format!("{}{}", text.kernel, text.pre),
+        tile: format!("{}{}bias = {}\n", text.inner, text.post, names[0]),
+        query: names.get(1).cloned(),
+    })
+}
+
+/// The query part's sum over the kernel's `[BLOCK_M, 1]` rows or `[1, BLOCK_N]` columns, as a
+/// vector along them (the writer may give a uniform value as `[1, 1]`).
+fn query_vector(name: &str, along_rows: bool) -> String {
+    let (shape, axis) = if along_rows { ("[BLOCK_M, 1]", 1) } else { ("[1, BLOCK_N]", 0) };
+    format!("tl.sum({name} + tl.zeros({shape}, tl.float32), {axis})")
 }
 
 /// A bound the bias proves on the keys it leaves open for query `m`: `key >= slope·m + offset`

@@ -10,6 +10,7 @@
 //! What this backend cannot render yet is a typed `Unsupported` error, never a wrong kernel.
 
 mod attention;
+mod bias_split;
 mod dialect;
 mod template;
 

@@ -339,12 +339,34 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     @ferro_jit
     def ferro_dot(a, b):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+    @ferro_jit
+    def ferro_dot_acc(a, b, acc):
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+    @ferro_jit
+    def ferro_exp2_ftz(x):
+        return tl.math.exp2(x)
 else:
 
     # a matrix-product template's step: 16-bit operands into float32 sums (tensor cores)
     @ferro_jit
     def ferro_dot(a, b):
         return tl.dot(a, b)
+
+    # the product added to `acc` by the tensor cores (kernels compile without FMA contraction:
+    # `acc + tl.dot(a, b)` would be a further addition per element)
+    @ferro_jit
+    def ferro_dot_acc(a, b, acc):
+        return tl.dot(a, b, acc)
+
+    # 2^x in one instruction, results below 2^-126 flushed to 0: an attention kernel's
+    # probabilities (at most 1 in a row summing to at least 1, so a flushed one changes nothing).
+    # Kernels compile keeping denormals, where `tl.math.exp2` costs several instructions more
+    # per score (an ALiBi forward 8% slower on the H200).
+    @ferro_jit
+    def ferro_exp2_ftz(x):
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
     from triton.language.extra import libdevice
 

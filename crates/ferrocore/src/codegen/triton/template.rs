@@ -228,9 +228,10 @@ fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &Matrix
     out.push_str("        else:\n");
     let _ = writeln!(out, "            a = tl.load(a_ptrs, mask=rk[None, :] < {kk} - k0, other=0.0)");
     let _ = writeln!(out, "            b = tl.load(b_ptrs, mask=rk[:, None] < {kk} - k0, other=0.0)");
-    // float32 operands multiply in float32, as eager does unless TF32 is allowed
-    let dot = if mp.dtype == DType::F32 { "tl.dot(a, b, input_precision=\"ieee\")" } else { "ferro_dot(a, b)" };
-    let _ = writeln!(out, "        acc += {dot}");
+    // float32 operands multiply in float32, as eager does unless TF32 is allowed; the product
+    // accumulates in the tensor cores (no separate addition: kernels compile without contraction)
+    let dot = if mp.dtype == DType::F32 { "tl.dot(a, b, acc, input_precision=\"ieee\")" } else { "ferro_dot_acc(a, b, acc)" };
+    let _ = writeln!(out, "        acc = {dot}");
     let _ = writeln!(out, "        a_ptrs += BLOCK_K * {}", a.cols);
     let _ = writeln!(out, "        b_ptrs += BLOCK_K * {}", b.rows);
     let _ = writeln!(out, "    x0 = zb * {} + rm[:, None] * {n} + rn[None, :]", m * n);

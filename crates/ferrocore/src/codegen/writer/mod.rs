@@ -177,19 +177,27 @@ pub fn write_group<D: Dialect>(
     Ok(text)
 }
 
-/// The value a body stores, written in a dialect but not stored: the text of each section and
-/// the value's name (a template computes it inside loops of its own: an attention's bias).
-pub fn write_value<D: Dialect>(d: &mut D, body: &LoopBody, ranges: &[i64], tmp: &mut usize) -> Result<(SectionText, String), String> {
+/// Values of a body, written in a dialect but not stored: the text of each section and each
+/// value's name (a template computes them inside loops of its own: an attention's bias).
+/// `outer_vars`: the variables fixed before the template's inner loop (a bit each).
+pub fn write_values<D: Dialect>(
+    d: &mut D,
+    body: &LoopBody,
+    values: &[ValueId],
+    ranges: &[i64],
+    outer_vars: u64,
+    tmp: &mut usize,
+) -> Result<(SectionText, Vec<String>), String> {
     let replace = HashMap::new();
-    let values = Values::new(tmp, D::ASSIGN, D::KERNEL_SECTION, None, ranges);
-    let mut em = Emitter { d, v: values, replace: &replace };
+    let mut values_of = Values::new(tmp, D::ASSIGN, D::KERNEL_SECTION, None, ranges);
+    values_of.outer_vars = outer_vars;
+    let mut em = Emitter { d, v: values_of, replace: &replace };
     let vals = body.visit(&mut em);
     let Emitter { v, .. } = em;
     if let Some(why) = v.unsupported {
         return Err(why);
     }
-    let store = body.store.as_ref().ok_or("a body without a value")?;
-    Ok((v.text, vals[store.value.0 as usize].clone()))
+    Ok((v.text, values.iter().map(|x| vals[x.0 as usize].clone()).collect()))
 }
 
 /// Each node's reads of in-kernel values (looked up per node: kernels of thousands of nodes).

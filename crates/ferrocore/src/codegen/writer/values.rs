@@ -64,6 +64,9 @@ pub struct Values<'a> {
     kernel_section: bool,
     /// The node's loop ranges (what bounds its index expressions).
     pub ranges: &'a [i64],
+    /// The variables fixed before the inner loop (a bit per variable; variable 0 by default):
+    /// a value reading no other is computed before it.
+    pub outer_vars: u64,
     pub text: SectionText,
     /// Why this body cannot be rendered (the first reason).
     pub unsupported: Option<String>,
@@ -71,7 +74,17 @@ pub struct Values<'a> {
 
 impl<'a> Values<'a> {
     pub fn new(tmp: &'a mut usize, assign: Assign, kernel_section: bool, computed: Option<&'a mut Computed>, ranges: &'a [i64]) -> Self {
-        Values { tmp, sections: HashMap::new(), computed, assign, kernel_section, ranges, text: SectionText::default(), unsupported: None }
+        Values {
+            tmp,
+            sections: HashMap::new(),
+            computed,
+            assign,
+            kernel_section,
+            ranges,
+            outer_vars: 1,
+            text: SectionText::default(),
+            unsupported: None,
+        }
     }
 
     /// The earliest place a value can be computed.
@@ -99,7 +112,7 @@ impl<'a> Values<'a> {
     pub fn index_section(&self, e: &IndexExpr) -> Section {
         let mut vs = Vec::new();
         e.vars(&mut vs);
-        if vs.iter().any(|v| v.0 != 0) {
+        if vs.iter().any(|v| v.0 >= 64 || self.outer_vars & (1 << v.0) == 0) {
             Section::Inner
         } else if vs.is_empty() {
             self.first()

@@ -1,0 +1,388 @@
+//! An attention bias rewritten for the kernel's base-2 online softmax: the part that reads the
+//! query alone (`q`) taken out of the scores, and the rest scaled by log2(e).
+//!
+//! A softmax row is unchanged by a term constant along it, so a bias `q(query) + e(query, key)`
+//! gives the same probabilities as `e` alone; the query part is needed only in the row's
+//! log-sum-exp (added to the forward's, taken from the backward's once per row). A linear
+//! position bias (ALiBi: `slope · (key - query)`) then costs one fused multiply-add per score
+//! instead of a subtraction, a conversion, a product and an addition. Positions are split
+//! about the program's first row (`reference`), so both parts stay as small as the bias is near
+//! the diagonal, and as exact.
+
+use crate::graph::DType;
+use crate::loop_ir::*;
+use crate::symbolic::{Atom, IndexExpr, Var};
+
+/// log2(e): scores in base 2 are exponentiated by one `exp2` each.
+pub(super) const LOG2E: f64 = std::f64::consts::LOG2_E;
+
+/// The bias as the kernel computes it: `scores` (base 2, added to the scaled products) and,
+/// where one splits off, the query part in natural units (finite).
+pub(super) struct SplitBias {
+    pub body: LoopBody,
+    pub scores: ValueId,
+    pub query: Option<ValueId>,
+}
+
+const QUERY: u8 = 1;
+const KEY: u8 = 2;
+
+struct Splitter<'a> {
+    src: &'a LoopBody,
+    query: Var,
+    key: Var,
+    reference: Var,
+    extent: i64,
+    src_dep: Vec<u8>,
+    out: LoopBody,
+    out_dep: Vec<u8>,
+    copied: Vec<Option<ValueId>>,
+}
+
+/// `body`'s stored value split over the variables `query` and `key` (`reference`: a further
+/// variable, uniform over the program, near its rows); `extent`: the most positions of either.
+pub(super) fn split_bias(body: &LoopBody, [query, key, reference]: [Var; 3], extent: i64) -> Option<SplitBias> {
+    let root = body.store.as_ref()?.value;
+    let mut s = Splitter {
+        src: body,
+        query,
+        key,
+        reference,
+        extent,
+        src_dep: Vec::with_capacity(body.exprs.len()),
+        out: LoopBody::default(),
+        out_dep: Vec::new(),
+        copied: vec![None; body.exprs.len()],
+    };
+    for i in 0..body.exprs.len() {
+        let d = s.dep_of(&body.exprs[i], &s.src_dep);
+        s.src_dep.push(d);
+    }
+    let dt = body.dtype(root);
+    let (query_part, rest) = if dt == DType::F32 { s.split(root) } else { (None, Some(s.copy(root))) };
+    let query_part = query_part.filter(|q| s.out.expr(*q) != &Expr::Constant(Scalar::Float(0.0)));
+    let rest = match rest {
+        Some(r) => r,
+        None => s.out.constant(Scalar::Float(0.0), dt),
+    };
+    let scores = s.scale(rest);
+    // (the split leaves values no part reads: the unscaled rest)
+    let roots: Vec<ValueId> = std::iter::once(scores).chain(query_part).collect();
+    let mut live = vec![false; s.out.exprs.len()];
+    for root in &roots {
+        for (i, l) in s.out.live_from(*root, &|_| None).into_iter().enumerate() {
+            live[i] |= l;
+        }
+    }
+    let mut out = LoopBody::default();
+    let mut new_id: Vec<Option<ValueId>> = Vec::with_capacity(live.len());
+    for (i, e) in s.out.exprs.iter().enumerate() {
+        let id = if live[i] { out.push_copy(e, s.out.dtypes[i], &|v| new_id[v.0 as usize]) } else { None };
+        new_id.push(id);
+    }
+    let id = |v: ValueId| new_id[v.0 as usize].expect("a root is live");
+    out.set_store(IndexExpr::zero(), id(scores));
+    Some(SplitBias { body: out, scores: id(scores), query: query_part.map(id) })
+}
+
+impl Splitter<'_> {
+    fn var_bits(&self, e: &IndexExpr) -> u8 {
+        let mut vs = Vec::new();
+        e.vars(&mut vs);
+        vs.iter()
+            .map(|v| {
+                if *v == self.query {
+                    QUERY
+                } else if *v == self.key {
+                    KEY
+                } else {
+                    0
+                }
+            })
+            .fold(0, |a, b| a | b)
+    }
+
+    /// Which of the query and key an expression reads (the batch, head and reference are
+    /// uniform over a program's tile).
+    fn dep_of(&self, e: &Expr, dep: &[u8]) -> u8 {
+        let ops = e.operands().iter().map(|v| dep[v.0 as usize]).fold(0, |a, b| a | b);
+        match e {
+            Expr::Index(ix) | Expr::Load { index: ix, .. } | Expr::LoadIndirect { index: ix, .. } => ops | self.var_bits(ix),
+            _ => ops,
+        }
+    }
+
+    /// Keeps `out_dep` as long as the output body (after pushes).
+    fn sync(&mut self) -> ValueId {
+        while self.out_dep.len() < self.out.exprs.len() {
+            let i = self.out_dep.len();
+            let d = self.dep_of(&self.out.exprs[i], &self.out_dep);
+            self.out_dep.push(d);
+        }
+        ValueId(self.out.exprs.len() as u32 - 1)
+    }
+
+    fn made(&mut self, v: ValueId) -> ValueId {
+        self.sync();
+        v
+    }
+
+    /// The source value `v` in the output body, as it is.
+    fn copy(&mut self, v: ValueId) -> ValueId {
+        if let Some(c) = self.copied[v.0 as usize] {
+            return c;
+        }
+        let e = &self.src.exprs[v.0 as usize];
+        for op in e.operands() {
+            self.copy(op);
+        }
+        let copied = &self.copied;
+        let c = self.out.push_copy(e, self.src.dtype(v), &|x| copied[x.0 as usize]).expect("operands copied first");
+        self.sync();
+        self.copied[v.0 as usize] = Some(c);
+        c
+    }
+
+    /// Whether a source value is finite wherever it is computed (the query part may be taken
+    /// out of a row only then: a -inf one closes the row).
+    fn finite(&self, v: ValueId) -> bool {
+        let src = self.src;
+        match src.expr(v) {
+            Expr::Index(_) => true,
+            Expr::Constant(Scalar::Float(c)) => c.is_finite(),
+            Expr::Constant(_) => true,
+            Expr::Cast(x) => !src.dtype(*x).is_float() || self.finite(*x),
+            Expr::Binary(BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul, x, y) => self.finite(*x) && self.finite(*y),
+            Expr::Unary(UnaryOp::Neg, x) => self.finite(*x),
+            // a uniform scale such as ALiBi's slope, exp2(-8·(h+1)/H)
+            Expr::Unary(_, x) => self.src_dep[v.0 as usize] == 0 && self.finite(*x),
+            _ => false,
+        }
+    }
+
+    fn binary(&mut self, op: BinaryOp, a: Option<ValueId>, b: Option<ValueId>) -> Option<ValueId> {
+        let v = match (a, b) {
+            (None, None) => return None,
+            (Some(a), None) => a,
+            (None, Some(b)) if op == BinaryOp::Sub => self.out.unary(UnaryOp::Neg, b),
+            (None, Some(b)) => b,
+            (Some(a), Some(b)) => self.out.binary(op, a, b),
+        };
+        Some(self.made(v))
+    }
+
+    /// `v` as (query part, the rest), either absent where it is zero.
+    fn split(&mut self, v: ValueId) -> (Option<ValueId>, Option<ValueId>) {
+        let dep = self.src_dep[v.0 as usize];
+        if dep & KEY == 0 && self.finite(v) {
+            return (Some(self.copy(v)), None);
+        }
+        let src = self.src;
+        let uniform = |x: ValueId, s: &Self| s.src_dep[x.0 as usize] == 0 && s.finite(x);
+        match src.expr(v).clone() {
+            Expr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub), x, y) => {
+                let ((qx, ex), (qy, ey)) = (self.split(x), self.split(y));
+                (self.binary(op, qx, qy), self.binary(op, ex, ey))
+            }
+            Expr::Unary(UnaryOp::Neg, x) => {
+                let (q, e) = self.split(x);
+                (self.binary(BinaryOp::Sub, None, q), self.binary(BinaryOp::Sub, None, e))
+            }
+            Expr::Binary(BinaryOp::Mul, x, u) | Expr::Binary(BinaryOp::Mul, u, x) if uniform(u, self) => {
+                let (q, e) = self.split(x);
+                let u = self.copy(u);
+                (q.map(|p| self.mul(p, u)), e.map(|p| self.mul(p, u)))
+            }
+            Expr::Cast(x) if !src.dtype(x).is_float() => match self.affine(x).filter(|a| self.fits(*a, src.dtype(x))) {
+                Some(a) => self.split_position(a, src.dtype(x), src.dtype(v)),
+                None => (None, Some(self.copy(v))),
+            },
+            Expr::Where(c, x, y) if is_neg_inf(src, y) || is_neg_inf(src, x) => {
+                let open_is_x = is_neg_inf(src, y);
+                let (q, e) = self.split(if open_is_x { x } else { y });
+                let c = self.copy(c);
+                let closed = self.out.constant(Scalar::Float(f64::NEG_INFINITY), src.dtype(v));
+                let e = match e {
+                    Some(e) => e,
+                    None => self.out.constant(Scalar::Float(0.0), src.dtype(v)),
+                };
+                let w = if open_is_x { self.out.where_(c, e, closed) } else { self.out.where_(c, closed, e) };
+                (q, Some(self.made(w)))
+            }
+            _ => (None, Some(self.copy(v))),
+        }
+    }
+
+    fn mul(&mut self, a: ValueId, b: ValueId) -> ValueId {
+        let v = self.out.binary(BinaryOp::Mul, a, b);
+        self.made(v)
+    }
+
+    /// An integer of the source as `c + a·query + b·key`.
+    fn affine(&self, v: ValueId) -> Option<(i64, i64, i64)> {
+        let src = self.src;
+        if !matches!(src.dtype(v), DType::I32 | DType::I64) {
+            return None;
+        }
+        let add = |p: (i64, i64, i64), q: (i64, i64, i64), s: i64| (p.0 + s * q.0, p.1 + s * q.1, p.2 + s * q.2);
+        match src.expr(v) {
+            Expr::Index(ix) => {
+                let mut vs = Vec::new();
+                ix.vars(&mut vs);
+                let plain = ix.terms.iter().all(|(a, _)| matches!(a, Atom::Var(_)));
+                let only = vs.iter().all(|x| *x == self.query || *x == self.key);
+                (plain && only).then(|| (ix.constant, ix.affine_coeff(self.query).unwrap_or(0), ix.affine_coeff(self.key).unwrap_or(0)))
+            }
+            Expr::Constant(Scalar::Int(c)) => Some((*c, 0, 0)),
+            Expr::Cast(x) => self.affine(*x),
+            Expr::Binary(BinaryOp::Add, x, y) => Some(add(self.affine(*x)?, self.affine(*y)?, 1)),
+            Expr::Binary(BinaryOp::Sub, x, y) => Some(add(self.affine(*x)?, self.affine(*y)?, -1)),
+            Expr::Binary(BinaryOp::Mul, x, y) => match (self.affine(*x)?, self.affine(*y)?) {
+                (p, (c, 0, 0)) | ((c, 0, 0), p) => Some((p.0 * c, p.1 * c, p.2 * c)),
+                _ => None,
+            },
+            _ => None,
+        }
+        .filter(|(c, a, b)| c.abs() < 1 << 40 && a.abs() < 1 << 20 && b.abs() < 1 << 20)
+    }
+
+    /// Whether the split's integers stay in the source's type.
+    fn fits(&self, (c, a, b): (i64, i64, i64), int: DType) -> bool {
+        let most = c.abs() as i128 + (a.abs() as i128 + 2 * b.abs() as i128) * self.extent as i128;
+        int == DType::I64 || most < i32::MAX as i128
+    }
+
+    /// `float(c + a·query + b·key)` as `float(c + a·query + b·reference)` and
+    /// `float(b·(key - reference))`: exact integers, each small near the diagonal.
+    fn split_position(&mut self, (c, a, b): (i64, i64, i64), int: DType, float: DType) -> (Option<ValueId>, Option<ValueId>) {
+        let var = |v: Var| IndexExpr::var(v);
+        let query = var(self.query).scale(a).add(&var(self.reference).scale(b)).add_const(c);
+        let key = var(self.key).sub(&var(self.reference)).scale(b);
+        let q = self.out.index(query, int);
+        let q = self.out.cast(q, float);
+        let q = self.made(q);
+        if b == 0 {
+            return (Some(q), None);
+        }
+        let k = self.out.index(key, int);
+        let k = self.out.cast(k, float);
+        (Some(q), Some(self.made(k)))
+    }
+
+    /// `v · log2(e)` (an output value), the product taken where it is cheapest: into a
+    /// selection's branches and a uniform factor, not once per score where avoidable.
+    fn scale(&mut self, v: ValueId) -> ValueId {
+        let dt = self.out.dtype(v);
+        let tile = |s: &Self, x: ValueId| s.out_dep[x.0 as usize] == QUERY | KEY;
+        let scaled = match self.out.expr(v).clone() {
+            Expr::Constant(Scalar::Float(c)) => self.out.constant(Scalar::Float(c * LOG2E), dt),
+            Expr::Where(c, x, y) => {
+                let (x, y) = (self.scale(x), self.scale(y));
+                self.out.where_(c, x, y)
+            }
+            Expr::Unary(UnaryOp::Neg, x) => {
+                let x = self.scale(x);
+                self.out.unary(UnaryOp::Neg, x)
+            }
+            Expr::Binary(BinaryOp::Mul, x, y) if tile(self, x) && !tile(self, y) => {
+                let y = self.scale(y);
+                self.out.binary(BinaryOp::Mul, x, y)
+            }
+            Expr::Binary(BinaryOp::Mul, x, y) if tile(self, y) && !tile(self, x) => {
+                let x = self.scale(x);
+                self.out.binary(BinaryOp::Mul, x, y)
+            }
+            _ => {
+                let l = self.out.constant(Scalar::Float(LOG2E), dt);
+                self.out.binary(BinaryOp::Mul, v, l)
+            }
+        };
+        self.made(scaled)
+    }
+}
+
+fn is_neg_inf(body: &LoopBody, v: ValueId) -> bool {
+    matches!(body.expr(v), Expr::Constant(Scalar::Float(c)) if *c == f64::NEG_INFINITY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value of `body` as nested text.
+    fn show(body: &LoopBody, v: ValueId) -> String {
+        let s = |x: &ValueId| show(body, *x);
+        match body.expr(v) {
+            Expr::Load { index, .. } => format!("load[{index}]"),
+            Expr::Constant(Scalar::Float(c)) => format!("{c:.4}"),
+            Expr::Constant(c) => format!("{c:?}"),
+            Expr::Index(ix) => format!("({ix})"),
+            Expr::Unary(op, x) => format!("{op:?}({})", s(x)).to_lowercase(),
+            Expr::Binary(op, a, b) => format!("{}({}, {})", format!("{op:?}").to_lowercase(), s(a), s(b)),
+            Expr::Where(c, a, b) => format!("where({}, {}, {})", s(c), s(a), s(b)),
+            Expr::Cast(x) => format!("{:?}({})", body.dtype(v), s(x)).to_lowercase(),
+            e => format!("{e:?}"),
+        }
+    }
+
+    /// ALiBi over (query v0, batch v1, head v2, key v3): exp2(-(h + 1) / 2) · float(key - query),
+    /// closed where `closed(body, query, key)` is true.
+    fn alibi(closed: Option<fn(&mut LoopBody, ValueId, ValueId) -> ValueId>) -> LoopBody {
+        let mut body = LoopBody::default();
+        let h = body.index(IndexExpr::var(Var(2)).add_const(1), DType::I32);
+        let h = body.cast(h, DType::F32);
+        let half = body.constant(Scalar::Float(-0.5), DType::F32);
+        let e = body.binary(BinaryOp::Mul, h, half);
+        let slope = body.unary(UnaryOp::Exp2, e);
+        let m = body.index(IndexExpr::var(Var(0)), DType::I32);
+        let n = body.index(IndexExpr::var(Var(3)), DType::I32);
+        let d = body.binary(BinaryOp::Sub, n, m);
+        let d = body.cast(d, DType::F32);
+        let mut bias = body.binary(BinaryOp::Mul, slope, d);
+        if let Some(closed) = closed {
+            let c = closed(&mut body, m, n);
+            let inf = body.constant(Scalar::Float(f64::NEG_INFINITY), DType::F32);
+            bias = body.where_(c, inf, bias);
+        }
+        body.set_store(IndexExpr::zero(), bias);
+        body
+    }
+
+    fn split(body: &LoopBody) -> (String, Option<String>) {
+        let s = split_bias(body, [Var(0), Var(3), Var(4)], 8192).unwrap();
+        assert_eq!(s.body.store.as_ref().unwrap().value, s.scores);
+        (show(&s.body, s.scores), s.query.map(|q| show(&s.body, q)))
+    }
+
+    #[test]
+    fn a_linear_position_bias_leaves_a_vector_of_keys_in_the_scores() {
+        let (scores, query) = split(&alibi(None));
+        let slope = "exp2(mul(f32((v2 + 1)), -0.5000))";
+        // (the key vector scaled once per tile, not per score)
+        assert_eq!(scores, format!("mul(mul(f32((v3 - v4)), {slope}), 1.4427)"));
+        assert_eq!(query.unwrap(), format!("mul(f32((-v0 + v4)), {slope})"));
+    }
+
+    #[test]
+    fn a_mask_stays_on_each_score_and_the_query_part_still_splits() {
+        // causal: closed where key > query
+        let (scores, query) = split(&alibi(Some(|b, m, n| b.binary(BinaryOp::Gt, n, m))));
+        let slope = "exp2(mul(f32((v2 + 1)), -0.5000))";
+        assert_eq!(scores, format!("where(gt((v3), (v0)), -inf, mul(mul(f32((v3 - v4)), {slope}), 1.4427))"));
+        assert_eq!(query.unwrap(), format!("mul(f32((-v0 + v4)), {slope})"));
+    }
+
+    #[test]
+    fn a_bias_read_from_memory_is_only_scaled() {
+        // a learned [query, key] bias, plus a per-query one that may be -inf: neither leaves
+        // the scores (a closed row must stay closed)
+        let mut body = LoopBody::default();
+        let learned = body.load(BufferId(0), IndexExpr::var(Var(0)).scale(64).add(&IndexExpr::var(Var(3))), DType::F32);
+        let per_query = body.load(BufferId(1), IndexExpr::var(Var(0)), DType::F32);
+        let bias = body.binary(BinaryOp::Add, learned, per_query);
+        body.set_store(IndexExpr::zero(), bias);
+        let (scores, query) = split(&body);
+        assert_eq!(scores, "mul(add(load[64*v0 + v3], load[v0]), 1.4427)");
+        assert_eq!(query, None);
+    }
+}
