@@ -123,11 +123,11 @@ def step(attend, training: bool, q, k, v, dout):
     return run
 
 
-def measure(name: str, seq: int, tokens: int, training: bool, reps: int, device: str) -> dict:
+def measure(name: str, seq: int, tokens: int, training: bool, reps: int, device: str, dtype: torch.dtype) -> dict:
     batch = max(1, tokens // seq)
     mask_mod, score_mod = case(name, seq, device)
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v, dout = (torch.randn(batch, HEADS, seq, DIM, device=device, dtype=DTYPE[device], generator=g)
+    q, k, v, dout = (torch.randn(batch, HEADS, seq, DIM, device=device, dtype=dtype, generator=g)
                      for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(training)
@@ -181,12 +181,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16384, help="batch x sequence per call")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no flash kernel, no profiler)")
+    ap.add_argument("--dtype", default=None, help="bfloat16 (the GPU's default), float16 or float32 (the CPU's)")
     opts = ap.parse_args()
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("bench/flex_attention.py measures on a CUDA GPU; none here", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"
-    print(f"device {name}, torch {torch.__version__}; bf16, {HEADS} heads of {DIM}, "
+    dtype = getattr(torch, opts.dtype) if opts.dtype else DTYPE[opts.device]
+    print(f"device {name}, torch {torch.__version__}; {str(dtype).removeprefix('torch.')}, {HEADS} heads of {DIM}, "
           f"{opts.tokens} tokens per call, window {WINDOW}, {DOCUMENTS} documents per sequence")
     for task in opts.tasks.split(","):
         training = task == "training"
@@ -197,7 +199,7 @@ def main() -> int:
         print("|---" * 12 + "|")
         for case_name in opts.cases.split(","):
             for seq in (int(s) for s in opts.seqs.split(",")):
-                r = measure(case_name, seq, opts.tokens, training, opts.reps, opts.device)
+                r = measure(case_name, seq, opts.tokens, training, opts.reps, opts.device, dtype)
                 ik, fk, lk = (r.get(f"{b} kernel ms") for b in ("inductor", "ferrocore", "flash"))
                 print(f"| {case_name} | {seq} | {r['batch']} | {fmt(r.get('inductor ms'))} | {fmt(r.get('ferrocore ms'))} | "
                       f"{fmt(r.get('flash ms'))} | {fmt(ik)} | {fmt(fk)} | {fmt(lk)} | "

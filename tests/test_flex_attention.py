@@ -59,9 +59,12 @@ def attention_log(compile_log):
 def test_flex_attention_runs_as_one_fused_call(attention_log, mask_mod, score_mod, fused):
     mask = block_mask(mask_mod) if mask_mod else None
     check(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
-    assert sum("scaled_dot_product" in op for op in ferrocore.metrics.last["extern_ops"]) == 1
     log = attention_log()
     assert "fused:" in log and fused in log, log
+    # one library call, or ferrocore's attention kernel (Triton kernels on a GPU: a mask or bias
+    # computed per tile, which a library call would read stored)
+    in_kernel = "_overrideable" in log
+    assert sum("scaled_dot_product" in op for op in ferrocore.metrics.last["extern_ops"]) == (0 if in_kernel else 1)
 
 
 def test_a_document_mask_read_from_a_tensor(attention_log):

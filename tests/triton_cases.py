@@ -228,6 +228,29 @@ def _():
     return _document_attention(strict=False)
 
 
+def _float32_attention():
+    """float32 attention with an ALiBi-like bias and a mask: the bias would be stored as large as
+    the scores for a library call; the kernel computes it per tile, its products in float32."""
+    def attend(q, k, v):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        i = torch.arange(q.shape[-2])[:, None]
+        j = torch.arange(k.shape[-2])[None, :]
+        scores = (scores + _slope(i, j)).masked_fill(~(j <= i + 3), float("-inf"))
+        return torch.softmax(scores, -1) @ v
+
+    return attend, (randn(2, 3, 80, 16), randn(2, 3, 72, 16, seed=1), randn(2, 3, 72, 16, seed=2))
+
+
+@case("attention_template_float32", atol=1e-5, rtol=1e-5)
+def _():
+    return _float32_attention()
+
+
+@case("attention_template_training_float32", atol=1e-5, rtol=1e-5, training=True)
+def _():
+    return _float32_attention()
+
+
 @case("attention_template_training_grouped_query", atol=5e-2, rtol=2e-2, training=True)
 def _():
     # shared key and value heads: each query head's gradient, summed over the group

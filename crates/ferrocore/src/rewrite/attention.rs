@@ -536,7 +536,13 @@ impl Ctx<'_> {
             .filter_map(|(i, s)| if let Step::Fill { cond, .. } = s { (Some(i) != causal).then_some(*cond) } else { None })
             .collect();
         let computed = !fills.is_empty() && fills.iter().all(|c| computed_mask(g, *c, m * n, &mut HashSet::new()));
-        let template = self.template(device, dtype, kdim, wide_bias.is_some() || computed);
+        // a float32 bias computed from positions (ALiBi's slope x distance): a library call
+        // would read it stored, as large as the scores
+        let terms: Vec<NodeId> =
+            steps.iter().filter_map(|s| if let Step::Add(o) | Step::Subtract(o) = s { Some(*o) } else { None }).collect();
+        let computed_terms =
+            dtype == DType::F32 && !terms.is_empty() && terms.iter().all(|o| computed_mask(g, *o, m * n, &mut HashSet::new()));
+        let template = self.template(device, dtype, kdim, wide_bias.is_some() || computed || computed_terms);
         let kernel = match (template, wide_bias) {
             (Ok(()), _) => Kernel::Template,
             (Err(why), Some(wide)) => return Err(format!("{wide}, and no attention template: {why}")),
@@ -637,8 +643,9 @@ impl Ctx<'_> {
     }
 
     /// Whether ferrocore's attention kernel takes these inputs (`Kernel::Template`), or why not:
-    /// half-precision CUDA inputs of an inference graph whose scores take a float32 bias no
-    /// library call holds (an ALiBi slope x distance), which would otherwise run unfused, or a
+    /// half-precision or float32 CUDA inputs whose scores take a float32 bias no library call
+    /// holds (an ALiBi slope x distance: wider than half types, or as large as the scores when
+    /// stored for a float32 call), which would otherwise run unfused or stored, or a
     /// mask computed from positions (or a document id per position) that closes keys other
     /// than a causal one: the kernel computes the mask per tile of keys (a library call reads
     /// it stored, over every tile), and visits only the key tiles of a band the mask proves (a
@@ -654,8 +661,8 @@ impl Ctx<'_> {
             Device::Cuda(_) => self.cuda_arch >= 80,
             _ => self.triton_kernels,
         };
-        if !gpu || !self.triton_kernels || !matches!(dtype, DType::F16 | DType::BF16) {
-            return Err("not half-precision inputs of Triton kernels on a GPU of sm_80 or later".into());
+        if !gpu || !self.triton_kernels || !matches!(dtype, DType::F16 | DType::BF16 | DType::F32) {
+            return Err("not half-precision or float32 inputs of Triton kernels on a GPU of sm_80 or later".into());
         }
         if ![16, 32, 64, 128].contains(&kdim) {
             return Err(format!("head dim {kdim} (the kernel takes 16, 32, 64 or 128)"));

@@ -166,6 +166,15 @@ impl AttentionKernel {
         // H200 at 4k keys, by the autotuner over an ALiBi and a sliding-window bias:
         // docs/triton_kernels.md)
         let shapes: &[(i64, i64, u32, u32)] = match (self.pass, d > 64) {
+            // (float32 tiles hold twice the bytes: shorter ones, fewer stages)
+            _ if self.dtype == DType::F32 => match (self.pass, d > 64) {
+                (AttentionPass::Forward, false) => &[(64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (32, 64, 4, 3)],
+                (AttentionPass::Forward, true) => &[(32, 64, 4, 3), (64, 32, 4, 2), (32, 32, 4, 2)],
+                (AttentionPass::GradQuery(_), false) => &[(64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2)],
+                (AttentionPass::GradQuery(_), true) => &[(64, 32, 4, 2), (32, 32, 4, 2)],
+                (AttentionPass::GradKeyValue(_), false) => &[(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 4, 2)],
+                (AttentionPass::GradKeyValue(_), true) => &[(32, 32, 4, 2), (64, 32, 4, 2)],
+            },
             (AttentionPass::GradQuery(_), true) => &[(128, 64, 8, 3), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 2)],
             (AttentionPass::GradQuery(_), false) => &[(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (128, 32, 4, 2)],
             (AttentionPass::GradKeyValue(_), true) => &[(64, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (128, 32, 8, 2)],
@@ -289,6 +298,16 @@ impl Operand {
 }
 
 impl AttentionKernel {
+    /// The products' helpers (plain, and added to an accumulator): float32 operands multiply in
+    /// float32, as eager does unless TF32 is allowed.
+    fn dots(&self) -> [&'static str; 2] {
+        if self.dtype == DType::F32 {
+            ["ferro_dot_f32", "ferro_dot_acc_f32"]
+        } else {
+            ["ferro_dot", "ferro_dot_acc"]
+        }
+    }
+
     /// `e` in the kernel's index type.
     fn wide(&self, e: &str) -> String {
         if self.idx64 {
@@ -380,20 +399,21 @@ fn write_key_loop(
     out.push_str("        else:\n            kt = tl.load(k_ptrs)\n            vt = tl.load(v_ptrs)\n");
     // (scores in base 2: one exp2 each, the scale and log2(e) one factor; the kernels compile
     // without FMA contraction, so the multiply-adds are written as such)
-    let _ = writeln!(out, "        s = tl.fma(ferro_dot(q, kt), {}, bias)", super::dialect::float_lit(ak.scale * LOG2E));
+    let [dot, dot_acc] = ak.dots();
+    let _ = writeln!(out, "        s = tl.fma({dot}(q, kt), {}, bias)", super::dialect::float_lit(ak.scale * LOG2E));
     if grad {
         // the probabilities again, from the forward's log-sum-exp; dS = P * (dP - delta)
         out.push_str("        p = ferro_exp2_ftz(s - lse[:, None])\n");
-        out.push_str("        dp = ferro_dot(do, tl.trans(vt))\n");
+        let _ = writeln!(out, "        dp = {dot}(do, tl.trans(vt))");
         out.push_str("        ds = p * (dp - delta[:, None])\n");
-        out.push_str("        dq = ferro_dot_acc(ds.to(kt.dtype), tl.trans(kt), dq)\n");
+        let _ = writeln!(out, "        dq = {dot_acc}(ds.to(kt.dtype), tl.trans(kt), dq)");
     } else {
         out.push_str("        m_new = tl.maximum(m_i, tl.max(s, 1))\n");
         // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
         out.push_str("        m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)\n");
         out.push_str("        p = ferro_exp2_ftz(s - m_use[:, None])\n        alpha = ferro_exp2_ftz(m_i - m_use)\n");
         out.push_str("        l_i = tl.fma(l_i, alpha, tl.sum(p, 1))\n");
-        out.push_str("        acc = ferro_dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None])\n        m_i = m_new\n");
+        let _ = writeln!(out, "        acc = {dot_acc}(p.to(vt.dtype), vt, acc * alpha[:, None])\n        m_i = m_new");
     }
     let _ = writeln!(out, "        k_ptrs += BLOCK_N * {}", ak.k.stride[2]);
     let _ = writeln!(out, "        v_ptrs += BLOCK_N * {}", ak.v.stride[2]);
@@ -449,12 +469,13 @@ fn write_grad_key_value(
     g.write_rows(out, "            ", "rm", None);
     let less = bias.query.as_ref().map_or(String::new(), |q| format!(" - {}", query_vector(q, false)));
     let _ = writeln!(out, "        lse = (lse{less}) * {}", super::dialect::float_lit(LOG2E));
-    let _ = writeln!(out, "        st = tl.fma(ferro_dot(kk, qt), {}, bias)", super::dialect::float_lit(ak.scale * LOG2E));
+    let [dot, dot_acc] = ak.dots();
+    let _ = writeln!(out, "        st = tl.fma({dot}(kk, qt), {}, bias)", super::dialect::float_lit(ak.scale * LOG2E));
     out.push_str("        pt = ferro_exp2_ftz(st - lse[None, :])\n");
-    out.push_str("        dv = ferro_dot_acc(pt.to(qt.dtype), tl.trans(dot), dv)\n");
-    out.push_str("        dpt = ferro_dot(vv, dot)\n");
+    let _ = writeln!(out, "        dv = {dot_acc}(pt.to(qt.dtype), tl.trans(dot), dv)");
+    let _ = writeln!(out, "        dpt = {dot}(vv, dot)");
     out.push_str("        dst = pt * (dpt - delta[None, :])\n");
-    out.push_str("        dk = ferro_dot_acc(dst.to(qt.dtype), tl.trans(qt), dk)\n");
+    let _ = writeln!(out, "        dk = {dot_acc}(dst.to(qt.dtype), tl.trans(qt), dk)");
     let _ = writeln!(out, "        q_ptrs += BLOCK_N * {}", ak.q.stride[2]);
     let _ = writeln!(out, "        do_ptrs += BLOCK_N * {}", g.g.grad_out.stride[2]);
     let _ = writeln!(out, "    dk = dk * {}", super::dialect::float_lit(ak.scale));
