@@ -251,6 +251,23 @@ def _():
     return _float32_attention()
 
 
+@case("attention_template_rows_closed_by_the_query_part", atol=1e-5, rtol=1e-5)
+def _():
+    # a bias term that reads the query alone leaves the scores for the log-sum-exp; where it is
+    # -inf (rows 0 to 3 here) it closes the row: NaN, as eager's plain softmax gives; float32's
+    # least value on every key of rows 4 and 5 averages them, as eager does
+    def attend(q, k, v):
+        scores = q @ k.transpose(-1, -2) * 0.25
+        i = torch.arange(q.shape[-2])[:, None]
+        j = torch.arange(k.shape[-2])[None, :]
+        closed = torch.where(i < 4, float("-inf"), 0.0)
+        least = torch.where((i >= 4) & (i < 6), torch.finfo(torch.float32).min, 0.0)
+        scores = (scores + _slope(i, j) + closed + least).masked_fill(~(j <= i + 3), float("-inf"))
+        return torch.softmax(scores, -1) @ v
+
+    return attend, (randn(2, 3, 80, 16), randn(2, 3, 72, 16, seed=1), randn(2, 3, 72, 16, seed=2))
+
+
 @case("attention_template_training_grouped_query", atol=5e-2, rtol=2e-2, training=True)
 def _():
     # shared key and value heads: each query head's gradient, summed over the group

@@ -137,7 +137,7 @@ impl AttentionKernel {
             idx64 |= p.buffer(*buf).layout.storage_numel() >= IDX32_LIMIT;
         }
         let (query, key) = if keys_major { (Var(3), Var(0)) } else { (Var(0), Var(3)) };
-        let bias = split_bias(&text, [query, key, Var(4)], rows.max(cols)).ok_or_else(|| bad("a bias without a value"))?;
+        let bias = split_bias(&text, [query, key, Var(4)], &[rows, b, h, cols, rows]).ok_or_else(|| bad("a bias without a value"))?;
         let keys = a.keys.map(|k| Ok::<_, CodegenError>([operand(k.first, 2)?, operand(k.last, 2)?])).transpose()?;
         Ok(AttentionKernel {
             band,
@@ -250,13 +250,21 @@ pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attenti
             write_key_loop(&mut out, ak, keys, &pk, &pv, &bias.tile, false);
             // a row whose keys are all closed gives 0 (the safe softmax's answer)
             out.push_str("    result = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)\n");
+            if let Some(q) = &bias.query {
+                // the query part the scores left out, per row; where it is not finite, so is
+                // every score of the row: -inf closes it (0), +inf or NaN give NaN
+                let _ = writeln!(out, "    query_part = {}", query_vector(q, true));
+                out.push_str("    finite = (query_part == query_part) & (tl.abs(query_part) != float(\"inf\"))\n");
+                out.push_str("    closed = tl.where(query_part == float(\"-inf\"), 0.0, float(\"nan\"))\n");
+                out.push_str("    result = tl.where(finite[:, None], result, closed[:, None])\n");
+            }
             let at = ak.out.at("rm[:, None]", "rd[None, :]");
             let _ =
                 writeln!(out, "    tl.store({po} + ({at}), {}, mask=rm[:, None] < {m})", super::dialect::store_conv("result", ak.dtype));
             if let Some((pl, lse)) = result(AttentionResult::LogSumExp)? {
                 // -inf where no key is open (the backward's probabilities are then 0)
                 // (natural units, with the query part the scores left out)
-                let plus = bias.query.as_ref().map_or(String::new(), |q| format!(" + {}", query_vector(q, true)));
+                let plus = if bias.query.is_some() { " + query_part" } else { "" };
                 let _ = writeln!(
                     out,
                     "    lse = tl.where(l_i > 0, (m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0))) * {}{plus}, float(\"-inf\"))",

@@ -17,7 +17,8 @@ use crate::symbolic::{Atom, IndexExpr, Var};
 pub(super) const LOG2E: f64 = std::f64::consts::LOG2_E;
 
 /// The bias as the kernel computes it: `scores` (base 2, added to the scaled products) and,
-/// where one splits off, the query part in natural units (finite).
+/// where one splits off, the query part in natural units: small, or -inf (a closed row), +inf
+/// or NaN, which the kernels test per row.
 pub(super) struct SplitBias {
     pub body: LoopBody,
     pub scores: ValueId,
@@ -33,6 +34,7 @@ struct Splitter<'a> {
     key: Var,
     reference: Var,
     extent: i64,
+    ranges: &'a [i64],
     src_dep: Vec<u8>,
     out: LoopBody,
     out_dep: Vec<u8>,
@@ -40,8 +42,9 @@ struct Splitter<'a> {
 }
 
 /// `body`'s stored value split over the variables `query` and `key` (`reference`: a further
-/// variable, uniform over the program, near its rows); `extent`: the most positions of either.
-pub(super) fn split_bias(body: &LoopBody, [query, key, reference]: [Var; 3], extent: i64) -> Option<SplitBias> {
+/// variable, uniform over the program, near its rows); `ranges`: every variable's extent.
+pub(super) fn split_bias(body: &LoopBody, [query, key, reference]: [Var; 3], ranges: &[i64]) -> Option<SplitBias> {
+    let extent = ranges.iter().copied().max().unwrap_or(0);
     let root = body.store.as_ref()?.value;
     let mut s = Splitter {
         src: body,
@@ -49,6 +52,7 @@ pub(super) fn split_bias(body: &LoopBody, [query, key, reference]: [Var; 3], ext
         key,
         reference,
         extent,
+        ranges,
         src_dep: Vec::with_capacity(body.exprs.len()),
         out: LoopBody::default(),
         out_dep: Vec::new(),
@@ -143,19 +147,18 @@ impl Splitter<'_> {
         c
     }
 
-    /// Whether a source value is finite wherever it is computed (the query part may be taken
-    /// out of a row only then: a -inf one closes the row).
-    fn finite(&self, v: ValueId) -> bool {
+    /// Whether a source value is small or infinite wherever it is computed: built from
+    /// positions and constants, not read from memory. Only such a value leaves the scores: eager
+    /// adds a huge finite one to each score, where the rounding erases the rest of the bias
+    /// (float32's least value on a row averages its keys).
+    fn bounded(&self, v: ValueId) -> bool {
         let src = self.src;
         match src.expr(v) {
-            Expr::Index(_) => true,
-            Expr::Constant(Scalar::Float(c)) => c.is_finite(),
-            Expr::Constant(_) => true,
-            Expr::Cast(x) => !src.dtype(*x).is_float() || self.finite(*x),
-            Expr::Binary(BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul, x, y) => self.finite(*x) && self.finite(*y),
-            Expr::Unary(UnaryOp::Neg, x) => self.finite(*x),
-            // a uniform scale such as ALiBi's slope, exp2(-8·(h+1)/H)
-            Expr::Unary(_, x) => self.src_dep[v.0 as usize] == 0 && self.finite(*x),
+            Expr::Index(_) | Expr::Constant(Scalar::Int(_) | Scalar::Bool(_)) => true,
+            Expr::Constant(Scalar::Float(c)) => !c.is_finite() || c.abs() <= (1 << 24) as f64,
+            Expr::Cast(x) | Expr::Unary(_, x) => self.bounded(*x),
+            Expr::Binary(_, x, y) => self.bounded(*x) && self.bounded(*y),
+            Expr::Where(_, x, y) => self.bounded(*x) && self.bounded(*y),
             _ => false,
         }
     }
@@ -174,11 +177,11 @@ impl Splitter<'_> {
     /// `v` as (query part, the rest), either absent where it is zero.
     fn split(&mut self, v: ValueId) -> (Option<ValueId>, Option<ValueId>) {
         let dep = self.src_dep[v.0 as usize];
-        if dep & KEY == 0 && self.finite(v) {
+        if dep & KEY == 0 && self.bounded(v) {
             return (Some(self.copy(v)), None);
         }
         let src = self.src;
-        let uniform = |x: ValueId, s: &Self| s.src_dep[x.0 as usize] == 0 && s.finite(x);
+        let uniform = |x: ValueId, s: &Self| s.src_dep[x.0 as usize] == 0 && s.bounded(x);
         match src.expr(v).clone() {
             Expr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub), x, y) => {
                 let ((qx, ex), (qy, ey)) = (self.split(x), self.split(y));
@@ -193,7 +196,7 @@ impl Splitter<'_> {
                 let u = self.copy(u);
                 (q.map(|p| self.mul(p, u)), e.map(|p| self.mul(p, u)))
             }
-            Expr::Cast(x) if !src.dtype(x).is_float() => match self.affine(x).filter(|a| self.fits(*a, src.dtype(x))) {
+            Expr::Cast(x) if !src.dtype(x).is_float() => match self.affine(x).filter(|a| self.fits(*a)) {
                 Some(a) => self.split_position(a, src.dtype(x), src.dtype(v)),
                 None => (None, Some(self.copy(v))),
             },
@@ -246,10 +249,11 @@ impl Splitter<'_> {
         .filter(|(c, a, b)| c.abs() < 1 << 40 && a.abs() < 1 << 20 && b.abs() < 1 << 20)
     }
 
-    /// Whether the split's integers stay in the source's type.
-    fn fits(&self, (c, a, b): (i64, i64, i64), int: DType) -> bool {
+    /// Whether the split's integers stay in int32 (the kernel's positions may be int32 where
+    /// the source's sum was int64).
+    fn fits(&self, (c, a, b): (i64, i64, i64)) -> bool {
         let most = c.abs() as i128 + (a.abs() as i128 + 2 * b.abs() as i128) * self.extent as i128;
-        int == DType::I64 || most < i32::MAX as i128
+        most < i32::MAX as i128
     }
 
     /// `float(c + a·query + b·key)` as `float(c + a·query + b·reference)` and
@@ -270,12 +274,15 @@ impl Splitter<'_> {
     }
 
     /// `v · log2(e)` (an output value), the product taken where it is cheapest: into a
-    /// selection's branches and a uniform factor, not once per score where avoidable.
+    /// selection's branches, not once per score where avoidable. A finite value stays finite:
+    /// a mask of float32's least value (Hugging Face's) must not become -inf, which would
+    /// close a row that eager averages over.
     fn scale(&mut self, v: ValueId) -> ValueId {
         let dt = self.out.dtype(v);
-        let tile = |s: &Self, x: ValueId| s.out_dep[x.0 as usize] == QUERY | KEY;
+        let most = f32::MAX as f64;
         let scaled = match self.out.expr(v).clone() {
-            Expr::Constant(Scalar::Float(c)) => self.out.constant(Scalar::Float(c * LOG2E), dt),
+            Expr::Constant(Scalar::Float(c)) if c.is_finite() => self.out.constant(Scalar::Float((c * LOG2E).clamp(-most, most)), dt),
+            Expr::Constant(Scalar::Float(_)) => v,
             Expr::Where(c, x, y) => {
                 let (x, y) = (self.scale(x), self.scale(y));
                 self.out.where_(c, x, y)
@@ -284,20 +291,66 @@ impl Splitter<'_> {
                 let x = self.scale(x);
                 self.out.unary(UnaryOp::Neg, x)
             }
-            Expr::Binary(BinaryOp::Mul, x, y) if tile(self, x) && !tile(self, y) => {
-                let y = self.scale(y);
-                self.out.binary(BinaryOp::Mul, x, y)
-            }
-            Expr::Binary(BinaryOp::Mul, x, y) if tile(self, y) && !tile(self, x) => {
-                let x = self.scale(x);
-                self.out.binary(BinaryOp::Mul, x, y)
-            }
-            _ => {
+            // (a value known to stay far from float32's bounds: the product alone)
+            _ if self.range(v).is_some_and(|(lo, hi)| lo.abs().max(hi.abs()) * LOG2E < most / 2.0) => {
                 let l = self.out.constant(Scalar::Float(LOG2E), dt);
                 self.out.binary(BinaryOp::Mul, v, l)
             }
+            _ => {
+                // where(isinf(v), v·L, clamp(v·L)): saturated where only the product overflows
+                let l = self.out.constant(Scalar::Float(LOG2E), dt);
+                let t = self.out.binary(BinaryOp::Mul, v, l);
+                let [lo, hi] = [-most, most].map(|b| self.out.constant(Scalar::Float(b), dt));
+                let above = self.out.binary(BinaryOp::Maximum, t, lo);
+                let clamped = self.out.binary(BinaryOp::Minimum, above, hi);
+                let inf = self.out.unary(UnaryOp::IsInf, v);
+                self.out.where_(inf, t, clamped)
+            }
         };
         self.made(scaled)
+    }
+}
+
+impl Splitter<'_> {
+    /// The least and greatest values an output value takes, where its expression bounds them
+    /// (positions over their ranges, constants, sums, products, exponentials).
+    fn range(&self, v: ValueId) -> Option<(f64, f64)> {
+        let out = &self.out;
+        let finite = |(lo, hi): (f64, f64)| (lo.is_finite() && hi.is_finite()).then_some((lo, hi));
+        let r = match out.expr(v) {
+            Expr::Index(ix) => {
+                let (lo, hi) = ix.bounds(self.ranges);
+                (lo as f64, hi as f64)
+            }
+            Expr::Constant(Scalar::Float(c)) => (*c, *c),
+            Expr::Constant(Scalar::Int(c)) => (*c as f64, *c as f64),
+            Expr::Cast(x) => self.range(*x)?,
+            Expr::Unary(UnaryOp::Neg, x) => {
+                let (lo, hi) = self.range(*x)?;
+                (-hi, -lo)
+            }
+            Expr::Unary(UnaryOp::Exp2, x) => {
+                let (lo, hi) = self.range(*x)?;
+                (lo.exp2(), hi.exp2())
+            }
+            Expr::Unary(UnaryOp::Exp, x) => {
+                let (lo, hi) = self.range(*x)?;
+                (lo.exp(), hi.exp())
+            }
+            Expr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul), x, y) => {
+                let ((a, b), (c, d)) = (self.range(*x)?, self.range(*y)?);
+                match op {
+                    BinaryOp::Add => (a + c, b + d),
+                    BinaryOp::Sub => (a - d, b - c),
+                    _ => {
+                        let p = [a * c, a * d, b * c, b * d];
+                        (p.iter().copied().fold(f64::INFINITY, f64::min), p.iter().copied().fold(f64::NEG_INFINITY, f64::max))
+                    }
+                }
+            }
+            _ => return None,
+        };
+        finite(r)
     }
 }
 
@@ -309,12 +362,22 @@ fn is_neg_inf(body: &LoopBody, v: ValueId) -> bool {
 mod tests {
     use super::*;
 
-    /// A value of `body` as nested text.
-    fn show(body: &LoopBody, v: ValueId) -> String {
-        let s = |x: &ValueId| show(body, *x);
+    /// A value of `body` as nested text; `scale`'s saturated product `v·log2(e)` as `log2e(v)`
+    /// (`full`: written out).
+    fn show_as(body: &LoopBody, v: ValueId, full: bool) -> String {
+        let s = |x: &ValueId| show_as(body, *x, full);
+        if let Expr::Where(c, t, _) = body.expr(v) {
+            if let (Expr::Unary(UnaryOp::IsInf, x), Expr::Binary(BinaryOp::Mul, y, _)) = (body.expr(*c), body.expr(*t)) {
+                if x == y && !full {
+                    return format!("log2e({})", s(x));
+                }
+            }
+        }
         match body.expr(v) {
             Expr::Load { index, .. } => format!("load[{index}]"),
+            Expr::Constant(Scalar::Float(c)) if c.abs() == f32::MAX as f64 => format!("{}MAX", if *c < 0.0 { "-" } else { "" }),
             Expr::Constant(Scalar::Float(c)) => format!("{c:.4}"),
+            Expr::Constant(Scalar::Int(c)) => c.to_string(),
             Expr::Constant(c) => format!("{c:?}"),
             Expr::Index(ix) => format!("({ix})"),
             Expr::Unary(op, x) => format!("{op:?}({})", s(x)).to_lowercase(),
@@ -323,6 +386,10 @@ mod tests {
             Expr::Cast(x) => format!("{:?}({})", body.dtype(v), s(x)).to_lowercase(),
             e => format!("{e:?}"),
         }
+    }
+
+    fn show(body: &LoopBody, v: ValueId) -> String {
+        show_as(body, v, false)
     }
 
     /// ALiBi over (query v0, batch v1, head v2, key v3): exp2(-(h + 1) / 2) · float(key - query),
@@ -349,7 +416,7 @@ mod tests {
     }
 
     fn split(body: &LoopBody) -> (String, Option<String>) {
-        let s = split_bias(body, [Var(0), Var(3), Var(4)], 8192).unwrap();
+        let s = split_bias(body, [Var(0), Var(3), Var(4)], &[8192, 2, 16, 8192, 8192]).unwrap();
         assert_eq!(s.body.store.as_ref().unwrap().value, s.scores);
         (show(&s.body, s.scores), s.query.map(|q| show(&s.body, q)))
     }
@@ -358,7 +425,8 @@ mod tests {
     fn a_linear_position_bias_leaves_a_vector_of_keys_in_the_scores() {
         let (scores, query) = split(&alibi(None));
         let slope = "exp2(mul(f32((v2 + 1)), -0.5000))";
-        // (the key vector scaled once per tile, not per score)
+        // (the key vector scaled once per tile, not per score; its range bounded, so the product
+        // alone: no saturation)
         assert_eq!(scores, format!("mul(mul(f32((v3 - v4)), {slope}), 1.4427)"));
         assert_eq!(query.unwrap(), format!("mul(f32((-v0 + v4)), {slope})"));
     }
@@ -373,16 +441,56 @@ mod tests {
     }
 
     #[test]
-    fn a_bias_read_from_memory_is_only_scaled() {
-        // a learned [query, key] bias, plus a per-query one that may be -inf: neither leaves
-        // the scores (a closed row must stay closed)
+    fn a_bias_read_from_memory_stays_in_the_scores() {
+        // a learned [query, key] bias plus a per-query one: what memory holds may be float32's
+        // least value, which eager's rounding makes erase the rest of the row's bias
         let mut body = LoopBody::default();
         let learned = body.load(BufferId(0), IndexExpr::var(Var(0)).scale(64).add(&IndexExpr::var(Var(3))), DType::F32);
         let per_query = body.load(BufferId(1), IndexExpr::var(Var(0)), DType::F32);
         let bias = body.binary(BinaryOp::Add, learned, per_query);
         body.set_store(IndexExpr::zero(), bias);
+        let s = split_bias(&body, [Var(0), Var(3), Var(4)], &[64, 2, 16, 64, 64]).unwrap();
+        // (a finite value stays finite: only an infinite one scales to infinity)
+        let v = "add(load[64*v0 + v3], load[v0])";
+        let full = format!("where(isinf({v}), mul({v}, 1.4427), minimum(maximum(mul({v}, 1.4427), -MAX), MAX))");
+        assert_eq!(show_as(&s.body, s.scores, true), full);
+        assert_eq!(s.query, None);
+    }
+
+    #[test]
+    fn a_row_closed_by_the_query_alone_is_the_query_part() {
+        // where(query < 4, -inf, 0) + ALiBi: the -inf leaves the scores with the query's
+        // position (the kernels give such a row 0, as a closed one)
+        let mut body = alibi(None);
+        let bias = body.store.as_ref().unwrap().value;
+        let m = body.index(IndexExpr::var(Var(0)), DType::I32);
+        let four = body.constant(Scalar::Int(4), DType::I32);
+        let first = body.binary(BinaryOp::Lt, m, four);
+        let inf = body.constant(Scalar::Float(f64::NEG_INFINITY), DType::F32);
+        let zero = body.constant(Scalar::Float(0.0), DType::F32);
+        let closed = body.where_(first, inf, zero);
+        let bias = body.binary(BinaryOp::Add, bias, closed);
+        body.set_store(IndexExpr::zero(), bias);
         let (scores, query) = split(&body);
-        assert_eq!(scores, "mul(add(load[64*v0 + v3], load[v0]), 1.4427)");
+        let slope = "exp2(mul(f32((v2 + 1)), -0.5000))";
+        assert_eq!(scores, format!("mul(mul(f32((v3 - v4)), {slope}), 1.4427)"));
+        assert_eq!(query.unwrap(), format!("add(mul(f32((-v0 + v4)), {slope}), where(lt((v0), 4), -inf, 0.0000))"));
+    }
+
+    #[test]
+    fn a_mask_of_the_least_float_stays_finite_in_base_2() {
+        // Hugging Face's masks add float32's least value: scaled, it saturates there rather
+        // than becoming -inf (a row closed everywhere is averaged over, as eager does)
+        let mut body = LoopBody::default();
+        let m = body.index(IndexExpr::var(Var(0)), DType::I32);
+        let n = body.index(IndexExpr::var(Var(3)), DType::I32);
+        let c = body.binary(BinaryOp::Le, n, m);
+        let zero = body.constant(Scalar::Float(0.0), DType::F32);
+        let least = body.constant(Scalar::Float(f32::MIN as f64), DType::F32);
+        let bias = body.where_(c, zero, least);
+        body.set_store(IndexExpr::zero(), bias);
+        let (scores, query) = split(&body);
+        assert_eq!(scores, "where(le((v3), (v0)), 0.0000, -MAX)");
         assert_eq!(query, None);
     }
 }
