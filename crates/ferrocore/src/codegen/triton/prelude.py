@@ -254,6 +254,18 @@ def ferro_mod_pos(a, d: tl.constexpr):
     return tl.where(r < 0, r + d, r)
 
 
+# float32 blocks multiplied in float32 (as eager does unless TF32 is allowed), in the interpreter
+# as on the GPU
+@ferro_jit
+def ferro_dot_f32(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@ferro_jit
+def ferro_dot_acc_f32(a, b, acc):
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
 # Transcendental functions: libdevice on the GPU. Triton's interpreter (TRITON_INTERPRET=1, how
 # CI runs these kernels on CPU tensors) has no libdevice: there they are numpy functions over the
 # interpreter's tensors.
@@ -347,14 +359,6 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     @ferro_jit
     def ferro_exp2_ftz(x):
         return tl.math.exp2(x)
-
-    @ferro_jit
-    def ferro_dot_f32(a, b):
-        return tl.dot(a, b, input_precision="ieee")
-
-    @ferro_jit
-    def ferro_dot_acc_f32(a, b, acc):
-        return tl.dot(a, b, acc, input_precision="ieee")
 else:
 
     # a matrix-product template's step: 16-bit operands into float32 sums (tensor cores)
@@ -367,15 +371,6 @@ else:
     @ferro_jit
     def ferro_dot_acc(a, b, acc):
         return tl.dot(a, b, acc)
-
-    # float32 blocks multiplied in float32 (as eager does unless TF32 is allowed)
-    @ferro_jit
-    def ferro_dot_f32(a, b):
-        return tl.dot(a, b, input_precision="ieee")
-
-    @ferro_jit
-    def ferro_dot_acc_f32(a, b, acc):
-        return tl.dot(a, b, acc, input_precision="ieee")
 
     # 2^x in one instruction, results below 2^-126 flushed to 0: an attention kernel's
     # probabilities (at most 1 in a row summing to at least 1, so a flushed one changes nothing).
