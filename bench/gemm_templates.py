@@ -1,18 +1,22 @@
-"""GEMMs with their epilogues at the shapes real models send, on the GPU: eager, Inductor, and
-ferrocore with the GEMM as a library call and as its matrix-product template (autotuned), side
-by side in one run. A place to find causes (which tile wins where, what the epilogue saves), not
-a result: results are the model benchmark's.
+"""GEMMs with their epilogues at the shapes real models send: eager, Inductor, and ferrocore with
+the GEMM as a library call and as its matrix-product template (autotuned on the GPU), side by side
+in one run. On the GPU (bfloat16) the full-size models' layers; on the CPU (`--device cpu`,
+float32) the tiny models' layers, where the C++ matrix-product kernel takes the place of the
+template. A place to find causes (which tile wins where, what the epilogue saves), not a result:
+results are the model benchmark's.
 
     python bench/gemm_templates.py [--reps 50] [--inductor-autotune] [--only NAME,...]
+    python bench/gemm_templates.py --device cpu [--threads 1] [--reps 200]
 
-Prints one table: median ms per call (CUDA events over `--reps` calls, 5 rounds) and each
-compiled variant's ratio to the library form.
+Prints one table: median ms per call (CUDA events, or the CPU's clock, over `--reps` calls, 5
+rounds) and each compiled variant's ratio to the library form.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +34,24 @@ SHAPES = {
     "decode_4096": (64, 4096, 4096, "none"),
     "odd_1000": (1000, 1000, 1000, "relu"),
 }
+# the tiny CPU models' layers (2 x 32 tokens, width 64), one in the middle and one past the C++
+# rule's 2^21 multiply-adds (a library call by default)
+CPU_SHAPES = {
+    "tiny_qkv": (64, 64, 192, "none"),
+    "tiny_attn_out_residual": (64, 64, 64, "residual"),
+    "tiny_ffn_up_gelu": (64, 64, 256, "gelu"),
+    "tiny_ffn_down_residual": (64, 256, 64, "residual"),
+    "tiny_lm_head": (64, 64, 503, "none"),
+    "mid_relu": (256, 256, 256, "relu"),
+    "gpt2_small_rows_gelu": (32, 768, 3072, "gelu_tanh"),
+}
 
 
-def make(m, k, n, epilogue, dtype):
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
-    b = torch.randn(n, device="cuda", dtype=dtype)
-    r = torch.randn(m, n, device="cuda", dtype=dtype)
+def make(m, k, n, epilogue, dtype, device="cuda"):
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    b = torch.randn(n, device=device, dtype=dtype)
+    r = torch.randn(m, n, device=device, dtype=dtype)
 
     def fn(x, w, b, r):
         y = F.linear(x, w, b)
@@ -53,6 +68,17 @@ def make(m, k, n, epilogue, dtype):
         return y
 
     return fn, (x, w, b, r)
+
+
+def cpu_ms(fn, args, reps):
+    fn(*args)
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn(*args)
+        rounds.append((time.perf_counter() - start) * 1e3 / reps)
+    return statistics.median(rounds)
 
 
 def cuda_ms(fn, args, reps):
@@ -75,23 +101,30 @@ def main():
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--only", default="")
     ap.add_argument("--inductor-autotune", action="store_true", help="also Inductor in max-autotune-no-cudagraphs")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads")
     opts = ap.parse_args()
+    cpu = opts.device == "cpu"
+    if cpu:
+        torch.set_num_threads(opts.threads)
     variants = {
-        "ferrocore library": dict(backend="ferrocore"),
+        "ferrocore library": dict(backend="ferrocore", options={"gemm_template": "never"}),
         # (max-autotune's kernel tuning; torch.compile takes a mode or options, not both)
-        "ferrocore template": dict(backend="ferrocore", options={"gemm_template": "always", "autotune": True}),
+        "ferrocore template": dict(backend="ferrocore", options={"gemm_template": "always", "autotune": not cpu}),
         "inductor": dict(backend="inductor"),
     }
     if opts.inductor_autotune:
         variants["inductor max-autotune"] = dict(backend="inductor", mode="max-autotune-no-cudagraphs")
-    names = [n for n in SHAPES if not opts.only or n in opts.only.split(",")]
+    shapes = CPU_SHAPES if cpu else SHAPES
+    timer = cpu_ms if cpu else cuda_ms
+    names = [n for n in shapes if not opts.only or n in opts.only.split(",")]
     print("| shape | M x K x N | eager ms | " + " | ".join(f"{v} ms" for v in variants) + " | template / library |")
     print("|---" * (4 + len(variants)) + "|")
     for name in names:
-        m, k, n, epilogue = SHAPES[name]
-        fn, args = make(m, k, n, epilogue, torch.bfloat16)
+        m, k, n, epilogue = shapes[name]
+        fn, args = make(m, k, n, epilogue, torch.float32 if cpu else torch.bfloat16, opts.device)
         expected = fn(*args)
-        row = [f"{cuda_ms(fn, args, opts.reps):.4f}"]
+        row = [f"{timer(fn, args, opts.reps):.4f}"]
         times = {}
         for label, kw in variants.items():
             torch._dynamo.reset()
@@ -100,7 +133,7 @@ def main():
                 got = compiled(*args)
                 err = (got.float() - expected.float()).abs().max().item()
                 scale = expected.float().abs().max().item()
-                times[label] = cuda_ms(compiled, args, opts.reps)
+                times[label] = timer(compiled, args, opts.reps)
                 row.append(f"{times[label]:.4f}" + ("" if err <= 0.05 * max(scale, 1) else f" (err {err:.3g})"))
             except Exception as e:  # noqa: BLE001  (a failure is a result)
                 row.append(f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")

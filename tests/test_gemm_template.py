@@ -1,7 +1,8 @@
-"""GEMMs as matrix-product templates with their epilogues (`gemm_template="always"`) on the GPU,
-against eager: values, shapes, strides, dtypes, and the epilogue in the product's kernel. Without
-a GPU the same kernels run under Triton's interpreter (tests/triton_cases.py, `gemm_template_*`);
-here they run compiled for the device, at the sizes and layouts models use."""
+"""GEMMs as matrix-product templates with their epilogues, against eager: values, shapes, strides,
+dtypes, and the epilogue in the product's kernel. On the GPU (`gemm_template="always"`) they are
+Triton kernels; without a GPU the same kernels run under Triton's interpreter
+(tests/triton_cases.py, `gemm_template_*`). On the CPU, float32 GEMMs up to the C++ rule's size
+are C++ kernels by default (codegen/cpp/gemm.rs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from conftest import TEST_DEVICE
 from helpers import check
 
 gpu = pytest.mark.skipif(TEST_DEVICE == "cpu", reason="templates are Triton's: the GPU (interpreter: triton_cases.py)")
+cpu = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the C++ matrix-product kernels")
+
+
+def gemm_calls() -> int:
+    import ferrocore
+
+    return sum("mm" in op for op in ferrocore.metrics.last["extern_ops"])
 
 
 @pytest.fixture
@@ -114,3 +122,105 @@ def test_measured_regions_are_a_gemm_and_its_pointwise_readers():
         torch.randn(2, 4, 16), torch.randn(16, 8), torch.randn(8), torch.randn(2, 4, 8)).graph.nodes
         if n.target is torch.ops.aten.addmm.default))
     assert again.key == region.key
+
+
+# ---- the C++ matrix-product kernels (float32, CPU) -------------------------------------------
+
+
+@cpu
+def test_cpu_linear_bias_gelu_is_one_kernel():
+    # a linear layer's weight is read transposed: the kernel packs the activations' rows instead
+    x, w, b = torch.randn(2, 32, 64), torch.randn(192, 64) / 8, torch.randn(192)
+    check(lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"), x, w, b, expect_kernels=1)
+    assert gemm_calls() == 0
+
+
+@cpu
+def test_cpu_residual_and_returned_product():
+    x, w, r = torch.randn(4, 10, 48), torch.randn(48, 40) / 7, torch.randn(4, 10, 40)
+    check(lambda x, w, r: (x @ w, (x @ w) + r), x, w, r)
+    assert gemm_calls() == 0
+
+
+@cpu
+def test_cpu_batched_transposed_operands():
+    q, k = torch.randn(12, 57, 16), torch.randn(12, 40, 16)
+    check(lambda q, k: torch.bmm(q, k.transpose(1, 2)) * 0.125, q, k, expect_kernels=1)
+
+
+@cpu
+@pytest.mark.parametrize("mkn", [(1, 7, 5), (13, 70, 33), (8, 3, 503), (2048, 8, 16), (130, 40, 300)])
+def test_cpu_odd_shapes(mkn):
+    # tiles cut at rows of 64 and columns of 256; the last of each partial; (130, 40, 300) spans
+    # six tiles and is large enough to split them across threads
+    m, k, n = mkn
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    check(lambda a, b: torch.relu(a @ b), a, b, expect_kernels=1)
+    assert gemm_calls() == 0
+
+
+@cpu
+def test_cpu_strided_operands():
+    # a transposed and a column-sliced operand read in place, each element at its stride
+    a, b = torch.randn(70, 33), torch.randn(80, 90)
+    check(lambda a, b: a.t() @ b[:70, ::3] - 1, a, b, expect_kernels=1)
+
+
+@cpu
+def test_cpu_long_sum_and_large_product_with_templates_always(monkeypatch):
+    # past the default rule: k in several packed panels of 256, many tiles over the threads
+    monkeypatch.setenv("FERROCORE_GEMM_TEMPLATE", "always")
+    a, b = torch.randn(8, 5000), torch.randn(5000, 24)
+    check(lambda a, b: a @ b, a, b, atol=2e-4, rtol=1e-4)
+    a, b, c = torch.randn(300, 500), torch.randn(500, 700), torch.randn(700)
+    check(lambda a, b, c: torch.addmm(c, a, b).sigmoid(), a, b, c, expect_kernels=1, atol=1e-5, rtol=1e-5)
+    assert gemm_calls() == 0
+
+
+@cpu
+def test_cpu_large_gemm_stays_a_library_call():
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    check(lambda a, b: torch.relu(a @ b), a, b)
+    assert gemm_calls() == 1
+
+
+@cpu
+def test_cpu_linear_training_gradients():
+    # the backward's GEMMs read the saved activations and the output gradient transposed
+    lin = torch.nn.Linear(48, 40)
+    x = torch.randn(6, 48, requires_grad=True)
+
+    def f(x):
+        return F.silu(lin(x)).sum(0)
+
+    import ferrocore  # noqa: F401  (registers the backend)
+
+    compiled = torch.compile(f, backend="ferrocore")
+    out, ref = compiled(x), f(x)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (x, lin.weight, lin.bias), g)
+    want = torch.autograd.grad(f(x), (x, lin.weight, lin.bias), g)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        torch.testing.assert_close(a, b)
+
+
+@cpu
+@pytest.mark.parametrize("template_wins", [True, False])
+def test_cpu_max_autotune_takes_the_measured_choice(monkeypatch, template_wins):
+    # `measured` (max-autotune's setting) times each float32 GEMM with its epilogue both ways,
+    # caches the timings, and the lowering follows them, not the size rule
+    import os
+    from pathlib import Path
+
+    from ferrocore import gemm_choice
+
+    monkeypatch.setattr(gemm_choice, "MIN_GAIN", 1e9 if template_wins else 0.0)
+    monkeypatch.setenv("FERROCORE_GRAPH_CACHE", "0")
+    monkeypatch.setenv("FERROCORE_GEMM_TEMPLATE", "measured")
+    x, w, b = torch.randn(24, 40), torch.randn(56, 40) / 6, torch.randn(56)
+    check(lambda x, w, b: torch.tanh(F.linear(x, w, b)) * 3, x, w, b, expect_kernels=1 if template_wins else None)
+    assert gemm_calls() == (0 if template_wins else 1)
+    entries = list((Path(os.environ["FERROCORE_CACHE_DIR"]) / "gemm_template").rglob("*.json"))
+    assert entries, "no measurement was cached"

@@ -1,8 +1,9 @@
-"""Which GEMMs of a GPU graph run as ferrocore's matrix-product template with their epilogue fused
+"""Which GEMMs of a graph run as ferrocore's matrix-product template with their epilogue fused
 (`gemm_template="measured"`, max-autotune's setting), measured on the device, cached on disk, and
-named in the graph for the Rust lowering (`template_matmuls` in the graph document). The default
-mode (`gemm_template="cached"`) reads the decisions an earlier measurement cached and times
-nothing: a GEMM never measured stays a library call.
+named in the graph for the Rust lowering (`template_matmuls` in the graph document). On the GPU
+the default mode (`gemm_template="cached"`) reads the decisions an earlier measurement cached and
+times nothing: a GEMM never measured stays a library call. On the CPU (float32 GEMMs, C++
+kernels) the default mode is the lowering's size rule, and `measured` times every GEMM.
 
 The choice is between the library call followed by a kernel of its pointwise readers, and one
 template kernel computing both. Each GEMM is cut out of the graph with its likely epilogue (the
@@ -15,7 +16,10 @@ device and versions under `cache_dir/gemm_template`.
 
 from __future__ import annotations
 
+import platform
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -45,17 +49,21 @@ def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Calla
     `compile_region(gm, opts)` compiles a cut-out region (the static compile, without measuring;
     without one, only what is cached is read)."""
     mode = opts.get("gemm_template")
-    if mode not in ("measured", "cached") or not torch.cuda.is_available():
+    if mode not in ("measured", "cached"):
+        return {}
+    gemms = [n for n in gm.graph.nodes if _is_gemm(n)]
+    cpu = any(n.meta["val"].device.type == "cpu" for n in gemms)
+    if cpu and mode == "cached":
+        return {}  # the C++ backend's size rule decides (lowering/matmul.rs); measured: timed here
+    if not cpu and not torch.cuda.is_available():
         return {}
     if mode == "cached" and not (opts.get("cache_dir") and (Path(opts["cache_dir"]) / FAMILY).is_dir()):
         return {}  # nothing measured yet (and no region is cut out to find that)
     measuring = mode == "measured" and compile_region is not None
     chosen = {}
-    for n in gm.graph.nodes:
-        if not _is_gemm(n):
-            continue
+    for n in gemms:
         region = _Region.of(n)
-        key = [*region.key, torch.cuda.get_device_name(n.meta["val"].device)]
+        key = [*region.key, _device_name(n.meta["val"].device)]
         ms = cached_measurement(opts.get("cache_dir"), FAMILY, key,
                                 (lambda r=region: r.measure(opts, compile_region)) if measuring else None,
                                 errors=(RuntimeError, torch.OutOfMemoryError))
@@ -77,8 +85,19 @@ def _is_gemm(n: torch.fx.Node) -> bool:
         return False
     vals = [n.args[i].meta.get("val") if isinstance(n.args[i], torch.fx.Node) else None for i in _GEMMS[n.target]]
     out = n.meta.get("val")
-    return (isinstance(out, torch.Tensor) and out.device.type == "cuda" and out.dtype in _FLOATS and out.numel() > 0
-            and all(isinstance(v, torch.Tensor) and v.dtype == out.dtype for v in vals))
+    if not isinstance(out, torch.Tensor) or out.numel() == 0:
+        return False
+    # the C++ matrix-product kernels compute float32 only
+    floats = _FLOATS if out.device.type == "cuda" else (torch.float32,) if out.device.type == "cpu" else ()
+    return out.dtype in floats and all(isinstance(v, torch.Tensor) and v.dtype == out.dtype for v in vals)
+
+
+def _device_name(device: torch.device) -> str:
+    """What a timing depends on besides the region: the GPU's model, or the CPU's and the
+    threads kernels run on."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.processor() or platform.machine()} {torch.get_num_threads()} threads"
 
 
 def _pointwise(n: torch.fx.Node) -> bool:
@@ -146,8 +165,15 @@ class _Region:
         return [ops, tensors, list(versions()[:3])]
 
     def measure(self, opts: dict, compile_region: Callable) -> tuple:
-        """(ms as a library call and a kernel, ms as a template): GPU time per call."""
+        """(ms as a library call and a kernel, ms as a template): GPU time per call, or on the
+        CPU the time of the whole call."""
         device = self.inputs[0].device
+        if device.type == "cpu":
+            args = [_random_like(t) for t in self.inputs]
+            base = {**opts, "logs": [], "debug_dir": None}
+            library = compile_region(self.gm, {**base, "gemm_template": "never"})
+            template = compile_region(self.gm, {**base, "gemm_template": "always"})
+            return _cpu_ms(lambda: library(list(args))), _cpu_ms(lambda: template(list(args)))
         with torch.cuda.device(device):
             args = [_random_like(t) for t in self.inputs]
             base = {**opts, "cudagraphs": False, "logs": [], "debug_dir": None}
@@ -159,6 +185,22 @@ class _Region:
 def _random_like(t: torch.Tensor) -> torch.Tensor:
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return torch.randn(span, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+
+
+def _cpu_ms(fn, reps: int = 7) -> float:
+    """Median over `reps` rounds of the time per call of `fn` on the CPU, each round about a
+    millisecond of calls (a small GEMM takes microseconds: one call is below the clock's noise)."""
+    fn()
+    t = time.perf_counter()
+    fn()
+    calls = max(1, min(1000, int(1e-3 / max(time.perf_counter() - t, 1e-7))))
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t) * 1e3 / calls)
+    return statistics.median(samples)
 
 
 def _gpu_ms(fn, calls: int = 5) -> float:

@@ -264,13 +264,14 @@ fn dangling_links(html: &str) -> Vec<String> {
 
 #[test]
 fn compile_report_links_graph_nodes_and_kernels_both_ways() {
+    // (float64: a small float32 GEMM on the CPU is a matrix-product kernel, not a library call)
     let doc = GraphBuilder::new()
-        .input("x", &[64, 64], "float32")
-        .input("w", &[64, 64], "float32")
-        .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[64, 1], "float32"))
-        .call("t", "aten.sub.Tensor", &format!("{},{}", node("x"), node("m")), &meta(&[64, 64], "float32"))
-        .call("g", "aten.mm.default", &format!("{},{}", node("t"), node("w")), &meta(&[64, 64], "float32"))
-        .call("y", "aten.relu.default", &node("g"), &meta(&[64, 64], "float32"))
+        .input("x", &[64, 64], "float64")
+        .input("w", &[64, 64], "float64")
+        .call("m", "aten.amax.default", &over("x", 1, true), &meta(&[64, 1], "float64"))
+        .call("t", "aten.sub.Tensor", &format!("{},{}", node("x"), node("m")), &meta(&[64, 64], "float64"))
+        .call("g", "aten.mm.default", &format!("{},{}", node("t"), node("w")), &meta(&[64, 64], "float64"))
+        .call("y", "aten.relu.default", &node("g"), &meta(&[64, 64], "float64"))
         .output(&["y"])
         .replacen(r#""nodes":["#, r#""sources":{"t":"File \"m.py\", line 3, in f: x - m </pre><script>alert(1)</script>"},"nodes":["#, 1);
     let dir = std::env::temp_dir().join(format!("ferrocore-report-{}", std::process::id()));
@@ -423,6 +424,30 @@ fn triton_matrix_product_template_computes_its_epilogue_on_its_tile() {
     assert!(k.launches[0].candidates.len() > 4 && k.launches[0].candidates.iter().all(|c| c.tile.is_some()));
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     check("triton_gemm_template.txt", &src);
+}
+
+#[test]
+fn cpp_matrix_product_computes_its_epilogue_on_its_tile() {
+    // a float32 linear layer under the C++ rule's size (70 x 300 x 96 multiply-adds), its bias
+    // and GELU: one kernel over 64 x 256 tiles (four, the last ones partial, split across
+    // threads), each tile's product from `ferro::gemm_f32`, then the epilogue at (row `x0`,
+    // column `x1`): the bias read at `x1`
+    let doc = GraphBuilder::new()
+        .input("x", &[70, 96], "float32")
+        .input("w", &[300, 96], "float32")
+        .input("b", &[300], "float32")
+        .call("t", "aten.t.default", &node("w"), &meta(&[96, 300], "float32"))
+        .call("addmm", "aten.addmm.default", &format!("{},{},{}", node("b"), node("x"), node("t")), &meta(&[70, 300], "float32"))
+        .call("gelu", "aten.gelu.default", &node("addmm"), &meta(&[70, 300], "float32"))
+        .output(&["gelu"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule(lower_graph(&g).unwrap().program).unwrap();
+    let k = CppBackend.render(&s).unwrap();
+    let names: Vec<&str> = k.launches.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["cpp_mm_fused_addmm_gelu_0"]);
+    assert!(k.source.contains("ferro::gemm_f32"), "the matrix-product helpers are in the source's prelude");
+    let src = k.source.split(ferrocore::runtime::CPP_UNIT_MARK).nth(1).unwrap_or("").to_string();
+    check("cpp_gemm_template.txt", &src);
 }
 
 #[test]
@@ -800,22 +825,23 @@ fn a_returned_value_of_a_temporary_is_computed_with_it() {
 
 #[test]
 fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
+    // (float64: a small float32 GEMM on the CPU is a matrix-product kernel, not a library call)
     // a weight gradient g.T @ h, read only by the last step, runs after the kernel that also
     // reads g (g stays alive until then anyway): its result is not live across that kernel
     let doc = GraphBuilder::new()
-        .input("g", &[64, 100], "float32")
-        .input("h", &[64, 32], "float32")
-        .input("w", &[100, 32], "float32")
+        .input("g", &[64, 100], "float64")
+        .input("h", &[64, 32], "float64")
+        .input("w", &[100, 32], "float64")
         .call(
             "gt",
             "aten.permute.default",
             &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("g")),
-            &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
+            &meta(&[100, 64], "float64").replace("[64,1]", "[1,100]"),
         )
-        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float32"))
-        .call("k", "aten.relu.default", &node("g"), &meta(&[64, 100], "float32"))
-        .call("dx", "aten.mm.default", &format!("{},{}", node("k"), node("w")), &meta(&[64, 32], "float32"))
-        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dw")), &meta(&[100, 32], "float32"))
+        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float64"))
+        .call("k", "aten.relu.default", &node("g"), &meta(&[64, 100], "float64"))
+        .call("dx", "aten.mm.default", &format!("{},{}", node("k"), node("w")), &meta(&[64, 32], "float64"))
+        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dw")), &meta(&[100, 32], "float64"))
         .output(&["dx", "dw2"]);
     let (s, module) = wrapper_module(&doc);
     assert!(s.decision_texts().iter().any(|d| d.starts_with("order: ") && d.contains("runs 1 steps later")), "{:?}", s.decision_texts());
@@ -825,20 +851,20 @@ fn a_gemm_read_only_later_runs_after_the_last_reader_of_its_operands() {
     // an input gradient g @ relu(w) stays before the weight gradient that also reads g: relu(w),
     // larger than its result, would otherwise live longer
     let stay = GraphBuilder::new()
-        .input("g", &[64, 100], "float32")
-        .input("h", &[64, 32], "float32")
-        .input("w", &[100, 32], "float32")
-        .call("k", "aten.relu.default", &node("w"), &meta(&[100, 32], "float32"))
-        .call("dx", "aten.mm.default", &format!("{},{}", node("g"), node("k")), &meta(&[64, 32], "float32"))
+        .input("g", &[64, 100], "float64")
+        .input("h", &[64, 32], "float64")
+        .input("w", &[100, 32], "float64")
+        .call("k", "aten.relu.default", &node("w"), &meta(&[100, 32], "float64"))
+        .call("dx", "aten.mm.default", &format!("{},{}", node("g"), node("k")), &meta(&[64, 32], "float64"))
         .call(
             "gt",
             "aten.permute.default",
             &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("g")),
-            &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
+            &meta(&[100, 64], "float64").replace("[64,1]", "[1,100]"),
         )
-        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float32"))
-        .call("dx2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dx")), &meta(&[64, 32], "float32"))
-        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dw")), &meta(&[100, 32], "float32"))
+        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float64"))
+        .call("dx2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dx")), &meta(&[64, 32], "float64"))
+        .call("dw2", "aten.mul.Tensor", &format!(r#"{},{{"float":2.0}}"#, node("dw")), &meta(&[100, 32], "float64"))
         .output(&["dx2", "dw2"]);
     let (s, _) = wrapper_module(&stay);
     assert!(!s.decision_texts().iter().any(|d| d.starts_with("order: ")), "{:?}", s.decision_texts());
@@ -1080,19 +1106,20 @@ fn a_kernel_whose_result_a_later_step_reads_runs_just_before_that_step() {
 
 #[test]
 fn a_kernel_of_a_returned_gradient_runs_after_the_last_reader_of_its_operands() {
+    // (float64: a small float32 GEMM on the CPU is a matrix-product kernel, not a library call)
     // a bias gradient summed from g, returned and read by nothing else, runs after the weight
     // gradient's GEMM that also reads g: its result is not live across the GEMM
     let doc = GraphBuilder::new()
-        .input("g", &[64, 100], "float32")
-        .input("h", &[64, 32], "float32")
-        .call("db", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, node("g")), &meta(&[100], "float32"))
+        .input("g", &[64, 100], "float64")
+        .input("h", &[64, 32], "float64")
+        .call("db", "aten.sum.dim_IntList", &format!(r#"{},{{"list":[{{"int":0}}]}}"#, node("g")), &meta(&[100], "float64"))
         .call(
             "gt",
             "aten.permute.default",
             &format!(r#"{},{{"list":[{{"int":1}},{{"int":0}}]}}"#, node("g")),
-            &meta(&[100, 64], "float32").replace("[64,1]", "[1,100]"),
+            &meta(&[100, 64], "float64").replace("[64,1]", "[1,100]"),
         )
-        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float32"))
+        .call("dw", "aten.mm.default", &format!("{},{}", node("gt"), node("h")), &meta(&[100, 32], "float64"))
         .output(&["db", "dw"]);
     let (s, module) = wrapper_module(&doc);
     assert!(

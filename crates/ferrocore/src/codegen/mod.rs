@@ -6,6 +6,7 @@
 
 pub mod cpp;
 pub mod literal;
+pub mod product;
 pub mod triton;
 pub mod writer;
 

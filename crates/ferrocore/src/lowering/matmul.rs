@@ -55,6 +55,15 @@ impl GemmTemplate {
 /// (`python/ferrocore/padding.py` reads it through the extension, `GEMM_ALIGN`).
 pub const ALIGN: i64 = 8;
 
+/// The largest GEMM (multiply-adds) the C++ backend computes itself by default: below it a
+/// library call's fixed cost (the wrapper's call into ATen, a separate kernel for the bias or
+/// activation) is a large part of the GEMM's time, and the generated kernel is within a few
+/// percent of MKL's arithmetic (docs/cpu_gemm.md).
+pub const CPU_TEMPLATE_FMAS: i64 = 1 << 21;
+/// The longest sum over k a default C++ matrix-product kernel takes (its float32 accumulator
+/// adds the terms in order, as MKL's small-matrix kernels do).
+pub const CPU_TEMPLATE_K: i64 = 4096;
+
 fn round_up(x: i64) -> i64 {
     (x + ALIGN - 1) / ALIGN * ALIGN
 }
@@ -122,10 +131,11 @@ impl Ctx<'_> {
         )))
     }
 
-    /// Whether this GEMM is a matrix-product kernel: asked for, Triton's, floats of one type.
+    /// Whether this GEMM is a matrix-product kernel: asked for (Triton), or small enough that
+    /// the library call's overhead outweighs its speed (C++, float32), floats of one type.
     fn takes_template(&self, a: NodeId, b: NodeId, out: &TensorMeta) -> bool {
-        if self.kernels != KernelLanguage::Triton {
-            return false;
+        if self.kernels == KernelLanguage::Cpp {
+            return self.takes_cpu_template(a, b, out);
         }
         match self.gemm_template {
             GemmTemplate::Never => return false,
@@ -136,19 +146,35 @@ impl Ctx<'_> {
             }
             GemmTemplate::Cached | GemmTemplate::Measured | GemmTemplate::Always => {}
         }
-        let (Some(ma), Some(mb)) = (self.graph.node(a).meta.tensor(), self.graph.node(b).meta.tensor()) else { return false };
+        matches!(out.dtype, DType::F16 | DType::BF16 | DType::F32) && self.product_terms(a, b, out).is_some()
+    }
+
+    /// The length of the GEMM's sums (k) when a matrix-product node can compute it: operands of
+    /// the result's type and device, 2-D or batched, nothing empty, a contiguous result.
+    fn product_terms(&self, a: NodeId, b: NodeId, out: &TensorMeta) -> Option<i64> {
+        let (ma, mb) = (self.graph.node(a).meta.tensor()?, self.graph.node(b).meta.tensor()?);
         let r = out.shape.len();
-        matches!(out.dtype, DType::F16 | DType::BF16 | DType::F32)
-            && ma.dtype == out.dtype
-            && mb.dtype == out.dtype
-            && ma.device == out.device
-            && mb.device == out.device
-            && ma.shape.len() == r
-            && mb.shape.len() == r
+        let fits = [ma, mb].iter().all(|m| m.dtype == out.dtype && m.device == out.device && m.shape.len() == r)
             && (r == 2 || r == 3)
             && ma.shape[r - 1] > 0
             && out.shape.iter().all(|&d| d > 0)
-            && out.stride == contiguous_strides(&out.shape)
+            && out.stride == contiguous_strides(&out.shape);
+        fits.then(|| ma.shape[r - 1])
+    }
+
+    /// The C++ backend's choice, for float32 GEMMs: by default (`cached`) a rule, at most
+    /// `CPU_TEMPLATE_FMAS` multiply-adds and `CPU_TEMPLATE_K` terms; under max-autotune
+    /// (`measured`) those the front timed faster as kernels; all or none with `always`, `never`.
+    fn takes_cpu_template(&self, a: NodeId, b: NodeId, out: &TensorMeta) -> bool {
+        let Some(k) = self.product_terms(a, b, out).filter(|_| out.dtype == DType::F32) else { return false };
+        let fmas = out.shape.iter().product::<i64>().saturating_mul(k);
+        match self.gemm_template {
+            GemmTemplate::Never => false,
+            GemmTemplate::Always => true,
+            // the front timed each float32 GEMM both ways (`python/ferrocore/gemm_choice.py`)
+            GemmTemplate::Measured => k <= CPU_TEMPLATE_K && self.graph.template_matmuls.contains_key(&self.graph.node(self.current).name),
+            GemmTemplate::Cached => fmas <= CPU_TEMPLATE_FMAS && k <= CPU_TEMPLATE_K,
+        }
     }
 
     /// `a @ b` (plus addmm's bias, a pointwise node over the product that fuses into its kernel)
@@ -202,7 +228,13 @@ impl Ctx<'_> {
         };
         self.push_node(node);
         let name = &self.graph.node(self.current).name;
-        let why = self.graph.template_matmuls.get(name).map_or_else(|| "gemm_template = always".to_string(), |w| w.clone());
+        let why = match self.graph.template_matmuls.get(name) {
+            Some(w) => w.clone(),
+            None if self.kernels == KernelLanguage::Cpp && self.gemm_template == GemmTemplate::Cached => {
+                format!("{} multiply-adds, at most {CPU_TEMPLATE_FMAS} (the C++ rule)", out.shape.iter().product::<i64>() * k)
+            }
+            None => "gemm_template = always".to_string(),
+        };
         self.decisions.push((
             "gemm_template",
             format!("template: {name} {:?} x {k} {} is a matrix-product kernel: {why}", out.shape, dt.torch_name()),

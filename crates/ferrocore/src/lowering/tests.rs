@@ -451,21 +451,42 @@ fn rand_draws_its_seed_in_the_wrapper_and_philox_in_the_kernel() {
 // ----- matmul and externs -----
 
 #[test]
+fn a_small_float32_gemm_on_the_cpu_is_a_matrix_product_node() {
+    // the C++ rule: at most CPU_TEMPLATE_FMAS multiply-adds and CPU_TEMPLATE_K terms; a larger
+    // GEMM, a longer sum and a float64 one stay library calls
+    let gemm = |m: i64, k: i64, n: i64, dtype: &str| {
+        let doc = GraphBuilder::new()
+            .input("a", &[m, k], dtype)
+            .input("b", &[k, n], dtype)
+            .call("mm", "aten.mm.default", &[node("a"), node("b")], &meta(&[m, n], dtype))
+            .output(&["mm"]);
+        let p = lower(&doc);
+        (nodes(&p).iter().any(|n| n.is_matrix_product()), externs(&p).len())
+    };
+    assert_eq!(gemm(64, 64, 256, "float32"), (true, 0));
+    assert_eq!(gemm(128, 128, 128, "float32"), (true, 0), "2^21 multiply-adds: at the bound");
+    assert_eq!(gemm(128, 128, 129, "float32"), (false, 1));
+    assert_eq!(gemm(1, 8192, 8, "float32"), (false, 1), "a sum of more than 4096 terms");
+    assert_eq!(gemm(64, 64, 256, "float64"), (false, 1));
+}
+
+#[test]
 fn mm_is_a_library_call_and_its_epilogue_a_loop_node() {
+    // (float64: a small float32 GEMM on the CPU is a matrix-product node, below)
     let doc = GraphBuilder::new()
-        .input("a", &[4, 8], "float32")
-        .input("b", &[8, 3], "float32")
-        .call("mm", "aten.mm.default", &[node("a"), node("b")], &f32(&[4, 3]))
-        .call("relu", "aten.relu.default", &[node("mm")], &f32(&[4, 3]))
+        .input("a", &[4, 8], "float64")
+        .input("b", &[8, 3], "float64")
+        .call("mm", "aten.mm.default", &[node("a"), node("b")], &meta(&[4, 3], "float64"))
+        .call("relu", "aten.relu.default", &[node("mm")], &meta(&[4, 3], "float64"))
         .output(&["relu"]);
     let p = lower(&doc);
     assert_eq!(
         p.to_string(),
-        "inputs: a: float32[4, 8]/[8, 1], b: float32[8, 3]/[3, 1]
+        "inputs: a: float64[4, 8]/[8, 1], b: float64[8, 3]/[3, 1]
   buf2 = extern torch.ops.aten.mm.default(a, b)  # mm
-  buf3: Pointwise ranges=[4, 3] -> float32[4, 3]/[3, 1]  # relu
-    t0: float32 = load(buf2, 3*v0 + v1)
-    t1: float32 = relu(t0)
+  buf3: Pointwise ranges=[4, 3] -> float64[4, 3]/[3, 1]  # relu
+    t0: float64 = load(buf2, 3*v0 + v1)
+    t1: float64 = relu(t0)
     store(buf3, 3*v0 + v1, t1)
 return (buf3)
 "

@@ -356,12 +356,14 @@ fn fuse_puts_small_unrelated_nodes_side_by_side_in_one_launch() {
 
 #[test]
 fn fuse_does_not_fuse_across_a_library_call() {
+    // (float64: a small float32 GEMM on the CPU is a matrix-product kernel)
+    let f64 = |shape: &[i64]| meta(shape, "float64");
     let doc = GraphBuilder::new()
-        .input("a", &[16, 16], "float32")
-        .input("b", &[16, 16], "float32")
-        .call("r", "aten.relu.default", &[node("a")], &f32(&[16, 16]))
-        .call("mm", "aten.mm.default", &[node("r"), node("b")], &f32(&[16, 16]))
-        .call("e", "aten.exp.default", &[node("mm")], &f32(&[16, 16]))
+        .input("a", &[16, 16], "float64")
+        .input("b", &[16, 16], "float64")
+        .call("r", "aten.relu.default", &[node("a")], &f64(&[16, 16]))
+        .call("mm", "aten.mm.default", &[node("r"), node("b")], &f64(&[16, 16]))
+        .call("e", "aten.exp.default", &[node("mm")], &f64(&[16, 16]))
         .output(&["e"]);
     let s = schedule_cpp(&doc);
     assert_eq!(kernel_members(&s), [vec!["buf2"], vec!["torch.ops.aten.mm.default"], vec!["buf3"]]);

@@ -3,7 +3,9 @@
 //! reduction clauses) so the C++ compiler vectorizes them. Half types compute in float.
 
 mod dialect;
+mod gemm;
 
+use super::product::is_matrix_product;
 use super::writer::{local_reads_by_node, write_group, Locals};
 use super::{
     kernel_buffers, kernel_numel, kernel_structure, CodegenError, Definitions, KernelBackend, KernelLanguage, KernelLaunch, LaunchShape,
@@ -18,6 +20,7 @@ use std::fmt::Write;
 
 pub const PRELUDE: &str = include_str!("prelude.h");
 const COMPLEX_PRELUDE: &str = include_str!("complex.h");
+const GEMM_PRELUDE: &str = include_str!("gemm.h");
 
 /// Kernels smaller than this many elements run on one thread (OpenMP start-up costs more).
 const PARALLEL_THRESHOLD: i64 = 32768;
@@ -60,7 +63,8 @@ impl KernelBackend for CppBackend {
             }
         }
         let complex = s.program.buffers.iter().any(|b| b.layout.dtype.is_complex());
-        let mut source = prelude(complex);
+        let gemm = s.items.iter().any(|it| matches!(it, Item::Kernel(k) if is_matrix_product(s, k)));
+        let mut source = prelude(complex, gemm);
         let mut launches = Vec::new();
         let mut definitions = Definitions::default();
         // the text before the first mark is exactly `prelude`: what every unit repeats
@@ -90,17 +94,24 @@ impl KernelBackend for CppBackend {
 }
 
 /// What every source starts with, before its first unit mark: the part every unit repeats.
-/// <complex> costs the C++ compiler ~0.2 s: included only when a kernel moves complex values.
-pub fn prelude(complex: bool) -> String {
+/// <complex> costs the C++ compiler ~0.2 s: included only when a kernel moves complex values;
+/// the matrix-product helpers only when a kernel is a matrix product.
+pub fn prelude(complex: bool, gemm: bool) -> String {
     let mut source = String::from(if complex { "#include <complex>\n" } else { "" });
     source.push_str(PRELUDE);
     if complex {
         source.push_str(COMPLEX_PRELUDE);
     }
+    if gemm {
+        source.push_str(GEMM_PRELUDE);
+    }
     source
 }
 
 fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenError> {
+    if is_matrix_product(s, k) {
+        return gemm::render(s, k);
+    }
     if k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].attention().is_some()) {
         // (its body is a stand-in; the graph pass writes the template for Triton graphs only)
         return Err(CodegenError::unsupported(&k.name, "a fused attention has no C++ template"));

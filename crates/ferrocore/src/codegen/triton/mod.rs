@@ -99,7 +99,7 @@ impl KernelBackend for TritonBackend {
                 let (mut launch, write): (KernelLaunch, Write) = if attention::attention_of(s, k).is_some() {
                     let ak = attention::AttentionKernel::of(s, k, &params)?;
                     (attention::launch(s, k, &params, &ak), Box::new(move || attention::write(s, k, &params, &ak)))
-                } else if template::is_matrix_product(s, k) {
+                } else if crate::codegen::product::is_matrix_product(s, k) {
                     let product = template::MatrixProduct::of(s, k, &params)?;
                     (template::launch(s, k, &params, &product), Box::new(move || template::write(s, k, &params, &product)))
                 } else {

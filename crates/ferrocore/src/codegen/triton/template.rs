@@ -7,104 +7,44 @@
 
 use super::dialect::compute_type;
 use super::{kernel_numel, launch_args, next_power_of_two, template_group, CodegenError, KernelLaunch, LaunchShape, Params, IDX32_LIMIT};
-use crate::codegen::writer::{local_reads_by_node, write_group, Computed, Locals, Section};
+use crate::codegen::product::{Epilogue, Operand, ProductShape};
+use crate::codegen::writer::{write_group, Computed, Section};
 use crate::codegen::{Tile, TuneConfig};
 use crate::graph::DType;
-use crate::loop_ir::*;
-use crate::scheduler::{FusedKernel, LocalRead, LoopGroup, Schedule};
-use crate::symbolic::{Atom, IndexExpr, Var};
+use crate::scheduler::{FusedKernel, LoopGroup, Schedule};
+use crate::symbolic::Var;
 use std::collections::HashMap;
 use std::fmt::Write;
 
 /// Programs along m that sweep the columns together, so the tiles of B they read stay in L2.
 const GROUP_M: i64 = 8;
 
-/// Whether the kernel is a matrix product with its epilogue.
-pub(super) fn is_matrix_product(s: &Schedule, k: &FusedKernel) -> bool {
-    k.plan.nodes.first().is_some_and(|kn| s.program.nodes[kn.node].is_matrix_product())
-}
-
-/// One operand's addressing: `offset + batch·b + rows·i + cols·j` for element `[b, i, j]`.
-#[derive(Clone, Debug)]
-struct Operand {
-    buf: BufferId,
-    offset: i64,
-    batch: i64,
-    rows: i64,
-    cols: i64,
-}
-
-/// The product's sizes and operands, read off its loop node.
+/// The product's sizes and operands (`ProductShape`), and how the kernel addresses memory.
 pub(super) struct MatrixProduct {
-    batch: i64,
-    m: i64,
-    n: i64,
-    k: i64,
-    a: Operand,
-    b: Operand,
-    dtype: DType,
+    shape: ProductShape,
     /// Offsets in int64 (some buffer or the output space exceeds int32's reach).
     idx64: bool,
 }
 
+impl std::ops::Deref for MatrixProduct {
+    type Target = ProductShape;
+    fn deref(&self) -> &ProductShape {
+        &self.shape
+    }
+}
+
 impl MatrixProduct {
     pub(super) fn of(s: &Schedule, k: &FusedKernel, params: &Params) -> Result<MatrixProduct, CodegenError> {
+        let shape = ProductShape::of(s, k)?;
+        if compute_type(shape.dtype).is_none() {
+            return Err(CodegenError::internal(&k.name, "a matrix product of a type Triton does not compute"));
+        }
         let p = &s.program;
-        let node = &p.nodes[k.plan.nodes[0].node];
-        let bad = |m: &str| CodegenError::internal(&k.name, format!("matrix product {}: {m}", p.buffer(node.output).name));
-        let r = node.ranges.len();
-        if !(2..=3).contains(&r) || node.reduction_ranges.len() != 1 {
-            return Err(bad("not [batch,] m, n by k"));
-        }
-        let (vm, vn, vk) = (Var(r as u32 - 2), Var(r as u32 - 1), Var(r as u32));
-        let vb = (r == 3).then_some(Var(0));
-        let loads: Vec<(BufferId, &IndexExpr, DType)> = node
-            .body
-            .exprs
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| match e {
-                Expr::Load { buf, index } => Some((*buf, index, node.body.dtypes[i])),
-                _ => None,
-            })
-            .collect();
-        if loads.len() != 2 || node.body.exprs.iter().any(|e| matches!(e, Expr::LoadIndirect { .. })) {
-            return Err(bad("not two loads"));
-        }
-        let operand = |(buf, index, _): &(BufferId, &IndexExpr, DType), row: Var, col: Var| -> Option<Operand> {
-            if index.terms.iter().any(|(a, _)| !matches!(a, Atom::Var(_))) {
-                return None;
-            }
-            let other = if row == vm { vn } else { vm };
-            if index.affine_coeff(other)? != 0 {
-                return None;
-            }
-            Some(Operand {
-                buf: *buf,
-                offset: index.constant,
-                batch: vb.map_or(Some(0), |v| index.affine_coeff(v))?,
-                rows: index.affine_coeff(row)?,
-                cols: index.affine_coeff(col)?,
-            })
-        };
-        let (a, b) = match (operand(&loads[0], vm, vk), operand(&loads[1], vk, vn)) {
-            (Some(a), Some(b)) => (a, b),
-            _ => match (operand(&loads[1], vm, vk), operand(&loads[0], vk, vn)) {
-                (Some(a), Some(b)) => (a, b),
-                _ => return Err(bad("operands not addressed as [m, k] and [k, n]")),
-            },
-        };
-        let dtype = loads[0].2;
-        if loads[1].2 != dtype || compute_type(dtype).is_none() {
-            return Err(bad("operands of two types"));
-        }
-        let batch = if r == 3 { node.ranges[0] } else { 1 };
-        let (m, n, kk) = (node.ranges[r - 2], node.ranges[r - 1], node.reduction_ranges[0]);
-        let mut idx64 = batch * m * n + (m + n) * 256 >= IDX32_LIMIT;
+        let mut idx64 = shape.batch * shape.m * shape.n + (shape.m + shape.n) * 256 >= IDX32_LIMIT;
         for b in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*b).layout.storage_numel() >= IDX32_LIMIT;
         }
-        Ok(MatrixProduct { batch, m, n, k: kk, a, b, dtype, idx64 })
+        Ok(MatrixProduct { shape, idx64 })
     }
 
     /// The tile the kernel launches with before any tuning, then its neighbours an autotuner may
@@ -247,23 +187,7 @@ fn cdiv_text(size: i64, block: &str) -> String {
 /// The product's store (if its result is read outside the kernel) and the epilogue's nodes,
 /// through the kernel writer. The product's node is written as a read of `acc`, cast to its type.
 fn write_epilogue(out: &mut String, s: &Schedule, k: &FusedKernel, params: &Params) -> Result<(), CodegenError> {
-    let p = &s.program;
-    let product = p.nodes[k.plan.nodes[0].node].output;
-    let mut kernel = k.clone();
-    {
-        let kn = &mut kernel.plan.nodes[0];
-        let store = kn.body.store.clone().ok_or_else(|| CodegenError::internal(&k.name, "a product without a store"))?;
-        let dtype = kn.body.dtype(store.value);
-        let mut body = LoopBody::default();
-        let acc = body.load(product, store.index.clone(), DType::F32);
-        let value = body.cast(acc, dtype);
-        body.set_store(store.index, value);
-        kn.body = body;
-    }
-    let mut reads_at = local_reads_by_node(&kernel);
-    reads_at.entry(0).or_default().push((product, LocalRead::Forwarded));
-    let mut locals = Locals::new();
-    locals.insert(product, ("acc".to_string(), Section::Pre));
+    let Epilogue { kernel, reads_at, mut locals } = Epilogue::of(s, k)?;
     let var_name = |v: Var| format!("x{}", v.0);
     let mut shared: Computed = HashMap::new();
     let mut tmp = 0usize;

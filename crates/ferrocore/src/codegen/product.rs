@@ -1,0 +1,124 @@
+//! A matrix product's sizes and operand addressing, read off its contraction node
+//! (`Template::MatrixProduct`): what every backend's matrix-product kernel starts from.
+
+use super::writer::{local_reads_by_node, Locals, Section};
+use super::CodegenError;
+use crate::graph::DType;
+use crate::loop_ir::*;
+use crate::scheduler::{FusedKernel, LocalRead, Schedule};
+use crate::symbolic::{Atom, IndexExpr, Var};
+use std::collections::HashMap;
+
+/// Whether the kernel is a matrix product with its epilogue.
+pub fn is_matrix_product(s: &Schedule, k: &FusedKernel) -> bool {
+    k.plan.nodes.first().is_some_and(|kn| s.program.nodes[kn.node].is_matrix_product())
+}
+
+/// One operand's addressing: `offset + batch·b + rows·i + cols·j` for element `[b, i, j]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Operand {
+    pub buf: BufferId,
+    pub offset: i64,
+    pub batch: i64,
+    pub rows: i64,
+    pub cols: i64,
+}
+
+/// `[batch x] m x n` products summed over `k`: `a` is `[m, k]`, `b` is `[k, n]`, both of `dtype`.
+#[derive(Clone, Debug)]
+pub struct ProductShape {
+    pub batch: i64,
+    pub m: i64,
+    pub n: i64,
+    pub k: i64,
+    pub a: Operand,
+    pub b: Operand,
+    pub dtype: DType,
+}
+
+impl ProductShape {
+    /// The product heading kernel `k`.
+    pub fn of(s: &Schedule, k: &FusedKernel) -> Result<ProductShape, CodegenError> {
+        let p = &s.program;
+        let node = &p.nodes[k.plan.nodes[0].node];
+        let bad = |m: &str| CodegenError::internal(&k.name, format!("matrix product {}: {m}", p.buffer(node.output).name));
+        let r = node.ranges.len();
+        if !(2..=3).contains(&r) || node.reduction_ranges.len() != 1 {
+            return Err(bad("not [batch,] m, n by k"));
+        }
+        let (vm, vn, vk) = (Var(r as u32 - 2), Var(r as u32 - 1), Var(r as u32));
+        let vb = (r == 3).then_some(Var(0));
+        let loads: Vec<(BufferId, &IndexExpr, DType)> = node
+            .body
+            .exprs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| match e {
+                Expr::Load { buf, index } => Some((*buf, index, node.body.dtypes[i])),
+                _ => None,
+            })
+            .collect();
+        if loads.len() != 2 || node.body.exprs.iter().any(|e| matches!(e, Expr::LoadIndirect { .. })) {
+            return Err(bad("not two loads"));
+        }
+        let operand = |(buf, index, _): &(BufferId, &IndexExpr, DType), row: Var, col: Var| -> Option<Operand> {
+            if index.terms.iter().any(|(a, _)| !matches!(a, Atom::Var(_))) {
+                return None;
+            }
+            let other = if row == vm { vn } else { vm };
+            if index.affine_coeff(other)? != 0 {
+                return None;
+            }
+            Some(Operand {
+                buf: *buf,
+                offset: index.constant,
+                batch: vb.map_or(Some(0), |v| index.affine_coeff(v))?,
+                rows: index.affine_coeff(row)?,
+                cols: index.affine_coeff(col)?,
+            })
+        };
+        let (a, b) = match (operand(&loads[0], vm, vk), operand(&loads[1], vk, vn)) {
+            (Some(a), Some(b)) => (a, b),
+            _ => match (operand(&loads[1], vm, vk), operand(&loads[0], vk, vn)) {
+                (Some(a), Some(b)) => (a, b),
+                _ => return Err(bad("operands not addressed as [m, k] and [k, n]")),
+            },
+        };
+        let dtype = loads[0].2;
+        if loads[1].2 != dtype {
+            return Err(bad("operands of two types"));
+        }
+        let batch = if r == 3 { node.ranges[0] } else { 1 };
+        Ok(ProductShape { batch, m: node.ranges[r - 2], n: node.ranges[r - 1], k: node.reduction_ranges[0], a, b, dtype })
+    }
+}
+
+/// What a matrix-product kernel's epilogue is written from: the kernel with the product's node
+/// turned into a read of the accumulator `acc` cast to its type (stored where the product is
+/// read outside the kernel), the reads of each node served in the kernel (the product's own,
+/// forwarded), and `acc` bound as the product's value.
+pub struct Epilogue {
+    pub kernel: FusedKernel,
+    pub reads_at: HashMap<usize, Vec<(BufferId, LocalRead)>>,
+    pub locals: Locals,
+}
+
+impl Epilogue {
+    pub fn of(s: &Schedule, k: &FusedKernel) -> Result<Epilogue, CodegenError> {
+        let product = s.program.nodes[k.plan.nodes[0].node].output;
+        let mut kernel = k.clone();
+        let kn = &mut kernel.plan.nodes[0];
+        let store = kn.body.store.clone().ok_or_else(|| CodegenError::internal(&k.name, "a product without a store"))?;
+        let dtype = kn.body.dtype(store.value);
+        let mut body = LoopBody::default();
+        let acc = body.load(product, store.index.clone(), DType::F32);
+        let value = body.cast(acc, dtype);
+        body.set_store(store.index, value);
+        kn.body = body;
+        let mut reads_at = local_reads_by_node(&kernel);
+        reads_at.entry(0).or_default().push((product, LocalRead::Forwarded));
+        let mut locals = Locals::new();
+        locals.insert(product, ("acc".to_string(), Section::Pre));
+        Ok(Epilogue { kernel, reads_at, locals })
+    }
+}
