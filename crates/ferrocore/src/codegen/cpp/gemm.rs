@@ -37,10 +37,8 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
     let (hoisted, epilogue, accs) = write_epilogue(s, k, &params, &mp)?;
 
     let (tm, tn) = (mp.m.min(TILE_M), mp.n.min(TILE_N));
-    let (tiles_m, tiles_n) = (cdiv(mp.m, tm), cdiv(mp.n, tn));
-    let tiles = mp.batch * tiles_m * tiles_n;
+    let tiles = mp.batch * cdiv(mp.m, tm) * cdiv(mp.n, tn);
     let parallel = tiles > 1 && [mp.m, mp.n, mp.k].iter().fold(mp.batch, |f, &d| f.saturating_mul(d)) >= PARALLEL_FMAS;
-    let (a, b) = (&mp.a, &mp.b);
     let mut out = String::new();
     let _ = writeln!(out, "extern \"C\" int {}({}) {{", k.name, params.decls.join(", "));
     out.push_str("  int ferro_err = 0;\n");
@@ -55,22 +53,7 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
             out.push_str("  #pragma omp parallel for\n");
         }
     }
-    let _ = writeln!(out, "  for (int64_t t = 0; t < {tiles}LL; ++t) {{");
-    let _ = writeln!(out, "    const int64_t zb = t / {}LL;", tiles_m * tiles_n);
-    let _ = writeln!(out, "    const int64_t i0 = (t / {tiles_n}LL) % {tiles_m}LL * {tm}LL;");
-    let _ = writeln!(out, "    const int64_t j0 = t % {tiles_n}LL * {tn}LL;");
-    let _ = writeln!(out, "    const int64_t mt = ferro::min<int64_t>({tm}LL, {}LL - i0);", mp.m);
-    let _ = writeln!(out, "    const int64_t nt = ferro::min<int64_t>({tn}LL, {}LL - j0);", mp.n);
-    let a_at = address(&pa, &[(a.offset, ""), (a.batch, "zb"), (a.rows, "i0")]);
-    let b_at = address(&pb, &[(b.offset, ""), (b.batch, "zb"), (b.cols, "j0")]);
-    // the scratch tile's row length: its columns rounded up to whole micro tiles (`gemm_nr`)
-    let _ = writeln!(out, "    constexpr int64_t ld = ({tn}LL + ferro::gemm_nr - 1) / ferro::gemm_nr * ferro::gemm_nr;");
-    let _ = writeln!(out, "    alignas(64) float tile[{tm}LL * ld];");
-    let _ = writeln!(
-        out,
-        "    ferro::gemm_f32(mt, nt, {}LL, {a_at}, {}LL, {}LL, {b_at}, {}LL, {}LL, tile, ld);",
-        mp.k, a.rows, a.cols, b.rows, b.cols
-    );
+    write_tile_product(&mut out, &mp, (tm, tn), (&pa, &pb));
     for a in &accs {
         let _ = writeln!(out, "    {}", a.declare(""));
     }
@@ -88,6 +71,29 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
     out.push_str(if region { "  }\n  }\n" } else { "  }\n" });
     out.push_str("  return ferro_err;\n}\n");
     Ok(out)
+}
+
+/// The loop over output tiles, each tile's position and extent, and its product computed into
+/// the scratch tile `tile` (rows of `ld` floats) by `ferro::gemm_f32`.
+fn write_tile_product(out: &mut String, mp: &ProductShape, (tm, tn): (i64, i64), (pa, pb): (&str, &str)) {
+    let (tiles_m, tiles_n) = (cdiv(mp.m, tm), cdiv(mp.n, tn));
+    let (a, b) = (&mp.a, &mp.b);
+    let _ = writeln!(out, "  for (int64_t t = 0; t < {}LL; ++t) {{", mp.batch * tiles_m * tiles_n);
+    let _ = writeln!(out, "    const int64_t zb = t / {}LL;", tiles_m * tiles_n);
+    let _ = writeln!(out, "    const int64_t i0 = (t / {tiles_n}LL) % {tiles_m}LL * {tm}LL;");
+    let _ = writeln!(out, "    const int64_t j0 = t % {tiles_n}LL * {tn}LL;");
+    let _ = writeln!(out, "    const int64_t mt = ferro::min<int64_t>({tm}LL, {}LL - i0);", mp.m);
+    let _ = writeln!(out, "    const int64_t nt = ferro::min<int64_t>({tn}LL, {}LL - j0);", mp.n);
+    let a_at = address(pa, &[(a.offset, ""), (a.batch, "zb"), (a.rows, "i0")]);
+    let b_at = address(pb, &[(b.offset, ""), (b.batch, "zb"), (b.cols, "j0")]);
+    // the scratch tile's row length: its columns rounded up to whole micro tiles (`gemm_nr`)
+    let _ = writeln!(out, "    constexpr int64_t ld = ({tn}LL + ferro::gemm_nr - 1) / ferro::gemm_nr * ferro::gemm_nr;");
+    let _ = writeln!(out, "    alignas(64) float tile[{tm}LL * ld];");
+    let _ = writeln!(
+        out,
+        "    ferro::gemm_f32(mt, nt, {}LL, {a_at}, {}LL, {}LL, {b_at}, {}LL, {}LL, tile, ld);",
+        mp.k, a.rows, a.cols, b.rows, b.cols
+    );
 }
 
 /// `ptr + c0 + c1 * v1 + ...`, leaving out the terms that are zero.

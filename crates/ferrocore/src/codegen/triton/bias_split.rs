@@ -117,13 +117,12 @@ impl Splitter<'_> {
     }
 
     /// Keeps `out_dep` as long as the output body (after pushes).
-    fn sync(&mut self) -> ValueId {
+    fn sync(&mut self) {
         while self.out_dep.len() < self.out.exprs.len() {
             let i = self.out_dep.len();
             let d = self.dep_of(&self.out.exprs[i], &self.out_dep);
             self.out_dep.push(d);
         }
-        ValueId(self.out.exprs.len() as u32 - 1)
     }
 
     fn made(&mut self, v: ValueId) -> ValueId {
