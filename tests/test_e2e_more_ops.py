@@ -338,6 +338,32 @@ def test_group_norm_backward():
     torch.testing.assert_close(got, expected)
 
 
+def test_convolution_block_gradients():
+    # a UNet block's pieces: on the GPU the convolutions' bias gradients are generated sums and
+    # the nearest upsampling's gradient a channels-last scatter
+    torch.manual_seed(0)
+    block = torch.nn.ModuleDict({"a": torch.nn.Conv2d(4, 8, 3, padding=1), "norm": torch.nn.GroupNorm(2, 8),
+                                 "b": torch.nn.Conv2d(8, 4, 3, padding=1)})
+    x = torch.randn(2, 4, 8, 8)
+    block = block.to(x.device)
+
+    def fn(t):
+        h = F.silu(block["norm"](block["a"](t)))
+        return (block["b"](F.interpolate(h, scale_factor=2.0, mode="nearest")) ** 2).sum()
+
+    params = list(block.parameters())
+    xr = x.clone().requires_grad_()
+    cudnn = torch.backends.cudnn
+    # float32 convolutions in full precision: cuDNN's TF32 differs between layouts by 1e-3
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=False):
+        expected = torch.autograd.grad(fn(xr), [xr, *params])
+        torch._dynamo.reset()
+        got = torch.autograd.grad(torch.compile(fn, backend="ferrocore")(xr), [xr, *params])
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+    assert ferrocore.metrics.last["fallbacks"] == 0
+
+
 def test_unfold_view_and_stable_sort():
     x = torch.randn(4, 9, 3)
     check(lambda t: (t.unfold(1, 3, 2) * 2, t.unfold(0, 2, 1).sum(-1), t.unfold(2, 3, 3) + 1), x)

@@ -755,10 +755,11 @@ fn column_sums_of_a_few_thousand_outputs_are_split_to_fill_the_gpu() {
 
 #[test]
 fn long_variances_take_one_pass_for_the_gpu() {
-    // var over rows of 10000: two reduction loops over x become one (mean + Welford M2)
+    // var over rows of 10000: two reduction loops over x become one (mean + Welford M2); 1024
+    // rows run as enough looped programs to stay whole
     let doc = GraphBuilder::new()
-        .input("x", &[512, 10000], "float32")
-        .call("v", "aten.var.correction", &over("x", 1, false), &meta(&[512], "float32"))
+        .input("x", &[1024, 10000], "float32")
+        .call("v", "aten.var.correction", &over("x", 1, false), &meta(&[1024], "float32"))
         .output(&["v"]);
     let g = parse_graph(&doc).unwrap();
     let opts = (TritonBackend { cpu_tensors: true }).schedule_options();
@@ -799,6 +800,20 @@ fn a_large_pointwise_result_stays_out_of_a_kernel_of_few_programs() {
         .output(&["s", "r"]);
     let s = schedule(lower_graph(&parse_graph(&rows).unwrap()).unwrap().program).unwrap();
     assert_eq!(s.kernel_count(), 1, "{}", s.text());
+    // 128 rows of 32768: a looped reduction runs four rows a program, 32 programs; a GroupNorm
+    // backward's input gradient in such a kernel ran at a fraction of the GPU's bandwidth
+    let long_rows = GraphBuilder::new()
+        .input("y", &[128, 32768], "float32")
+        .call("s", "aten.sum.dim_IntList", &over("y", 1, false), &meta(&[128], "float32"))
+        .call("r", "aten.relu.default", &node("y"), &meta(&[128, 32768], "float32"))
+        .output(&["s", "r"]);
+    let s = schedule(lower_graph(&parse_graph(&long_rows).unwrap()).unwrap().program).unwrap();
+    assert_eq!(s.kernel_count(), 2, "{}", s.text());
+    assert!(
+        s.decision_texts().iter().any(|d| d.contains("would loop over 32768 elements in each of the kernel's 32 programs")),
+        "{:?}",
+        s.decision_texts()
+    );
 }
 
 #[test]

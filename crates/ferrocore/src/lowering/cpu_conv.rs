@@ -270,6 +270,12 @@ impl Ctx<'_> {
         let [ph, pw] = g.pad;
         let size = [x.size[0], x.size[1], x.size[2] + 2 * ph, x.size[3] + 2 * pw];
         let padded = constant_padded(base, x, vec![0, 0, ph, pw], &size, Scalar::Int(0));
-        Ok(self.realize(&padded))
+        // the convolution's own input: channels-last in a channels-last graph, though no
+        // convolution of the graph has its padded shape
+        let layout = match self.channels_last {
+            true => Layout { size: size.to_vec(), stride: channels_last_strides(&size), offset: 0, dtype: x.dtype, device: x.device },
+            false => Layout::contiguous(&size, x.dtype, x.device),
+        };
+        Ok(self.realize_into(&padded, layout))
     }
 }

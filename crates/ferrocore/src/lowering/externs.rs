@@ -139,7 +139,7 @@ impl Ctx<'_> {
         // as eager's NCHW, the next kernel (GroupNorm, SiLU) read it with a stride of H*W per
         // channel while writing NHWC, 3x slower per element (UNet level, one CPU thread), and on
         // the GPU ATen copied it channels-last for the convolution reading it (26 us of 0.63 ms)
-        let stride = if self.channels_last && rank == 4 {
+        let stride = if self.nhwc_value(&out.shape) {
             channels_last_strides(&out.shape)
         } else if is_dense(&out.shape, &out.stride) {
             out.stride.clone()

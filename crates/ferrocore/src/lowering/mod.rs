@@ -28,6 +28,7 @@ pub use cpu_conv::runs_compiled as cpu_conv_runs_compiled;
 use externs::{is_custom_op, ExternKind};
 pub use layout::{channels_last_strides, ConvLayout};
 pub use matmul::{GemmTemplate, PadMm, ALIGN as GEMM_ALIGN};
+use std::collections::HashSet;
 use std::fmt;
 use std::rc::Rc;
 
@@ -195,8 +196,10 @@ pub struct Ctx<'g> {
     pub fallbacks: Vec<Fallback>,
     /// The node being lowered (for origins and messages).
     pub current: NodeId,
-    /// 4-D buffers are laid out channels-last (see `layout`).
+    /// 4-D activations are laid out channels-last (see `layout`): the values shaped as
+    /// `conv_shapes`.
     pub channels_last: bool,
+    pub conv_shapes: HashSet<Vec<i64>>,
     pub pad_mm: PadMm,
     pub gemm_template: GemmTemplate,
     /// See `LowerOptions::kernels`.
@@ -226,6 +229,7 @@ pub fn lower_graph_with(graph: &Graph, options: &LowerOptions) -> Result<Lowerin
         fallbacks: Vec::new(),
         current: NodeId(0),
         channels_last,
+        conv_shapes: if channels_last { layout::conv_activation_shapes(graph) } else { HashSet::new() },
         pad_mm: options.pad_mm,
         gemm_template: options.gemm_template,
         kernels: options.kernels,
@@ -810,9 +814,9 @@ impl<'g> Ctx<'g> {
     }
 
     /// The layout ferrocore gives node `n`'s value when it is free to choose: channels-last for
-    /// 4-D values of a channels-last graph, else eager's.
+    /// a convolution graph's 4-D activations, else eager's.
     pub fn preferred_layout(&self, n: NodeId, tv: &TensorValue) -> Layout {
-        if self.channels_last && tv.size.len() == 4 {
+        if self.nhwc_value(&tv.size) {
             return self.fresh_layout(&tv.size, tv.dtype, tv.device);
         }
         self.eager_layout(n, tv)

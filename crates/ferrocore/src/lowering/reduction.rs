@@ -204,7 +204,7 @@ impl Ctx<'_> {
     }
 
     /// Applies keepdim (a reshape to the metadata's shape) and the output dtype.
-    fn finish_reduction(&mut self, r: TensorValue, out: &TensorMeta) -> LResult<TensorValue> {
+    pub(super) fn finish_reduction(&mut self, r: TensorValue, out: &TensorMeta) -> LResult<TensorValue> {
         let r = reshape(&r, out.shape.clone())?;
         if r.dtype == out.dtype {
             return Ok(r);
@@ -642,7 +642,7 @@ impl Ctx<'_> {
             return Ok(Lowered::Tuple(items.into()));
         }
         let acc = out.dtype.compute();
-        let channels_last = self.channels_last && x.size.len() == 4;
+        let channels_last = self.nhwc_value(&x.size);
         let channels_last_cpu = channels_last && self.kernels == KernelLanguage::Cpp;
         let (mean, rstd) = if channels_last {
             // channels-last: a group's elements lie as rows of C/G channels, one per (h, w); a

@@ -4,6 +4,7 @@
 //! computed in the body (`Store::terms`), optionally combining with what is there. Every
 //! user index passes `CheckIndex`, so a bad index raises IndexError and never writes outside.
 
+use super::layout::is_channels_last;
 use super::pointwise::{broadcast_index, broadcast_shapes};
 use super::*;
 
@@ -46,6 +47,12 @@ impl Ctx<'_> {
     /// atomic instruction or compare-and-swap loop of Triton's combines (an int8 sum): the node
     /// then runs in ATen, not its whole graph.
     pub(super) fn scatter_into(&mut self, init: &TensorValue, dtype: DType, passes: Vec<ScatterPass>) -> LResult<TensorValue> {
+        self.scatter_into_layout(init, Layout::contiguous(&init.size, dtype, init.device), passes)
+    }
+
+    /// `scatter_into` a fresh buffer of `layout` (the passes address it by its strides).
+    fn scatter_into_layout(&mut self, init: &TensorValue, layout: Layout, passes: Vec<ScatterPass>) -> LResult<TensorValue> {
+        let dtype = layout.dtype;
         if self.triton_kernels() {
             let on_gpu = init.device != Device::Cpu;
             if let Some(p) = passes.iter().find(|p| !crate::codegen::triton::atomic_scatter(p.mode, dtype, on_gpu)) {
@@ -56,7 +63,6 @@ impl Ctx<'_> {
                 ));
             }
         }
-        let layout = Layout::contiguous(&init.size, dtype, init.device);
         let dst = self.realize_into(init, layout.clone());
         let Src::View { buf, .. } = dst.src else { return Ok(dst) };
         for pass in passes {
@@ -230,15 +236,26 @@ impl Ctx<'_> {
         if broadcast_shapes(&[&values.size, &shape])? != shape {
             return malformed(format!("values of shape {:?} do not broadcast to {shape:?}", values.size));
         }
-        let dstride = contiguous_strides(&x.size);
-        let f: ScatterFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
-            let (base, terms) = adv.address(bx, idx, &dstride, 0);
-            let vi = broadcast_index(&values.size, idx);
+        let layout = self.fresh_layout(&x.size, dt, x.device);
+        let dstride = layout.stride.clone();
+        // In a channels-last graph a 4-D scatter over a 4-D result runs with the channels
+        // innermost, the order its values and its destination lie in (nearest upsampling's
+        // gradient: 0.115 ms on an H100 in NCHW order, at a stride of C elements, for 8M values)
+        let nhwc_loop = is_channels_last(&x.size, &dstride) && shape.len() == 4;
+        let f: ScatterFn = Rc::new(move |bx: &mut Bx, loop_idx: &[IndexExpr]| {
+            let idx = if nhwc_loop {
+                vec![loop_idx[0].clone(), loop_idx[3].clone(), loop_idx[1].clone(), loop_idx[2].clone()]
+            } else {
+                loop_idx.to_vec()
+            };
+            let (base, terms) = adv.address(bx, &idx, &dstride, 0);
+            let vi = broadcast_index(&values.size, &idx);
             let v = values.load(bx, &vi);
             (base, terms, v)
         });
+        let ranges = if nhwc_loop { vec![shape[0], shape[2], shape[3], shape[1]] } else { shape };
         let mode = if accumulate { StoreMode::Combine(ReduceOp::Sum) } else { StoreMode::Set };
-        self.scatter_into(&x, dt, vec![ScatterPass { ranges: shape, f, mode }])
+        self.scatter_into_layout(&x, layout, vec![ScatterPass { ranges, f, mode }])
     }
 
     /// `self[mask] = values` with one boolean index tensor: the k-th selected element takes

@@ -607,12 +607,88 @@ fn channels_last_layout_hands_the_convolution_nhwc_operands() {
 }
 
 #[test]
+fn channels_last_layout_leaves_values_of_other_4d_shapes_contiguous() {
+    // conv -> permute to [N, H, W, C] -> gelu (ConvNeXt's MLP): the gelu's [2, 16, 16, 8] value
+    // is no convolution's activation shape, so its buffer keeps the contiguous layout its view needs
+    let doc = GraphBuilder::new()
+        .input("x", &[2, 8, 16, 16], "float32")
+        .input("w", &[8, 8, 3, 3], "float32")
+        .call(
+            "conv",
+            "aten.convolution.default",
+            &[node("x"), node("w"), "null".into(), ints(&[1, 1]), ints(&[1, 1]), ints(&[1, 1]), boolean(false), ints(&[0, 0]), int(1)],
+            &f32(&[2, 8, 16, 16]),
+        )
+        .call(
+            "nhwc",
+            "aten.permute.default",
+            &[node("conv"), ints(&[0, 2, 3, 1])],
+            &strided_meta(&[2, 16, 16, 8], Some(&[2048, 16, 1, 256]), "float32"),
+        )
+        .call("g", "aten.gelu.default", &[node("nhwc")], &f32(&[2, 16, 16, 8]))
+        .call("flat", "aten.view.default", &[node("g"), ints(&[512, 8])], &f32(&[512, 8]))
+        .output(&["flat", "g"]);
+    // g leaves as a saved activation, in the layout ferrocore chooses
+    let doc = format!("{},\"free_layout_outputs\":[1]}}", doc.trim_end().strip_suffix('}').unwrap());
+    let lowered = lower_with(&doc, &LowerOptions { conv_layout: ConvLayout::ChannelsLast, ..LowerOptions::default() });
+    let p = &lowered.program;
+    assert_eq!(output_layout(p, 1).stride, [2048, 128, 8, 1], "contiguous [N, H, W, C]:\n{p}");
+    assert_eq!(p.buffer(externs(p)[0].outputs[0]).layout.stride, [2048, 1, 128, 8], "the convolution's result NHWC");
+}
+
+#[test]
 fn contiguous_layout_passes_the_convolution_its_inputs_as_they_are() {
     let doc = conv_graph(&[2, 8, 16, 16], &[16, 8, 3, 3], &[2, 16, 16, 16], 1, 1);
     let lowered = lower_with(&doc, &LowerOptions { conv_layout: ConvLayout::Contiguous, ..LowerOptions::default() });
     let p = &lowered.program;
     assert_eq!(externs(p)[0].input_buffers(), p.inputs, "{p}");
     assert_eq!(kinds(p), [NodeKind::Pointwise], "only the relu:\n{p}");
+}
+
+fn conv_backward_graph(mask: [bool; 3], grad_bias: &str) -> String {
+    let items = [f32(&[2, 8, 16, 16]), f32(&[16, 8, 3, 3]), grad_bias.to_string()];
+    GraphBuilder::new()
+        .input("g", &[2, 16, 16, 16], "float32")
+        .input("x", &[2, 8, 16, 16], "float32")
+        .input("w", &[16, 8, 3, 3], "float32")
+        .call(
+            "bw",
+            "aten.convolution_backward.default",
+            &[
+                node("g"),
+                node("x"),
+                node("w"),
+                ints(&[16]),
+                ints(&[1, 1]),
+                ints(&[1, 1]),
+                ints(&[1, 1]),
+                boolean(false),
+                ints(&[0, 0]),
+                int(1),
+                format!(r#"{{"list":[{}]}}"#, mask.map(boolean).join(",")),
+            ],
+            &tuple(&items),
+        )
+        .call("gb", "getitem", &[node("bw"), int(2)], grad_bias)
+        .output(&["gb"])
+        .replace(r#""device":"cpu""#, r#""device":"cuda:0""#)
+}
+
+#[test]
+fn gpu_convolution_backward_sums_the_bias_gradient_itself() {
+    let doc = conv_backward_graph([true, true, true], &f32(&[16]));
+    let lowered = lower_with(&doc, &LowerOptions { kernels: KernelLanguage::Triton, ..LowerOptions::default() });
+    let p = &lowered.program;
+    let call = p.extern_text(0);
+    assert!(call.contains("[True, True, False]"), "the library computes grad_input and grad_weight only: {call}");
+    // (beside the channels-last copies of the call's activations)
+    let sums: Vec<&LoopNode> = nodes(p).into_iter().filter(|n| n.kind() == NodeKind::Reduction).collect();
+    assert_eq!(sums.len(), 1, "the bias gradient, a sum over batch and space:\n{p}");
+    assert_eq!((sums[0].ranges.as_slice(), sums[0].reduction_ranges.as_slice()), ([16].as_slice(), [2, 16, 16].as_slice()));
+    // only the bias gradient asked for: no library call
+    let doc = conv_backward_graph([false, false, true], &f32(&[16]));
+    let lowered = lower_with(&doc, &LowerOptions { kernels: KernelLanguage::Triton, ..LowerOptions::default() });
+    assert!(externs(&lowered.program).is_empty(), "{}", lowered.program);
 }
 
 // ----- cpu_conv -----

@@ -44,8 +44,9 @@ pub struct KernelPlan {
     pub local_reads: Vec<(usize, BufferId, LocalRead)>,
 }
 
-/// A kernel with a reduction runs one program per outer index; with fewer programs than this a
-/// GPU's multiprocessors mostly idle.
+/// A kernel with a reduction runs one program per outer index, or per few of them where its loops
+/// are long (the split pass's count); with fewer programs than this a GPU's multiprocessors
+/// mostly idle.
 const FEW_PROGRAMS: i64 = 128;
 /// Elements a pointwise node may loop over in each program of such a kernel: a loss's scalar
 /// reduction once took in Llama's 4M-element embedding output, one program for 4 ms.
@@ -236,8 +237,14 @@ impl PlanBuilder {
             let (s, inner) = node_subst(&n.ranges, outer, 1)
                 .ok_or_else(|| format!("{name}'s ranges {:?} do not split at the kernel's outer size {outer}", n.ranges))?;
             let work: i64 = inner.iter().product();
-            if self.reduces && outer < FEW_PROGRAMS && work > SERIAL_ELEMENTS {
-                return Err(format!("{name} would loop over {work} elements in each of the kernel's {outer} programs"));
+            let split = &super::GPU_SPLIT;
+            let programs = if work > split.persistent_max {
+                (outer + split.looped_rows_per_program - 1) / split.looped_rows_per_program
+            } else {
+                outer
+            };
+            if self.reduces && programs < FEW_PROGRAMS && work > SERIAL_ELEMENTS {
+                return Err(format!("{name} would loop over {work} elements in each of the kernel's {programs} programs"));
             }
             (s, inner, false)
         } else {

@@ -277,6 +277,25 @@ fn split_leaves_reductions_with_enough_rows_whole() {
     assert_eq!(nodes(&p).len(), 1);
 }
 
+#[test]
+fn split_counts_the_programs_of_looped_rows() {
+    // 256 rows of 32768 run as 64 looped programs of four rows: split into 1024 chunks; 1024
+    // such rows (256 programs) stay whole
+    let doc = GraphBuilder::new()
+        .input("x", &[256, 32768], "bfloat16")
+        .call("s", "aten.sum.dim_IntList", &[node("x"), ints(&[1])], &meta(&[256], "bfloat16"))
+        .output(&["s"]);
+    let mut p = lowered(&doc);
+    let decisions = run_pass(&mut p, "split");
+    assert_eq!(decisions, ["split: buf1 reduces 32768 elements into 256 rows: 4 partial reductions each (buf3), then a combine"]);
+    let doc = GraphBuilder::new()
+        .input("x", &[1024, 32768], "bfloat16")
+        .call("s", "aten.sum.dim_IntList", &[node("x"), ints(&[1])], &meta(&[1024], "bfloat16"))
+        .output(&["s"]);
+    let mut p = lowered(&doc);
+    assert!(run_pass(&mut p, "split").is_empty());
+}
+
 // ----- drop_empty -----
 
 #[test]

@@ -31,8 +31,9 @@ pub const PRELUDE: &str = include_str!("prelude.py");
 
 /// Groups whose inner iteration space fits this many elements are persistent (one step): a
 /// row is read once however many groups use it (softmax, layer_norm). 8192 float32 values are
-/// 32 registers a thread at 8 warps; a looped softmax row is read three times.
-const PERSISTENT_RBLOCK_MAX: i64 = 8192;
+/// 32 registers a thread at 8 warps; a looped softmax row is read three times. (The split pass
+/// counts programs by these figures.)
+const PERSISTENT_RBLOCK_MAX: i64 = crate::scheduler::GPU_SPLIT.persistent_max;
 /// The step of looped groups.
 const LOOPED_RBLOCK: i64 = 1024;
 /// Kernels whose memory is contiguous along `x0` rather than the inner loops (a reduction over an
@@ -47,6 +48,7 @@ const X_CONTIGUOUS_RBLOCK_MIN: i64 = 32;
 const X_CONTIGUOUS_RBLOCK_MAX: i64 = 128;
 /// Elements of one program's `[XBLOCK, RBLOCK]` block, at most.
 const MAX_BLOCK_ELEMENTS: i64 = 4096;
+const _: () = assert!(MAX_BLOCK_ELEMENTS / LOOPED_RBLOCK == crate::scheduler::GPU_SPLIT.looped_rows_per_program);
 const MAX_XBLOCK: i64 = 1024;
 /// Elements of one program's block, at most, in a kernel that writes 64-bit values: Triton 3.6
 /// (H200) stores wrong values from blocks of 4096 elements or more when a 64-bit value selected
