@@ -288,6 +288,30 @@ def _():
     return (lambda a, b: torch.mm(a, b) - 1), (randn(20, 1), randn(1, 30, seed=1))
 
 
+@case("nearest_upsampling", options={"conv_layout": "channels_last"})
+def _():
+    # x2 (source rows `i // 2`, read as plain loads) before a convolution, and x1.5 (a scale
+    # with no exact floor division: its indices stay checked)
+    def f(x, w):
+        up = F.conv2d(F.interpolate(x, scale_factor=2, mode="nearest"), w, padding=1)
+        return up, F.interpolate(x, scale_factor=1.5, mode="nearest") * 2
+
+    return f, (randn(2, 4, 6, 5).to(memory_format=torch.channels_last), randn(3, 4, 3, 3, seed=1))
+
+
+@case("channels_last_group_norm_of_pixel_chunks", atol=1e-9, rtol=1e-9, options={"conv_layout": "channels_last"})
+def _():
+    # 768 pixels: statistics from three chunks of 256 per channel, combined per group, with an
+    # offset far from the spread (mean 50, deviation 3), which a sum of squares would lose; in
+    # float64, where eager's float32 error (4e-4 here) does not hide the combination's
+    def f(x, gw, gb, w):
+        return F.conv2d(F.group_norm(x * 3 + 50, 4, gw, gb), w, padding=1)
+
+    f64, cl = torch.float64, torch.channels_last
+    return f, (randn(2, 16, 32, 24, dtype=f64).to(memory_format=cl), randn(16, seed=2, dtype=f64),
+               randn(16, seed=3, dtype=f64), randn(4, 16, 3, 3, seed=4, dtype=f64))
+
+
 @case("channels_last_group_norm_silu", atol=1e-4, rtol=1e-4, options={"conv_layout": "channels_last"})
 def _():
     # a convolution graph's group norm over a concatenation of channels-last inputs

@@ -16,12 +16,24 @@ impl LoopBody {
     pub fn with_direct_reads(&self, ranges: &[i64]) -> Option<LoopBody> {
         let values = value_ranges(self, ranges);
         let mut affine: Vec<Option<IndexExpr>> = Vec::with_capacity(self.exprs.len());
+        let fractions = self.exact_fractions(ranges);
         let mut changed = false;
         for (i, e) in self.exprs.iter().enumerate() {
             let of = |v: &ValueId| affine[v.0 as usize].clone();
             let dt = self.dtypes[i];
             let a = match e {
                 _ if !matches!(dt, DType::I32 | DType::I64) => None,
+                // a float that is exactly `a / 2^k` (nearest upsampling's `(i * 0.5).to(int64)`),
+                // truncated: floor(a / 2^k) where a >= 0
+                Expr::Cast(x) if self.dtypes[x.0 as usize].is_float() => fractions[x.0 as usize]
+                    .as_ref()
+                    .filter(|(a, _)| a.bounds(ranges).0 >= 0)
+                    .map(|(a, den)| a.floordiv(*den, ranges))
+                    .filter(|a| {
+                        let (lo, hi) = a.bounds(ranges);
+                        let (min, max) = type_range(dt);
+                        lo >= min && hi <= max
+                    }),
                 Expr::Index(ix) => Some(ix.clone()),
                 Expr::Constant(Scalar::Int(c)) => Some(IndexExpr::constant(*c)),
                 // (a value that fits the narrower type: the cast keeps it)
@@ -37,10 +49,11 @@ impl LoopBody {
                     (Some(p), Some(q)) if p.terms.is_empty() => Some(q.scale(p.constant)),
                     _ => None,
                 },
-                Expr::CheckIndex { value, size, .. } => {
-                    let (lo, hi) = values[value.0 as usize];
-                    of(value).filter(|_| lo >= 0 && hi < *size as i128)
-                }
+                Expr::CheckIndex { value, size, .. } => of(value).filter(|a| {
+                    let (lo, hi) = a.bounds(ranges);
+                    let (vlo, vhi) = values[value.0 as usize];
+                    lo.max(vlo) >= 0 && hi.min(vhi) < *size as i128
+                }),
                 _ => None,
             };
             changed |= matches!(e, Expr::CheckIndex { .. }) && a.is_some();
@@ -75,6 +88,70 @@ impl LoopBody {
         Some(out.without_dead_values())
     }
 
+    /// Per value, `(a, d)` where the value is a float exactly equal to `a / d` (`a` affine in
+    /// the loop variables, `d` a power of two): an integer position cast to a float, sums of
+    /// such, products with powers of two and small integers, casts that keep every value. Each
+    /// step is exact where `|a|` stays below 2^(mantissa bits) of its type, which is checked.
+    fn exact_fractions(&self, ranges: &[i64]) -> Vec<Option<(IndexExpr, i64)>> {
+        let values = value_ranges(self, ranges);
+        let mut out: Vec<Option<(IndexExpr, i64)>> = Vec::with_capacity(self.exprs.len());
+        let mut ints: Vec<Option<IndexExpr>> = Vec::with_capacity(self.exprs.len());
+        for (i, e) in self.exprs.iter().enumerate() {
+            let dt = self.dtypes[i];
+            let int = match e {
+                _ if !matches!(dt, DType::I32 | DType::I64) => None,
+                Expr::Index(ix) => Some(ix.clone()),
+                Expr::Constant(Scalar::Int(c)) => Some(IndexExpr::constant(*c)),
+                Expr::Cast(x) if self.dtypes[x.0 as usize].is_integral() => ints[x.0 as usize].clone().filter(|_| {
+                    let (lo, hi) = values[x.0 as usize];
+                    let (min, max) = type_range(dt);
+                    lo >= min && hi <= max
+                }),
+                _ => None,
+            };
+            ints.push(int);
+            let frac = |v: &ValueId| out[v.0 as usize].clone();
+            let constant = |v: &ValueId| match self.exprs[v.0 as usize] {
+                Expr::Constant(Scalar::Float(c)) => Some(c),
+                Expr::Constant(Scalar::Int(c)) => Some(c as f64),
+                _ => None,
+            };
+            let f = match e {
+                _ if !dt.is_float() => None,
+                Expr::Constant(Scalar::Float(c)) if c.fract() == 0.0 && c.abs() < 1e15 => Some((IndexExpr::constant(*c as i64), 1)),
+                Expr::Cast(x) if self.dtypes[x.0 as usize].is_integral() => ints[x.0 as usize].clone().map(|a| (a, 1)),
+                Expr::Cast(x) => frac(x),
+                Expr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub), x, y) => frac(x).zip(frac(y)).map(|((a, da), (b, db))| {
+                    let d = da.max(db);
+                    let (a, b) = (a.scale(d / da), b.scale(d / db));
+                    (if *op == BinaryOp::Add { a.add(&b) } else { a.sub(&b) }, d)
+                }),
+                Expr::Binary(BinaryOp::Mul, x, y) => {
+                    let (v, c) = match (constant(x), constant(y)) {
+                        (_, Some(c)) => (x, c),
+                        (Some(c), None) => (y, c),
+                        _ => (x, f64::NAN),
+                    };
+                    frac(v).and_then(|(a, d)| scaled_fraction(a, d, c))
+                }
+                _ => None,
+            };
+            // exact only while every value fits the type's mantissa
+            let mantissa = match dt {
+                DType::F64 => 53,
+                DType::F32 => 24,
+                DType::F16 => 11,
+                DType::BF16 => 8,
+                _ => 0,
+            };
+            out.push(f.filter(|(a, _)| {
+                let (lo, hi) = a.bounds(ranges);
+                lo.abs().max(hi.abs()) < 1i128 << mantissa
+            }));
+        }
+        out
+    }
+
     /// The body with only the values its store reads and its index checks (a bad index is
     /// reported even where nothing reads the gathered value), renumbered in order.
     pub fn without_dead_values(&self) -> LoopBody {
@@ -104,6 +181,19 @@ impl LoopBody {
         out.store = Some(Store { value: id(st.value), terms: st.terms.iter().map(|(v, c)| (id(*v), *c)).collect(), ..st.clone() });
         out
     }
+}
+
+/// `(a / d) * c` as an exact fraction: `c` a power of two (2^-k or 2^k) or a small integer.
+fn scaled_fraction(a: IndexExpr, d: i64, c: f64) -> Option<(IndexExpr, i64)> {
+    if !c.is_finite() || c <= 0.0 {
+        return None;
+    }
+    if c.fract() == 0.0 && c <= (1 << 20) as f64 {
+        return Some((a.scale(c as i64), d));
+    }
+    let inverse = 1.0 / c;
+    let k = inverse as i64;
+    (inverse.fract() == 0.0 && k > 0 && (k as u64).is_power_of_two() && d.checked_mul(k)? <= 1 << 40).then(|| (a, d * k))
 }
 
 #[cfg(test)]
@@ -142,6 +232,39 @@ mod tests {
         let body = body.with_direct_reads(&[10, 8]).expect("the first gather is proven");
         assert_eq!(body.exprs.iter().filter(|e| matches!(e, Expr::CheckIndex { .. })).count(), 1);
         assert!(!body.exprs.iter().any(|e| matches!(e, Expr::LoadIndirect { .. })));
+    }
+
+    /// Nearest upsampling's source row, `((float64(v0) * 1.0 + 0.0) as float32 * scale) as
+    /// int64`, gathered from a table of 32 rows, 8 wide.
+    fn nearest(scale: f64) -> LoopBody {
+        let mut body = LoopBody::default();
+        let pos = body.index(IndexExpr::var(Var(0)), DType::I64);
+        let x = body.cast(pos, DType::F64);
+        let one = body.constant(Scalar::Float(1.0), DType::F64);
+        let zero = body.constant(Scalar::Float(0.0), DType::F64);
+        let x = body.binary(BinaryOp::Mul, x, one);
+        let x = body.binary(BinaryOp::Add, x, zero);
+        let x = body.cast(x, DType::F32);
+        let s = body.constant(Scalar::Float(scale), DType::F32);
+        let x = body.binary(BinaryOp::Mul, x, s);
+        let row = body.cast(x, DType::I64);
+        let row = body.check_index(row, 32, true);
+        let v = body.load_indirect(BufferId(0), IndexExpr::var(Var(1)), vec![(row, 8)], DType::F32);
+        body.set_store(IndexExpr::var(Var(0)).scale(8).add(&IndexExpr::var(Var(1))), v);
+        body
+    }
+
+    #[test]
+    fn nearest_upsampling_reads_its_source_at_a_floor_division() {
+        let ranges = [64, 8];
+        let body = nearest(0.5).with_direct_reads(&ranges).expect("rows v0 // 2 < 32 are proven");
+        assert_eq!(body.exprs.len(), 1, "{:?}", body.exprs);
+        let Expr::Load { index, .. } = &body.exprs[0] else { panic!("{:?}", body.exprs) };
+        assert_eq!(*index, IndexExpr::var(Var(0)).floordiv(2, &ranges).scale(8).add(&IndexExpr::var(Var(1))));
+        // 65 rows reach row 32: checked
+        assert!(nearest(0.5).with_direct_reads(&[65, 8]).is_none());
+        // a scale that is no power of two (0.75 = 3/4) is no exact floor division: checked
+        assert!(nearest(0.75).with_direct_reads(&[32, 8]).is_none());
     }
 
     #[test]

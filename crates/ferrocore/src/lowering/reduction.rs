@@ -237,7 +237,14 @@ impl Ctx<'_> {
         }
         // CPU eager computes a variance in double (Welford over double accumulators); the C++
         // kernels' chunked float sums (`codegen::cpp::SUM_CHUNK_F32`) are as exact at every size
-        let (mean_kept, var) = self.variance(&x, &dims, acc, correction);
+        let (mean_kept, var) = match self.group_norm_input(&dims)? {
+            Some((image, groups)) => {
+                let (mean, var) = self.group_moments_of_channels(&image, groups, acc, None)?;
+                let count = (x.numel() / (image.size[0] * groups)) as f64;
+                (mean, unbias(var, count, correction))
+            }
+            None => self.variance(&x, &dims, acc, correction),
+        };
         let v = self.finish_reduction(var, &vmeta)?;
         if op == AtenOp::VarMeanCorrection {
             let mmeta = metas.get(1).cloned().unwrap_or_else(|| vmeta.clone());
@@ -245,6 +252,26 @@ impl Ctx<'_> {
             return Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(v)), Some(Lowered::Tensor(m))]));
         }
         Ok(Lowered::Tensor(v))
+    }
+
+    /// The channels-last image and group count when this `var`'s input is a group norm's view
+    /// of it (`view(x, [N, G, C/G, H*W])`, as torch's decomposition writes it for training
+    /// graphs) reduced over everything past the groups: its statistics are then read per channel
+    /// (`group_moments_of_channels`).
+    fn group_norm_input(&self, dims: &[usize]) -> LResult<Option<(TensorValue, i64)>> {
+        let Some(Arg::Node(view)) = self.arg(0, "self") else { return Ok(None) };
+        let node = self.graph.node(*view);
+        let NodeKind::Call { target: Target::Aten(AtenOp::View | AtenOp::UnsafeView | AtenOp::Reshape), args, .. } = &node.kind else {
+            return Ok(None);
+        };
+        let (Some(Arg::Node(src)), Some(shape)) = (args.first(), node.meta.tensor().map(|t| &t.shape)) else { return Ok(None) };
+        let Some(Lowered::Tensor(image)) = &self.values[src.0 as usize] else { return Ok(None) };
+        if !self.triton_kernels() || !self.nhwc_value(&image.size) || shape.len() < 3 || dims != (2..shape.len()).collect::<Vec<_>>() {
+            return Ok(None);
+        }
+        let (n, c, g) = (image.size[0], image.size[1], shape[1]);
+        let grouped = shape[0] == n && g > 0 && c % g == 0 && shape[2..].iter().product::<i64>() * g == image.numel() / n.max(1);
+        Ok((grouped && n > 0 && image.numel() > 0).then(|| (image.clone(), g)))
     }
 
     /// Returns (mean, variance) over `dims`, both with the kept dims.
@@ -644,7 +671,9 @@ impl Ctx<'_> {
         let acc = out.dtype.compute();
         let channels_last = self.nhwc_value(&x.size);
         let channels_last_cpu = channels_last && self.kernels == KernelLanguage::Cpp;
-        let (mean, rstd) = if channels_last {
+        let (mean, rstd) = if channels_last && self.triton_kernels() {
+            self.group_moments_of_channels(&x, g, acc, Some(eps))?
+        } else if channels_last {
             // channels-last: a group's elements lie as rows of C/G channels, one per (h, w); a
             // reduction over the channels within the pixels reads them in memory order, where the
             // logical order would step by C elements
@@ -664,6 +693,59 @@ impl Ctx<'_> {
         let m = self.finish_reduction(mean, &m1)?;
         let r = self.finish_reduction(rstd, &m2)?;
         Ok(Lowered::Tuple(vec![Some(Lowered::Tensor(y)), Some(Lowered::Tensor(m)), Some(Lowered::Tensor(r))]))
+    }
+
+    /// A channels-last group norm's (mean, variance) per (sample, group), or (mean, rstd) with
+    /// `rstd_eps`, from the moments of each
+    /// channel over a chunk of the pixels, combined exactly (Chan et al.; the chunks hold equal
+    /// counts): the group's mean is the mean of the chunks' means, its variance the mean of
+    /// `var_k + (mean_k - mean_g)²`. The chunk moments are a reduction whose rows, consecutive
+    /// channels, lie side by side in memory (as a channels-last batch norm's) and are read in
+    /// whole lines; reducing a group's elements directly reads C/G channels of every pixel's row
+    /// of C (an H100: 28 us for 8x128x64x64 bf16 statistics in 32 groups). Two kernels, as the
+    /// direct reduction split over the GPU takes.
+    fn group_moments_of_channels(
+        &mut self,
+        x: &TensorValue,
+        g: i64,
+        acc: DType,
+        rstd_eps: Option<f64>,
+    ) -> LResult<(TensorValue, TensorValue)> {
+        let (n, c, device) = (x.size[0], x.size[1], x.device);
+        let (cpg, hw) = (c / g, x.size[2..].iter().product::<i64>());
+        let chunks = pixel_chunks(hw);
+        let per_chunk = super::views::reshape(x, vec![n, c, chunks, hw / chunks])?;
+        let rows = super::views::permute(&per_chunk, &[0, 2, 1, 3]); // [N, chunks, C, pixels]: channels inner
+        let (chunk_mean, chunk_var) = self.moments(&rows, &[3], acc, 0.0, None);
+        let grouped = [n, g, chunks, cpg];
+        let per = Scalar::Float(1.0 / (chunks * cpg) as f64);
+        // (sample, group, chunk, k) -> the chunk moments' (sample, chunk, group * C/G + k)
+        let at = move |full: &[IndexExpr]| [full[0].clone(), full[2].clone(), full[1].scale(cpg).add(&full[3])];
+        let mk = chunk_mean.clone();
+        let mean = self.reduce_node(&grouped, &[2, 3], acc, device, move |bx, full, _| {
+            let v = mk.load(bx, &at(full));
+            let s = bx.body.reduce(ReduceOp::Sum, v);
+            let k = bx.body.constant(per, acc);
+            bx.body.binary(BinaryOp::Mul, s, k)
+        });
+        let (mk, vk, mg) = (chunk_mean, chunk_var, mean.clone());
+        let second = self.reduce_node(&grouped, &[2, 3], acc, device, move |bx, full, kept| {
+            let i = at(full);
+            let m = mk.load(bx, &i);
+            let v = vk.load(bx, &i);
+            let mu = mg.load(bx, kept);
+            let d = bx.body.binary(BinaryOp::Sub, m, mu);
+            let d2 = bx.body.binary(BinaryOp::Mul, d, d);
+            let t = bx.body.binary(BinaryOp::Add, v, d2);
+            let s = bx.body.reduce(ReduceOp::Sum, t);
+            let k = bx.body.constant(per, acc);
+            let var = bx.body.binary(BinaryOp::Mul, s, k);
+            let Some(eps) = rstd_eps else { return var };
+            let e = bx.body.constant(Scalar::Float(eps), acc);
+            let ve = bx.body.binary(BinaryOp::Add, var, e);
+            bx.body.unary(UnaryOp::Rsqrt, ve)
+        });
+        Ok((mean, second))
     }
 
     /// A channels-last CPU group norm applied as `x * scale + shift`, with `scale` and `shift`
@@ -712,6 +794,28 @@ impl Ctx<'_> {
             bx.body.cast(o, dt)
         })
     }
+}
+
+/// A biased variance of `count` elements as one with `correction` (`var * n / (n - correction)`).
+fn unbias(var: TensorValue, count: f64, correction: f64) -> TensorValue {
+    if correction == 0.0 {
+        return var;
+    }
+    let k = count / (count - correction).max(0.0);
+    let (size, dt, device) = (var.size.clone(), var.dtype, var.device);
+    pointwise(vec![PwIn::Tensor(var)], size, dt, device, dt, move |bx, v| {
+        let c = bx.body.constant(Scalar::Float(k), dt);
+        bx.body.binary(BinaryOp::Mul, v[0], c)
+    })
+}
+
+/// Pixels of a channels-last group norm's chunk: the most chunks that divide the pixels and
+/// keep at least `CHUNK_PIXELS` in each (a row of the chunk moments' reduction long enough to
+/// loop over; their number gives the GPU its programs).
+const CHUNK_PIXELS: i64 = 256;
+
+fn pixel_chunks(hw: i64) -> i64 {
+    (1..=hw / CHUNK_PIXELS).rev().find(|&k| hw % k == 0).unwrap_or(1)
 }
 
 /// A group norm applied with the group statistics read per element: `(x - mean) * rstd`, then

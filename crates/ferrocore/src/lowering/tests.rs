@@ -691,6 +691,35 @@ fn gpu_convolution_backward_sums_the_bias_gradient_itself() {
     assert!(externs(&lowered.program).is_empty(), "{}", lowered.program);
 }
 
+#[test]
+fn channels_last_gpu_group_norm_reduces_channels_side_by_side() {
+    // conv -> group norm (4 groups of 4 channels over 32x24 = 768 pixels), channels-last, Triton
+    let doc = GraphBuilder::new()
+        .input("x", &[2, 8, 32, 24], "float32")
+        .input("w", &[16, 8, 3, 3], "float32")
+        .call(
+            "conv",
+            "aten.convolution.default",
+            &[node("x"), node("w"), "null".into(), ints(&[1, 1]), ints(&[1, 1]), ints(&[1, 1]), boolean(false), ints(&[0, 0]), int(1)],
+            &f32(&[2, 16, 32, 24]),
+        )
+        .call(
+            "gn",
+            "aten.native_group_norm.default",
+            &[node("conv"), "null".into(), "null".into(), int(2), int(16), int(768), int(4), float(1e-5)],
+            &tuple(&[f32(&[2, 16, 32, 24]), f32(&[2, 4]), f32(&[2, 4])]),
+        )
+        .call("y", "getitem", &[node("gn"), int(0)], &f32(&[2, 16, 32, 24]))
+        .output(&["y"]);
+    let options = LowerOptions { kernels: KernelLanguage::Triton, conv_layout: ConvLayout::ChannelsLast, ..LowerOptions::default() };
+    let p = &lower_with(&doc, &options).program;
+    let sums: Vec<&LoopNode> = nodes(p).into_iter().filter(|n| n.kind() == NodeKind::Reduction).collect();
+    let shapes: Vec<(&[i64], &[i64])> = sums.iter().map(|n| (n.ranges.as_slice(), n.reduction_ranges.as_slice())).collect();
+    // per (sample, chunk, channel): three chunks of 256 pixels, the channels the rows, innermost;
+    // then per (sample, group) over the chunks and the group's channels
+    assert_eq!(shapes, [(&[2, 3, 16][..], &[256][..]), (&[2, 3, 16], &[256]), (&[2, 4], &[3, 4]), (&[2, 4], &[3, 4])], "{p}");
+}
+
 // ----- cpu_conv -----
 
 #[test]
