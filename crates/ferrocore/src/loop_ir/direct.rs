@@ -14,52 +14,13 @@ impl LoopBody {
     /// `document[kv]`, a position embedding) is then a strided read the backend vectorizes, with
     /// no check per element. None where nothing changes.
     pub fn with_direct_reads(&self, ranges: &[i64]) -> Option<LoopBody> {
-        let values = value_ranges(self, ranges);
-        let mut affine: Vec<Option<IndexExpr>> = Vec::with_capacity(self.exprs.len());
-        let fractions = self.exact_fractions(ranges);
-        let mut changed = false;
-        for (i, e) in self.exprs.iter().enumerate() {
-            let of = |v: &ValueId| affine[v.0 as usize].clone();
-            let dt = self.dtypes[i];
-            let a = match e {
-                _ if !matches!(dt, DType::I32 | DType::I64) => None,
-                // a float that is exactly `a / 2^k` (nearest upsampling's `(i * 0.5).to(int64)`),
-                // truncated: floor(a / 2^k) where a >= 0
-                Expr::Cast(x) if self.dtypes[x.0 as usize].is_float() => fractions[x.0 as usize]
-                    .as_ref()
-                    .filter(|(a, _)| a.bounds(ranges).0 >= 0)
-                    .map(|(a, den)| a.floordiv(*den, ranges))
-                    .filter(|a| {
-                        let (lo, hi) = a.bounds(ranges);
-                        let (min, max) = type_range(dt);
-                        lo >= min && hi <= max
-                    }),
-                Expr::Index(ix) => Some(ix.clone()),
-                Expr::Constant(Scalar::Int(c)) => Some(IndexExpr::constant(*c)),
-                // (a value that fits the narrower type: the cast keeps it)
-                Expr::Cast(x) => of(x).filter(|_| {
-                    let (lo, hi) = values[x.0 as usize];
-                    let (min, max) = type_range(dt);
-                    lo >= min && hi <= max
-                }),
-                Expr::Binary(BinaryOp::Add, x, y) => of(x).zip(of(y)).map(|(p, q)| p.add(&q)),
-                Expr::Binary(BinaryOp::Sub, x, y) => of(x).zip(of(y)).map(|(p, q)| p.sub(&q)),
-                Expr::Binary(BinaryOp::Mul, x, y) => match (of(x), of(y)) {
-                    (Some(p), Some(q)) if q.terms.is_empty() => Some(p.scale(q.constant)),
-                    (Some(p), Some(q)) if p.terms.is_empty() => Some(q.scale(p.constant)),
-                    _ => None,
-                },
-                Expr::CheckIndex { value, size, .. } => of(value).filter(|a| {
-                    let (lo, hi) = a.bounds(ranges);
-                    let (vlo, vhi) = values[value.0 as usize];
-                    lo.max(vlo) >= 0 && hi.min(vhi) < *size as i128
-                }),
-                _ => None,
-            };
-            changed |= matches!(e, Expr::CheckIndex { .. }) && a.is_some();
-            changed |= matches!(e, Expr::LoadIndirect { terms, .. } if terms.iter().all(|(v, _)| of(v).is_some()));
-            affine.push(a);
-        }
+        let affine = self.positions(ranges);
+        let of = |v: &ValueId| affine[v.0 as usize].as_ref();
+        let changed = self.exprs.iter().enumerate().any(|(i, e)| match e {
+            Expr::CheckIndex { .. } => affine[i].is_some(),
+            Expr::LoadIndirect { terms, .. } => terms.iter().all(|(v, _)| of(v).is_some()),
+            _ => false,
+        });
         if !changed {
             return None;
         }
@@ -86,6 +47,56 @@ impl LoopBody {
             ..st.clone()
         });
         Some(out.without_dead_values())
+    }
+
+    /// Per value, the integer it equals as an index expression in the loop variables, where
+    /// it is one: an `arange` through casts, sums and constant products, a float that is exactly
+    /// `a / 2^k` truncated (nearest upsampling's `(i * 0.5).to(int64)`, `a >= 0`), and a
+    /// `CheckIndex` whose value provably lies in its dim.
+    pub fn positions(&self, ranges: &[i64]) -> Vec<Option<IndexExpr>> {
+        let values = value_ranges(self, ranges);
+        let fractions = self.exact_fractions(ranges);
+        let mut affine: Vec<Option<IndexExpr>> = Vec::with_capacity(self.exprs.len());
+        for (i, e) in self.exprs.iter().enumerate() {
+            let of = |v: &ValueId| affine[v.0 as usize].clone();
+            let dt = self.dtypes[i];
+            let fits = |a: &IndexExpr| {
+                let (lo, hi) = a.bounds(ranges);
+                let (min, max) = type_range(dt);
+                lo >= min && hi <= max
+            };
+            let a = match e {
+                _ if !matches!(dt, DType::I32 | DType::I64) => None,
+                Expr::Cast(x) if self.dtypes[x.0 as usize].is_float() => fractions[x.0 as usize]
+                    .as_ref()
+                    .filter(|(a, _)| a.bounds(ranges).0 >= 0)
+                    .map(|(a, den)| a.floordiv(*den, ranges))
+                    .filter(fits),
+                Expr::Index(ix) => Some(ix.clone()),
+                Expr::Constant(Scalar::Int(c)) => Some(IndexExpr::constant(*c)),
+                // (a value that fits the narrower type: the cast keeps it)
+                Expr::Cast(x) => of(x).filter(|_| {
+                    let (lo, hi) = values[x.0 as usize];
+                    let (min, max) = type_range(dt);
+                    lo >= min && hi <= max
+                }),
+                Expr::Binary(BinaryOp::Add, x, y) => of(x).zip(of(y)).map(|(p, q)| p.add(&q)),
+                Expr::Binary(BinaryOp::Sub, x, y) => of(x).zip(of(y)).map(|(p, q)| p.sub(&q)),
+                Expr::Binary(BinaryOp::Mul, x, y) => match (of(x), of(y)) {
+                    (Some(p), Some(q)) if q.terms.is_empty() => Some(p.scale(q.constant)),
+                    (Some(p), Some(q)) if p.terms.is_empty() => Some(q.scale(p.constant)),
+                    _ => None,
+                },
+                Expr::CheckIndex { value, size, .. } => of(value).filter(|a| {
+                    let (lo, hi) = a.bounds(ranges);
+                    let (vlo, vhi) = values[value.0 as usize];
+                    lo.max(vlo) >= 0 && hi.min(vhi) < *size as i128
+                }),
+                _ => None,
+            };
+            affine.push(a);
+        }
+        affine
     }
 
     /// Per value, `(a, d)` where the value is a float exactly equal to `a / d` (`a` affine in

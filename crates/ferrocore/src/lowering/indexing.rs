@@ -95,6 +95,12 @@ impl Ctx<'_> {
         if let Some(gathered) = self.gather_computed(op, &src, &idx_tensors, &out)? {
             return Ok(gathered);
         }
+        if op == AtenOp::IndexTensor {
+            let adv = super::scatter::AdvancedIndex::new(&src.size, &idx_tensors)?;
+            if let Some(positions) = adv.exact_positions(&out.shape) {
+                return Ok(read_at_positions(src, positions, &out));
+            }
+        }
         let (buf, stride, offset) = self.strided_arg(0, weight, &src)?;
         let sizes = src.size.clone();
         let rank = sizes.len();
@@ -587,4 +593,16 @@ fn index_value(bx: &mut Bx, e: &IndexExpr, p: Var, at: ValueId) -> ValueId {
         sum = bx.body.binary(BinaryOp::Add, sum, term);
     }
     sum
+}
+
+/// `src` read at `positions` (index expressions in the result's loop variables, one per source
+/// dim), substituted with the reader's indices.
+fn read_at_positions(src: TensorValue, positions: Vec<IndexExpr>, out: &TensorMeta) -> TensorValue {
+    let (reads, ops) = src.cost();
+    let f: LoadFn = Rc::new(move |bx: &mut Bx, idx: &[IndexExpr]| {
+        let subst: Vec<Option<IndexExpr>> = idx.iter().cloned().map(Some).collect();
+        let at: Vec<IndexExpr> = positions.iter().map(|p| p.substitute(&subst, &bx.ranges)).collect();
+        src.load(bx, &at)
+    });
+    TensorValue { size: out.shape.clone(), dtype: out.dtype, device: out.device, src: Src::Lazy { f, reads, ops } }
 }

@@ -733,6 +733,39 @@ impl AdvancedIndex {
         s
     }
 
+    /// Per source dim, its position as an index expression in the result's loop variables,
+    /// where every index tensor computes one that lies in its dim (nearest upsampling's
+    /// `(arange(H_out) * 0.5).to(int64)`, `i // 2`): the gather is then a plain read of the
+    /// source at those positions, which a lazy source computes there (nothing realized, nothing
+    /// checked). Evaluated on a scratch body over `shape`, the result's.
+    pub(super) fn exact_positions(&self, shape: &[i64]) -> Option<Vec<IndexExpr>> {
+        let mut body = LoopBody::default();
+        let mut bx = Bx { body: &mut body, ranges: shape.to_vec() };
+        let idx: Vec<IndexExpr> = (0..shape.len()).map(|i| IndexExpr::var(Var(i as u32))).collect();
+        let nb = self.b.len();
+        let mut at: Vec<Option<ValueId>> = vec![None; self.sizes.len()];
+        for &d in &self.indexed {
+            let t = self.tensors[d].as_ref()?;
+            at[d] = Some(t.load(&mut bx, &broadcast_index(&t.size, &idx[self.before..self.before + nb])));
+        }
+        let positions = body.positions(shape);
+        let mut out = Vec::with_capacity(self.sizes.len());
+        for (d, &size) in self.sizes.iter().enumerate() {
+            let e = match at[d] {
+                Some(v) => positions[v.0 as usize].clone().filter(|e| {
+                    let (lo, hi) = e.bounds(shape);
+                    lo >= 0 && hi < size as i128
+                })?,
+                None => {
+                    let pos = self.rest.iter().position(|&r| r == d)?;
+                    idx[if pos < self.before { pos } else { pos + nb }].clone()
+                }
+            };
+            out.push(e);
+        }
+        Some(out)
+    }
+
     /// The address in a tensor with `stride`/`offset` of result element `idx`: the affine part
     /// and one checked index term per index tensor (negative indices wrap).
     pub(super) fn address(&self, bx: &mut Bx, idx: &[IndexExpr], stride: &[i64], offset: i64) -> (IndexExpr, Vec<(ValueId, i64)>) {

@@ -720,6 +720,42 @@ fn channels_last_gpu_group_norm_reduces_channels_side_by_side() {
     assert_eq!(shapes, [(&[2, 3, 16][..], &[256][..]), (&[2, 3, 16], &[256]), (&[2, 4], &[3, 4]), (&[2, 4], &[3, 4])], "{p}");
 }
 
+#[test]
+fn nearest_upsampling_computes_its_source_at_the_read_positions() {
+    // (x + 1) upsampled x2 by `index` with `(arange(8) * 0.5).to(int64)` positions, as torch's
+    // decomposition writes it: one pointwise node reading x at (h // 2, w // 2), nothing checked
+    let pos = |b: GraphBuilder, n: &str| {
+        b.call_kw(&format!("ar{n}"), "aten.arange.start_step", &[int(0), int(8)], r#""dtype":{"dtype":"float32"}"#, &f32(&[8]))
+            .call(&format!("half{n}"), "aten.mul.Tensor", &[node(&format!("ar{n}")), float(0.5)], &f32(&[8]))
+            .call_kw(
+                &format!("i{n}"),
+                "aten._to_copy.default",
+                &[node(&format!("half{n}"))],
+                r#""dtype":{"dtype":"int64"}"#,
+                &meta(&[8], "int64"),
+            )
+    };
+    let b = GraphBuilder::new().input("x", &[1, 2, 4, 4], "float32").call(
+        "y",
+        "aten.add.Tensor",
+        &[node("x"), float(1.0)],
+        &f32(&[1, 2, 4, 4]),
+    );
+    let b = pos(pos(b, "h"), "w").call("col", "aten.unsqueeze.default", &[node("ih"), int(-1)], &meta(&[8, 1], "int64"));
+    let doc = b
+        .call(
+            "up",
+            "aten.index.Tensor",
+            &[node("y"), r#"{"list":[null,null,{"node":"col"},{"node":"iw"}]}"#.to_string()],
+            &f32(&[1, 2, 8, 8]),
+        )
+        .output(&["up"]);
+    let p = lower(&doc);
+    assert_eq!(kinds(&p), [NodeKind::Pointwise], "{p}");
+    let text = format!("{p}");
+    assert!(!text.contains("check") && !text.contains("indirect"), "{text}");
+}
+
 // ----- cpu_conv -----
 
 #[test]
