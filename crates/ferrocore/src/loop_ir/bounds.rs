@@ -21,7 +21,7 @@ pub struct OutOfBounds {
 }
 
 /// Inclusive range of an integer value; `UNBOUNDED` ends where nothing bounds it.
-type Range = (i128, i128);
+pub(super) type Range = (i128, i128);
 const LOW: i128 = i128::MIN / 4;
 const HIGH: i128 = i128::MAX / 4;
 const UNBOUNDED: Range = (LOW, HIGH);

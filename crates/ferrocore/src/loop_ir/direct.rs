@@ -1,7 +1,7 @@
 //! Gathers at loop positions as plain loads (`LoopBody::with_direct_reads`), and dead values
 //! dropped from a body.
 
-use super::bounds::{type_range, value_ranges};
+use super::bounds::{type_range, value_ranges, Range};
 use super::*;
 use crate::graph::DType;
 use crate::symbolic::IndexExpr;
@@ -52,115 +52,113 @@ impl LoopBody {
     /// Per value, the integer it equals as an index expression in the loop variables, where
     /// it is one: an `arange` through casts, sums and constant products, a float that is exactly
     /// `a / 2^k` truncated (nearest upsampling's `(i * 0.5).to(int64)`, `a >= 0`), and a
-    /// `CheckIndex` whose value provably lies in its dim.
+    /// `CheckIndex` whose value provably lies in its dim. One pass computes these and the exact
+    /// fractions (`a / d`) of float values, each step reading the other's earlier values.
     pub fn positions(&self, ranges: &[i64]) -> Vec<Option<IndexExpr>> {
         let values = value_ranges(self, ranges);
-        let fractions = self.exact_fractions(ranges);
         let mut affine: Vec<Option<IndexExpr>> = Vec::with_capacity(self.exprs.len());
-        for (i, e) in self.exprs.iter().enumerate() {
-            let of = |v: &ValueId| affine[v.0 as usize].clone();
-            let dt = self.dtypes[i];
-            let fits = |a: &IndexExpr| {
-                let (lo, hi) = a.bounds(ranges);
-                let (min, max) = type_range(dt);
-                lo >= min && hi <= max
-            };
-            let a = match e {
-                _ if !matches!(dt, DType::I32 | DType::I64) => None,
-                Expr::Cast(x) if self.dtypes[x.0 as usize].is_float() => fractions[x.0 as usize]
-                    .as_ref()
-                    .filter(|(a, _)| a.bounds(ranges).0 >= 0)
-                    .map(|(a, den)| a.floordiv(*den, ranges))
-                    .filter(fits),
-                Expr::Index(ix) => Some(ix.clone()),
-                Expr::Constant(Scalar::Int(c)) => Some(IndexExpr::constant(*c)),
-                // (a value that fits the narrower type: the cast keeps it)
-                Expr::Cast(x) => of(x).filter(|_| {
-                    let (lo, hi) = values[x.0 as usize];
-                    let (min, max) = type_range(dt);
-                    lo >= min && hi <= max
-                }),
-                Expr::Binary(BinaryOp::Add, x, y) => of(x).zip(of(y)).map(|(p, q)| p.add(&q)),
-                Expr::Binary(BinaryOp::Sub, x, y) => of(x).zip(of(y)).map(|(p, q)| p.sub(&q)),
-                Expr::Binary(BinaryOp::Mul, x, y) => match (of(x), of(y)) {
-                    (Some(p), Some(q)) if q.terms.is_empty() => Some(p.scale(q.constant)),
-                    (Some(p), Some(q)) if p.terms.is_empty() => Some(q.scale(p.constant)),
-                    _ => None,
-                },
-                Expr::CheckIndex { value, size, .. } => of(value).filter(|a| {
-                    let (lo, hi) = a.bounds(ranges);
-                    let (vlo, vhi) = values[value.0 as usize];
-                    lo.max(vlo) >= 0 && hi.min(vhi) < *size as i128
-                }),
-                _ => None,
-            };
+        let mut fractions: Vec<Option<(IndexExpr, i64)>> = Vec::with_capacity(self.exprs.len());
+        for i in 0..self.exprs.len() {
+            let a = self.integer_position(i, &affine, &fractions, &values, ranges);
             affine.push(a);
+            let f = self.exact_fraction(i, &affine, &fractions, ranges);
+            fractions.push(f);
         }
         affine
     }
 
-    /// Per value, `(a, d)` where the value is a float exactly equal to `a / d` (`a` affine in
-    /// the loop variables, `d` a power of two): an integer position cast to a float, sums of
-    /// such, products with powers of two and small integers, casts that keep every value. Each
-    /// step is exact where `|a|` stays below 2^(mantissa bits) of its type, which is checked.
-    fn exact_fractions(&self, ranges: &[i64]) -> Vec<Option<(IndexExpr, i64)>> {
-        let values = value_ranges(self, ranges);
-        let mut out: Vec<Option<(IndexExpr, i64)>> = Vec::with_capacity(self.exprs.len());
-        let mut ints: Vec<Option<IndexExpr>> = Vec::with_capacity(self.exprs.len());
-        for (i, e) in self.exprs.iter().enumerate() {
-            let dt = self.dtypes[i];
-            let int = match e {
-                _ if !matches!(dt, DType::I32 | DType::I64) => None,
-                Expr::Index(ix) => Some(ix.clone()),
-                Expr::Constant(Scalar::Int(c)) => Some(IndexExpr::constant(*c)),
-                Expr::Cast(x) if self.dtypes[x.0 as usize].is_integral() => ints[x.0 as usize].clone().filter(|_| {
-                    let (lo, hi) = values[x.0 as usize];
-                    let (min, max) = type_range(dt);
-                    lo >= min && hi <= max
-                }),
+    /// Value `i` as an integer index expression, given those of the values before it.
+    fn integer_position(
+        &self,
+        i: usize,
+        affine: &[Option<IndexExpr>],
+        fractions: &[Option<(IndexExpr, i64)>],
+        values: &[Range],
+        ranges: &[i64],
+    ) -> Option<IndexExpr> {
+        let of = |v: &ValueId| affine[v.0 as usize].clone();
+        let dt = self.dtypes[i];
+        let fits = |(lo, hi): (i128, i128)| {
+            let (min, max) = type_range(dt);
+            lo >= min && hi <= max
+        };
+        match &self.exprs[i] {
+            _ if !matches!(dt, DType::I32 | DType::I64) => None,
+            Expr::Cast(x) if self.dtypes[x.0 as usize].is_float() => fractions[x.0 as usize]
+                .as_ref()
+                .filter(|(a, _)| a.bounds(ranges).0 >= 0)
+                .map(|(a, den)| a.floordiv(*den, ranges))
+                .filter(|a| fits(a.bounds(ranges))),
+            Expr::Index(ix) => Some(ix.clone()),
+            Expr::Constant(Scalar::Int(c)) => Some(IndexExpr::constant(*c)),
+            // (a value that fits the narrower type: the cast keeps it)
+            Expr::Cast(x) => of(x).filter(|_| fits(values[x.0 as usize])),
+            Expr::Binary(BinaryOp::Add, x, y) => of(x).zip(of(y)).map(|(p, q)| p.add(&q)),
+            Expr::Binary(BinaryOp::Sub, x, y) => of(x).zip(of(y)).map(|(p, q)| p.sub(&q)),
+            Expr::Binary(BinaryOp::Mul, x, y) => match (of(x), of(y)) {
+                (Some(p), Some(q)) if q.terms.is_empty() => Some(p.scale(q.constant)),
+                (Some(p), Some(q)) if p.terms.is_empty() => Some(q.scale(p.constant)),
                 _ => None,
-            };
-            ints.push(int);
-            let frac = |v: &ValueId| out[v.0 as usize].clone();
-            let constant = |v: &ValueId| match self.exprs[v.0 as usize] {
-                Expr::Constant(Scalar::Float(c)) => Some(c),
-                Expr::Constant(Scalar::Int(c)) => Some(c as f64),
-                _ => None,
-            };
-            let f = match e {
-                _ if !dt.is_float() => None,
-                Expr::Constant(Scalar::Float(c)) if c.fract() == 0.0 && c.abs() < 1e15 => Some((IndexExpr::constant(*c as i64), 1)),
-                Expr::Cast(x) if self.dtypes[x.0 as usize].is_integral() => ints[x.0 as usize].clone().map(|a| (a, 1)),
-                Expr::Cast(x) => frac(x),
-                Expr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub), x, y) => frac(x).zip(frac(y)).map(|((a, da), (b, db))| {
-                    let d = da.max(db);
-                    let (a, b) = (a.scale(d / da), b.scale(d / db));
-                    (if *op == BinaryOp::Add { a.add(&b) } else { a.sub(&b) }, d)
-                }),
-                Expr::Binary(BinaryOp::Mul, x, y) => {
-                    let (v, c) = match (constant(x), constant(y)) {
-                        (_, Some(c)) => (x, c),
-                        (Some(c), None) => (y, c),
-                        _ => (x, f64::NAN),
-                    };
-                    frac(v).and_then(|(a, d)| scaled_fraction(a, d, c))
-                }
-                _ => None,
-            };
-            // exact only while every value fits the type's mantissa
-            let mantissa = match dt {
-                DType::F64 => 53,
-                DType::F32 => 24,
-                DType::F16 => 11,
-                DType::BF16 => 8,
-                _ => 0,
-            };
-            out.push(f.filter(|(a, _)| {
+            },
+            Expr::CheckIndex { value, size, .. } => of(value).filter(|a| {
                 let (lo, hi) = a.bounds(ranges);
-                lo.abs().max(hi.abs()) < 1i128 << mantissa
-            }));
+                let (vlo, vhi) = values[value.0 as usize];
+                lo.max(vlo) >= 0 && hi.min(vhi) < *size as i128
+            }),
+            _ => None,
         }
-        out
+    }
+
+    /// Value `i` as `(a, d)` where it is a float exactly equal to `a / d` (`a` affine in the
+    /// loop variables, `d` a power of two): an integer position cast to a float, sums of such,
+    /// products with powers of two and small integers, casts that keep every value. Each step is
+    /// exact where `|a|` stays below 2^(mantissa bits) of its type, which is checked.
+    fn exact_fraction(
+        &self,
+        i: usize,
+        affine: &[Option<IndexExpr>],
+        fractions: &[Option<(IndexExpr, i64)>],
+        ranges: &[i64],
+    ) -> Option<(IndexExpr, i64)> {
+        let dt = self.dtypes[i];
+        let frac = |v: &ValueId| fractions[v.0 as usize].clone();
+        let constant = |v: &ValueId| match self.exprs[v.0 as usize] {
+            Expr::Constant(Scalar::Float(c)) => Some(c),
+            Expr::Constant(Scalar::Int(c)) => Some(c as f64),
+            _ => None,
+        };
+        let f = match &self.exprs[i] {
+            _ if !dt.is_float() => None,
+            Expr::Constant(Scalar::Float(c)) if c.fract() == 0.0 && c.abs() < 1e15 => Some((IndexExpr::constant(*c as i64), 1)),
+            Expr::Cast(x) if self.dtypes[x.0 as usize].is_integral() => affine[x.0 as usize].clone().map(|a| (a, 1)),
+            Expr::Cast(x) => frac(x),
+            Expr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub), x, y) => frac(x).zip(frac(y)).map(|((a, da), (b, db))| {
+                let d = da.max(db);
+                let (a, b) = (a.scale(d / da), b.scale(d / db));
+                (if *op == BinaryOp::Add { a.add(&b) } else { a.sub(&b) }, d)
+            }),
+            Expr::Binary(BinaryOp::Mul, x, y) => {
+                let (v, c) = match (constant(x), constant(y)) {
+                    (_, Some(c)) => (x, c),
+                    (Some(c), None) => (y, c),
+                    _ => (x, f64::NAN),
+                };
+                frac(v).and_then(|(a, d)| scaled_fraction(a, d, c))
+            }
+            _ => None,
+        };
+        // exact only while every value fits the type's mantissa
+        let mantissa = match dt {
+            DType::F64 => 53,
+            DType::F32 => 24,
+            DType::F16 => 11,
+            DType::BF16 => 8,
+            _ => 0,
+        };
+        f.filter(|(a, _)| {
+            let (lo, hi) = a.bounds(ranges);
+            lo.abs().max(hi.abs()) < 1i128 << mantissa
+        })
     }
 
     /// The body with only the values its store reads and its index checks (a bad index is
