@@ -100,6 +100,36 @@ def test_default_mode_takes_the_cached_choice(monkeypatch, tmp_path):
         assert gemm_calls() == calls, (mode, ferrocore.metrics.last["extern_ops"])
 
 
+@gpu
+@pytest.mark.parametrize("stride", [1, 2])
+def test_convolution_template_with_its_epilogue(templates, stride):
+    # an implicit-GEMM convolution (channels-last graph), its bias, SiLU and a residual in the
+    # template's epilogue: two kernels (the weight copied with its channels innermost, then the
+    # convolution), no library call
+    import ferrocore
+
+    cl = torch.channels_last
+    x = torch.randn(4, 64, 30, 30, dtype=torch.bfloat16).to(memory_format=cl)
+    w, b = torch.randn(96, 64, 3, 3, dtype=torch.bfloat16) / 24, torch.randn(96, dtype=torch.bfloat16)
+    r = torch.randn(4, 96, 30 // stride, 30 // stride, dtype=torch.bfloat16).to(memory_format=cl)
+    # (a sum in another order than cuDNN's may round the bfloat16 result one unit apart: 1/64 at 2 to 4)
+    check(lambda x, w, b, r: F.silu(F.conv2d(x, w, b, stride=stride, padding=1)) + r, x, w, b, r,
+          atol=2e-2, rtol=2e-2, expect_kernels=2)
+    assert ferrocore.metrics.last["extern_ops"] == [], ferrocore.metrics.last["extern_ops"]
+
+
+@gpu
+def test_measured_convolution_choice_matches_eager(monkeypatch):
+    # max-autotune's setting: the convolution timed as a template and as cuDNN's call, with its
+    # epilogue; either way the values are eager's
+    monkeypatch.setenv("FERROCORE_GEMM_TEMPLATE", "measured")
+    monkeypatch.setenv("FERROCORE_AUTOTUNE", "1")
+    cl = torch.channels_last
+    x = torch.randn(8, 128, 32, 32, dtype=torch.bfloat16).to(memory_format=cl)
+    w, b = torch.randn(128, 128, 3, 3, dtype=torch.bfloat16) / 34, torch.randn(128, dtype=torch.bfloat16)
+    check(lambda x, w, b: F.silu(F.conv2d(x, w, b, padding=1)), x, w, b)
+
+
 def test_measured_regions_are_a_gemm_and_its_pointwise_readers():
     # what max-autotune times against the library: the GEMM, the view and the pointwise nodes
     # over its result (the residual is an input of the cut-out graph), not the softmax after them

@@ -23,12 +23,13 @@ CASES: dict = {}
 
 
 def case(name: str, atol: float = 1e-5, rtol: float = 1e-5, raises=None, fallback: bool = False, options=None,
-         training: bool = False):
+         training: bool = False, externs: int | None = None):
     """`training`: the floating inputs require grad; the inputs' gradients (of the output's sum
-    weighted by a fixed random tensor) are compared too."""
+    weighted by a fixed random tensor) are compared too. `externs`: the library calls the
+    compiled graphs make, where the case asserts them."""
     def register(make):
         CASES[name] = dict(make=make, atol=atol, rtol=rtol, raises=raises, fallback=fallback, options=options or {},
-                           training=training)
+                           training=training, externs=externs)
         return make
 
     return register
@@ -286,6 +287,44 @@ def _():
 def _():
     # k = 1: an outer product
     return (lambda a, b: torch.mm(a, b) - 1), (randn(20, 1), randn(1, 30, seed=1))
+
+
+CONV_TEMPLATE = {"gemm_template": "always", "conv_layout": "channels_last"}
+
+
+@case("conv_template_bias_silu_residual", externs=0, atol=1e-4, rtol=1e-4, options=CONV_TEMPLATE)
+def _():
+    # an implicit-GEMM convolution (padding 1: taps past the edges read zeros), its bias, SiLU
+    # and a residual add in the epilogue; 9 x 7 pixels (edge tiles of rows)
+    def f(x, w, b, r):
+        return F.silu(F.conv2d(x, w, b, padding=1)) + r
+
+    cl = torch.channels_last
+    return f, (randn(2, 8, 9, 7).to(memory_format=cl), randn(16, 8, 3, 3, seed=1), randn(16, seed=2),
+               randn(2, 16, 9, 7, seed=3).to(memory_format=cl))
+
+
+@case("conv_template_strided_dilated_odd_channels", externs=0, atol=1e-4, rtol=1e-4, options=CONV_TEMPLATE)
+def _():
+    # 3 input channels (one masked chunk of 16), stride 2, padding 2, dilation 2, a rectangular
+    # kernel; then a 1x1 convolution to 20 channels (edge tiles of columns)
+    def f(x, w, w1):
+        y = F.conv2d(x, w, stride=2, padding=2, dilation=2)
+        return F.conv2d(torch.relu(y), w1)
+
+    return f, (randn(2, 3, 11, 10).to(memory_format=torch.channels_last), randn(5, 3, 3, 2, seed=1),
+               randn(20, 5, 1, 1, seed=2))
+
+
+@case("conv_template_bf16", externs=0, atol=3e-2, rtol=3e-2, options=CONV_TEMPLATE)
+def _():
+    # bfloat16 operands, float32 sums, one rounding of the result
+    def f(x, w, b):
+        return torch.relu(F.conv2d(x, w, b, padding=1))
+
+    bf = torch.bfloat16
+    return f, (randn(2, 32, 8, 8, dtype=bf).to(memory_format=torch.channels_last), randn(32, 32, 3, 3, dtype=bf, seed=1) * 0.1,
+               randn(32, dtype=bf, seed=2))
 
 
 @case("nearest_upsampling", options={"conv_layout": "channels_last"})
@@ -762,6 +801,8 @@ def run_case(name: str) -> dict:
                 detail = f"not compiled by the Triton backend: {[e.get('backend') for e in entries]}"
             elif sum(e.get("kernels", 0) for e in entries) == 0:
                 detail = "no kernels were generated"
+            elif spec["externs"] is not None and sum(e.get("externs", 0) for e in entries) != spec["externs"]:
+                detail = f"library calls {[e.get('extern_ops') for e in entries]}, expected {spec['externs']}"
         return dict(ok=detail is None, detail=detail, entries=entries)
     except Exception as e:  # noqa: BLE001
         import traceback

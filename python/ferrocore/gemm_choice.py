@@ -1,6 +1,8 @@
 """Which GEMMs of a graph run as ferrocore's matrix-product template with their epilogue fused
 (`gemm_template="measured"`, max-autotune's setting), measured on the device, cached on disk, and
 named in the graph for the Rust lowering (`template_matmuls` in the graph document). On the GPU
+dense 2-D convolutions are candidates too, as implicit-GEMM templates (`lowering/conv_template.rs`),
+timed against cuDNN's NHWC call in a channels-last region as the graph would run them. On the GPU
 the default mode (`gemm_template="cached"`) reads the decisions an earlier measurement cached and
 times nothing: a GEMM never measured stays a library call. On the CPU (float32 GEMMs, C++
 kernels) the default mode is the lowering's size rule, and `measured` times every GEMM.
@@ -51,7 +53,7 @@ def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Calla
     mode = opts.get("gemm_template")
     if mode not in ("measured", "cached"):
         return {}
-    gemms = [n for n in gm.graph.nodes if _is_gemm(n)]
+    gemms = [n for n in gm.graph.nodes if _is_gemm(n) or _is_conv(n)]
     cpu = any(n.meta["val"].device.type == "cpu" for n in gemms)
     if cpu and mode == "cached":
         return {}  # the C++ backend's size rule decides (lowering/matmul.rs); measured: timed here
@@ -92,6 +94,21 @@ def _is_gemm(n: torch.fx.Node) -> bool:
     return out.dtype in floats and all(isinstance(v, torch.Tensor) and v.dtype == out.dtype for v in vals)
 
 
+def _is_conv(n: torch.fx.Node) -> bool:
+    """A forward 2-D GPU convolution the template computes: dense (one group), not transposed,
+    input, weight and result of one float type."""
+    if n.op != "call_function" or n.target is not torch.ops.aten.convolution.default or len(n.args) < 9:
+        return False
+    x, w, transposed, groups = n.args[0], n.args[1], n.args[6], n.args[8]
+    out = n.meta.get("val")
+    if not isinstance(out, torch.Tensor) or out.device.type != "cuda" or out.dim() != 4 or out.numel() == 0:
+        return False
+    if transposed or groups != 1 or out.dtype not in _FLOATS:
+        return False
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (x, w)]
+    return all(isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == out.dtype for v in vals)
+
+
 def _device_name(device: torch.device) -> str:
     """What a timing depends on besides the region: the GPU's model, or the CPU's and the
     threads kernels run on."""
@@ -109,8 +126,8 @@ class _Region:
     """A GEMM and the pointwise nodes and views over its result (its likely epilogue), as a graph
     of their own whose inputs are what they read from memory."""
 
-    def __init__(self, nodes: list, gm: torch.fx.GraphModule, inputs: list):
-        self.nodes, self.gm, self.inputs = nodes, gm, inputs
+    def __init__(self, nodes: list, gm: torch.fx.GraphModule, inputs: list, conv: bool = False):
+        self.nodes, self.gm, self.inputs, self.conv = nodes, gm, inputs, conv
         self.key = self._key()
 
     @staticmethod
@@ -133,6 +150,7 @@ class _Region:
                 inside.add(u)
                 frontier.append(u)
         nodes = sorted(inside, key=order.__getitem__)
+        conv = _is_conv(gemm)
         graph = torch.fx.Graph()
         env: dict = {}
         inputs = []
@@ -140,13 +158,18 @@ class _Region:
             for a in n.all_input_nodes:
                 if a not in inside and a not in env:
                     p = graph.placeholder(f"in{len(inputs)}")
-                    p.meta["val"] = a.meta["val"]
+                    val = a.meta["val"]
+                    # a convolution graph's activations are channels-last buffers (its weights
+                    # stay as the parameters lie)
+                    if conv and val.dim() == 4 and a is not gemm.args[1]:
+                        val = _channels_last_like(val)
+                    p.meta["val"] = val
                     env[a] = p
-                    inputs.append(a.meta["val"])
+                    inputs.append(val)
             env[n] = graph.node_copy(n, lambda a: env[a])
         outs = [env[n] for n in nodes if n is nodes[-1] or any(u not in inside for u in n.users)]
         graph.output(tuple(outs))
-        return _Region(nodes, torch.fx.GraphModule(torch.nn.Module(), graph), inputs)
+        return _Region(nodes, torch.fx.GraphModule(torch.nn.Module(), graph), inputs, conv)
 
     def _key(self) -> list:
         # nodes by position: a model's repeated layers are one entry
@@ -177,9 +200,22 @@ class _Region:
         with torch.cuda.device(device):
             args = [_random_like(t) for t in self.inputs]
             base = {**opts, "cudagraphs": False, "logs": [], "debug_dir": None}
+            if self.conv:
+                base["conv_layout"] = "channels_last"
             library = compile_region(self.gm, {**base, "gemm_template": "never"})
             template = compile_region(self.gm, {**base, "gemm_template": "always", "autotune": True})
             return _gpu_ms(lambda: library(list(args))), _gpu_ms(lambda: template(list(args)))
+
+
+def _channels_last_like(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s metadata with channels-last strides (a fake tensor of the same fake mode)."""
+    n, c, h, w = t.shape
+    stride = (h * w * c, 1, w * c, c)
+    mode = getattr(t, "fake_mode", None)
+    if mode is None:
+        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    with mode:
+        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
 
 
 def _random_like(t: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,9 @@ use ferrocore::codegen::cpp::CppBackend;
 use ferrocore::codegen::triton::TritonBackend;
 use ferrocore::codegen::{CodegenErrorKind, KernelBackend, KernelLanguage, LaunchShape};
 use ferrocore::driver::{compile_graph, BackendChoice, Options};
-use ferrocore::graph::build::{meta, node, GraphBuilder};
+use ferrocore::graph::build::{boolean, int, ints, meta, node, strided_meta, GraphBuilder};
 use ferrocore::graph::parse_graph;
-use ferrocore::lowering::{lower_graph, lower_graph_with, GemmTemplate, LowerOptions};
+use ferrocore::lowering::{lower_graph, lower_graph_with, ConvLayout, GemmTemplate, LowerOptions};
 use ferrocore::scheduler::{schedule, schedule_for, Decision, Item, KernelId, ScheduleOptions};
 
 /// Triton's kernel names without its reduction splits (for tests of the plain kernels).
@@ -424,6 +424,42 @@ fn triton_matrix_product_template_computes_its_epilogue_on_its_tile() {
     assert!(k.launches[0].candidates.len() > 4 && k.launches[0].candidates.iter().all(|c| c.tile.is_some()));
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     check("triton_gemm_template.txt", &src);
+}
+
+#[test]
+fn triton_convolution_template_reads_each_tap_of_its_input() {
+    // a bfloat16 3x3 convolution (padding 1) of a channels-last 2x96x10x9 input to 40 channels,
+    // its bias and ReLU: the weight copied with its channels innermost, then one kernel whose
+    // rows are the 180 output pixels and columns the 40 channels; each step of its k loop reads
+    // one tap's 64 channels (96 = 64 + 32: the masked branch), zero outside the input
+    let out = strided_meta(&[2, 40, 10, 9], Some(&[3600, 1, 360, 40]), "bfloat16");
+    let doc = GraphBuilder::new()
+        .input_meta("x", &strided_meta(&[2, 96, 10, 9], Some(&[8640, 1, 864, 96]), "bfloat16"))
+        .input("w", &[40, 96, 3, 3], "bfloat16")
+        .input("b", &[40], "bfloat16")
+        .call(
+            "conv",
+            "aten.convolution.default",
+            &[node("x"), node("w"), node("b"), ints(&[1, 1]), ints(&[1, 1]), ints(&[1, 1]), boolean(false), ints(&[0, 0]), int(1)]
+                .join(","),
+            &out,
+        )
+        .call("relu", "aten.relu.default", &node("conv"), &out)
+        .output(&["relu"]);
+    let g = parse_graph(&doc).unwrap();
+    let options = LowerOptions {
+        kernels: KernelLanguage::Triton,
+        gemm_template: GemmTemplate::Always,
+        conv_layout: ConvLayout::ChannelsLast,
+        ..Default::default()
+    };
+    let lowered = lower_graph_with(&g, &options).unwrap();
+    let s = schedule_for(lowered.program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
+    let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
+    let names: Vec<&str> = k.launches.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names, ["triton_poi_fused_conv_0", "triton_conv_fused_conv_relu_1"]);
+    let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
+    check("triton_conv_template.txt", &src);
 }
 
 #[test]

@@ -42,6 +42,9 @@ impl ProductShape {
         let p = &s.program;
         let node = &p.nodes[k.plan.nodes[0].node];
         let bad = |m: &str| CodegenError::internal(&k.name, format!("matrix product {}: {m}", p.buffer(node.output).name));
+        if node.convolution().is_some() {
+            return Err(bad("a convolution (ConvShape)"));
+        }
         let r = node.ranges.len();
         if !(2..=3).contains(&r) || node.reduction_ranges.len() != 1 {
             return Err(bad("not [batch,] m, n by k"));
@@ -90,6 +93,98 @@ impl ProductShape {
         }
         let batch = if r == 3 { node.ranges[0] } else { 1 };
         Ok(ProductShape { batch, m: node.ranges[r - 2], n: node.ranges[r - 1], k: node.reduction_ranges[0], a, b, dtype })
+    }
+}
+
+/// A convolution template's sizes and operands (`Template::Convolution`), read off its node: the
+/// implicit product's rows are the output pixels `(n, oh, ow)`, its columns the output channels,
+/// its sum the taps `(kh, kw)` by the input channels.
+#[derive(Clone, Debug)]
+pub struct ConvShape {
+    pub images: i64,
+    pub out_hw: [i64; 2],
+    pub channels_out: i64,
+    pub kernel: [i64; 2],
+    pub channels_in: i64,
+    pub geometry: ConvGeometry,
+    /// The input's element `(n, c, h, w)` is at `offset + n·s0 + c·s1 + h·s2 + w·s3`.
+    pub input: Strided4,
+    /// The weight's element `(o, c, kh, kw)`, likewise.
+    pub weight: Strided4,
+    pub dtype: DType,
+}
+
+/// A 4-D operand's buffer, offset and strides.
+#[derive(Clone, Copy, Debug)]
+pub struct Strided4 {
+    pub buf: BufferId,
+    pub offset: i64,
+    pub stride: [i64; 4],
+}
+
+impl ConvShape {
+    /// The convolution heading kernel `k`: the body's gather of the input (at the clamped
+    /// positions of its two spatial dims) and its load of the weight.
+    pub fn of(s: &Schedule, k: &FusedKernel) -> Result<ConvShape, CodegenError> {
+        let p = &s.program;
+        let node = &p.nodes[k.plan.nodes[0].node];
+        let bad = |m: &str| CodegenError::internal(&k.name, format!("convolution {}: {m}", p.buffer(node.output).name));
+        let geometry = *node.convolution().ok_or_else(|| bad("not a convolution template"))?;
+        if node.ranges.len() != 4 || node.reduction_ranges.len() != 3 {
+            return Err(bad("not [n, oh, ow, o] by [kh, kw, c]"));
+        }
+        // (variables n, oh, ow, o = 0..4; kh, kw, c = 4..7)
+        let only = |index: &IndexExpr, vars: &[u32]| index.terms.iter().all(|(a, _)| matches!(a, Atom::Var(v) if vars.contains(&v.0)));
+        let coeff = |index: &IndexExpr, v: u32| index.affine_coeff(Var(v)).unwrap_or(0);
+        let mut input = None;
+        let mut weight = None;
+        for (i, e) in node.body.exprs.iter().enumerate() {
+            match e {
+                Expr::LoadIndirect { buf, index, terms } if terms.len() == 2 && only(index, &[0, 6]) => {
+                    let stride = [coeff(index, 0), coeff(index, 6), terms[0].1, terms[1].1];
+                    input = Some((Strided4 { buf: *buf, offset: index.constant, stride }, node.body.dtypes[i]));
+                }
+                Expr::Load { buf, index } if only(index, &[3, 6, 4, 5]) => {
+                    let stride = [coeff(index, 3), coeff(index, 6), coeff(index, 4), coeff(index, 5)];
+                    weight = Some((Strided4 { buf: *buf, offset: index.constant, stride }, node.body.dtypes[i]));
+                }
+                Expr::Load { .. } | Expr::LoadIndirect { .. } => return Err(bad("a read that is neither the input nor the weight")),
+                _ => {}
+            }
+        }
+        let ((input, dtype), (weight, wdt)) = input.zip(weight).ok_or_else(|| bad("no input or no weight read"))?;
+        if wdt != dtype {
+            return Err(bad("operands of two types"));
+        }
+        let r = &node.ranges;
+        let kr = &node.reduction_ranges;
+        Ok(ConvShape {
+            images: r[0],
+            out_hw: [r[1], r[2]],
+            channels_out: r[3],
+            kernel: [kr[0], kr[1]],
+            channels_in: kr[2],
+            geometry,
+            input,
+            weight,
+            dtype,
+        })
+    }
+
+    /// The implicit product: rows the output pixels, columns the output channels, and `k` one
+    /// tap's slice of the sum (the input channels); `a` and `b` address that slice for tap (0, 0)
+    /// without padding.
+    pub fn product(&self) -> ProductShape {
+        let (x, w) = (&self.input, &self.weight);
+        ProductShape {
+            batch: 1,
+            m: self.images * self.out_hw[0] * self.out_hw[1],
+            n: self.channels_out,
+            k: self.channels_in,
+            a: Operand { buf: x.buf, offset: x.offset, batch: 0, rows: 0, cols: x.stride[1] },
+            b: Operand { buf: w.buf, offset: w.offset, batch: 0, rows: w.stride[1], cols: w.stride[0] },
+            dtype: self.dtype,
+        }
     }
 }
 

@@ -116,6 +116,15 @@ pub enum Template {
     /// as a tiled matrix product (`codegen::triton::template`). Loop passes leave it as built, and
     /// only pointwise nodes over its outputs join its kernel (its epilogue).
     MatrixProduct,
+    /// A 2-D convolution as an implicit matrix product: output ranges `[N, OH, OW, O]` (the
+    /// order of its channels-last output, stored contiguously in it), reduction ranges
+    /// `[KH, KW, C]`, and a body that sums `input[n, c, ih, iw] * weight[o, c, kh, kw]` in
+    /// float32 (`ih = oh·stride + kh·dilation - padding`; a read outside the input is 0: a
+    /// `LoadIndirect` at the clamped position under a `Where`) and casts the sum to the output's
+    /// type. Any backend may compute it as written; a GPU backend renders it as a tiled matrix
+    /// product whose rows are output pixels and columns output channels. Loop passes and fusion
+    /// treat it as a `MatrixProduct`.
+    Convolution(ConvGeometry),
     Attention(Attention),
     /// A further result of the attention kernel that computes buffer `of` (its head node, which
     /// comes first): the node's body is a stand-in that reads nothing, and only that kernel
@@ -124,6 +133,16 @@ pub enum Template {
         of: BufferId,
         result: AttentionResult,
     },
+}
+
+/// What a convolution template's body does not say plainly: the input's spatial size and the
+/// convolution's stride, padding and dilation (per spatial dim).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ConvGeometry {
+    pub input_hw: [i64; 2],
+    pub stride: [i64; 2],
+    pub padding: [i64; 2],
+    pub dilation: [i64; 2],
 }
 
 /// The results an attention kernel writes beside its head's.
@@ -202,8 +221,16 @@ impl LoopNode {
             NodeKind::Pointwise
         }
     }
+    /// A matrix product, explicit or a convolution's implicit one: a template whose kernel
+    /// only pointwise readers of its outputs join.
     pub fn is_matrix_product(&self) -> bool {
-        self.template == Some(Template::MatrixProduct)
+        matches!(self.template, Some(Template::MatrixProduct | Template::Convolution(_)))
+    }
+    pub fn convolution(&self) -> Option<&ConvGeometry> {
+        match &self.template {
+            Some(Template::Convolution(g)) => Some(g),
+            _ => None,
+        }
     }
     pub fn attention(&self) -> Option<&Attention> {
         match &self.template {

@@ -29,14 +29,14 @@ pub const MAX_DEPTHWISE_TAPS: i64 = 49;
 pub const MAX_DEPTHWISE_MACS: i64 = 1 << 19;
 
 /// A forward 2-D convolution: input (n, c, h, w), weight (o, c / groups, kh, kw).
-struct Conv2d {
-    input: [i64; 4],
-    out: [i64; 4],
-    kernel: [i64; 2],
-    stride: [i64; 2],
-    pad: [i64; 2],
-    dilation: [i64; 2],
-    groups: i64,
+pub(super) struct Conv2d {
+    pub input: [i64; 4],
+    pub out: [i64; 4],
+    pub kernel: [i64; 2],
+    pub stride: [i64; 2],
+    pub pad: [i64; 2],
+    pub dilation: [i64; 2],
+    pub groups: i64,
 }
 
 impl Conv2d {
@@ -74,6 +74,9 @@ impl Ctx<'_> {
     /// The current convolution node as a GEMM or a generated kernel where the rules above say
     /// so; None leaves it to the library.
     pub(super) fn cpu_convolution(&mut self) -> LResult<Option<Lowered>> {
+        if self.out_meta()?.device != Device::Cpu {
+            return Ok(None);
+        }
         let Some(g) = self.conv2d()? else { return Ok(None) };
         let name = self.node_name();
         if g.runs_as_gemm() {
@@ -92,12 +95,12 @@ impl Ctx<'_> {
         Ok(None)
     }
 
-    /// The geometry of a forward, non-transposed 2-D CPU convolution in a float dtype.
-    fn conv2d(&self) -> LResult<Option<Conv2d>> {
+    /// The geometry of a forward, non-transposed 2-D convolution in a float dtype.
+    pub(super) fn conv2d(&self) -> LResult<Option<Conv2d>> {
         let out = self.out_meta()?;
         let (Some(Arg::Node(x)), Some(Arg::Node(w))) = (self.arg(0, "input"), self.arg(1, "weight")) else { return Ok(None) };
         let (Some(xm), Some(wm)) = (self.graph.node(*x).meta.tensor(), self.graph.node(*w).meta.tensor()) else { return Ok(None) };
-        if out.device != Device::Cpu || !out.dtype.is_float() || xm.dtype != out.dtype || wm.dtype != out.dtype {
+        if !out.dtype.is_float() || xm.dtype != out.dtype || wm.dtype != out.dtype {
             return Ok(None);
         }
         if xm.shape.len() != 4 || wm.shape.len() != 4 || out.shape.len() != 4 || self.bool_arg(6, "transposed", false)? {
@@ -194,7 +197,7 @@ impl Ctx<'_> {
     }
 
     /// The convolution's bias tensor, if it has one.
-    fn bias(&self) -> LResult<Option<TensorValue>> {
+    pub(super) fn bias(&self) -> LResult<Option<TensorValue>> {
         match self.arg(2, "bias") {
             Some(Arg::Node(_)) => Ok(Some(self.tensor_arg(2, "bias")?)),
             _ => Ok(None),

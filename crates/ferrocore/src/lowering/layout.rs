@@ -181,6 +181,9 @@ impl Ctx<'_> {
     /// convolution's bias is added by the kernels after it (`peeled_bias`), not by ATen's separate add.
     pub(super) fn lower_convolution(&mut self, op: AtenOp) -> LResult<Lowered> {
         if op == AtenOp::Convolution {
+            if let Some(l) = self.convolution_template()? {
+                return Ok(l);
+            }
             if let Some(l) = self.cpu_convolution()? {
                 return Ok(l);
             }

@@ -5,6 +5,7 @@
 //! lower becomes a logged ATen fallback call, never an error.
 
 mod attention;
+mod conv_template;
 mod cpu_conv;
 mod creation;
 mod externs;

@@ -721,6 +721,45 @@ fn channels_last_gpu_group_norm_reduces_channels_side_by_side() {
 }
 
 #[test]
+fn a_gpu_convolution_asked_for_as_a_template_is_an_implicit_gemm_node() {
+    // relu(conv(x, w, b)) at stride 2, padding 1, channels-last, Triton: with gemm_template =
+    // always one convolution node over [n, oh, ow, o] by [kh, kw, c], the weight copied with its
+    // channels innermost; by default (nothing measured) the library call
+    let doc = GraphBuilder::new()
+        .input("x", &[2, 8, 32, 24], "float32")
+        .input("w", &[16, 8, 3, 3], "float32")
+        .input("b", &[16], "float32")
+        .call(
+            "conv",
+            "aten.convolution.default",
+            &[node("x"), node("w"), node("b"), ints(&[2, 2]), ints(&[1, 1]), ints(&[1, 1]), boolean(false), ints(&[0, 0]), int(1)],
+            &f32(&[2, 16, 16, 12]),
+        )
+        .call("y", "aten.relu.default", &[node("conv")], &f32(&[2, 16, 16, 12]))
+        .output(&["y"]);
+    let lowered = |gemm_template| {
+        let options = LowerOptions {
+            kernels: KernelLanguage::Triton,
+            conv_layout: ConvLayout::ChannelsLast,
+            gemm_template,
+            ..LowerOptions::default()
+        };
+        lower_with(&doc, &options).program
+    };
+    let p = lowered(GemmTemplate::Always);
+    assert!(externs(&p).is_empty(), "{p}");
+    let conv: Vec<&LoopNode> = nodes(&p).into_iter().filter(|n| n.convolution().is_some()).collect();
+    assert_eq!(conv.len(), 1, "{p}");
+    assert_eq!((conv[0].ranges.as_slice(), conv[0].reduction_ranges.as_slice()), (&[2, 16, 12, 16][..], &[3, 3, 8][..]));
+    let g = conv[0].convolution().unwrap();
+    assert_eq!((g.input_hw, g.stride, g.padding, g.dilation), ([32, 24], [2, 2], [1, 1], [1, 1]));
+    assert_eq!(p.buffer(conv[0].output).layout.stride, [3072, 1, 192, 16], "channels-last, stored in the node's loop order");
+    let p = lowered(GemmTemplate::Cached);
+    assert!(nodes(&p).iter().all(|n| n.convolution().is_none()));
+    assert_eq!(externs(&p).len(), 1);
+}
+
+#[test]
 fn nearest_upsampling_computes_its_source_at_the_read_positions() {
     // (x + 1) upsampled x2 by `index` with `(arange(8) * 0.5).to(int64)` positions, as torch's
     // decomposition writes it: one pointwise node reading x at (h // 2, w // 2), nothing checked

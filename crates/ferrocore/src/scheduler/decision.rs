@@ -25,7 +25,7 @@ pub enum Rejection {
 pub enum NewKernelReason {
     SharesNothing,
     EveryFusionRejected,
-    /// A matrix product (`Template::MatrixProduct`) heads a kernel of its own: its template tiles
+    /// A matrix product (`Template::MatrixProduct`, `Template::Convolution`) heads a kernel of its own: its template tiles
     /// the kernel by its outputs.
     MatrixProduct,
     /// A fused attention (`Template::Attention`) is a kernel of its own.

@@ -617,6 +617,7 @@ fn kernel_name(p: &LoopProgram, members: &[usize], plan: &KernelPlan, prefix: &s
     }
     words.truncate(WORDS);
     let kind = match plan.groups.first() {
+        _ if members.first().is_some_and(|&n| p.nodes[n].convolution().is_some()) => "conv",
         _ if members.first().is_some_and(|&n| p.nodes[n].is_matrix_product()) => "mm",
         _ if members.first().is_some_and(|&n| p.nodes[n].attention().is_some()) => "attn",
         _ if plan.groups.iter().any(|g| g.reduction) => "red",

@@ -7,7 +7,7 @@
 
 use super::dialect::compute_type;
 use super::{kernel_numel, launch_args, next_power_of_two, template_group, CodegenError, KernelLaunch, LaunchShape, Params, IDX32_LIMIT};
-use crate::codegen::product::{Epilogue, Operand, ProductShape};
+use crate::codegen::product::{ConvShape, Epilogue, Operand, ProductShape};
 use crate::codegen::writer::{write_group, Computed, Section};
 use crate::codegen::{Tile, TuneConfig};
 use crate::graph::DType;
@@ -22,6 +22,8 @@ const GROUP_M: i64 = 8;
 /// The product's sizes and operands (`ProductShape`), and how the kernel addresses memory.
 pub(super) struct MatrixProduct {
     shape: ProductShape,
+    /// A convolution's implicit product: `shape` is its product for one tap.
+    conv: Option<ConvShape>,
     /// Offsets in int64 (some buffer or the output space exceeds int32's reach).
     idx64: bool,
 }
@@ -35,7 +37,14 @@ impl std::ops::Deref for MatrixProduct {
 
 impl MatrixProduct {
     pub(super) fn of(s: &Schedule, k: &FusedKernel, params: &Params) -> Result<MatrixProduct, CodegenError> {
-        let shape = ProductShape::of(s, k)?;
+        let conv = match s.program.nodes[k.plan.nodes[0].node].convolution() {
+            Some(_) => Some(ConvShape::of(s, k)?),
+            None => None,
+        };
+        let shape = match &conv {
+            Some(c) => c.product(),
+            None => ProductShape::of(s, k)?,
+        };
         if compute_type(shape.dtype).is_none() {
             return Err(CodegenError::internal(&k.name, "a matrix product of a type Triton does not compute"));
         }
@@ -44,7 +53,7 @@ impl MatrixProduct {
         for b in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*b).layout.storage_numel() >= IDX32_LIMIT;
         }
-        Ok(MatrixProduct { shape, idx64 })
+        Ok(MatrixProduct { shape, conv, idx64 })
     }
 
     /// The tile the kernel launches with before any tuning, then its neighbours an autotuner may
@@ -136,7 +145,7 @@ fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &Matrix
     let (pa, pb) = (ptr(&mp.a)?, ptr(&mp.b)?);
     let mut all = params.names.clone();
     all.extend(["BLOCK_M: tl.constexpr".into(), "BLOCK_N: tl.constexpr".into(), "BLOCK_K: tl.constexpr".into()]);
-    let (m, n, kk) = (mp.m, mp.n, mp.k);
+    let (m, n) = (mp.m, mp.n);
     let wide = |e: &str| if mp.idx64 { format!("{e}.to(tl.int64)") } else { e.to_string() };
     let _ = writeln!(out, "@ferro_jit\ndef {}({}):", k.name, all.join(", "));
     let _ = writeln!(out, "    pid = {}", wide("tl.program_id(0)"));
@@ -158,7 +167,20 @@ fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &Matrix
     // rows and columns past the edge read the first ones again (their results are not stored)
     let _ = writeln!(out, "    am = rm % {m}");
     let _ = writeln!(out, "    bn = rn % {n}");
+    match &mp.conv {
+        Some(conv) => write_conv_steps(out, conv, (&pa, &pb)),
+        None => write_matrix_steps(out, mp, (&pa, &pb)),
+    }
+    let _ = writeln!(out, "    x0 = zb * {} + rm[:, None] * {n} + rn[None, :]", m * n);
+    let _ = writeln!(out, "    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})");
+    out.push_str("    xzero = x0 * 0\n");
+    Ok(())
+}
+
+/// The loop over k of a matrix product: both operands' tiles move along k by `BLOCK_K` a step.
+fn write_matrix_steps(out: &mut String, mp: &MatrixProduct, (pa, pb): (&str, &str)) {
     let (a, b) = (&mp.a, &mp.b);
+    let kk = mp.k;
     let _ = writeln!(out, "    a_ptrs = {pa} + ({} + zb * {} + am[:, None] * {} + rk[None, :] * {})", a.offset, a.batch, a.rows, a.cols);
     let _ = writeln!(out, "    b_ptrs = {pb} + ({} + zb * {} + rk[:, None] * {} + bn[None, :] * {})", b.offset, b.batch, b.rows, b.cols);
     out.push_str("    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)\n");
@@ -174,10 +196,45 @@ fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &Matrix
     let _ = writeln!(out, "        acc = {dot}");
     let _ = writeln!(out, "        a_ptrs += BLOCK_K * {}", a.cols);
     let _ = writeln!(out, "        b_ptrs += BLOCK_K * {}", b.rows);
-    let _ = writeln!(out, "    x0 = zb * {} + rm[:, None] * {n} + rn[None, :]", m * n);
-    let _ = writeln!(out, "    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})");
-    out.push_str("    xzero = x0 * 0\n");
-    Ok(())
+}
+
+/// The loop over k of a convolution: one step per tap and `BLOCK_K` input channels. A row's
+/// pixel reads the input at its tap's position, zero outside the input (the padding).
+fn write_conv_steps(out: &mut String, conv: &ConvShape, (px, pw): (&str, &str)) {
+    let (x, w, g) = (&conv.input, &conv.weight, &conv.geometry);
+    let [oh, ow] = conv.out_hw;
+    let [kh, kw] = conv.kernel;
+    let c = conv.channels_in;
+    let _ = writeln!(out, "    img = am // {}", oh * ow);
+    let _ = writeln!(out, "    pix = am % {}", oh * ow);
+    let _ = writeln!(out, "    ih0 = (pix // {ow}) * {} - {}", g.stride[0], g.padding[0]);
+    let _ = writeln!(out, "    iw0 = (pix % {ow}) * {} - {}", g.stride[1], g.padding[1]);
+    let _ = writeln!(out, "    x_rows = {px} + ({} + img * {})", x.offset, x.stride[0]);
+    let _ = writeln!(out, "    w_cols = {pw} + ({} + bn * {})", w.offset, w.stride[0]);
+    out.push_str("    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)\n");
+    let _ = writeln!(out, "    chunks = {}", cdiv_text(c, "BLOCK_K"));
+    let _ = writeln!(out, "    for step in range(0, {} * chunks):", kh * kw);
+    out.push_str("        tap = step // chunks\n        ck = (step % chunks) * BLOCK_K + rk\n");
+    let _ = writeln!(out, "        th = tap // {kw}");
+    let _ = writeln!(out, "        tw = tap % {kw}");
+    let _ = writeln!(out, "        ih = ih0 + th * {}", g.dilation[0]);
+    let _ = writeln!(out, "        iw = iw0 + tw * {}", g.dilation[1]);
+    let [h, wd] = g.input_hw;
+    let _ = writeln!(out, "        inside = (ih >= 0) & (ih < {h}) & (iw >= 0) & (iw < {wd})");
+    let _ = writeln!(
+        out,
+        "        a_ptrs = x_rows[:, None] + (ih * {} + iw * {})[:, None] + ck[None, :] * {}",
+        x.stride[2], x.stride[3], x.stride[1]
+    );
+    let _ =
+        writeln!(out, "        b_ptrs = w_cols[None, :] + (th * {} + tw * {}) + ck[:, None] * {}", w.stride[2], w.stride[3], w.stride[1]);
+    let _ = writeln!(out, "        if {c} % BLOCK_K == 0:");
+    out.push_str("            a = tl.load(a_ptrs, mask=inside[:, None], other=0.0)\n            b = tl.load(b_ptrs)\n");
+    out.push_str("        else:\n");
+    let _ = writeln!(out, "            a = tl.load(a_ptrs, mask=inside[:, None] & (ck[None, :] < {c}), other=0.0)");
+    let _ = writeln!(out, "            b = tl.load(b_ptrs, mask=ck[:, None] < {c}, other=0.0)");
+    let dot = if conv.dtype == DType::F32 { "tl.dot(a, b, acc, input_precision=\"ieee\")" } else { "ferro_dot_acc(a, b, acc)" };
+    let _ = writeln!(out, "        acc = {dot}");
 }
 
 fn cdiv_text(size: i64, block: &str) -> String {
