@@ -42,7 +42,7 @@ def _run(args, out: Path, env: dict) -> dict:
 
 
 # the interpreted cases run in this many processes at once (CI's two cores; the interpreter is
-# single-threaded, and one process takes over ten minutes on a slow machine)
+# single-threaded)
 SHARDS = 2
 
 
@@ -57,7 +57,8 @@ def interpreted(tmp_path_factory) -> dict:
     results: dict = {}
     try:
         for proc, out in zip(procs, outs):
-            # (cold: 8 minutes on 2 idle cores; a CI worker beside it halves its share)
+            # (cold: about two minutes of cases in one process on this project's 2-core machine,
+            # with the interpreter's reductions as numpy calls: triton_cases.py)
             _, err = proc.communicate(timeout=2400)
             assert proc.returncode == 0 and out.exists(), f"worker failed ({proc.returncode}):\n{err[-6000:]}"
             results.update(json.loads(out.read_text()))

@@ -763,9 +763,56 @@ def _with_gradients(fn, args) -> tuple:
     return (out, *[a.grad for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad])
 
 
+# ferrocore's combine functions (the kernels' prelude) and the numpy reduction each computes:
+# NaN-propagating maxima and minima, as `ferro_max` / `ferro_min` are
+_NUMPY_REDUCTIONS = {"ferro_sum": "sum", "ferro_max": "max", "ferro_min": "min", "ferro_any": "any"}
+
+
+def _numpy_reductions_in_the_interpreter() -> None:
+    """Triton's interpreter reduces with a combine function that is not Triton's own by calling it
+    once per element (64 rows of 4096 took a minute); ferrocore's sums, maxima, minima, `any` and
+    Welford merges are numpy calls here. The combine functions themselves still run interpreted where
+    the kernels call them directly (a looped reduction's accumulator)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    ops = getattr(interpreter, "ReduceOps", None)
+    if ops is None or getattr(ops, "_ferrocore_numpy", False):
+        return
+    generic = ops.apply_impl
+
+    def welford(self, input):
+        # Chan's merge of every (mean, M2, count) partial of a row at once; empty ones are neutral
+        mean, m2, w = (t.handle.data for t in input)
+        ax = self.axis
+        total = w.sum(axis=ax, keepdims=True)
+        safe = np.where(total == 0, 1, total)
+        mu = np.where(total == 0, 0, (w * mean).sum(axis=ax, keepdims=True) / safe)
+        m2 = m2.sum(axis=ax, keepdims=True) + (w * (mean - mu) ** 2).sum(axis=ax, keepdims=True)
+        out = (mu, m2, total) if self.keep_dims else (mu.squeeze(ax), m2.squeeze(ax), total.squeeze(ax))
+        return [self.to_tensor(np.asarray(o).astype(t.handle.data.dtype), t.dtype) for o, t in zip(out, input)]
+
+    def apply_impl(self, input):
+        fn = getattr(getattr(self.combine_fn, "fn", None), "__name__", None)
+        if fn == "ferro_welford" and len(input) == 3 and self.axis is not None:
+            return welford(self, input)
+        op = _NUMPY_REDUCTIONS.get(fn)
+        if op is None or len(input) != 1 or self.axis is None:
+            return generic(self, input)
+        data = input[0].handle.data
+        out = getattr(np, op)(data, axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(np.asarray(out).astype(data.dtype), input[0].dtype)
+
+    ops.apply_impl = apply_impl
+    ops._ferrocore_numpy = True
+
+
 def run_case(name: str) -> dict:
     import ferrocore
     from ferrocore import backend as fc_backend
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _numpy_reductions_in_the_interpreter()
 
     spec = CASES[name]
     torch._dynamo.reset()
