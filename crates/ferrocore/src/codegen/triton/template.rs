@@ -185,15 +185,8 @@ fn write_matrix_steps(out: &mut String, mp: &MatrixProduct, (pa, pb): (&str, &st
     let _ = writeln!(out, "    b_ptrs = {pb} + ({} + zb * {} + rk[:, None] * {} + bn[None, :] * {})", b.offset, b.batch, b.rows, b.cols);
     out.push_str("    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)\n");
     let _ = writeln!(out, "    for k0 in range(0, {kk}, BLOCK_K):");
-    let _ = writeln!(out, "        if {kk} % BLOCK_K == 0:");
-    out.push_str("            a = tl.load(a_ptrs)\n            b = tl.load(b_ptrs)\n");
-    out.push_str("        else:\n");
-    let _ = writeln!(out, "            a = tl.load(a_ptrs, mask=rk[None, :] < {kk} - k0, other=0.0)");
-    let _ = writeln!(out, "            b = tl.load(b_ptrs, mask=rk[:, None] < {kk} - k0, other=0.0)");
-    // float32 operands multiply in float32, as eager does unless TF32 is allowed; the product
-    // accumulates in the tensor cores (no separate addition: kernels compile without contraction)
-    let dot = if mp.dtype == DType::F32 { "tl.dot(a, b, acc, input_precision=\"ieee\")" } else { "ferro_dot_acc(a, b, acc)" };
-    let _ = writeln!(out, "        acc = {dot}");
+    let partial = [format!("rk[None, :] < {kk} - k0"), format!("rk[:, None] < {kk} - k0")];
+    write_step_product(out, kk, [None, None], &partial, mp.dtype);
     let _ = writeln!(out, "        a_ptrs += BLOCK_K * {}", a.cols);
     let _ = writeln!(out, "        b_ptrs += BLOCK_K * {}", b.rows);
 }
@@ -228,12 +221,25 @@ fn write_conv_steps(out: &mut String, conv: &ConvShape, (px, pw): (&str, &str)) 
     );
     let _ =
         writeln!(out, "        b_ptrs = w_cols[None, :] + (th * {} + tw * {}) + ck[:, None] * {}", w.stride[2], w.stride[3], w.stride[1]);
-    let _ = writeln!(out, "        if {c} % BLOCK_K == 0:");
-    out.push_str("            a = tl.load(a_ptrs, mask=inside[:, None], other=0.0)\n            b = tl.load(b_ptrs)\n");
+    let partial = [format!("inside[:, None] & (ck[None, :] < {c})"), format!("ck[:, None] < {c}")];
+    write_step_product(out, c, [Some("inside[:, None]"), None], &partial, conv.dtype);
+}
+
+/// One k step's tiles and their product into `acc`: loaded under the masks `whole` (A's, B's;
+/// None for no mask) where `k` is a multiple of `BLOCK_K`, else under `partial` (the last step
+/// reads past k).
+fn write_step_product(out: &mut String, k: i64, whole: [Option<&str>; 2], partial: &[String; 2], dtype: DType) {
+    let load = |ptrs: &str, mask: Option<&str>| match mask {
+        Some(m) => format!("tl.load({ptrs}, mask={m}, other=0.0)"),
+        None => format!("tl.load({ptrs})"),
+    };
+    let _ = writeln!(out, "        if {k} % BLOCK_K == 0:");
+    let _ = writeln!(out, "            a = {}\n            b = {}", load("a_ptrs", whole[0]), load("b_ptrs", whole[1]));
     out.push_str("        else:\n");
-    let _ = writeln!(out, "            a = tl.load(a_ptrs, mask=inside[:, None] & (ck[None, :] < {c}), other=0.0)");
-    let _ = writeln!(out, "            b = tl.load(b_ptrs, mask=ck[:, None] < {c}, other=0.0)");
-    let dot = if conv.dtype == DType::F32 { "tl.dot(a, b, acc, input_precision=\"ieee\")" } else { "ferro_dot_acc(a, b, acc)" };
+    let _ = writeln!(out, "            a = {}\n            b = {}", load("a_ptrs", Some(&partial[0])), load("b_ptrs", Some(&partial[1])));
+    // float32 operands multiply in float32, as eager does unless TF32 is allowed; the product
+    // accumulates in the tensor cores (no separate addition: kernels compile without contraction)
+    let dot = if dtype == DType::F32 { "tl.dot(a, b, acc, input_precision=\"ieee\")" } else { "ferro_dot_acc(a, b, acc)" };
     let _ = writeln!(out, "        acc = {dot}");
 }
 
