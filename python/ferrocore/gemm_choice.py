@@ -18,6 +18,7 @@ device and versions under `cache_dir/gemm_template`.
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import statistics
 import sys
@@ -209,13 +210,8 @@ class _Region:
 
 def _channels_last_like(t: torch.Tensor) -> torch.Tensor:
     """`t`'s metadata with channels-last strides (a fake tensor of the same fake mode)."""
-    n, c, h, w = t.shape
-    stride = (h * w * c, 1, w * c, c)
-    mode = getattr(t, "fake_mode", None)
-    if mode is None:
-        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
-    with mode:
-        return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    with getattr(t, "fake_mode", None) or contextlib.nullcontext():
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=torch.channels_last)
 
 
 def _random_like(t: torch.Tensor) -> torch.Tensor:

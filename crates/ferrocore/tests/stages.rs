@@ -457,7 +457,7 @@ fn triton_convolution_template_reads_each_tap_of_its_input() {
     let s = schedule_for(lowered.program, &(TritonBackend { cpu_tensors: true }).schedule_options()).unwrap();
     let k = TritonBackend { cpu_tensors: true }.render(&s).unwrap();
     let names: Vec<&str> = k.launches.iter().map(|l| l.name.as_str()).collect();
-    assert_eq!(names, ["triton_poi_fused_conv_0", "triton_conv_fused_conv_relu_1"]);
+    assert_eq!(names, ["triton_poi_fused_w_0", "triton_conv_fused_conv_relu_1"]);
     let src = k.source.split(ferrocore::codegen::triton::PRELUDE).nth(1).unwrap_or("").to_string();
     check("triton_conv_template.txt", &src);
 }

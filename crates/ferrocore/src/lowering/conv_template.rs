@@ -6,7 +6,7 @@
 //! write the convolution out and a separate kernel read it back.
 
 use super::indexing::{and_in_range, clamp_index};
-use super::layout::{add_channel_bias, is_channels_last};
+use super::layout::{add_channel_bias, Conv2d};
 use super::*;
 
 impl Ctx<'_> {
@@ -50,26 +50,9 @@ impl Ctx<'_> {
     /// The convolution node: its input channels-last (copied when it is not), its weight with
     /// the channels innermost (a tap's slice of the sum is then a contiguous read), the result a
     /// fresh channels-last buffer.
-    fn implicit_gemm(&mut self, g: &cpu_conv::Conv2d, out: &TensorMeta) -> LResult<TensorValue> {
-        let Some(Arg::Node(x)) = self.arg(0, "input") else { return malformed("convolution input is not a tensor") };
-        let (xb, xs, xoff) = match self.channels_last_arg(*x)? {
-            ExternArg::View { buf, stride, offset, .. } => (buf, stride, offset),
-            ExternArg::Buffer(buf) => {
-                let l = &self.prog.buffer(buf).layout;
-                (buf, l.stride.clone(), l.offset)
-            }
-            _ => return malformed("convolution input is not a tensor"),
-        };
-        let weight = self.tensor_arg(1, "weight")?;
-        let weight = match weight.strided() {
-            Some((_, s, _)) if is_channels_last(&weight.size, &s) => weight,
-            _ => {
-                let stride = channels_last_strides(&weight.size);
-                let l = Layout { size: weight.size.clone(), stride, offset: 0, dtype: weight.dtype, device: weight.device };
-                self.realize_into(&weight, l)
-            }
-        };
-        let Some((wb, ws, woff)) = weight.strided() else { return malformed("convolution weight is not strided") };
+    fn implicit_gemm(&mut self, g: &Conv2d, out: &TensorMeta) -> LResult<TensorValue> {
+        let (xb, xs, xoff) = self.channels_last_operand(0, "input")?;
+        let (wb, ws, woff) = self.channels_last_operand(1, "weight")?;
         let [n, _, h, w] = g.input;
         let [_, o, oh, ow] = g.out;
         let [kh, kw] = g.kernel;
@@ -116,5 +99,19 @@ impl Ctx<'_> {
             template: Some(Template::Convolution(geometry)),
         });
         Ok(view_of_layout(buf, &layout))
+    }
+
+    /// Argument `i` of the current node channels-last (copied so when it is not): its buffer,
+    /// strides and offset.
+    fn channels_last_operand(&mut self, i: usize, what: &str) -> LResult<(BufferId, Vec<i64>, i64)> {
+        let Some(Arg::Node(n)) = self.arg(i, what) else { return malformed(format!("convolution {what} is not a tensor")) };
+        match self.channels_last_arg(*n)? {
+            ExternArg::View { buf, stride, offset, .. } => Ok((buf, stride, offset)),
+            ExternArg::Buffer(buf) => {
+                let l = &self.prog.buffer(buf).layout;
+                Ok((buf, l.stride.clone(), l.offset))
+            }
+            _ => malformed(format!("convolution {what} is not a tensor")),
+        }
     }
 }

@@ -18,7 +18,7 @@
 //! about as fast either way.
 
 use super::indexing::constant_padded;
-use super::layout::channels_last_strides;
+use super::layout::{channels_last_strides, Conv2d};
 use super::*;
 
 /// The largest 1x1 convolution (N*H*W*C*O multiply-adds) run as a GEMM.
@@ -27,17 +27,6 @@ pub const MAX_GEMM_MACS: i64 = 1 << 25;
 pub const MAX_DEPTHWISE_TAPS: i64 = 49;
 /// The largest depthwise convolution (output elements x taps) run as a generated kernel.
 pub const MAX_DEPTHWISE_MACS: i64 = 1 << 19;
-
-/// A forward 2-D convolution: input (n, c, h, w), weight (o, c / groups, kh, kw).
-pub(super) struct Conv2d {
-    pub input: [i64; 4],
-    pub out: [i64; 4],
-    pub kernel: [i64; 2],
-    pub stride: [i64; 2],
-    pub pad: [i64; 2],
-    pub dilation: [i64; 2],
-    pub groups: i64,
-}
 
 impl Conv2d {
     fn macs(&self) -> i64 {
@@ -93,44 +82,6 @@ impl Ctx<'_> {
             return self.depthwise_kernel(&g).map(Some);
         }
         Ok(None)
-    }
-
-    /// The geometry of a forward, non-transposed 2-D convolution in a float dtype.
-    pub(super) fn conv2d(&self) -> LResult<Option<Conv2d>> {
-        let out = self.out_meta()?;
-        let (Some(Arg::Node(x)), Some(Arg::Node(w))) = (self.arg(0, "input"), self.arg(1, "weight")) else { return Ok(None) };
-        let (Some(xm), Some(wm)) = (self.graph.node(*x).meta.tensor(), self.graph.node(*w).meta.tensor()) else { return Ok(None) };
-        if !out.dtype.is_float() || xm.dtype != out.dtype || wm.dtype != out.dtype {
-            return Ok(None);
-        }
-        if xm.shape.len() != 4 || wm.shape.len() != 4 || out.shape.len() != 4 || self.bool_arg(6, "transposed", false)? {
-            return Ok(None);
-        }
-        let pair = |v: Option<Vec<i64>>| -> Option<[i64; 2]> {
-            match v.as_deref() {
-                Some([a, b]) => Some([*a, *b]),
-                _ => None,
-            }
-        };
-        let (Some(stride), Some(pad), Some(dilation)) =
-            (pair(self.ints_arg(3, "stride")?), pair(self.ints_arg(4, "padding")?), pair(self.ints_arg(5, "dilation")?))
-        else {
-            return Ok(None);
-        };
-        let groups = self.int_arg(8, "groups")?.unwrap_or(1);
-        let dims = |s: &[i64]| [s[0], s[1], s[2], s[3]];
-        if out.shape.contains(&0) || xm.shape.contains(&0) || groups < 1 {
-            return Ok(None);
-        }
-        Ok(Some(Conv2d {
-            input: dims(&xm.shape),
-            out: dims(&out.shape),
-            kernel: [wm.shape[2], wm.shape[3]],
-            stride,
-            pad,
-            dilation,
-            groups,
-        }))
     }
 
     /// A 1x1 convolution as `mm` (pixels x channels against the weight's transpose) or, for an
@@ -193,14 +144,6 @@ impl Ctx<'_> {
             ExternArg::View { buf, offset, .. } => Ok((buf, offset)),
             ExternArg::Buffer(buf) => Ok((buf, 0)),
             _ => malformed("convolution input is not a tensor"),
-        }
-    }
-
-    /// The convolution's bias tensor, if it has one.
-    pub(super) fn bias(&self) -> LResult<Option<TensorValue>> {
-        match self.arg(2, "bias") {
-            Some(Arg::Node(_)) => Ok(Some(self.tensor_arg(2, "bias")?)),
-            _ => Ok(None),
         }
     }
 

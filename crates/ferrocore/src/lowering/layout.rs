@@ -326,3 +326,62 @@ pub(super) fn add_channel_bias(conv: TensorValue, bias: TensorValue) -> TensorVa
         bx.body.binary(BinaryOp::Add, x, b)
     })
 }
+
+/// A forward 2-D convolution: input (n, c, h, w), weight (o, c / groups, kh, kw).
+pub(super) struct Conv2d {
+    pub input: [i64; 4],
+    pub out: [i64; 4],
+    pub kernel: [i64; 2],
+    pub stride: [i64; 2],
+    pub pad: [i64; 2],
+    pub dilation: [i64; 2],
+    pub groups: i64,
+}
+
+impl Ctx<'_> {
+    /// The geometry of a forward, non-transposed 2-D convolution in a float dtype.
+    pub(super) fn conv2d(&self) -> LResult<Option<Conv2d>> {
+        let out = self.out_meta()?;
+        let (Some(Arg::Node(x)), Some(Arg::Node(w))) = (self.arg(0, "input"), self.arg(1, "weight")) else { return Ok(None) };
+        let (Some(xm), Some(wm)) = (self.graph.node(*x).meta.tensor(), self.graph.node(*w).meta.tensor()) else { return Ok(None) };
+        if !out.dtype.is_float() || xm.dtype != out.dtype || wm.dtype != out.dtype {
+            return Ok(None);
+        }
+        if xm.shape.len() != 4 || wm.shape.len() != 4 || out.shape.len() != 4 || self.bool_arg(6, "transposed", false)? {
+            return Ok(None);
+        }
+        let pair = |v: Option<Vec<i64>>| -> Option<[i64; 2]> {
+            match v.as_deref() {
+                Some([a, b]) => Some([*a, *b]),
+                _ => None,
+            }
+        };
+        let (Some(stride), Some(pad), Some(dilation)) =
+            (pair(self.ints_arg(3, "stride")?), pair(self.ints_arg(4, "padding")?), pair(self.ints_arg(5, "dilation")?))
+        else {
+            return Ok(None);
+        };
+        let groups = self.int_arg(8, "groups")?.unwrap_or(1);
+        let dims = |s: &[i64]| [s[0], s[1], s[2], s[3]];
+        if out.shape.contains(&0) || xm.shape.contains(&0) || groups < 1 {
+            return Ok(None);
+        }
+        Ok(Some(Conv2d {
+            input: dims(&xm.shape),
+            out: dims(&out.shape),
+            kernel: [wm.shape[2], wm.shape[3]],
+            stride,
+            pad,
+            dilation,
+            groups,
+        }))
+    }
+
+    /// The convolution's bias tensor, if it has one.
+    pub(super) fn bias(&self) -> LResult<Option<TensorValue>> {
+        match self.arg(2, "bias") {
+            Some(Arg::Node(_)) => Ok(Some(self.tensor_arg(2, "bias")?)),
+            _ => Ok(None),
+        }
+    }
+}

@@ -37,10 +37,7 @@ impl std::ops::Deref for MatrixProduct {
 
 impl MatrixProduct {
     pub(super) fn of(s: &Schedule, k: &FusedKernel, params: &Params) -> Result<MatrixProduct, CodegenError> {
-        let conv = match s.program.nodes[k.plan.nodes[0].node].convolution() {
-            Some(_) => Some(ConvShape::of(s, k)?),
-            None => None,
-        };
+        let conv = s.program.nodes[k.plan.nodes[0].node].convolution().map(|_| ConvShape::of(s, k)).transpose()?;
         let shape = match &conv {
             Some(c) => c.product(),
             None => ProductShape::of(s, k)?,
