@@ -2,7 +2,8 @@
 dense form (what eager runs), and the attention pass fuses it into one attention call where it
 proves the mask and the score modification (a causal `mask_mod` as `is_causal`, an additive
 `score_mod` as the bias; in half precision on a GPU, a float32 `score_mod` or a mask built from
-positions as ferrocore's own attention kernel); other modifications run as generated kernels.
+positions as ferrocore's own attention kernel: Triton on a GPU, C++ on the CPU); other
+modifications run as generated kernels.
 No graph falls back.
 Values, shapes, strides and dtypes as eager's, gradients too."""
 
@@ -77,9 +78,10 @@ def test_a_document_mask_read_from_a_tensor(attention_log):
     check(lambda q, k, v: flex_attention(q, k, v, block_mask=mask), *qkv(), atol=1e-5, rtol=1e-5)
 
 
-def kernel_case(name: str):
-    """A FlexAttention call the attention kernels take (bfloat16 inputs), by name: the call and
-    its inputs (grouped-query: 2 key heads for 4 query heads, read where they lie)."""
+def kernel_case(name: str, dtype=torch.bfloat16):
+    """A FlexAttention call the attention kernels take (bfloat16 inputs on a GPU, float32 on the
+    CPU), by name: the call and its inputs (grouped-query: 2 key heads for 4 query heads, read
+    where they lie)."""
     document = torch.arange(S, device=TEST_DEVICE) // 96
     mask_mod, score_mod = {
         "alibi": (None, alibi),
@@ -90,7 +92,7 @@ def kernel_case(name: str):
         "grouped_query_sliding_window": (sliding_window, None),
     }[name]
     mask = block_mask(mask_mod) if mask_mod else None
-    inputs = qkv(torch.bfloat16)
+    inputs = qkv(dtype)
     grouped = name.startswith("grouped_query")
     if grouped:
         inputs = [inputs[0], inputs[1][:, :2].contiguous(), inputs[2][:, :2].contiguous()]
@@ -144,6 +146,57 @@ def test_trains_in_the_attention_kernels(attention_log, name):
         assert (g.shape, g.stride(), g.dtype) == (e.shape, e.stride(), e.dtype), what
         error, eager_error = (g.double() - x).abs().max().item(), (e.double() - x).abs().max().item()
         assert error <= 2 * eager_error, (what, error, eager_error)
+    assert "fused_attention_overrideable" in attention_log()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's attention kernel is C++")
+@pytest.mark.parametrize("name", ["alibi", "causal_alibi", "document_alibi", "document", "sliding_window",
+                                  "grouped_query_sliding_window"])
+def test_runs_in_the_cpu_attention_kernel(attention_log, name):
+    """Inference in float32 on the CPU: a score_mod computed from positions, or a mask that
+    differs between queries (a band, a document id per position), is computed inside
+    ferrocore's C++ attention kernel: no library call, no stored scores, one kernel (beside the
+    document mask's key ranges). Values, shapes, strides and dtype as eager's."""
+    f, inputs = kernel_case(name, torch.float32)
+    kernels = 2 if name.startswith("document") else 1
+    check(f, *inputs, atol=1e-5, rtol=1e-5, expect_kernels=kernels)
+    assert not ferrocore.metrics.last["extern_ops"], ferrocore.metrics.last["extern_ops"]
+    assert "fused_attention_overrideable" in attention_log()
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU's attention kernels are C++")
+@pytest.mark.parametrize("grouped", [False, True], ids=["heads", "grouped_query"])
+def test_written_out_attention_trains_in_the_cpu_attention_kernels(attention_log, grouped):
+    """Training on the CPU (eager FlexAttention has no CPU backward: the attention is written
+    out): a sliding window and an ALiBi bias built from positions. The forward writes each
+    row's log-sum-exp beside its output; the backward is `delta` and ferrocore's two C++
+    attention kernels (the queries' gradient; the keys' and the values'). Output and
+    gradients as eager's."""
+    def f(q, k, v):
+        # (positions built in the graph: the band is proven, no key ranges computed)
+        i, j = torch.arange(S, device=q.device)[:, None], torch.arange(S, device=q.device)[None, :]
+        slope = (torch.arange(H, device=q.device).view(1, H, 1, 1) + 1) * 0.125
+        if grouped:  # (2 key heads for 4 query heads, as models repeat them)
+            k, v = k[:, :2].repeat_interleave(2, 1), v[:, :2].repeat_interleave(2, 1)
+        s = q @ k.transpose(-1, -2) * 0.25
+        s = s.masked_fill(~((i >= j) & (i - j <= 32)), float("-inf")) + slope * (j - i)
+        return torch.softmax(s, -1) @ v
+
+    inputs = qkv()
+    grad = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(3)).to(TEST_DEVICE)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    expected = f(*leaves)
+    expected.backward(grad)
+    twins = [x.clone().requires_grad_() for x in inputs]
+    got = torch.compile(f, backend="ferrocore")(*twins)
+    got.backward(grad)
+    assert (got.shape, got.stride(), got.dtype) == (expected.shape, expected.stride(), expected.dtype)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for a, b in zip(twins, leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+    # (grouped: the repeated heads' key and value gradients summed per key head, two more)
+    kernels = 5 if grouped else 3
+    assert ferrocore.metrics.last["kernels"] == kernels and not ferrocore.metrics.last["extern_ops"], ferrocore.metrics.last
     assert "fused_attention_overrideable" in attention_log()
 
 

@@ -487,6 +487,45 @@ fn cpp_matrix_product_computes_its_epilogue_on_its_tile() {
 }
 
 #[test]
+fn cpp_attention_computes_its_bias_per_key() {
+    // ferrocore's attention call on the CPU (float32) with a causal ALiBi bias built from
+    // positions, and its log-sum-exp: one C++ kernel over the 2 x 64 query rows, each walking
+    // keys 0 to its own (the band the bias proves), the bias computed per key at (row `x0`,
+    // head `x2`, key `x3`), the online softmax's running maximum and sum in float32
+    let f32 = |shape: &[i64]| meta(shape, "float32");
+    let doc = GraphBuilder::new()
+        .input("q", &[1, 2, 64, 16], "float32")
+        .input("k", &[1, 2, 64, 16], "float32")
+        .input("v", &[1, 2, 64, 16], "float32")
+        .call("pos", "aten.arange.start_step", r#"{"int":0},{"int":64}"#, &meta(&[64], "int64"))
+        .call("i", "aten.unsqueeze.default", &format!(r#"{},{{"int":1}}"#, node("pos")), &meta(&[64, 1], "int64"))
+        .call("j", "aten.unsqueeze.default", &format!(r#"{},{{"int":0}}"#, node("pos")), &meta(&[1, 64], "int64"))
+        .call("dist", "aten.sub.Tensor", &format!("{},{}", node("j"), node("i")), &meta(&[64, 64], "int64"))
+        .call("alibi", "aten.mul.Tensor", &format!(r#"{},{{"float":0.125}}"#, node("dist")), &f32(&[64, 64]))
+        .call("seen", "aten.ge.Tensor", &format!("{},{}", node("i"), node("j")), &meta(&[64, 64], "bool"))
+        .call("closed", "aten.scalar_tensor.default", r#"{"float":"-inf"}"#, &f32(&[]))
+        .call("bias2", "aten.where.self", &format!("{},{},{}", node("seen"), node("alibi"), node("closed")), &f32(&[64, 64]))
+        .call("bias", "aten.view.default", &format!(r#"{},{}"#, node("bias2"), ints(&[1, 1, 64, 64])), &f32(&[1, 1, 64, 64]))
+        .call(
+            "attn",
+            "aten._scaled_dot_product_fused_attention_overrideable.default",
+            &format!(r#"{},{},{},{}"#, node("q"), node("k"), node("v"), node("bias")),
+            &format!(r#"{{"tuple":[{},{}]}}"#, f32(&[1, 2, 64, 16]), f32(&[1, 2, 64])),
+        )
+        .call("out", "getitem", &format!(r#"{},{{"int":0}}"#, node("attn")), &f32(&[1, 2, 64, 16]))
+        .call("lse", "getitem", &format!(r#"{},{{"int":1}}"#, node("attn")), &f32(&[1, 2, 64]))
+        .output(&["out", "lse"]);
+    let g = parse_graph(&doc).unwrap();
+    let s = schedule(lower_graph(&g).unwrap().program).unwrap();
+    let k = CppBackend.render(&s).unwrap();
+    let names: Vec<&str> = k.launches.iter().map(|l| l.name.as_str()).collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+    assert!(names[0].starts_with("cpp_attn_"), "{names:?}");
+    let src = k.source.split(ferrocore::runtime::CPP_UNIT_MARK).nth(1).unwrap_or("").to_string();
+    check("cpp_attention.txt", &src);
+}
+
+#[test]
 fn triton_blocks_writing_64_bit_values_stay_under_4096_elements() {
     // Triton 3.6 stores wrong 64-bit values from blocks of 4096+ elements under a partial mask:
     // rows of 3000 int64 values loop in steps of 1024, float32 rows stay persistent (one block)

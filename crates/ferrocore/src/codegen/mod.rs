@@ -4,6 +4,7 @@
 //! block configuration for Triton); the wrapper then launches them. Backends never import each
 //! other: what they share lives here.
 
+pub mod attention;
 pub mod cpp;
 pub mod literal;
 pub mod product;

@@ -161,7 +161,7 @@ pub enum AttentionResult {
 /// over variables (b, h, m, n) = (0, 1, 2, 4) from the exprs before it. A row whose keys are all
 /// closed gives 0. The rest of the body reads q, k and v at (b, h, m, d) and (b, h, n, d) (what
 /// the scheduler and the memory plan see of the node) and sums their product with the bias over
-/// n: a stand-in, not the node's value; only a backend with an attention template (Triton)
+/// n: a stand-in, not the node's value; only an attention template (Triton, C++)
 /// computes it. Loop passes leave it as built, and nothing joins its kernel.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Attention {

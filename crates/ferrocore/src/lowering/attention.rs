@@ -1,5 +1,5 @@
 //! Fused attention with a computed bias (`_scaled_dot_product_fused_attention_overrideable`,
-//! which the `attention` graph pass writes for Triton graphs) as `Template::Attention` nodes:
+//! which the `attention` graph pass writes for ferrocore's attention kernels) as `Template::Attention` nodes:
 //! the bias stays a lazy value, so its computation (a mask built from positions, a document id
 //! gathered per key, an ALiBi slope times a distance) is inlined into the kernels' loops and
 //! never stored. A differentiated call also writes each row's log-sum-exp (beside its output,
@@ -39,10 +39,16 @@ struct GradInputs {
 }
 
 impl Ctx<'_> {
+    /// Whether the backend writes attention kernels of `dtype`: Triton of every float type, C++
+    /// of float32 (`codegen::cpp::attention`).
+    fn attention_template_of(&self, dtype: DType) -> bool {
+        self.triton_kernels() || dtype == DType::F32
+    }
+
     /// The call as an attention node (and its log-sum-exp where the graph reads it), or None
     /// where no template takes it (the library call runs).
     pub(super) fn lower_attention_template(&mut self) -> LResult<Option<Lowered>> {
-        if !self.triton_kernels() || self.float_arg(4, "dropout_p")?.unwrap_or(0.0) != 0.0 {
+        if self.float_arg(4, "dropout_p")?.unwrap_or(0.0) != 0.0 {
             return Ok(None);
         }
         if matches!(self.arg(5, "is_causal"), Some(Arg::Bool(true))) {
@@ -55,6 +61,9 @@ impl Ctx<'_> {
             Some(Some(Meta::Tensor(t))) => Some(t.clone()),
             _ => None,
         };
+        if !self.attention_template_of(out.dtype) {
+            return Ok(None);
+        }
         let n_items = items.len();
         let out = out.clone();
         let scale = self.float_arg(7, "scale")?;
@@ -90,7 +99,7 @@ impl Ctx<'_> {
     /// dim), then the queries' gradient, then the keys' and the values' in one kernel. None
     /// where no template takes it.
     pub(super) fn lower_attention_backward(&mut self) -> LResult<Option<Lowered>> {
-        if !self.triton_kernels() || self.float_arg(12, "dropout_p")?.unwrap_or(0.0) != 0.0 {
+        if self.float_arg(12, "dropout_p")?.unwrap_or(0.0) != 0.0 {
             return Ok(None);
         }
         if matches!(self.arg(13, "is_causal"), Some(Arg::Bool(true))) {
@@ -103,6 +112,9 @@ impl Ctx<'_> {
         let Meta::Tuple(items) = self.meta() else { return malformed("fused attention's backward returns a tuple") };
         let grads: Vec<TensorMeta> = items.iter().take(3).filter_map(|i| i.as_ref().and_then(Meta::tensor).cloned()).collect();
         let [gq, gk, gv] = &grads[..] else { return malformed("fused attention's backward has no gradients") };
+        if !self.attention_template_of(gq.dtype) {
+            return Ok(None);
+        }
         let (gq, gk, gv) = (gq.clone(), gk.clone(), gv.clone());
         let n_items = items.len();
         let scale = self.float_arg(16, "scale")?;

@@ -59,6 +59,8 @@ struct Ctx<'g> {
     users: Vec<Vec<NodeId>>,
     cuda_arch: u32,
     triton_kernels: bool,
+    /// A training graph's attention (the call's backward follows).
+    differentiable: bool,
 }
 
 fn tensor(g: &Graph, id: NodeId) -> Option<&TensorMeta> {
@@ -434,7 +436,14 @@ pub fn fuse_attention(g: Graph, options: &PassOptions) -> (Graph, Vec<String>) {
 /// `fuse_attention`, of the attention at softmax `at` whose result is `root` alone when given.
 pub fn fuse_attention_at(g: Graph, options: &PassOptions, at: Option<(NodeId, NodeId)>) -> (Graph, Vec<String>) {
     let root = at.map(|(_, r)| r);
-    let cx = Ctx { g: &g, uses: g.use_counts(), users: g.users(), cuda_arch: options.cuda_arch, triton_kernels: options.triton_kernels };
+    let cx = Ctx {
+        g: &g,
+        uses: g.use_counts(),
+        users: g.users(),
+        cuda_arch: options.cuda_arch,
+        triton_kernels: options.triton_kernels,
+        differentiable: options.differentiable,
+    };
     let mut edit = GraphEdit::new(&g);
     let mut decisions = Vec::new();
     let mut claimed: HashSet<NodeId> = HashSet::new();
@@ -542,7 +551,11 @@ impl Ctx<'_> {
             steps.iter().filter_map(|s| if let Step::Add(o) | Step::Subtract(o) = s { Some(*o) } else { None }).collect();
         let computed_terms =
             dtype == DType::F32 && !terms.is_empty() && terms.iter().all(|o| computed_mask(g, *o, m * n, &mut HashSet::new()));
-        let template = self.template(device, dtype, kdim, wide_bias.is_some() || computed || computed_terms);
+        // (a bias that differs between queries: one the same for every query, a padding mask, is
+        // stored small and the CPU's library call reads it as fast)
+        let per_query = bias_shape(g, &steps).is_some_and(|s| s.len() >= 2 && s[s.len() - 2] > 1);
+        let wanted = wide_bias.is_some() || computed || computed_terms;
+        let template = self.template(device, dtype, [b, h, m, n, kdim], wanted, per_query, computed);
         let kernel = match (template, wide_bias) {
             (Ok(()), _) => Kernel::Template,
             (Err(why), Some(wide)) => return Err(format!("{wide}, and no attention template: {why}")),
@@ -651,10 +664,28 @@ impl Ctx<'_> {
     /// it stored, over every tile), and visits only the key tiles of a band the mask proves (a
     /// sliding window: 0.72x to 0.77x of Inductor's block-sparse FlexAttention on the H200
     /// over 1k to 8k keys, where cuDNN with the stored mask ran at 0.18x to 0.03x) or, for a
-    /// mask read from tensors, the keys between each row's first and last open one.
-    fn template(&self, device: Device, dtype: DType, kdim: i64, wanted: bool) -> Result<(), String> {
+    /// mask read from tensors, the keys between each row's first and last open one. On the CPU
+    /// the C++ kernel takes float32 inputs of at least `CPU_MIN_SCORES` scores whose bias differs
+    /// between queries (in a training graph, a mask that closes keys).
+    fn template(&self, device: Device, dtype: DType, dims: [i64; 5], wanted: bool, per_query: bool, masked: bool) -> Result<(), String> {
+        let [b, h, m, n, kdim] = dims;
         if !wanted {
             return Err("no mask a library call cannot take as well".into());
+        }
+        if device == Device::Cpu && !self.triton_kernels {
+            // the C++ kernel (`codegen::cpp::attention`): one row at a time, so only where it
+            // skips columns or computes a bias the library call would read stored
+            return match () {
+                _ if dtype != DType::F32 => Err(format!("{dtype} inputs (the CPU's attention kernel takes float32)")),
+                _ if b * h * m * n < CPU_MIN_SCORES => {
+                    Err(format!("{} scores: the CPU's generated kernels are faster below {CPU_MIN_SCORES}", b * h * m * n))
+                }
+                _ if !per_query => Err("a mask the same for every query, which the library call reads stored".into()),
+                // (the C++ backward recomputes the scores in both its kernels: over every key,
+                // 1.9x the library call's time, 2x8x1024x1024 with ALiBi at 2 threads)
+                _ if self.differentiable && !masked => Err("a training graph's bias that closes no keys".into()),
+                _ => Ok(()),
+            };
         }
         // (CPU tensors whose loops are Triton kernels run it in Triton's interpreter)
         let gpu = match device {

@@ -113,7 +113,7 @@ pub fn store_conv(v: &str, dt: DType) -> String {
     }
 }
 
-fn float_lit(f: f64, dt: DType) -> String {
+pub(super) fn float_lit(f: f64, dt: DType) -> String {
     crate::codegen::literal::cpp_float(f, c_type(dt))
 }
 
@@ -325,6 +325,30 @@ pub struct CppGroup<'a> {
     /// Buffers the kernel only reads: a load of one at a fixed index is loop-invariant.
     pub read_only: &'a HashSet<BufferId>,
     pub accs: Vec<Acc>,
+}
+
+impl<'a> CppGroup<'a> {
+    /// A template kernel's group (a matrix product's epilogue, an attention's bias): no scratch
+    /// rows (`no_rows` is empty), no split accumulators.
+    pub fn of_template(
+        program: &'a LoopProgram,
+        storage: &'a [Storage],
+        ptr: &'a HashMap<BufferId, String>,
+        read_only: &'a HashSet<BufferId>,
+        no_rows: &'a HashSet<BufferId>,
+    ) -> CppGroup<'a> {
+        CppGroup {
+            program,
+            storage,
+            ptr,
+            split: false,
+            chunk_sums_above: None,
+            rows: no_rows,
+            row_position: "0".into(),
+            read_only,
+            accs: Vec::new(),
+        }
+    }
 }
 
 impl CppGroup<'_> {

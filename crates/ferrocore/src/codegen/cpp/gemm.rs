@@ -136,17 +136,7 @@ fn write_epilogue(
     for g in &kernel.plan.groups {
         // the product's group loops over k: here its node is one read of `acc`
         let group = LoopGroup { inner: Vec::new(), reduction: false, nodes: g.nodes.clone() };
-        let mut dialect = CppGroup {
-            program: p,
-            storage: &s.storage,
-            ptr: &params.ptr,
-            split: false,
-            chunk_sums_above: None,
-            rows: &rows,
-            row_position: "0".into(),
-            read_only: &read_only,
-            accs: Vec::new(),
-        };
+        let mut dialect = CppGroup::of_template(p, &s.storage, &params.ptr, &read_only, &rows);
         let text = write_group(&mut dialect, s, &kernel, &group, &mut locals, &reads_at, &mut tmp, None)?;
         hoisted.push_str(&text.kernel);
         for section in [&text.pre, &text.inner, &text.post] {

@@ -2,6 +2,7 @@
 //! (`runtime::CPP_UNIT_MARK`) so that a large source can be compiled as parallel units. The flattened outer loop is OpenMP-parallel; innermost loops carry `omp simd` (with
 //! reduction clauses) so the C++ compiler vectorizes them. Half types compute in float.
 
+mod attention;
 mod dialect;
 mod gemm;
 
@@ -63,7 +64,9 @@ impl KernelBackend for CppBackend {
             }
         }
         let complex = s.program.buffers.iter().any(|b| b.layout.dtype.is_complex());
-        let gemm = s.items.iter().any(|it| matches!(it, Item::Kernel(k) if is_matrix_product(s, k)));
+        // (attention kernels take their products from the same helpers)
+        let gemm =
+            s.items.iter().any(|it| matches!(it, Item::Kernel(k) if is_matrix_product(s, k) || super::attention::is_attention(s, k)));
         let mut source = prelude(complex, gemm);
         let mut launches = Vec::new();
         let mut definitions = Definitions::default();
@@ -112,9 +115,8 @@ fn render_kernel(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenError> 
     if is_matrix_product(s, k) {
         return gemm::render(s, k);
     }
-    if k.plan.nodes.iter().any(|kn| s.program.nodes[kn.node].attention().is_some()) {
-        // (its body is a stand-in; the graph pass writes the template for Triton graphs only)
-        return Err(CodegenError::unsupported(&k.name, "a fused attention has no C++ template"));
+    if super::attention::is_attention(s, k) {
+        return attention::render(s, k);
     }
     let mut params = Params::of(s, k);
     let (rows, row_decls) = scratch_rows(s, k, &mut params.ptr);

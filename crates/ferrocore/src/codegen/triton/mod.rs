@@ -98,7 +98,7 @@ impl KernelBackend for TritonBackend {
                 let params = Params::of(s, k)?;
                 // the launch, and the definition's writer (run only for a text not yet defined)
                 type Write<'w> = Box<dyn FnOnce() -> Result<String, CodegenError> + 'w>;
-                let (mut launch, write): (KernelLaunch, Write) = if attention::attention_of(s, k).is_some() {
+                let (mut launch, write): (KernelLaunch, Write) = if crate::codegen::attention::is_attention(s, k) {
                     let ak = attention::AttentionKernel::of(s, k, &params)?;
                     (attention::launch(s, k, &params, &ak), Box::new(move || attention::write(s, k, &params, &ak)))
                 } else if crate::codegen::product::is_matrix_product(s, k) {
