@@ -15,7 +15,7 @@ pub fn is_attention(s: &Schedule, k: &FusedKernel) -> bool {
 }
 
 /// The kernel's attention node, when it is one.
-pub fn attention_of<'s>(s: &'s Schedule, k: &FusedKernel) -> Option<(&'s LoopNode, &'s Attention)> {
+fn attention_of<'s>(s: &'s Schedule, k: &FusedKernel) -> Option<(&'s LoopNode, &'s Attention)> {
     let node = &s.program.nodes[k.plan.nodes.first()?.node];
     node.attention().map(|a| (node, a))
 }

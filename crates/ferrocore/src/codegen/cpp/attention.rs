@@ -32,40 +32,16 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
         return Err(CodegenError::unsupported(&k.name, format!("a C++ attention of {}", a.dtype.torch_name())));
     }
     let params = Params::of(s, k);
-    let ptr = |o: &Operand| params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "an operand without a pointer"));
     let bias = write_bias(s, k, &params, &a)?;
     let [b, h, rows, _, d] = a.dims;
     let tm = rows.min(TILE_M);
     let tiles = (rows + tm - 1) / tm;
-    let mut body = String::new();
-    let _ = writeln!(body, "const int64_t x1 = t / {}LL;", h * tiles);
-    let _ = writeln!(body, "const int64_t x2 = t / {tiles}LL % {h}LL;");
-    let _ = writeln!(body, "const int64_t i0 = t % {tiles}LL * {tm}LL;");
-    let _ = writeln!(body, "const int64_t mt = ferro::min<int64_t>({tm}LL, {rows}LL - i0);");
-    for acc in &bias.accs {
-        let _ = writeln!(body, "{}", acc.declare(""));
-    }
-    // the tile's columns: from its rows' first to their last
-    body.push_str("int64_t tile_start = INT64_MAX, tile_end = 0;\nfor (int64_t x0 = i0; x0 < i0 + mt; ++x0) {\n");
-    let mut range = String::new();
-    write_range(&mut range, &a, ptr)?;
-    range.push_str(
-        "if (start < end) {\n  tile_start = ferro::min<int64_t>(tile_start, start);\n  tile_end = ferro::max<int64_t>(tile_end, end);\n}\n",
-    );
-    body.push_str(&indent(&range, 2));
-    body.push_str("}\n");
-    let _ = writeln!(body, "constexpr int64_t ldn = ({TILE_N}LL + ferro::gemm_nr - 1) / ferro::gemm_nr * ferro::gemm_nr;");
-    let _ = writeln!(body, "constexpr int64_t ldd = ({d}LL + ferro::gemm_nr - 1) / ferro::gemm_nr * ferro::gemm_nr;");
-    let _ = writeln!(body, "alignas(64) float scores[{tm}LL * ldn], product[{tm}LL * ldd];");
-    if a.grads.is_some() {
-        // (the backward's dP, then dS)
-        let _ = writeln!(body, "alignas(64) float grads[{tm}LL * ldn];");
-    }
-    let tile = Tile { a: &a, ptr: &ptr, bias: &bias, tm, d, scale: super::dialect::float_lit(a.scale, DType::F32) };
+    let tile = Tile { a: &a, params: &params, kernel: &k.name, bias: &bias, tm, d, scale: super::dialect::float_lit(a.scale, DType::F32) };
+    let mut body = tile.head(tiles)?;
     match (a.pass, &a.grads) {
         (AttentionPass::Forward, _) => tile.forward(&mut body)?,
         (AttentionPass::GradQuery(_), Some(g)) => tile.grad_query(&mut body, g)?,
-        (AttentionPass::GradKeyValue(_), Some(g)) => tile.grad_key_value(&mut body, g, k)?,
+        (AttentionPass::GradKeyValue(_), Some(g)) => tile.grad_key_value(&mut body, g)?,
         _ => return Err(CodegenError::internal(&k.name, "an attention backward without its reads")),
     }
     for acc in &bias.accs {
@@ -86,9 +62,10 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
 }
 
 /// What one tile's code is written from.
-struct Tile<'a, P: Fn(&Operand) -> Result<String, CodegenError>> {
+struct Tile<'a> {
     a: &'a AttentionShape,
-    ptr: &'a P,
+    params: &'a Params,
+    kernel: &'a str,
     bias: &'a BiasCode,
     tm: i64,
     d: i64,
@@ -99,16 +76,78 @@ struct Tile<'a, P: Fn(&Operand) -> Result<String, CodegenError>> {
 /// columns (B), and its stride along k.
 type Strided = (String, String, String);
 
-impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
+impl Tile<'_> {
+    fn ptr(&self, o: &Operand) -> Result<String, CodegenError> {
+        self.params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(self.kernel, "an operand without a pointer"))
+    }
+
+    /// Program `t`'s batch `x1`, head `x2` and rows (`i0`, `mt` of them), the bias's constants,
+    /// the columns the tile visits (`tile_start` to `tile_end`) and its scratch tiles.
+    fn head(&self, tiles: i64) -> Result<String, CodegenError> {
+        let (a, tm, d) = (self.a, self.tm, self.d);
+        let [_, h, rows, _, _] = a.dims;
+        let mut body = String::new();
+        let _ = writeln!(body, "const int64_t x1 = t / {}LL;", h * tiles);
+        let _ = writeln!(body, "const int64_t x2 = t / {tiles}LL % {h}LL;");
+        let _ = writeln!(body, "const int64_t i0 = t % {tiles}LL * {tm}LL;");
+        let _ = writeln!(body, "const int64_t mt = ferro::min<int64_t>({tm}LL, {rows}LL - i0);");
+        for acc in &self.bias.accs {
+            let _ = writeln!(body, "{}", acc.declare(""));
+        }
+        body.push_str(&self.bias.constants);
+        // the tile's columns: from its rows' first to their last
+        body.push_str("int64_t tile_start = INT64_MAX, tile_end = 0;\nfor (int64_t x0 = i0; x0 < i0 + mt; ++x0) {\n");
+        let mut range = String::new();
+        self.write_range(&mut range)?;
+        range.push_str(
+            "if (start < end) {\n  tile_start = ferro::min<int64_t>(tile_start, start);\n  tile_end = ferro::max<int64_t>(tile_end, end);\n}\n",
+        );
+        body.push_str(&indent(&range, 2));
+        body.push_str("}\n");
+        let _ = writeln!(body, "constexpr int64_t ldn = ({TILE_N}LL + ferro::gemm_nr - 1) / ferro::gemm_nr * ferro::gemm_nr;");
+        let _ = writeln!(body, "constexpr int64_t ldd = ({d}LL + ferro::gemm_nr - 1) / ferro::gemm_nr * ferro::gemm_nr;");
+        let _ = writeln!(body, "alignas(64) float scores[{tm}LL * ldn], product[{tm}LL * ldd];");
+        if a.grads.is_some() {
+            // (the backward's dP, then dS)
+            let _ = writeln!(body, "alignas(64) float grads[{tm}LL * ldn];");
+        }
+        Ok(body)
+    }
+
+    /// `start` and `end`, the columns row `x0` visits: those of the band the bias proves, and
+    /// between the row's first and last open one where the bias reads tensors.
+    fn write_range(&self, out: &mut String) -> Result<(), CodegenError> {
+        let a = self.a;
+        let cols = a.dims[3];
+        let _ = writeln!(out, "int64_t start = 0, end = {cols}LL;");
+        let keys_major = matches!(a.pass, AttentionPass::GradKeyValue(_));
+        for bound in &a.band {
+            match (keys_major, bound.lower) {
+                // key >= slope·query + offset, key <= slope·query + offset
+                (false, true) => _ = writeln!(out, "start = ferro::max<int64_t>(start, {}LL * x0 + {}LL);", bound.slope, bound.offset),
+                (false, false) => _ = writeln!(out, "end = ferro::min<int64_t>(end, {}LL * x0 + {}LL + 1);", bound.slope, bound.offset),
+                // the queries that see key x0 (bounds of slope 1): query <= key - offset, query >= key - offset
+                (true, true) if bound.slope == 1 => _ = writeln!(out, "end = ferro::min<int64_t>(end, x0 - {}LL + 1);", bound.offset),
+                (true, false) if bound.slope == 1 => _ = writeln!(out, "start = ferro::max<int64_t>(start, x0 - {}LL);", bound.offset),
+                _ => {}
+            }
+        }
+        if let Some([first, last]) = &a.keys {
+            let _ = writeln!(out, "start = ferro::max<int64_t>(start, (int64_t){});", at_row(&self.ptr(first)?, first, "x0"));
+            let _ = writeln!(out, "end = ferro::min<int64_t>(end, (int64_t){} + 1);", at_row(&self.ptr(last)?, last, "x0"));
+        }
+        Ok(())
+    }
+
     /// Operand `o` from row `row` on: its rows are the product's rows or columns, its head dim
     /// the product's k.
     fn rows_by_d(&self, o: &Operand, row: &str) -> Result<Strided, CodegenError> {
-        Ok((format!("{} + {}", (self.ptr)(o)?, row_offset(o, row)), format!("{}LL", o.stride[2]), format!("{}LL", o.stride[3])))
+        Ok((format!("{} + {}", self.ptr(o)?, row_offset(o, row)), format!("{}LL", o.stride[2]), format!("{}LL", o.stride[3])))
     }
 
     /// Operand `o` from row `row` on with its rows along the product's k (its head dim across).
     fn d_by_rows(&self, o: &Operand, row: &str) -> Result<Strided, CodegenError> {
-        Ok((format!("{} + {}", (self.ptr)(o)?, row_offset(o, row)), format!("{}LL", o.stride[3]), format!("{}LL", o.stride[2])))
+        Ok((format!("{} + {}", self.ptr(o)?, row_offset(o, row)), format!("{}LL", o.stride[3]), format!("{}LL", o.stride[2])))
     }
 
     /// `c = a · b` by `ferro::gemm_f32` (`m x n` by `k`, `c` rows of `ldc` floats).
@@ -127,11 +166,12 @@ impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
         let _ = writeln!(out, "  const int64_t nt = ferro::min<int64_t>({TILE_N}LL, tile_end - n0);");
     }
 
-    /// The loop over the block's rows `r` (`x0`) and columns `j` (`x3`), `bias` bound, each
-    /// running `step`.
-    fn over_block(&self, out: &mut String, step: &str) {
+    /// The loop over the block's rows `r` (`x0`, then `per_row`) and columns `j` (`x3`),
+    /// `bias` bound, each running `step`.
+    fn over_block(&self, out: &mut String, per_row: &str, step: &str) {
         let mut row = String::from("const int64_t x0 = i0 + r;\n");
         row.push_str(&self.bias.row);
+        row.push_str(per_row);
         row.push_str("for (int64_t j = 0; j < nt; ++j) {\n");
         row.push_str(&indent(&format!("const int64_t x3 = n0 + j;\n{}{step}", self.bias.column), 2));
         row.push_str("}\n");
@@ -163,7 +203,7 @@ impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
         out.push_str("  for (int64_t r = 0; r < mt; ++r) mx[r] = -__builtin_inff();\n");
         let step =
             format!("const float s = scores[r * ldn + j] * {scale} + bias;\nscores[r * ldn + j] = s;\nmx[r] = s > mx[r] ? s : mx[r];\n");
-        self.over_block(out, &step);
+        self.over_block(out, "", &step);
         let mut update = String::from("for (int64_t r = 0; r < mt; ++r) {\n");
         // (a row with no open key yet keeps -inf: its terms are exp(-inf) = 0, not NaN)
         update.push_str("  const float m_new = mx[r] > m_i[r] ? mx[r] : m_i[r];\n  float* srow = scores + r * ldn;\n");
@@ -179,10 +219,10 @@ impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
         Self::absorb(out, "acc", d);
         out.push_str("}\n");
         let mut fin = String::from("const int64_t x0 = i0 + r;\nconst float l = l_i[r];\n");
-        let po = (self.ptr)(&a.out)?;
+        let po = self.ptr(&a.out)?;
         let _ = writeln!(fin, "for (int64_t d = 0; d < {d}LL; ++d) {} = l > 0.0f ? acc[r * {d}LL + d] / l : 0.0f;", at(&po, &a.out, "x0"));
         if let Some(lse) = a.result(AttentionResult::LogSumExp) {
-            let _ = writeln!(fin, "{} = l > 0.0f ? m_i[r] + ferro::log(l) : -__builtin_inff();", at_row(&(self.ptr)(lse)?, lse, "x0"));
+            let _ = writeln!(fin, "{} = l > 0.0f ? m_i[r] + ferro::log(l) : -__builtin_inff();", at_row(&self.ptr(lse)?, lse, "x0"));
         }
         out.push_str("for (int64_t r = 0; r < mt; ++r) {\n");
         out.push_str(&indent(&fin, 2));
@@ -190,17 +230,26 @@ impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
         Ok(())
     }
 
-    /// The probabilities of the block again, from the forward's log-sum-exp (`lse`, a closed
-    /// row's -inf read as 0: its probabilities are exp(-inf) = 0), into `scores`, and
-    /// `dS = P·(dP - delta)` into `grads` (which holds dP).
-    fn probabilities(&self, out: &mut String, lse: &str, delta: &str) {
+    /// The probabilities of the block again, from the forward's log-sum-exp (a closed row's
+    /// -inf read as 0: its probabilities are exp(-inf) = 0), into `scores`, and
+    /// `dS = P·(dP - delta)` into `grads` (which holds dP). The queries' log-sum-exp and delta
+    /// are read at `query` (`x0`: once per row; `x3`: per column).
+    fn probabilities(&self, out: &mut String, g: &GradOperands, query: &str) -> Result<(), CodegenError> {
+        let reads = format!(
+            "float lse = {};\nif (lse == -__builtin_inff()) lse = 0.0f;\nconst float delta = {};\n",
+            at_row(&self.ptr(&g.lse)?, &g.lse, query),
+            at_row(&self.ptr(&g.delta)?, &g.delta, query)
+        );
         let step = format!(
-            "float lse = {lse};\nif (lse == -__builtin_inff()) lse = 0.0f;\n\
-             const float p = ferro::exp(scores[r * ldn + j] * {} + bias - lse);\n\
-             scores[r * ldn + j] = p;\ngrads[r * ldn + j] = p * (grads[r * ldn + j] - ({delta}));\n",
+            "const float p = ferro::exp(scores[r * ldn + j] * {} + bias - lse);\n\
+             scores[r * ldn + j] = p;\ngrads[r * ldn + j] = p * (grads[r * ldn + j] - delta);\n",
             self.scale
         );
-        self.over_block(out, &step);
+        match query {
+            "x0" => self.over_block(out, &reads, &step),
+            _ => self.over_block(out, "", &(reads + &step)),
+        }
+        Ok(())
     }
 
     /// Queries' rows: `dQ = scale · dS·K` with `dP = dO·Vᵀ`.
@@ -211,12 +260,11 @@ impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
         Self::open_blocks(out);
         Self::gemm(out, ["mt", "nt", &dk], &self.rows_by_d(&a.q, "i0")?, &self.rows_by_d(&a.k, "n0")?, "scores", "ldn");
         Self::gemm(out, ["mt", "nt", &dk], &self.rows_by_d(&g.grad_out, "i0")?, &self.rows_by_d(&a.v, "n0")?, "grads", "ldn");
-        let (pl, pd) = ((self.ptr)(&g.lse)?, (self.ptr)(&g.delta)?);
-        self.probabilities(out, &at_row(&pl, &g.lse, "x0"), &at_row(&pd, &g.delta, "x0"));
+        self.probabilities(out, g, "x0")?;
         Self::gemm(out, ["mt", &dk, "nt"], &Self::scratch("grads"), &self.d_by_rows(&a.k, "n0")?, "product", "ldd");
         Self::absorb(out, "dq", d);
         out.push_str("}\n");
-        let po = (self.ptr)(&a.out)?;
+        let po = self.ptr(&a.out)?;
         let _ = writeln!(
             out,
             "for (int64_t r = 0; r < mt; ++r) {{\n  const int64_t x0 = i0 + r;\n  for (int64_t d = 0; d < {d}LL; ++d) {} = dq[r * {d}LL + d] * {};\n}}",
@@ -228,23 +276,22 @@ impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
 
     /// Keys' rows, walking the queries that see them: `dV = Pᵀ·dO` and `dK = scale · dSᵀ·Q`,
     /// with `dPᵀ = V·dOᵀ`.
-    fn grad_key_value(&self, out: &mut String, g: &GradOperands, k: &FusedKernel) -> Result<(), CodegenError> {
+    fn grad_key_value(&self, out: &mut String, g: &GradOperands) -> Result<(), CodegenError> {
         let (a, tm, d) = (self.a, self.tm, self.d);
         let dk = format!("{d}LL");
-        let dv = a.result(AttentionResult::GradValue).ok_or_else(|| CodegenError::internal(&k.name, "no values' gradient"))?;
+        let dv = a.result(AttentionResult::GradValue).ok_or_else(|| CodegenError::internal(self.kernel, "no values' gradient"))?;
         let _ = writeln!(out, "float dk[{tm}LL * {d}LL], dv[{tm}LL * {d}LL];");
         let _ = writeln!(out, "for (int64_t e = 0; e < {}LL; ++e) {{ dk[e] = 0.0f; dv[e] = 0.0f; }}", tm * d);
         Self::open_blocks(out);
         Self::gemm(out, ["mt", "nt", &dk], &self.rows_by_d(&a.k, "i0")?, &self.rows_by_d(&a.q, "n0")?, "scores", "ldn");
         Self::gemm(out, ["mt", "nt", &dk], &self.rows_by_d(&a.v, "i0")?, &self.rows_by_d(&g.grad_out, "n0")?, "grads", "ldn");
-        let (pl, pd) = ((self.ptr)(&g.lse)?, (self.ptr)(&g.delta)?);
-        self.probabilities(out, &at_row(&pl, &g.lse, "x3"), &at_row(&pd, &g.delta, "x3"));
+        self.probabilities(out, g, "x3")?;
         Self::gemm(out, ["mt", &dk, "nt"], &Self::scratch("scores"), &self.d_by_rows(&g.grad_out, "n0")?, "product", "ldd");
         Self::absorb(out, "dv", d);
         Self::gemm(out, ["mt", &dk, "nt"], &Self::scratch("grads"), &self.d_by_rows(&a.q, "n0")?, "product", "ldd");
         Self::absorb(out, "dk", d);
         out.push_str("}\n");
-        let (po, pdv) = ((self.ptr)(&a.out)?, (self.ptr)(dv)?);
+        let (po, pdv) = (self.ptr(&a.out)?, self.ptr(dv)?);
         let _ = writeln!(
             out,
             "for (int64_t r = 0; r < mt; ++r) {{\n  const int64_t x0 = i0 + r;\n  for (int64_t d = 0; d < {d}LL; ++d) {{\n    {} = dk[r * {d}LL + d] * {};\n    {} = dv[r * {d}LL + d];\n  }}\n}}",
@@ -256,9 +303,11 @@ impl<P: Fn(&Operand) -> Result<String, CodegenError>> Tile<'_, P> {
     }
 }
 
-/// The bias's code: what reads the row, batch and head alone (once per row), and the rest per
-/// column, binding `bias`; and the flags of its index checks.
+/// The bias's code: its constants (once per tile), what reads the row, batch and head alone
+/// (once per row of a block), and the rest per column, binding `bias`; and the flags of its
+/// index checks.
 struct BiasCode {
+    constants: String,
     row: String,
     column: String,
     accs: Vec<Acc>,
@@ -280,32 +329,7 @@ fn row_offset(o: &Operand, row: &str) -> String {
     format!("{}LL + x1 * {sb}LL + {head} * {sh}LL + {row} * {sr}LL", o.offset)
 }
 
-/// `start` and `end`, the columns row `x0` visits: those of the band the bias proves, and
-/// between the row's first and last open one where the bias reads tensors.
-fn write_range(out: &mut String, a: &AttentionShape, ptr: impl Fn(&Operand) -> Result<String, CodegenError>) -> Result<(), CodegenError> {
-    let cols = a.dims[3];
-    let _ = writeln!(out, "int64_t start = 0, end = {cols}LL;");
-    let keys_major = matches!(a.pass, AttentionPass::GradKeyValue(_));
-    for bound in &a.band {
-        match (keys_major, bound.lower) {
-            // key >= slope·query + offset, key <= slope·query + offset
-            (false, true) => _ = writeln!(out, "start = ferro::max<int64_t>(start, {}LL * x0 + {}LL);", bound.slope, bound.offset),
-            (false, false) => _ = writeln!(out, "end = ferro::min<int64_t>(end, {}LL * x0 + {}LL + 1);", bound.slope, bound.offset),
-            // the queries that see key x0 (bounds of slope 1): query <= key - offset, query >= key - offset
-            (true, true) if bound.slope == 1 => _ = writeln!(out, "end = ferro::min<int64_t>(end, x0 - {}LL + 1);", bound.offset),
-            (true, false) if bound.slope == 1 => _ = writeln!(out, "start = ferro::max<int64_t>(start, x0 - {}LL);", bound.offset),
-            _ => {}
-        }
-    }
-    if let Some([first, last]) = &a.keys {
-        let _ = writeln!(out, "start = ferro::max<int64_t>(start, (int64_t){});", at_row(&ptr(first)?, first, "x0"));
-        let _ = writeln!(out, "end = ferro::min<int64_t>(end, (int64_t){} + 1);", at_row(&ptr(last)?, last, "x0"));
-    }
-    Ok(())
-}
-
-/// The bias through the kernel writer: the code once per row (what reads the row, batch and
-/// head alone), the code per column binding `bias`, and the flags of its index checks.
+/// The bias through the kernel writer.
 fn write_bias(s: &Schedule, k: &FusedKernel, params: &Params, a: &AttentionShape) -> Result<BiasCode, CodegenError> {
     let read_only: HashSet<BufferId> = params.read.iter().filter(|b| !params.written.contains(b)).copied().collect();
     let rows = HashSet::new();
@@ -316,10 +340,10 @@ fn write_bias(s: &Schedule, k: &FusedKernel, params: &Params, a: &AttentionShape
     // (the row, batch and head are fixed for the row: variables 0, 1 and 2)
     let (text, names) = write_values(&mut dialect, &a.bias, &[store.value], &[rows, b, h, cols], 0b0111, &mut tmp)
         .map_err(|why| CodegenError::unsupported(&k.name, why))?;
-    let row = format!("{}{}", text.kernel, text.pre);
+    let (constants, row) = (text.kernel, text.pre);
     let column = format!("{}{}const float bias = {};\n", text.inner, text.post, names[0]);
     if let Some(acc) = dialect.accs.iter().find(|a| !a.index_check) {
         return Err(CodegenError::internal(&k.name, format!("a reduction ({}) in an attention's bias", acc.name)));
     }
-    Ok(BiasCode { row, column, accs: dialect.accs })
+    Ok(BiasCode { constants, row, column, accs: dialect.accs })
 }

@@ -19,46 +19,40 @@ use crate::scheduler::{FusedKernel, Schedule};
 use crate::symbolic::Var;
 use std::fmt::Write;
 
-/// What the kernel is written from: the node's shape (`AttentionShape`), its bias split for
-/// the scores, and the index type.
+/// What the kernel is written from: the node's shape (`AttentionShape`, which it derefs to),
+/// its bias split for the scores, and the index type.
 pub(super) struct AttentionKernel {
-    dims: [i64; 5],
-    pass: AttentionPass,
-    q: Operand,
-    k: Operand,
-    v: Operand,
-    out: Operand,
-    grads: Option<GradOperands>,
-    results: Vec<(AttentionResult, Operand)>,
-    dtype: DType,
-    scale: f64,
+    shape: AttentionShape,
     /// The bias alone over variables (row, b, h, col, the program's first row), as the scores
     /// take it (`split_bias`): the writer computes what reads the rows alone (`Section::Pre`: a
     /// query's document id) once, before the loop.
     bias: SplitBias,
-    /// The loop visits only the tiles a program's rows may see.
-    band: Vec<Bound>,
-    keys: Option<[Operand; 2]>,
     idx64: bool,
+}
+
+impl std::ops::Deref for AttentionKernel {
+    type Target = AttentionShape;
+    fn deref(&self) -> &AttentionShape {
+        &self.shape
+    }
 }
 
 impl AttentionKernel {
     pub(super) fn of(s: &Schedule, k: &FusedKernel, params: &Params) -> Result<AttentionKernel, CodegenError> {
         let p = &s.program;
-        let AttentionShape { dims, pass, q, k: key, v, out, grads, results, dtype, scale, bias: text, band, keys } =
-            AttentionShape::of(s, k)?;
-        let [b, h, rows, cols, _] = dims;
+        let shape = AttentionShape::of(s, k)?;
+        let [b, h, rows, cols, _] = shape.dims;
         let ranges = [rows, b, h, cols];
         // (the scores are never stored: only the buffers and the bias's addresses bound the offsets)
-        let mut idx64 = text.indices().iter().any(|e| e.bounds(&ranges).1 >= IDX32_LIMIT as i128);
+        let mut idx64 = shape.bias.indices().iter().any(|e| e.bounds(&ranges).1 >= IDX32_LIMIT as i128);
         for buf in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*buf).layout.storage_numel() >= IDX32_LIMIT;
         }
-        let keys_major = matches!(pass, AttentionPass::GradKeyValue(_));
-        let (query, key_var) = if keys_major { (Var(3), Var(0)) } else { (Var(0), Var(3)) };
+        let keys_major = matches!(shape.pass, AttentionPass::GradKeyValue(_));
+        let (query, key) = if keys_major { (Var(3), Var(0)) } else { (Var(0), Var(3)) };
         let bad = || CodegenError::internal(&k.name, "attention: a bias without a value");
-        let bias = split_bias(&text, [query, key_var, Var(4)], &[rows, b, h, cols, rows]).ok_or_else(bad)?;
-        Ok(AttentionKernel { dims, pass, q, k: key, v, out, grads, results, dtype, scale, bias, band, keys, idx64 })
+        let bias = split_bias(&shape.bias, [query, key, Var(4)], &[rows, b, h, cols, rows]).ok_or_else(bad)?;
+        Ok(AttentionKernel { shape, bias, idx64 })
     }
 
     /// The tiles the kernel launches with (the first) and an autotuner's candidates:
@@ -118,7 +112,7 @@ pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, ak: &Attenti
     let [pq, pk, pv, po] = [ptr(&ak.q)?, ptr(&ak.k)?, ptr(&ak.v)?, ptr(&ak.out)?];
     let keys = ak.keys.as_ref().map(|[first, last]| Ok::<_, CodegenError>([(ptr(first)?, first), (ptr(last)?, last)])).transpose()?;
     let result = |what: AttentionResult| -> Result<Option<(String, &Operand)>, CodegenError> {
-        ak.results.iter().find(|(r, _)| *r == what).map(|(_, o)| Ok((ptr(o)?, o))).transpose()
+        ak.result(what).map(|o| Ok((ptr(o)?, o))).transpose()
     };
     let bias = bias_text(s, k, params, ak)?;
     let mut all = params.names.clone();
