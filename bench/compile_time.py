@@ -46,6 +46,9 @@ def parse_args(argv=None):
     ap.add_argument("--tasks", default="inference,training")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--phases", default="cold,warm",
+                    help="cold (a new process with empty caches, then the recompile in it), warm (another "
+                         "process on the caches the cold one left); the bars' ratio needs cold alone")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--profile", default=None,
                     help="write cProfile reports of each first step (cold and warm) into this folder")
@@ -193,6 +196,8 @@ def measure(opts, model: str, task: str, backend: str, root: Path) -> dict:
     cold = run_child(spec, caches, opts.stderr)
     if "failed" in cold or "skipped" in cold:
         return cold
+    if "warm" not in opts.phases.split(","):
+        return {"cold": cold["first"], "recompile": cold["recompile"], "warm": None, "warm_failed": None}
     warm = run_child({**spec, "recompile": False, "phase": "warm"}, caches, opts.stderr)
     return {"cold": cold["first"], "recompile": cold["recompile"], "warm": warm.get("first"),
             "warm_failed": warm.get("failed")}

@@ -21,8 +21,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-# name -> (M, K, N, epilogue): x [M, K] @ w.T [K, N] + b, then the epilogue; the sizes of the
-# model zoo's full-size layers (batch x sequence rows)
+# name -> (M, K, N, what): x [M, K] @ w.T [K, N] + b, then the epilogue; the sizes of the
+# model zoo's full-size layers (batch x sequence rows). `what` may start with a prologue:
+# "cast_weight," (a float32 weight cast to the GEMM's type in the graph, as a model keeping
+# float32 master weights does) or "scale_input," (x * 0.5 first, as a query's scaling)
 SHAPES = {
     "gpt2_mlp_up_gelu": (8192, 768, 3072, "gelu_tanh"),
     "gpt2_mlp_down_residual": (8192, 3072, 768, "residual"),
@@ -33,6 +35,9 @@ SHAPES = {
     "vit_proj_residual": (6304, 768, 768, "residual"),
     "decode_4096": (64, 4096, 4096, "none"),
     "odd_1000": (1000, 1000, 1000, "relu"),
+    "gpt2_mlp_up_cast_weight": (8192, 768, 3072, "cast_weight,gelu_tanh"),
+    "llama_gate_cast_weight": (4096, 2048, 5632, "cast_weight,silu"),
+    "vit_qkv_scale_input": (6304, 768, 2304, "scale_input,none"),
 }
 # the tiny CPU models' layers (2 x 32 tokens, width 64), one in the middle and one past the C++
 # rule's 2^21 multiply-adds (a library call by default)
@@ -47,13 +52,18 @@ CPU_SHAPES = {
 }
 
 
-def make(m, k, n, epilogue, dtype, device="cuda"):
+def make(m, k, n, what, dtype, device="cuda"):
+    prologue, _, epilogue = what.rpartition(",")
     x = torch.randn(m, k, device=device, dtype=dtype)
-    w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+    w = torch.randn(n, k, device=device, dtype=torch.float32 if prologue == "cast_weight" else dtype) / k**0.5
     b = torch.randn(n, device=device, dtype=dtype)
     r = torch.randn(m, n, device=device, dtype=dtype)
 
     def fn(x, w, b, r):
+        if prologue == "cast_weight":
+            w = w.to(dtype)
+        if prologue == "scale_input":
+            x = x * 0.5
         y = F.linear(x, w, b)
         if epilogue == "gelu_tanh":
             return F.gelu(y, approximate="tanh")

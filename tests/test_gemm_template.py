@@ -154,6 +154,37 @@ def test_measured_regions_are_a_gemm_and_its_pointwise_readers():
     assert again.key == region.key
 
 
+def test_measured_gpu_regions_take_the_operands_prologue():
+    # on the GPU an operand computed for the GEMM alone (a weight's cast and transpose, a
+    # scaling) is cut out with it: the template computes it per tile, the library call reads it
+    # from a kernel of its own; an operand that is only a view of an input is not
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ferrocore import gemm_choice
+
+    def f(x, w):
+        return torch.relu((x * 0.5).view(-1, 16) @ w.to(torch.bfloat16).t())
+
+    fake = torch.empty(2, 4, 16, dtype=torch.bfloat16, device="meta"), torch.empty(8, 16, device="meta")
+    gm = make_fx(f, tracing_mode="fake")(*fake)
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    names = sorted(str(n.target) for n in gemm_choice._Region.of(mm).nodes)
+    assert names == sorted(["aten.mul.Tensor", "aten.view.default", "aten._to_copy.default", "aten.t.default",
+                            "aten.mm.default", "aten.relu.default"]), names
+    gm = make_fx(lambda x, w: x.view(-1, 16) @ w.t(), tracing_mode="fake")(*fake[:1], torch.empty(8, 16, dtype=torch.bfloat16, device="meta"))
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert [str(n.target) for n in gemm_choice._Region.of(mm).nodes] == ["aten.mm.default"]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_computed_operands_are_read_in_the_product_kernel(templates, dtype):
+    # a float32 weight cast and transposed, an activation scaled: computed per tile in the
+    # product's kernel (k = 200: a last partial step, where x * 0.5 + 1 is not zero)
+    x, w = torch.randn(300, 200, dtype=dtype), torch.randn(384, 200) / 16
+    check(lambda x, w: torch.relu((x * 0.5 + 1) @ w.to(dtype).t()), x, w, expect_kernels=1)
+
+
 # ---- the C++ matrix-product kernels (float32, CPU) -------------------------------------------
 
 

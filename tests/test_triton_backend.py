@@ -118,6 +118,17 @@ def test_gemm_templates_fuse_their_epilogue(interpreted):
     assert len(re.findall(r"^def (triton_\w+)\(", src, re.M)) == 2, src
 
 
+def test_gemm_templates_compute_their_prologue(interpreted):
+    # an operand computed from what the graph reads (a scaling, a cast and a transpose) is
+    # computed per tile in the product's kernel, never stored
+    for name in ("gemm_template_prologue_scale_shift", "gemm_template_prologue_weight_cast"):
+        src = "".join(Path(p).read_text() for p in interpreted[name]["modules"])
+        assert len(re.findall(r"^def (triton_\w+)\(", src, re.M)) == 1, src
+        assert "ka = k0 + rk" in src and "torch.ops.aten" not in src, src
+    src = "".join(Path(p).read_text() for p in interpreted["gemm_template_prologue_scale_shift"]["modules"])
+    assert "a = tl.broadcast_to(tl.where(a_mask, " in src, src
+
+
 def test_narrow_reductions_split_in_two_stages(interpreted):
     # a full sum of 100003 elements: 48 first-stage programs of 2084 (a prime length: the last
     # chunk wraps around to load in bounds and is masked by position) into a [48] partial

@@ -283,6 +283,19 @@ def _():
                                                    randn(80, 64, seed=1, dtype=torch.float16))
 
 
+@case("gemm_template_prologue_scale_shift", atol=1e-4, rtol=1e-4, options=TEMPLATE)
+def _():
+    # the operand computed in the product's kernel (its prologue): x * 0.5 + 1 is 1 where x is
+    # masked past k (70 = 2 steps of 32 and a part), so the last step zeroes those lanes
+    return (lambda x, w: torch.relu((x * 0.5 + 1) @ w)), (randn(37, 70), randn(70, 45, seed=1))
+
+
+@case("gemm_template_prologue_weight_cast", atol=2e-2, rtol=2e-2, options=TEMPLATE)
+def _():
+    # a float32 weight rounded to bfloat16 and transposed, in the kernel that multiplies by it
+    return (lambda x, w: x @ w.to(torch.bfloat16).t()), (randn(2, 9, 48, dtype=torch.bfloat16), randn(24, 48, seed=1))
+
+
 @case("gemm_template_inner_size_one", atol=1e-5, rtol=1e-5, options=TEMPLATE)
 def _():
     # k = 1: an outer product

@@ -10,7 +10,8 @@ kernels) the default mode is the lowering's size rule, and `measured` times ever
 The choice is between the library call followed by a kernel of its pointwise readers, and one
 template kernel computing both. Each GEMM is cut out of the graph with its likely epilogue (the
 pointwise nodes and views over its result; what they read besides is an input of the cut-out
-graph), compiled both ways (the template's tiles autotuned) and timed on random data of the same shapes, strides
+graph) and, on the GPU, its likely prologue (the pointwise nodes computing an operand for it
+alone), compiled both ways (the template's tiles autotuned) and timed on random data of the same shapes, strides
 and dtypes (median of CUDA-event timings of each whole call). The template is kept where it is
 faster by a margin. Decisions are cached per region (its ops, arguments, shapes, strides, dtypes),
 device and versions under `cache_dir/gemm_template`.
@@ -45,6 +46,11 @@ _GEMMS = {
 }
 _VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# what an operand's prologue may pass through besides pointwise nodes
+_TRANSPOSES = {torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default}
+_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+# nodes of an operand's prologue cut out with its GEMM, at most
+MAX_PROLOGUE = 4
 
 
 def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Callable) -> dict:
@@ -123,9 +129,30 @@ def _pointwise(n: torch.fx.Node) -> bool:
     return torch.Tag.pointwise in tags or n.target in _VIEWS
 
 
+def _prologue(operand) -> set:
+    """The nodes that compute a GEMM operand from what it reads, where only the GEMM reads them
+    (the compiler may compute them in the product's kernel: a cast, a scaling, a transpose): at
+    most MAX_PROLOGUE, and none where they are only views."""
+    found, frontier = set(), [operand]
+    while frontier and len(found) < MAX_PROLOGUE:
+        n = frontier.pop(0)
+        if not isinstance(n, torch.fx.Node) or n.op != "call_function" or len(n.users) != 1:
+            continue
+        if not (_pointwise(n) or n.target in _TRANSPOSES or n.target in _CASTS) or not isinstance(n.meta.get("val"), torch.Tensor):
+            continue
+        ins = [a.meta.get("val") for a in n.all_input_nodes]
+        if any(not isinstance(v, torch.Tensor) or v.device != n.meta["val"].device for v in ins):
+            continue
+        found.add(n)
+        frontier.extend(n.all_input_nodes)
+    computes = any(n.target not in _VIEWS and n.target not in _TRANSPOSES for n in found)
+    return found if computes else set()
+
+
 class _Region:
-    """A GEMM and the pointwise nodes and views over its result (its likely epilogue), as a graph
-    of their own whose inputs are what they read from memory."""
+    """A GEMM, the pointwise nodes and views over its result (its likely epilogue) and those that
+    compute its operands for it alone (its likely prologue), as a graph of their own whose inputs
+    are what they read from memory."""
 
     def __init__(self, nodes: list, gm: torch.fx.GraphModule, inputs: list, conv: bool = False):
         self.nodes, self.gm, self.inputs, self.conv = nodes, gm, inputs, conv
@@ -150,6 +177,9 @@ class _Region:
                     continue
                 inside.add(u)
                 frontier.append(u)
+        if gemm.target in _GEMMS and gemm.meta["val"].device.type != "cpu":  # (Triton's prologues)
+            for i in _GEMMS[gemm.target]:
+                inside |= _prologue(gemm.args[i])
         nodes = sorted(inside, key=order.__getitem__)
         conv = _is_conv(gemm)
         graph = torch.fx.Graph()

@@ -24,6 +24,25 @@ pub struct Operand {
     pub cols: i64,
 }
 
+/// Where a product's operand comes from: a strided read of a buffer, or a value of the
+/// product's body the kernel computes per tile from what it reads (a prologue: a cast, a
+/// scaling), over the operand's `[m, k]` or `[k, n]` variables.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Side {
+    Memory(Operand),
+    Computed(ValueId),
+}
+
+impl Side {
+    /// The strided read, where the operand is one.
+    pub fn memory(&self) -> Option<&Operand> {
+        match self {
+            Side::Memory(o) => Some(o),
+            Side::Computed(_) => None,
+        }
+    }
+}
+
 /// `[batch x] m x n` products summed over `k`: `a` is `[m, k]`, `b` is `[k, n]`, both of `dtype`.
 #[derive(Clone, Debug)]
 pub struct ProductShape {
@@ -31,13 +50,14 @@ pub struct ProductShape {
     pub m: i64,
     pub n: i64,
     pub k: i64,
-    pub a: Operand,
-    pub b: Operand,
+    pub a: Side,
+    pub b: Side,
     pub dtype: DType,
 }
 
 impl ProductShape {
-    /// The product heading kernel `k`.
+    /// The product heading kernel `k`: its body sums `cast(a) * cast(b)` over k, each side a
+    /// load or a computed value (`Side`).
     pub fn of(s: &Schedule, k: &FusedKernel) -> Result<ProductShape, CodegenError> {
         let p = &s.program;
         let node = &p.nodes[k.plan.nodes[0].node];
@@ -51,49 +71,75 @@ impl ProductShape {
         }
         let (vm, vn, vk) = (Var(r as u32 - 2), Var(r as u32 - 1), Var(r as u32));
         let vb = (r == 3).then_some(Var(0));
-        let loads: Vec<(BufferId, &IndexExpr, DType)> = node
-            .body
-            .exprs
-            .iter()
-            .enumerate()
-            .filter_map(|(i, e)| match e {
-                Expr::Load { buf, index } => Some((*buf, index, node.body.dtypes[i])),
+        let body = &node.body;
+        let terms = body.exprs.iter().find_map(|e| match e {
+            Expr::Reduce(ReduceOp::Sum, x) => match &body.exprs[x.0 as usize] {
+                Expr::Binary(BinaryOp::Mul, u, v) => Some([*u, *v]),
                 _ => None,
-            })
-            .collect();
-        if loads.len() != 2 || node.body.exprs.iter().any(|e| matches!(e, Expr::LoadIndirect { .. })) {
-            return Err(bad("not two loads"));
-        }
-        let operand = |(buf, index, _): &(BufferId, &IndexExpr, DType), row: Var, col: Var| -> Option<Operand> {
-            if index.terms.iter().any(|(a, _)| !matches!(a, Atom::Var(_))) {
-                return None;
-            }
-            let other = if row == vm { vn } else { vm };
-            if index.affine_coeff(other)? != 0 {
-                return None;
-            }
-            Some(Operand {
-                buf: *buf,
-                offset: index.constant,
-                batch: vb.map_or(Some(0), |v| index.affine_coeff(v))?,
-                rows: index.affine_coeff(row)?,
-                cols: index.affine_coeff(col)?,
-            })
+            },
+            _ => None,
+        });
+        let terms = terms.ok_or_else(|| bad("not a sum of products"))?;
+        // each factor is its operand cast to float32 (the same value where it is float32)
+        let factor = |x: ValueId| match &body.exprs[x.0 as usize] {
+            Expr::Cast(v) if body.dtype(x) == DType::F32 => *v,
+            _ => x,
         };
-        let (a, b) = match (operand(&loads[0], vm, vk), operand(&loads[1], vk, vn)) {
+        let [u, v] = terms.map(factor);
+        let side = |x: ValueId, row: Var, col: Var| -> Option<Side> {
+            let other = if row == vm { vn } else { vm };
+            if let Expr::Load { buf, index } = &body.exprs[x.0 as usize] {
+                if index.terms.iter().all(|(a, _)| matches!(a, Atom::Var(_))) && index.affine_coeff(other) == Some(0) {
+                    return Some(Side::Memory(Operand {
+                        buf: *buf,
+                        offset: index.constant,
+                        batch: vb.map_or(Some(0), |v| index.affine_coeff(v))?,
+                        rows: index.affine_coeff(row)?,
+                        cols: index.affine_coeff(col)?,
+                    }));
+                }
+            }
+            (!reads_var(body, x, other)).then_some(Side::Computed(x))
+        };
+        let (a, b) = match (side(u, vm, vk), side(v, vk, vn)) {
             (Some(a), Some(b)) => (a, b),
-            _ => match (operand(&loads[1], vm, vk), operand(&loads[0], vk, vn)) {
+            _ => match (side(v, vm, vk), side(u, vk, vn)) {
                 (Some(a), Some(b)) => (a, b),
                 _ => return Err(bad("operands not addressed as [m, k] and [k, n]")),
             },
         };
-        let dtype = loads[0].2;
-        if loads[1].2 != dtype {
+        let dtype = body.dtype(u);
+        if body.dtype(v) != dtype {
             return Err(bad("operands of two types"));
         }
         let batch = if r == 3 { node.ranges[0] } else { 1 };
         Ok(ProductShape { batch, m: node.ranges[r - 2], n: node.ranges[r - 1], k: node.reduction_ranges[0], a, b, dtype })
     }
+
+    /// Both operands as strided reads (the C++ kernel packs them from memory).
+    pub fn in_memory(&self) -> Option<(&Operand, &Operand)> {
+        Some((self.a.memory()?, self.b.memory()?))
+    }
+}
+
+/// Whether value `x` of `body` depends on variable `v` (through an index it reads or computes),
+/// or is something a prologue cannot be (a reduction or scan of its own).
+fn reads_var(body: &LoopBody, x: ValueId, v: Var) -> bool {
+    let mut stack = vec![x];
+    let mut seen = std::collections::HashSet::new();
+    while let Some(y) = stack.pop() {
+        if !seen.insert(y) {
+            continue;
+        }
+        let e = &body.exprs[y.0 as usize];
+        match e {
+            Expr::Load { index, .. } | Expr::Index(index) | Expr::LoadIndirect { index, .. } if index.uses(v) => return true,
+            Expr::Reduce(..) | Expr::Scan(..) | Expr::ArgReduce(..) => return true,
+            _ => {}
+        }
+        stack.extend(e.operands());
+    }
+    false
 }
 
 /// A convolution template's sizes and operands (`Template::Convolution`), read off its node: the
@@ -181,8 +227,8 @@ impl ConvShape {
             m: self.images * self.out_hw[0] * self.out_hw[1],
             n: self.channels_out,
             k: self.channels_in,
-            a: Operand { buf: x.buf, offset: x.offset, batch: 0, rows: 0, cols: x.stride[1] },
-            b: Operand { buf: w.buf, offset: w.offset, batch: 0, rows: w.stride[1], cols: w.stride[0] },
+            a: Side::Memory(Operand { buf: x.buf, offset: x.offset, batch: 0, rows: 0, cols: x.stride[1] }),
+            b: Side::Memory(Operand { buf: w.buf, offset: w.offset, batch: 0, rows: w.stride[1], cols: w.stride[0] }),
             dtype: self.dtype,
         }
     }

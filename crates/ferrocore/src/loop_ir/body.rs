@@ -475,6 +475,19 @@ impl LoopBody {
         live
     }
 
+    /// A body of `root` and what it depends on alone (no store), and `root`'s id there.
+    pub fn value_alone(&self, root: ValueId) -> (LoopBody, ValueId) {
+        let live = self.live_from(root, &|_| None);
+        let mut out = LoopBody::default();
+        let mut new_id: Vec<Option<ValueId>> = Vec::with_capacity(self.exprs.len());
+        for (i, e) in self.exprs.iter().enumerate() {
+            let id = if live[i] { out.push_copy(e, self.dtypes[i], &|v| new_id[v.0 as usize]) } else { None };
+            new_id.push(id);
+        }
+        let id = new_id[root.0 as usize].expect("a root is live");
+        (out, id)
+    }
+
     /// Appends a copy of `e` (of dtype `dtype`, from another body) whose operands `map` gives
     /// in this body; None when an operand has no value here.
     pub fn push_copy(&mut self, e: &Expr, dtype: DType, map: &dyn Fn(ValueId) -> Option<ValueId>) -> Option<ValueId> {

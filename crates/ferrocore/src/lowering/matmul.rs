@@ -64,6 +64,11 @@ pub const CPU_TEMPLATE_FMAS: i64 = 1 << 21;
 /// adds the terms in order, as MKL's small-matrix kernels do).
 pub const CPU_TEMPLATE_K: i64 = 4096;
 
+/// The most a GEMM operand computed in the graph may cost per element (loads, operations) to be
+/// recomputed in the product's kernel rather than stored first (`prologue_operand`).
+const PROLOGUE_READS: usize = 2;
+const PROLOGUE_OPS: usize = 8;
+
 fn round_up(x: i64) -> i64 {
     (x + ALIGN - 1) / ALIGN * ALIGN
 }
@@ -192,27 +197,44 @@ impl Ctx<'_> {
                 _ => return malformed("a GEMM operand is not a tensor"),
             })
         };
-        let (abuf, ast, aoff) = operand(self, a)?;
-        let (bbuf, bst, boff) = operand(self, b)?;
         let r = out.shape.len();
         let k = self.graph.node(a).meta.tensor().map_or(0, |m| m.shape[r - 1]);
         let dt = out.dtype;
         let product_dt = if op == AtenOp::Addmm { DType::F32 } else { dt };
-        let layout = Layout::contiguous(&out.shape, product_dt, out.device);
-        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let var = |i: usize| IndexExpr::var(Var(i as u32));
         // variables: [batch,] m, n, then k
         let (m, n, kv) = (var(r - 2), var(r - 1), var(r));
-        let mut ia = IndexExpr::constant(aoff).add(&m.scale(ast[r - 2])).add(&kv.scale(ast[r - 1]));
-        let mut ib = IndexExpr::constant(boff).add(&kv.scale(bst[r - 2])).add(&n.scale(bst[r - 1]));
-        if r == 3 {
-            ia = ia.add(&var(0).scale(ast[0]));
-            ib = ib.add(&var(0).scale(bst[0]));
-        }
+        let batch: Vec<IndexExpr> = if r == 3 { vec![var(0)] } else { Vec::new() };
+        let mut ranges = out.shape.clone();
+        ranges.push(k);
         let mut body = LoopBody::default();
-        let la = body.load(abuf, ia, dt);
-        let lb = body.load(bbuf, ib, dt);
-        let (ca, cb) = (body.cast(la, DType::F32), body.cast(lb, DType::F32));
+        let mut sides = Vec::new();
+        for (node, (row, col)) in [(a, (&m, &kv)), (b, (&kv, &n))] {
+            let value = match self.prologue_operand(node)? {
+                // recomputed per tile: rounded to the operand's type, as eager stores it
+                Some(tv) => {
+                    let mut bx = Bx { body: &mut body, ranges: ranges.clone() };
+                    let idx: Vec<IndexExpr> = batch.iter().chain([row, col]).cloned().collect();
+                    let v = tv.load(&mut bx, &idx);
+                    let v = body.cast(v, dt);
+                    self.decisions
+                        .push(("gemm_template", format!("prologue: {} computed in the product's kernel", self.graph.node(node).name)));
+                    v
+                }
+                None => {
+                    let (buf, st, off) = operand(self, node)?;
+                    let mut index = IndexExpr::constant(off).add(&row.scale(st[r - 2])).add(&col.scale(st[r - 1]));
+                    if r == 3 {
+                        index = index.add(&var(0).scale(st[0]));
+                    }
+                    body.load(buf, index, dt)
+                }
+            };
+            sides.push(value);
+        }
+        let layout = Layout::contiguous(&out.shape, product_dt, out.device);
+        let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
+        let (ca, cb) = (body.cast(sides[0], DType::F32), body.cast(sides[1], DType::F32));
         let product = body.binary(BinaryOp::Mul, ca, cb);
         let sum = body.reduce(ReduceOp::Sum, product);
         let value = body.cast(sum, product_dt);
@@ -248,6 +270,34 @@ impl Ctx<'_> {
             let c = bx.body.cast(v[1], DType::F32);
             bx.body.binary(BinaryOp::Add, v[0], c)
         }))
+    }
+
+    /// Operand `n` as a value the product's kernel computes from what it reads (its prologue: a
+    /// cast, a scaling, a transpose of either), when only this GEMM reads it and recomputing it
+    /// is cheap: every column tile of the product reads each element again. None: read from
+    /// memory, realized first if it is computed. Triton's template only (the C++ kernel packs
+    /// its operands from memory).
+    fn prologue_operand(&mut self, n: NodeId) -> LResult<Option<TensorValue>> {
+        if self.kernels != KernelLanguage::Triton || self.uses[n.0 as usize] != 1 {
+            return Ok(None);
+        }
+        let tv = self.tensor_of(n)?;
+        match tv.src {
+            Src::Lazy { reads, ops, .. } if reads <= PROLOGUE_READS && ops <= PROLOGUE_OPS => {}
+            _ => return Ok(None),
+        }
+        // a view of a value that something else reads too is realized once (`realized_node`)
+        let (base, chain) = self.view_chain(n, |op| {
+            use AtenOp::*;
+            matches!(
+                op,
+                View | UnsafeView | Reshape | Permute | Expand | Unsqueeze | SqueezeDim | SqueezeDims | Squeeze | TransposeInt | T | Alias
+            )
+        });
+        if !chain.is_empty() && self.uses[base.0 as usize] > 1 {
+            return Ok(None);
+        }
+        Ok(Some(tv))
     }
 
     fn callee(op: AtenOp) -> String {

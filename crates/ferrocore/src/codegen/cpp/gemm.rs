@@ -8,7 +8,7 @@
 
 use super::dialect::CppGroup;
 use super::{indent, simd_clause, Params};
-use crate::codegen::product::{Epilogue, ProductShape};
+use crate::codegen::product::{Epilogue, Operand, ProductShape};
 use crate::codegen::writer::write_group;
 use crate::codegen::CodegenError;
 use crate::graph::DType;
@@ -33,7 +33,8 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
     }
     let params = Params::of(s, k);
     let ptr = |b: BufferId| params.ptr.get(&b).cloned().ok_or_else(|| CodegenError::internal(&k.name, "operand without a pointer"));
-    let (pa, pb) = (ptr(mp.a.buf)?, ptr(mp.b.buf)?);
+    let (a, b) = mp.in_memory().ok_or_else(|| CodegenError::unsupported(&k.name, "a C++ matrix product of a computed operand"))?;
+    let (pa, pb) = (ptr(a.buf)?, ptr(b.buf)?);
     let (hoisted, epilogue, accs) = write_epilogue(s, k, &params, &mp)?;
 
     let (tm, tn) = (mp.m.min(TILE_M), mp.n.min(TILE_N));
@@ -53,7 +54,7 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
             out.push_str("  #pragma omp parallel for\n");
         }
     }
-    write_tile_product(&mut out, &mp, (tm, tn), (&pa, &pb));
+    write_tile_product(&mut out, &mp, (tm, tn), [(&pa, a), (&pb, b)]);
     for a in &accs {
         let _ = writeln!(out, "    {}", a.declare(""));
     }
@@ -75,9 +76,8 @@ pub(super) fn render(s: &Schedule, k: &FusedKernel) -> Result<String, CodegenErr
 
 /// The loop over output tiles, each tile's position and extent, and its product computed into
 /// the scratch tile `tile` (rows of `ld` floats) by `ferro::gemm_f32`.
-fn write_tile_product(out: &mut String, mp: &ProductShape, (tm, tn): (i64, i64), (pa, pb): (&str, &str)) {
+fn write_tile_product(out: &mut String, mp: &ProductShape, (tm, tn): (i64, i64), [(pa, a), (pb, b)]: [(&str, &Operand); 2]) {
     let (tiles_m, tiles_n) = (cdiv(mp.m, tm), cdiv(mp.n, tn));
-    let (a, b) = (&mp.a, &mp.b);
     let _ = writeln!(out, "  for (int64_t t = 0; t < {}LL; ++t) {{", mp.batch * tiles_m * tiles_n);
     let _ = writeln!(out, "    const int64_t zb = t / {}LL;", tiles_m * tiles_n);
     let _ = writeln!(out, "    const int64_t i0 = (t / {tiles_n}LL) % {tiles_m}LL * {tm}LL;");

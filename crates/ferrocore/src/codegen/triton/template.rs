@@ -7,8 +7,8 @@
 
 use super::dialect::compute_type;
 use super::{kernel_numel, launch_args, next_power_of_two, template_group, CodegenError, KernelLaunch, LaunchShape, Params, IDX32_LIMIT};
-use crate::codegen::product::{ConvShape, Epilogue, Operand, ProductShape};
-use crate::codegen::writer::{write_group, Computed, Section};
+use crate::codegen::product::{ConvShape, Epilogue, Operand, ProductShape, Side};
+use crate::codegen::writer::{write_group, write_values, Computed, Section};
 use crate::codegen::{Tile, TuneConfig};
 use crate::graph::DType;
 use crate::scheduler::{FusedKernel, LoopGroup, Schedule};
@@ -130,16 +130,23 @@ pub(super) fn tiled_launch(s: &Schedule, k: &FusedKernel, params: &Params, candi
 /// The kernel's definition: the tile's product, then its epilogue.
 pub(super) fn write(s: &Schedule, k: &FusedKernel, params: &Params, mp: &MatrixProduct) -> Result<String, CodegenError> {
     let mut out = String::new();
-    write_product(&mut out, k, params, mp)?;
-    write_epilogue(&mut out, s, k, params)?;
+    // (one counter for the prologues' and the epilogue's names: the loop's are seen after it)
+    let mut tmp = 0usize;
+    write_product(&mut out, s, k, params, mp, &mut tmp)?;
+    write_epilogue(&mut out, s, k, params, &mut tmp)?;
     Ok(out)
 }
 
 /// The signature, the program's tile and the loop over k into `acc`; then `x0`, `xmask` and
 /// `xzero` over the tile as every kernel has them.
-fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &MatrixProduct) -> Result<(), CodegenError> {
-    let ptr = |o: &Operand| params.ptr.get(&o.buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "operand without a pointer"));
-    let (pa, pb) = (ptr(&mp.a)?, ptr(&mp.b)?);
+fn write_product(
+    out: &mut String,
+    s: &Schedule,
+    k: &FusedKernel,
+    params: &Params,
+    mp: &MatrixProduct,
+    tmp: &mut usize,
+) -> Result<(), CodegenError> {
     let mut all = params.names.clone();
     all.extend(["BLOCK_M: tl.constexpr".into(), "BLOCK_N: tl.constexpr".into(), "BLOCK_K: tl.constexpr".into()]);
     let (m, n) = (mp.m, mp.n);
@@ -165,8 +172,14 @@ fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &Matrix
     let _ = writeln!(out, "    am = rm % {m}");
     let _ = writeln!(out, "    bn = rn % {n}");
     match &mp.conv {
-        Some(conv) => write_conv_steps(out, conv, (&pa, &pb)),
-        None => write_matrix_steps(out, mp, (&pa, &pb)),
+        Some(conv) => {
+            let (x, w) = (operand_ptr(k, params, &conv.input.buf)?, operand_ptr(k, params, &conv.weight.buf)?);
+            write_conv_steps(out, conv, (&x, &w))
+        }
+        None => {
+            let reads = [StepRead::of(s, k, params, mp, 0, tmp)?, StepRead::of(s, k, params, mp, 1, tmp)?];
+            write_matrix_steps(out, mp, &reads)
+        }
     }
     let _ = writeln!(out, "    x0 = zb * {} + rm[:, None] * {n} + rn[None, :]", m * n);
     let _ = writeln!(out, "    xmask = (rm[:, None] < {m}) & (rn[None, :] < {n})");
@@ -174,18 +187,150 @@ fn write_product(out: &mut String, k: &FusedKernel, params: &Params, mp: &Matrix
     Ok(())
 }
 
-/// The loop over k of a matrix product: both operands' tiles move along k by `BLOCK_K` a step.
-fn write_matrix_steps(out: &mut String, mp: &MatrixProduct, (pa, pb): (&str, &str)) {
-    let (a, b) = (&mp.a, &mp.b);
+fn operand_ptr(k: &FusedKernel, params: &Params, buf: &crate::loop_ir::BufferId) -> Result<String, CodegenError> {
+    params.ptr.get(buf).cloned().ok_or_else(|| CodegenError::internal(&k.name, "operand without a pointer"))
+}
+
+/// How a k step reads one operand's tile: through pointers that move along k, or computed from
+/// what the operand's prologue reads (its text, written by the kernel writer with the tile's
+/// rows and the step's k as variables, masked by `{a,b}_mask`).
+enum StepRead {
+    Memory { ptr: String, at: Operand },
+    Computed { before: String, step: String, value: String },
+}
+
+impl StepRead {
+    /// Operand `side` (0: a, 1: b) of the product.
+    fn of(
+        s: &Schedule,
+        k: &FusedKernel,
+        params: &Params,
+        mp: &MatrixProduct,
+        side: usize,
+        tmp: &mut usize,
+    ) -> Result<StepRead, CodegenError> {
+        let value = match if side == 0 { &mp.a } else { &mp.b } {
+            Side::Memory(at) => return Ok(StepRead::Memory { ptr: operand_ptr(k, params, &at.buf)?, at: at.clone() }),
+            Side::Computed(v) => *v,
+        };
+        let node = &s.program.nodes[k.plan.nodes[0].node];
+        let r = node.ranges.len() as u32;
+        let (vm, vn, vk) = (Var(r - 2), Var(r - 1), Var(r));
+        let var_name = move |v: Var| -> String {
+            match (side, v) {
+                (0, v) if v == vm => "am[:, None]".into(),
+                (0, v) if v == vk => "ka[None, :]".into(),
+                (1, v) if v == vk => "ka[:, None]".into(),
+                (1, v) if v == vn => "bn[None, :]".into(),
+                _ => "zb".into(),
+            }
+        };
+        let mask = if side == 0 { "a_mask" } else { "b_mask" };
+        let mut dialect = template_group(s, params, &var_name, true, mask);
+        let mut ranges = node.ranges.clone();
+        ranges.extend(&node.reduction_ranges);
+        let (body, value) = node.body.value_alone(value);
+        let (text, names) =
+            write_values(&mut dialect, &body, &[value], &ranges, 0, tmp).map_err(|why| CodegenError::unsupported(&k.name, why))?;
+        Ok(StepRead::Computed {
+            before: format!("{}{}", text.kernel, text.pre),
+            step: format!("{}{}", text.inner, text.post),
+            value: names[0].clone(),
+        })
+    }
+}
+
+/// The Triton type a product's operands are multiplied in.
+fn operand_type(dt: DType) -> &'static str {
+    match dt {
+        DType::BF16 => "tl.bfloat16",
+        DType::F16 => "tl.float16",
+        _ => "tl.float32",
+    }
+}
+
+/// The loop over k of a matrix product: both operands' tiles move along k by `BLOCK_K` a step,
+/// read through pointers or computed by their prologue.
+fn write_matrix_steps(out: &mut String, mp: &MatrixProduct, reads: &[StepRead; 2]) {
     let kk = mp.k;
-    let _ = writeln!(out, "    a_ptrs = {pa} + ({} + zb * {} + am[:, None] * {} + rk[None, :] * {})", a.offset, a.batch, a.rows, a.cols);
-    let _ = writeln!(out, "    b_ptrs = {pb} + ({} + zb * {} + rk[:, None] * {} + bn[None, :] * {})", b.offset, b.batch, b.rows, b.cols);
+    let computed = reads.iter().any(|r| matches!(r, StepRead::Computed { .. }));
+    for (i, read) in reads.iter().enumerate() {
+        match read {
+            StepRead::Memory { ptr, at } if i == 0 => {
+                let _ = writeln!(
+                    out,
+                    "    a_ptrs = {ptr} + ({} + zb * {} + am[:, None] * {} + rk[None, :] * {})",
+                    at.offset, at.batch, at.rows, at.cols
+                );
+            }
+            StepRead::Memory { ptr, at } => {
+                let _ = writeln!(
+                    out,
+                    "    b_ptrs = {ptr} + ({} + zb * {} + rk[:, None] * {} + bn[None, :] * {})",
+                    at.offset, at.batch, at.rows, at.cols
+                );
+            }
+            StepRead::Computed { .. } => {}
+        }
+    }
+    if computed {
+        // what a prologue reads at a constant index is read once, before the loop
+        let _ = writeln!(out, "    xzero = tl.zeros([1, 1], {})", if mp.idx64 { "tl.int64" } else { "tl.int32" });
+        out.push_str(
+            "    xmask = xzero == 0
+",
+        );
+        for read in reads {
+            if let StepRead::Computed { before, .. } = read {
+                indent(out, before, 1);
+            }
+        }
+    }
     out.push_str("    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)\n");
     let _ = writeln!(out, "    for k0 in range(0, {kk}, BLOCK_K):");
-    let partial = [format!("rk[None, :] < {kk} - k0"), format!("rk[:, None] < {kk} - k0")];
-    write_step_product(out, kk, [None, None], &partial, mp.dtype);
-    let _ = writeln!(out, "        a_ptrs += BLOCK_K * {}", a.cols);
-    let _ = writeln!(out, "        b_ptrs += BLOCK_K * {}", b.rows);
+    if computed {
+        out.push_str("        ka = k0 + rk\n");
+    }
+    let ty = operand_type(mp.dtype);
+    // (name, the tile's shape, the masks of a whole and a last partial step, pointer form's)
+    let tiles = [
+        ("a", "(BLOCK_M, BLOCK_K)", format!("rk[None, :] < {kk} - k0"), "ka[None, :]"),
+        ("b", "(BLOCK_K, BLOCK_N)", format!("rk[:, None] < {kk} - k0"), "ka[:, None]"),
+    ];
+    for (whole, branch) in [(true, "if"), (false, "else")] {
+        let _ = writeln!(out, "        {}", if whole { format!("if {kk} % BLOCK_K == 0:") } else { format!("{branch}:") });
+        for ((name, shape, partial, ka), read) in tiles.iter().zip(reads) {
+            match read {
+                StepRead::Memory { .. } if whole => {
+                    let _ = writeln!(out, "            {name} = tl.load({name}_ptrs)");
+                }
+                StepRead::Memory { .. } => {
+                    let _ = writeln!(out, "            {name} = tl.load({name}_ptrs, mask={partial}, other=0.0)");
+                }
+                StepRead::Computed { step, value, .. } => {
+                    // past k the prologue's value need not be zero: the step's lanes there are
+                    let mask = if whole { "xmask".to_string() } else { format!("{ka} < {kk}") };
+                    let _ = writeln!(out, "            {name}_mask = {mask}");
+                    indent(out, step, 3);
+                    let v = if whole { value.clone() } else { format!("tl.where({name}_mask, {value}, 0.0)") };
+                    let _ = writeln!(out, "            {name} = tl.broadcast_to({v}, {shape}).to({ty})");
+                }
+            }
+        }
+    }
+    let _ = writeln!(out, "        acc = {}", dot_text(mp.dtype));
+    for (read, (name, step)) in reads.iter().zip([("a", mp.a.memory().map(|a| a.cols)), ("b", mp.b.memory().map(|b| b.rows))]) {
+        if let (StepRead::Memory { .. }, Some(step)) = (read, step) {
+            let _ = writeln!(out, "        {name}_ptrs += BLOCK_K * {step}");
+        }
+    }
+}
+
+/// `text`'s lines, each indented by `levels` of four spaces.
+fn indent(out: &mut String, text: &str, levels: usize) {
+    for line in text.lines() {
+        let _ = writeln!(out, "{}{line}", "    ".repeat(levels));
+    }
 }
 
 /// The loop over k of a convolution: one step per tap and `BLOCK_K` input channels. A row's
@@ -234,10 +379,18 @@ fn write_step_product(out: &mut String, k: i64, whole: [Option<&str>; 2], partia
     let _ = writeln!(out, "            a = {}\n            b = {}", load("a_ptrs", whole[0]), load("b_ptrs", whole[1]));
     out.push_str("        else:\n");
     let _ = writeln!(out, "            a = {}\n            b = {}", load("a_ptrs", Some(&partial[0])), load("b_ptrs", Some(&partial[1])));
-    // float32 operands multiply in float32, as eager does unless TF32 is allowed; the product
-    // accumulates in the tensor cores (no separate addition: kernels compile without contraction)
-    let dot = if dtype == DType::F32 { "tl.dot(a, b, acc, input_precision=\"ieee\")" } else { "ferro_dot_acc(a, b, acc)" };
-    let _ = writeln!(out, "        acc = {dot}");
+    let _ = writeln!(out, "        acc = {}", dot_text(dtype));
+}
+
+/// A step's product added into `acc`. float32 operands multiply in float32, as eager does unless
+/// TF32 is allowed; the product accumulates in the tensor cores (no separate addition: kernels
+/// compile without contraction).
+fn dot_text(dtype: DType) -> &'static str {
+    if dtype == DType::F32 {
+        "tl.dot(a, b, acc, input_precision=\"ieee\")"
+    } else {
+        "ferro_dot_acc(a, b, acc)"
+    }
 }
 
 fn cdiv_text(size: i64, block: &str) -> String {
@@ -246,17 +399,16 @@ fn cdiv_text(size: i64, block: &str) -> String {
 
 /// The product's store (if its result is read outside the kernel) and the epilogue's nodes,
 /// through the kernel writer. The product's node is written as a read of `acc`, cast to its type.
-fn write_epilogue(out: &mut String, s: &Schedule, k: &FusedKernel, params: &Params) -> Result<(), CodegenError> {
+fn write_epilogue(out: &mut String, s: &Schedule, k: &FusedKernel, params: &Params, tmp: &mut usize) -> Result<(), CodegenError> {
     let Epilogue { kernel, reads_at, mut locals } = Epilogue::of(s, k)?;
     let var_name = |v: Var| format!("x{}", v.0);
     let mut shared: Computed = HashMap::new();
-    let mut tmp = 0usize;
     for (gi, g) in kernel.plan.groups.iter().enumerate() {
         // the product's group loops over k: here its node is one read of `acc`
         let group = LoopGroup { inner: Vec::new(), reduction: false, nodes: g.nodes.clone() };
         let mut dialect = template_group(s, params, &var_name, false, "xmask");
         let mut computed: Computed = shared.iter().map(|(t, (v, _))| (t.clone(), (v.clone(), Section::Pre))).collect();
-        let code = write_group(&mut dialect, s, &kernel, &group, &mut locals, &reads_at, &mut tmp, Some(&mut computed))?;
+        let code = write_group(&mut dialect, s, &kernel, &group, &mut locals, &reads_at, tmp, Some(&mut computed))?;
         for (text, value) in computed {
             if !text.starts_with("tl.load(out_ptr") {
                 shared.insert(text, value);
