@@ -46,9 +46,9 @@ def parse_args(argv=None):
     ap.add_argument("--tasks", default="inference,training")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--phases", default="cold,warm",
-                    help="cold (a new process with empty caches, then the recompile in it), warm (another "
-                         "process on the caches the cold one left); the bars' ratio needs cold alone")
+    ap.add_argument("--phases", default="cold,recompile,warm",
+                    help="cold (a new process with empty caches), recompile (in it, after dynamo's reset), warm "
+                         "(another process on the caches the cold one left); the bars' ratio needs cold alone")
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument("--profile", default=None,
                     help="write cProfile reports of each first step (cold and warm) into this folder")
@@ -191,15 +191,15 @@ def run_child(spec: dict, caches: Path, stderr_dir: str | None = None) -> dict:
 def measure(opts, model: str, task: str, backend: str, root: Path) -> dict:
     caches = root / f"{model}-{task}-{backend}"
     spec = {"model": model, "task": task, "backend": backend, "device": opts.device, "size": opts.size,
-            "dtype": opts.dtype, "threads": opts.threads, "recompile": True, "profile": opts.profile,
-            "phase": "cold"}
+            "dtype": opts.dtype, "threads": opts.threads, "recompile": "recompile" in opts.phases.split(","),
+            "profile": opts.profile, "phase": "cold"}
     cold = run_child(spec, caches, opts.stderr)
     if "failed" in cold or "skipped" in cold:
         return cold
     if "warm" not in opts.phases.split(","):
-        return {"cold": cold["first"], "recompile": cold["recompile"], "warm": None, "warm_failed": None}
+        return {"cold": cold["first"], "recompile": cold.get("recompile", {}), "warm": None, "warm_failed": None}
     warm = run_child({**spec, "recompile": False, "phase": "warm"}, caches, opts.stderr)
-    return {"cold": cold["first"], "recompile": cold["recompile"], "warm": warm.get("first"),
+    return {"cold": cold["first"], "recompile": cold.get("recompile", {}), "warm": warm.get("first"),
             "warm_failed": warm.get("failed")}
 
 
