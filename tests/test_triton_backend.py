@@ -121,7 +121,8 @@ def test_gemm_templates_fuse_their_epilogue(interpreted):
 def test_gemm_templates_compute_their_prologue(interpreted):
     # an operand computed from what the graph reads (a scaling, a cast and a transpose) is
     # computed per tile in the product's kernel, never stored
-    for name in ("gemm_template_prologue_scale_shift", "gemm_template_prologue_weight_cast"):
+    for name in ("gemm_template_prologue_scale_shift", "gemm_template_prologue_weight_cast",
+                 "gemm_template_prologue_both_batched"):
         src = "".join(Path(p).read_text() for p in interpreted[name]["modules"])
         assert len(re.findall(r"^def (triton_\w+)\(", src, re.M)) == 1, src
         assert "ka = k0 + rk" in src and "torch.ops.aten" not in src, src

@@ -296,6 +296,12 @@ def _():
     return (lambda x, w: x @ w.to(torch.bfloat16).t()), (randn(2, 9, 48, dtype=torch.bfloat16), randn(24, 48, seed=1))
 
 
+@case("gemm_template_prologue_both_batched", atol=1e-4, rtol=1e-4, options=TEMPLATE)
+def _():
+    # both operands of a batched product computed in its kernel, one of them transposed
+    return (lambda q, k: torch.bmm(q * 0.125, (k + 1).transpose(1, 2))), (randn(3, 33, 40), randn(3, 50, 40, seed=1))
+
+
 @case("gemm_template_inner_size_one", atol=1e-5, rtol=1e-5, options=TEMPLATE)
 def _():
     # k = 1: an outer product
