@@ -119,6 +119,19 @@ def test_convolution_template_with_its_epilogue(templates, stride):
 
 
 @gpu
+def test_depthwise_convolution_template(templates):
+    # a MobileNet-style depthwise convolution (channels-last, one filter per channel) with its
+    # bias and hard-swish: one kernel, no library call
+    import ferrocore
+
+    x = torch.randn(8, 96, 28, 28, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    w, b = torch.randn(96, 1, 3, 3, dtype=torch.bfloat16) / 3, torch.randn(96, dtype=torch.bfloat16)
+    check(lambda x, w, b: F.hardswish(F.conv2d(x, w, b, stride=2, padding=1, groups=96)), x, w, b,
+          atol=2e-2, rtol=2e-2, expect_kernels=1)
+    assert ferrocore.metrics.last["extern_ops"] == [], ferrocore.metrics.last["extern_ops"]
+
+
+@gpu
 def test_measured_convolution_choice_matches_eager(monkeypatch):
     # max-autotune's setting: the convolution timed as a template and as cuDNN's call, with its
     # epilogue; either way the values are eager's

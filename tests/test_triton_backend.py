@@ -130,6 +130,14 @@ def test_gemm_templates_compute_their_prologue(interpreted):
     assert "a = tl.broadcast_to(tl.where(a_mask, " in src, src
 
 
+def test_depthwise_convolutions_are_templates_with_their_epilogue(interpreted):
+    # one filter per channel: the taps' loop multiplies each column by its own filter (no dot),
+    # and the bias and hard-swish follow in the same kernel
+    src = "".join(Path(p).read_text() for p in interpreted["conv_template_depthwise_hardswish"]["modules"])
+    assert re.findall(r"^def (triton_\w+)\(", src, re.M) == ["triton_conv_fused_convolution_add_clamp_mul_div_0"], src
+    assert "for tap in range(0, 25):" in src and "tl.dot" not in src, src
+
+
 def test_narrow_reductions_split_in_two_stages(interpreted):
     # a full sum of 100003 elements: 48 first-stage programs of 2084 (a prime length: the last
     # chunk wraps around to load in bounds and is masked by position) into a [48] partial

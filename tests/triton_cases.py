@@ -335,6 +335,17 @@ def _():
                randn(20, 5, 1, 1, seed=2))
 
 
+@case("conv_template_depthwise_hardswish", externs=0, atol=1e-4, rtol=1e-4, options=CONV_TEMPLATE)
+def _():
+    # a MobileNet block's depthwise convolution of a channels-last input (one filter per
+    # channel, stride 2, padding 2 of a 5x5 kernel: taps past the edges read zeros), its bias
+    # and hard-swish in the epilogue; 40 channels (edge tiles of columns)
+    def f(x, w, b):
+        return F.hardswish(F.conv2d(x, w, b, stride=2, padding=2, groups=40))
+    x = randn(2, 40, 11, 9).contiguous(memory_format=torch.channels_last)
+    return f, (x, randn(40, 1, 5, 5, seed=1) * 0.2, randn(40, seed=2))
+
+
 @case("conv_template_bf16", externs=0, atol=3e-2, rtol=3e-2, options=CONV_TEMPLATE)
 def _():
     # bfloat16 operands, float32 sums, one rounding of the result

@@ -102,18 +102,21 @@ def _is_gemm(n: torch.fx.Node) -> bool:
 
 
 def _is_conv(n: torch.fx.Node) -> bool:
-    """A forward 2-D GPU convolution the template computes: dense (one group), not transposed,
-    input, weight and result of one float type."""
+    """A forward 2-D GPU convolution the template computes: dense (one group) or depthwise (a
+    group and one filter per channel), not transposed, input, weight and result of one float
+    type."""
     if n.op != "call_function" or n.target is not torch.ops.aten.convolution.default or len(n.args) < 9:
         return False
     x, w, transposed, groups = n.args[0], n.args[1], n.args[6], n.args[8]
     out = n.meta.get("val")
     if not isinstance(out, torch.Tensor) or out.device.type != "cuda" or out.dim() != 4 or out.numel() == 0:
         return False
-    if transposed or groups != 1 or out.dtype not in _FLOATS:
+    if transposed or out.dtype not in _FLOATS:
         return False
     vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in (x, w)]
-    return all(isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == out.dtype for v in vals)
+    if not all(isinstance(v, torch.Tensor) and v.dim() == 4 and v.dtype == out.dtype for v in vals):
+        return False
+    return groups == 1 or groups == vals[0].shape[1] == out.shape[1]
 
 
 def _device_name(device: torch.device) -> str:

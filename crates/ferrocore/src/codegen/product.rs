@@ -151,6 +151,7 @@ pub struct ConvShape {
     pub out_hw: [i64; 2],
     pub channels_out: i64,
     pub kernel: [i64; 2],
+    /// The input channels a result sums over (1 for a depthwise convolution).
     pub channels_in: i64,
     pub geometry: ConvGeometry,
     /// The input's element `(n, c, h, w)` is at `offset + n·s0 + c·s1 + h·s2 + w·s3`.
@@ -176,18 +177,20 @@ impl ConvShape {
         let node = &p.nodes[k.plan.nodes[0].node];
         let bad = |m: &str| CodegenError::internal(&k.name, format!("convolution {}: {m}", p.buffer(node.output).name));
         let geometry = *node.convolution().ok_or_else(|| bad("not a convolution template"))?;
-        if node.ranges.len() != 4 || node.reduction_ranges.len() != 3 {
-            return Err(bad("not [n, oh, ow, o] by [kh, kw, c]"));
+        let sums = if geometry.depthwise { 2 } else { 3 };
+        if node.ranges.len() != 4 || node.reduction_ranges.len() != sums {
+            return Err(bad("not [n, oh, ow, o] by [kh, kw, c] (depthwise: [kh, kw])"));
         }
-        // (variables n, oh, ow, o = 0..4; kh, kw, c = 4..7)
+        // (variables n, oh, ow, o = 0..4; kh, kw, c = 4..7; a depthwise input's channel is o)
+        let channel = if geometry.depthwise { 3 } else { 6 };
         let only = |index: &IndexExpr, vars: &[u32]| index.terms.iter().all(|(a, _)| matches!(a, Atom::Var(v) if vars.contains(&v.0)));
         let coeff = |index: &IndexExpr, v: u32| index.affine_coeff(Var(v)).unwrap_or(0);
         let mut input = None;
         let mut weight = None;
         for (i, e) in node.body.exprs.iter().enumerate() {
             match e {
-                Expr::LoadIndirect { buf, index, terms } if terms.len() == 2 && only(index, &[0, 6]) => {
-                    let stride = [coeff(index, 0), coeff(index, 6), terms[0].1, terms[1].1];
+                Expr::LoadIndirect { buf, index, terms } if terms.len() == 2 && only(index, &[0, channel]) => {
+                    let stride = [coeff(index, 0), coeff(index, channel), terms[0].1, terms[1].1];
                     input = Some((Strided4 { buf: *buf, offset: index.constant, stride }, node.body.dtypes[i]));
                 }
                 Expr::Load { buf, index } if only(index, &[3, 6, 4, 5]) => {
@@ -209,7 +212,7 @@ impl ConvShape {
             out_hw: [r[1], r[2]],
             channels_out: r[3],
             kernel: [kr[0], kr[1]],
-            channels_in: kr[2],
+            channels_in: if geometry.depthwise { 1 } else { kr[2] },
             geometry,
             input,
             weight,

@@ -143,6 +143,9 @@ pub struct ConvGeometry {
     pub stride: [i64; 2],
     pub padding: [i64; 2],
     pub dilation: [i64; 2],
+    /// Depthwise: each output channel convolves its own input channel (groups = channels, one
+    /// filter per group); the sum runs over the taps alone.
+    pub depthwise: bool,
 }
 
 /// The results an attention kernel writes beside its head's.

@@ -20,7 +20,9 @@ impl Ctx<'_> {
         }
         let Some(g) = self.conv2d()? else { return Ok(None) };
         let out = self.out_meta()?.clone();
-        if g.groups != 1 || !matches!(out.dtype, DType::F16 | DType::BF16 | DType::F32) {
+        // dense, or depthwise with one filter per channel
+        let depthwise = g.groups > 1 && g.groups == g.input[1] && g.groups == g.out[1];
+        if (g.groups != 1 && !depthwise) || !matches!(out.dtype, DType::F16 | DType::BF16 | DType::F32) {
             return Ok(None);
         }
         let name = self.node_name();
@@ -29,16 +31,18 @@ impl Ctx<'_> {
             (_, Some(why)) => why.clone(),
             (_, None) => return Ok(None),
         };
-        let conv = self.implicit_gemm(&g, &out)?;
+        let conv = self.implicit_gemm(&g, &out, depthwise)?;
         let [_, c, h, w] = g.input;
         self.decisions.push((
             "gemm_template",
             format!(
-                "template: {name} convolution {c}x{h}x{w} -> {:?} {}x{} {} is an implicit-GEMM kernel: {why}",
+                "template: {name} {}convolution {c}x{h}x{w} -> {:?} {}x{} {} is {} kernel: {why}",
+                if depthwise { "depthwise " } else { "" },
                 g.out,
                 g.kernel[0],
                 g.kernel[1],
-                out.dtype.torch_name()
+                out.dtype.torch_name(),
+                if depthwise { "a depthwise" } else { "an implicit-GEMM" }
             ),
         ));
         Ok(Some(Lowered::Tensor(match self.bias()? {
@@ -49,8 +53,9 @@ impl Ctx<'_> {
 
     /// The convolution node: its input channels-last (copied when it is not), its weight with
     /// the channels innermost (a tap's slice of the sum is then a contiguous read), the result a
-    /// fresh channels-last buffer.
-    fn implicit_gemm(&mut self, g: &Conv2d, out: &TensorMeta) -> LResult<TensorValue> {
+    /// fresh channels-last buffer. A depthwise one sums over the taps alone, reading its input
+    /// at the output's channel.
+    fn implicit_gemm(&mut self, g: &Conv2d, out: &TensorMeta, depthwise: bool) -> LResult<TensorValue> {
         let (xb, xs, xoff) = self.channels_last_operand(0, "input")?;
         let (wb, ws, woff) = self.channels_last_operand(1, "weight")?;
         let [n, _, h, w] = g.input;
@@ -61,11 +66,13 @@ impl Ctx<'_> {
         let layout = Layout { size: g.out.to_vec(), stride: channels_last_strides(&g.out), offset: 0, dtype: dt, device: out.device };
         let buf = self.prog.add_buffer(layout.clone(), BufferSource::Computed);
         let v = |i: u32| IndexExpr::var(Var(i));
-        // variables: n, oh, ow, o; then kh, kw, c
+        // variables: n, oh, ow, o; then kh, kw, c (depthwise: kh, kw; the channel is o's)
         let ranges = vec![n, oh, ow, o];
+        let reduction_ranges = if depthwise { vec![kh, kw] } else { vec![kh, kw, c] };
+        let channel = if depthwise { v(3) } else { v(6) };
         let mut body = LoopBody::default();
         {
-            let mut bx = Bx { body: &mut body, ranges: vec![n, oh, ow, o, kh, kw, c] };
+            let mut bx = Bx { body: &mut body, ranges: ranges.iter().chain(&reduction_ranges).copied().collect() };
             let mut inside = None;
             let mut terms = Vec::new();
             for (d, size) in [h, w].into_iter().enumerate() {
@@ -75,13 +82,15 @@ impl Ctx<'_> {
                 inside = Some(and_in_range(&mut bx, inside, i, end));
                 terms.push((clamp_index(&mut bx, i, size - 1), xs[2 + d]));
             }
-            let base = IndexExpr::constant(xoff).add(&v(0).scale(xs[0])).add(&v(6).scale(xs[1]));
+            let base = IndexExpr::constant(xoff).add(&v(0).scale(xs[0])).add(&channel.scale(xs[1]));
             let xv = bx.body.load_indirect(xb, base, terms, dt);
             let xv = bx.body.cast(xv, DType::F32);
             let zero = bx.body.constant(Scalar::Float(0.0), DType::F32);
             let xv = bx.body.where_(inside.expect("two spatial dims"), xv, zero);
-            let at =
-                IndexExpr::constant(woff).add(&v(3).scale(ws[0])).add(&v(6).scale(ws[1])).add(&v(4).scale(ws[2])).add(&v(5).scale(ws[3]));
+            let mut at = IndexExpr::constant(woff).add(&v(3).scale(ws[0])).add(&v(4).scale(ws[2])).add(&v(5).scale(ws[3]));
+            if !depthwise {
+                at = at.add(&v(6).scale(ws[1]));
+            }
             let wv = bx.body.load(wb, at, dt);
             let wv = bx.body.cast(wv, DType::F32);
             let product = bx.body.binary(BinaryOp::Mul, xv, wv);
@@ -89,11 +98,11 @@ impl Ctx<'_> {
             let value = bx.body.cast(sum, dt);
             bx.body.set_store(layout.index_of(&[v(0), v(3), v(1), v(2)]), value);
         }
-        let geometry = ConvGeometry { input_hw: [h, w], stride: g.stride, padding: g.pad, dilation: g.dilation };
+        let geometry = ConvGeometry { input_hw: [h, w], stride: g.stride, padding: g.pad, dilation: g.dilation, depthwise };
         self.push_node(LoopNode {
             output: buf,
             ranges,
-            reduction_ranges: vec![kh, kw, c],
+            reduction_ranges,
             body,
             origins: vec![self.node_name()],
             template: Some(Template::Convolution(geometry)),

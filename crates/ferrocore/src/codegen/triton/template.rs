@@ -333,8 +333,9 @@ fn indent(out: &mut String, text: &str, levels: usize) {
     }
 }
 
-/// The loop over k of a convolution: one step per tap and `BLOCK_K` input channels. A row's
-/// pixel reads the input at its tap's position, zero outside the input (the padding).
+/// The loop over k of a convolution: one step per tap and `BLOCK_K` input channels (depthwise:
+/// per tap, each column's channel times its own filter). A row's pixel reads the input at its
+/// tap's position, zero outside the input (the padding).
 fn write_conv_steps(out: &mut String, conv: &ConvShape, (px, pw): (&str, &str)) {
     let (x, w, g) = (&conv.input, &conv.weight, &conv.geometry);
     let [oh, ow] = conv.out_hw;
@@ -347,20 +348,28 @@ fn write_conv_steps(out: &mut String, conv: &ConvShape, (px, pw): (&str, &str)) 
     let _ = writeln!(out, "    x_rows = {px} + ({} + img * {})", x.offset, x.stride[0]);
     let _ = writeln!(out, "    w_cols = {pw} + ({} + bn * {})", w.offset, w.stride[0]);
     out.push_str("    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)\n");
-    let _ = writeln!(out, "    chunks = {}", cdiv_text(c, "BLOCK_K"));
-    let _ = writeln!(out, "    for step in range(0, {} * chunks):", kh * kw);
-    out.push_str("        tap = step // chunks\n        ck = (step % chunks) * BLOCK_K + rk\n");
+    if g.depthwise {
+        // a row's pixel times each column's own filter, tap by tap (no product of tiles)
+        let _ = writeln!(out, "    for tap in range(0, {}):", kh * kw);
+    } else {
+        let _ = writeln!(out, "    chunks = {}", cdiv_text(c, "BLOCK_K"));
+        let _ = writeln!(out, "    for step in range(0, {} * chunks):", kh * kw);
+        out.push_str("        tap = step // chunks\n        ck = (step % chunks) * BLOCK_K + rk\n");
+    }
     let _ = writeln!(out, "        th = tap // {kw}");
     let _ = writeln!(out, "        tw = tap % {kw}");
     let _ = writeln!(out, "        ih = ih0 + th * {}", g.dilation[0]);
     let _ = writeln!(out, "        iw = iw0 + tw * {}", g.dilation[1]);
     let [h, wd] = g.input_hw;
     let _ = writeln!(out, "        inside = (ih >= 0) & (ih < {h}) & (iw >= 0) & (iw < {wd})");
-    let _ = writeln!(
-        out,
-        "        a_ptrs = x_rows[:, None] + (ih * {} + iw * {})[:, None] + ck[None, :] * {}",
-        x.stride[2], x.stride[3], x.stride[1]
-    );
+    let at_tap = format!("x_rows[:, None] + (ih * {} + iw * {})[:, None]", x.stride[2], x.stride[3]);
+    if g.depthwise {
+        let _ = writeln!(out, "        a = tl.load({at_tap} + bn[None, :] * {}, mask=inside[:, None], other=0.0)", x.stride[1]);
+        let _ = writeln!(out, "        b = tl.load(w_cols + (th * {} + tw * {}))", w.stride[2], w.stride[3]);
+        out.push_str("        acc = acc + a.to(tl.float32) * b.to(tl.float32)[None, :]\n");
+        return;
+    }
+    let _ = writeln!(out, "        a_ptrs = {at_tap} + ck[None, :] * {}", x.stride[1]);
     let _ =
         writeln!(out, "        b_ptrs = w_cols[None, :] + (th * {} + tw * {}) + ck[:, None] * {}", w.stride[2], w.stride[3], w.stride[1]);
     let partial = [format!("inside[:, None] & (ck[None, :] < {c})"), format!("ck[:, None] < {c}")];
