@@ -128,6 +128,9 @@ def test_gemm_templates_compute_their_prologue(interpreted):
         assert "ka = k0 + rk" in src and "torch.ops.aten" not in src, src
     src = "".join(Path(p).read_text() for p in interpreted["gemm_template_prologue_scale_shift"]["modules"])
     assert "a = tl.broadcast_to(tl.where(a_mask, " in src, src
+    # an operand's own conversion to float32 stays in its prologue (two products, two kernels)
+    src = "".join(Path(p).read_text() for p in interpreted["gemm_template_prologue_ends_in_a_conversion"]["modules"])
+    assert src.count("ka = k0 + rk") == 2 and "torch.ops.aten" not in src, src
 
 
 def test_depthwise_convolutions_are_templates_with_their_epilogue(interpreted):
@@ -135,7 +138,7 @@ def test_depthwise_convolutions_are_templates_with_their_epilogue(interpreted):
     # and the bias and hard-swish follow in the same kernel
     src = "".join(Path(p).read_text() for p in interpreted["conv_template_depthwise_hardswish"]["modules"])
     assert re.findall(r"^def (triton_\w+)\(", src, re.M) == ["triton_conv_fused_convolution_add_clamp_mul_div_0"], src
-    assert "for tap in range(0, 25):" in src and "tl.dot" not in src, src
+    assert "for tap in range(0, 25):" in src and "acc = acc + a.to(tl.float32) * b.to(tl.float32)[None, :]" in src, src
 
 
 def test_narrow_reductions_split_in_two_stages(interpreted):

@@ -302,6 +302,14 @@ def _():
     return (lambda q, k: torch.bmm(q * 0.125, (k + 1).transpose(1, 2))), (randn(3, 33, 40), randn(3, 50, 40, seed=1))
 
 
+@case("gemm_template_prologue_ends_in_a_conversion", atol=1e-4, rtol=1e-4, options=TEMPLATE)
+def _():
+    # float32 products of operands converted to float32 in the graph (from bfloat16, and a
+    # bfloat16 round trip): the conversion is the operand's, not the product's own
+    return (lambda x, y, w: x.float() @ w + y.to(torch.bfloat16).float() @ w), (
+        randn(20, 40, dtype=torch.bfloat16), randn(20, 40, seed=1), randn(40, 24, seed=2))
+
+
 @case("gemm_template_inner_size_one", atol=1e-5, rtol=1e-5, options=TEMPLATE)
 def _():
     # k = 1: an outer product

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from . import FerrocoreError
 from .runtime.measurement import cached_measurement, median_cuda_ms
 from .runtime.versions import versions
 
@@ -75,7 +76,7 @@ def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Calla
         key = [*region.key, _device_name(n.meta["val"].device)]
         ms = cached_measurement(opts.get("cache_dir"), FAMILY, key,
                                 (lambda r=region: r.measure(opts, compile_region)) if measuring else None,
-                                errors=(RuntimeError, torch.OutOfMemoryError))
+                                errors=(RuntimeError, torch.OutOfMemoryError, FerrocoreError))
         if ms is None:
             continue
         library, template = ms
@@ -143,8 +144,9 @@ def _prologue(operand) -> set:
             continue
         if not (_pointwise(n) or n.target in _TRANSPOSES or n.target in _CASTS) or not isinstance(n.meta.get("val"), torch.Tensor):
             continue
+        # (floating inputs only: the measurement fills the region's inputs with random floats)
         ins = [a.meta.get("val") for a in n.all_input_nodes]
-        if any(not isinstance(v, torch.Tensor) or v.device != n.meta["val"].device for v in ins):
+        if any(not isinstance(v, torch.Tensor) or v.device != n.meta["val"].device or not v.is_floating_point() for v in ins):
             continue
         found.add(n)
         frontier.extend(n.all_input_nodes)

@@ -80,9 +80,11 @@ impl ProductShape {
             _ => None,
         });
         let terms = terms.ok_or_else(|| bad("not a sum of products"))?;
-        // each factor is its operand cast to float32 (the same value where it is float32)
+        // each factor is its operand cast to float32 (the same value where it is float32; an
+        // operand's own conversion to float32, `x.float()`, is part of the operand)
+        let operands = node.product_operands().ok_or_else(|| bad("not a matrix product"))?;
         let factor = |x: ValueId| match &body.exprs[x.0 as usize] {
-            Expr::Cast(v) if body.dtype(x) == DType::F32 => *v,
+            Expr::Cast(v) if body.dtype(x) == DType::F32 && body.dtype(*v) == operands => *v,
             _ => x,
         };
         let [u, v] = terms.map(factor);
@@ -108,9 +110,9 @@ impl ProductShape {
                 _ => return Err(bad("operands not addressed as [m, k] and [k, n]")),
             },
         };
-        let dtype = body.dtype(u);
-        if body.dtype(v) != dtype {
-            return Err(bad("operands of two types"));
+        let dtype = operands;
+        if body.dtype(u) != dtype || body.dtype(v) != dtype {
+            return Err(bad("operands of another type than the product's"));
         }
         let batch = if r == 3 { node.ranges[0] } else { 1 };
         Ok(ProductShape { batch, m: node.ranges[r - 2], n: node.ranges[r - 1], k: node.reduction_ranges[0], a, b, dtype })

@@ -114,8 +114,13 @@ pub enum Template {
     /// that sums `a[.., m, k] * b[.., k, n]` (two loads, their casts, one product) and casts the
     /// sum to the output's type. Any backend may compute it as written; a GPU backend renders it
     /// as a tiled matrix product (`codegen::triton::template`). Loop passes leave it as built, and
-    /// only pointwise nodes over its outputs join its kernel (its epilogue).
-    MatrixProduct,
+    /// only pointwise nodes over its outputs join its kernel (its epilogue). An operand may be
+    /// computed in the body from what it reads (a prologue); `operands` is the type both are
+    /// multiplied in, each then cast to float32 (which tells that cast from one the operand's
+    /// own computation ends with).
+    MatrixProduct {
+        operands: DType,
+    },
     /// A 2-D convolution as an implicit matrix product: output ranges `[N, OH, OW, O]` (the
     /// order of its channels-last output, stored contiguously in it), reduction ranges
     /// `[KH, KW, C]`, and a body that sums `input[n, c, ih, iw] * weight[o, c, kh, kw]` in
@@ -227,7 +232,14 @@ impl LoopNode {
     /// A matrix product, explicit or a convolution's implicit one: a template whose kernel
     /// only pointwise readers of its outputs join.
     pub fn is_matrix_product(&self) -> bool {
-        matches!(self.template, Some(Template::MatrixProduct | Template::Convolution(_)))
+        matches!(self.template, Some(Template::MatrixProduct { .. } | Template::Convolution(_)))
+    }
+    /// The type a matrix product's operands are multiplied in (not a convolution's).
+    pub fn product_operands(&self) -> Option<DType> {
+        match &self.template {
+            Some(Template::MatrixProduct { operands }) => Some(*operands),
+            _ => None,
+        }
     }
     pub fn convolution(&self) -> Option<&ConvGeometry> {
         match &self.template {

@@ -246,7 +246,7 @@ impl Ctx<'_> {
             reduction_ranges: vec![k],
             body,
             origins: vec![self.node_name()],
-            template: Some(Template::MatrixProduct),
+            template: Some(Template::MatrixProduct { operands: dt }),
         };
         self.push_node(node);
         let name = &self.graph.node(self.current).name;

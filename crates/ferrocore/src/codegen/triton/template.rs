@@ -47,6 +47,9 @@ impl MatrixProduct {
         }
         let p = &s.program;
         let mut idx64 = shape.batch * shape.m * shape.n + (shape.m + shape.n) * 256 >= IDX32_LIMIT;
+        // a computed operand's index math spans its [batch, m, k] or [batch, k, n] space
+        let computed = shape.a.memory().is_none() || shape.b.memory().is_none();
+        idx64 |= computed && shape.batch * (shape.m + shape.n) * shape.k >= IDX32_LIMIT;
         for b in params.read.iter().chain(&params.written) {
             idx64 |= p.buffer(*b).layout.storage_numel() >= IDX32_LIMIT;
         }
