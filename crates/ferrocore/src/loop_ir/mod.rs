@@ -128,7 +128,8 @@ pub enum Template {
     /// `LoadIndirect` at the clamped position under a `Where`) and casts the sum to the output's
     /// type. Any backend may compute it as written; a GPU backend renders it as a tiled matrix
     /// product whose rows are output pixels and columns output channels. Loop passes and fusion
-    /// treat it as a `MatrixProduct`.
+    /// treat it as a `MatrixProduct`. A depthwise one (`ConvGeometry::depthwise`) sums over
+    /// `[KH, KW]` alone, reading `input[n, o, ih, iw] * weight[o, 0, kh, kw]`.
     Convolution(ConvGeometry),
     Attention(Attention),
     /// A further result of the attention kernel that computes buffer `of` (its head node, which
