@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from . import FerrocoreError
+from .extension import extension
 from .runtime.measurement import cached_measurement, median_cuda_ms
 from .runtime.versions import versions
 
@@ -76,7 +76,7 @@ def template_matmuls(gm: torch.fx.GraphModule, opts: dict, compile_region: Calla
         key = [*region.key, _device_name(n.meta["val"].device)]
         ms = cached_measurement(opts.get("cache_dir"), FAMILY, key,
                                 (lambda r=region: r.measure(opts, compile_region)) if measuring else None,
-                                errors=(RuntimeError, torch.OutOfMemoryError, FerrocoreError))
+                                errors=(RuntimeError, torch.OutOfMemoryError, extension().FerrocoreError))
         if ms is None:
             continue
         library, template = ms
