@@ -300,8 +300,9 @@ fn write_matrix_steps(out: &mut String, mp: &MatrixProduct, reads: &[StepRead; 2
         ("a", "(BLOCK_M, BLOCK_K)", format!("rk[None, :] < {kk} - k0"), "ka[None, :]"),
         ("b", "(BLOCK_K, BLOCK_N)", format!("rk[:, None] < {kk} - k0"), "ka[:, None]"),
     ];
-    for (whole, branch) in [(true, "if"), (false, "else")] {
-        let _ = writeln!(out, "        {}", if whole { format!("if {kk} % BLOCK_K == 0:") } else { format!("{branch}:") });
+    // (a whole step where k is a multiple of BLOCK_K, else a last partial one)
+    for (whole, head) in [(true, format!("if {kk} % BLOCK_K == 0:")), (false, "else:".to_string())] {
+        let _ = writeln!(out, "        {head}");
         for ((name, shape, partial, ka), read) in tiles.iter().zip(reads) {
             match read {
                 StepRead::Memory { .. } if whole => {
